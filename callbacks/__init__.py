@@ -1,0 +1,7 @@
+"""Rollout callbacks (``rllight.callbacks``): Lightning callbacks with one extra hook,
+``on_rollout(trainer, module, rollout) -> rollout``, called after rewards and before values and
+advantages. A callback keeps its own state in ``state_dict()`` so that resume restores it."""
+
+from rllight.callbacks.base import RolloutCallback
+
+__all__ = ["RolloutCallback"]

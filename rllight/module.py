@@ -1,0 +1,428 @@
+"""RLModule: the policy, an optional value head, and one RL step per training batch."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import time
+
+import lightning as L
+import torch
+from lightning.pytorch.cli import OptimizerCallable
+from jsonargparse import lazy_instance
+from torch import Tensor
+from torchmetrics import MeanMetric
+
+from rllight.algorithms import explained_variance, logprobs_and_entropy, masked_mean, value_loss
+from rllight.errors import RecipeError
+from rllight.models import HFModel, ValueHead
+from rllight.rewards import IntegerMatch, Reward, score_batch
+from rllight.rollout import HFEngine, RolloutEngine
+from rllight.strategies import (
+    AdvantageEstimator,
+    Aggregation,
+    ClippedSurrogate,
+    GroupRelative,
+    GroupSampler,
+    KLPenalty,
+    PolicyLoss,
+    Sampler,
+    TokenMean,
+)
+from rllight.types import Rollout
+
+log = logging.getLogger(__name__)
+
+
+def _disable_dropout(model: torch.nn.Module) -> None:
+    """Dropout off everywhere: the importance ratio must compare one deterministic function at two
+    parameter values, and generation must sample from the policy being trained."""
+    for name in dir(model.config):
+        if name.endswith("dropout") and isinstance(getattr(model.config, name, None), float):
+            setattr(model.config, name, 0.0)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if hasattr(module, "attention_dropout") and isinstance(module.attention_dropout, float):
+            module.attention_dropout = 0.0
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-6, weight_decay=0.0)
+
+
+class RLModule(L.LightningModule):
+    """Reinforcement learning for a causal LM, with manual optimisation.
+
+    Each training batch (a list of prompt rows) is one RL step:
+    sample -> reward -> rollout callbacks -> old log-probs / values / reference -> advantages ->
+    ``ppo_epochs`` passes of minibatch updates -> metrics.
+
+    Args:
+        model: Where the policy's weights come from (loaded in ``configure_model``).
+        rollout: Generation engine and sampling settings.
+        sampler: Which responses form a rollout (e.g. G per prompt).
+        reward: Outcome reward of a response against the reference answer.
+        advantage: Advantage estimator (GroupRelative for GRPO, GAE for PPO).
+        policy_loss: Per-token policy objective.
+        aggregation: How per-token losses are averaged (token-mean, seq-mean-token-mean, ...).
+        value_head: Add a linear value head on the policy's last hidden state (needed by GAE).
+        value_loss_coef: Weight of the value loss.
+        value_clip: Clip range of the value loss around the rollout's values (None = no clip).
+        kl: KL to a frozen copy of the initial policy (None = no reference model).
+        entropy_coef: Weight of an entropy bonus (0 = off).
+        ppo_epochs: Passes over each rollout.
+        minibatch_size: Responses per optimizer update (None = the whole rollout in one update).
+        micro_batch_size: Responses per forward/backward; gradients accumulate over a minibatch, and
+            the loss is normalised by the minibatch's global token (or sequence) count.
+        max_grad_norm: Gradient clipping (None = off).
+        optimizer: Optimizer over the trainable parameters.
+        export_dir: Save the trained policy as a Hugging Face folder here when fit ends.
+    """
+
+    def __init__(
+        self,
+        model: HFModel,
+        rollout: RolloutEngine = lazy_instance(HFEngine),
+        sampler: Sampler = lazy_instance(GroupSampler),
+        reward: Reward = lazy_instance(IntegerMatch),
+        advantage: AdvantageEstimator = lazy_instance(GroupRelative),
+        policy_loss: PolicyLoss = lazy_instance(ClippedSurrogate),
+        aggregation: Aggregation = lazy_instance(TokenMean),
+        value_head: bool = False,
+        value_loss_coef: float = 0.5,
+        value_clip: float | None = 0.2,
+        kl: KLPenalty | None = None,
+        entropy_coef: float = 0.0,
+        ppo_epochs: int = 1,
+        minibatch_size: int | None = None,
+        micro_batch_size: int = 8,
+        max_grad_norm: float | None = 1.0,
+        optimizer: OptimizerCallable = _adamw,
+        export_dir: str | None = None,
+    ):
+        super().__init__()
+        self.automatic_optimization = False
+        self.source = model
+        self.rollout = rollout
+        self.sampler = sampler
+        self.reward = reward
+        self.advantage = advantage
+        self.policy_loss = policy_loss
+        self.aggregation = aggregation
+        self.use_value_head = value_head
+        self.value_loss_coef = value_loss_coef
+        self.value_clip = value_clip
+        self.kl = kl
+        self.entropy_coef = entropy_coef
+        if ppo_epochs < 1:
+            raise RecipeError(f"model.ppo_epochs must be >= 1, got {ppo_epochs}")
+        if micro_batch_size < 1:
+            raise RecipeError(f"model.micro_batch_size must be >= 1, got {micro_batch_size}")
+        self.ppo_epochs = ppo_epochs
+        self.minibatch_size = minibatch_size
+        self.micro_batch_size = micro_batch_size
+        self.max_grad_norm = max_grad_norm
+        self.optimizer_fn = optimizer
+        self.export_dir = export_dir
+        if self.advantage.needs_values and not value_head:
+            raise RecipeError(f"model.advantage: {type(self.advantage).__name__} needs a critic; set model.value_head: true")
+        self.policy: torch.nn.Module | None = None
+        self.value_model: ValueHead | None = None
+        self.ref_policy: torch.nn.Module | None = None
+        self.tokenizer = None
+        self.val_accuracy = MeanMetric()
+        self.val_length = MeanMetric()
+        self.val_truncated = MeanMetric()
+        self.reward_failures = 0
+
+    # ----------------------------------------------------------------------------------- set-up
+    def configure_model(self) -> None:
+        if self.policy is not None:
+            return
+        self.policy, self.tokenizer = self.source.load()
+        self.policy.config.use_cache = False
+        _disable_dropout(self.policy)
+        self.policy.train()
+        if self.use_value_head:
+            self.value_model = ValueHead(self.policy.config.hidden_size)
+        if self.kl is not None:
+            self.ref_policy, _ = self.source.load()
+            self.ref_policy.requires_grad_(False).eval()
+
+    def configure_optimizers(self):
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        if self.value_model is not None:
+            params += list(self.value_model.parameters())
+        return self.optimizer_fn(params)
+
+    def state_dict(self, *args, **kwargs):
+        # The reference policy is the frozen initial model: reloaded from its source, never saved.
+        state = super().state_dict(*args, **kwargs)
+        return {k: v for k, v in state.items() if not k.startswith("ref_policy.")}
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        if self.ref_policy is not None:
+            state_dict = dict(state_dict)
+            state_dict.update({f"ref_policy.{k}": v for k, v in self.ref_policy.state_dict().items()})
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    # ---------------------------------------------------------------------------- generation
+    def encode_prompt(self, messages: list[dict]) -> list[int]:
+        """Token ids of a chat prompt with the tokenizer's template and the generation prompt."""
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if not isinstance(ids, list):  # newer tokenizers return a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def generate_and_score(self, rows: list[dict], n: int, greedy: bool = False) -> Rollout:
+        """Sample ``n`` responses for each prompt row and score them with the reward."""
+        prompts = [self.encode_prompt(r["messages"]) for r in rows]
+        t0 = time.perf_counter()
+        gen = self.rollout.generate(self.policy, self.tokenizer, [p for p in prompts for _ in range(n)], greedy=greedy)
+        t1 = time.perf_counter()
+        texts = self.tokenizer.batch_decode(gen.response_ids, skip_special_tokens=True)
+        answers = [r["answer"] for r in rows for _ in range(n)]
+        rewards, correct, failures = score_batch(self.reward, texts, answers)
+        self.reward_failures += failures
+        t2 = time.perf_counter()
+        device = gen.response_ids.device
+        return Rollout(
+            prompt_ids=gen.prompt_ids,
+            prompt_mask=gen.prompt_mask,
+            response_ids=gen.response_ids,
+            response_mask=gen.response_mask,
+            sample_logprobs=gen.logprobs,
+            truncated=gen.truncated,
+            group_ids=torch.arange(len(rows), device=device).repeat_interleave(n),
+            answers=answers,
+            texts=texts,
+            rewards=torch.tensor(rewards, dtype=torch.float32, device=device),
+            correct=torch.tensor(correct, dtype=torch.float32, device=device),
+            extras={"time/rollout": t1 - t0, "time/reward": t2 - t1, "reward/failures": float(failures)},
+        )
+
+    # ------------------------------------------------------------------------------- forward
+    def forward_batch(self, batch: Rollout, policy: torch.nn.Module | None = None, with_values: bool = False):
+        """Log-probs and entropy of the response tokens, and values when asked.
+
+        Only the response positions go through the output layer, so the (B, P + T, V) logits of the
+        prompt are never built.
+
+        Returns:
+            ``(logprobs (B, T), entropy (B, T), values (B, T) or None)``.
+        """
+        policy = self.policy if policy is None else policy
+        attention_mask = batch.attention_mask
+        # Positions count real tokens only, as in generation with left padding.
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        p, t = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
+        out = policy.get_decoder()(input_ids=batch.input_ids, attention_mask=attention_mask,
+                                   position_ids=position_ids, use_cache=False)
+        hidden = out.last_hidden_state[:, p - 1 : p + t - 1]
+        logits = policy.get_output_embeddings()(hidden)
+        logprobs, entropy = logprobs_and_entropy(logits, batch.response_ids, self.rollout.temperature)
+        values = self.value_model(hidden) if with_values and self.value_model is not None else None
+        return logprobs, entropy, values
+
+    @torch.no_grad()
+    def _score_with_models(self, rollout: Rollout, need_old: bool) -> None:
+        """Fill old log-probs, values and reference log-probs in micro-batches, without gradients."""
+        need_values = self.value_model is not None
+        need_ref = self.ref_policy is not None
+        if not (need_old or need_values or need_ref):
+            return
+        olds, values, refs = [], [], []
+        for start in range(0, len(rollout), self.micro_batch_size):
+            micro = rollout.select(list(range(start, min(start + self.micro_batch_size, len(rollout)))))
+            if need_old or need_values:
+                lp, _, v = self.forward_batch(micro, with_values=need_values)
+                olds.append(lp)
+                values.append(v)
+            if need_ref:
+                refs.append(self.forward_batch(micro, policy=self.ref_policy)[0])
+        mask = rollout.response_mask.float()
+        if need_old:
+            rollout.old_logprobs = torch.cat(olds) * mask
+        if need_values:
+            rollout.values = torch.cat(values) * mask
+        if need_ref:
+            rollout.ref_logprobs = torch.cat(refs) * mask
+
+    def _token_rewards(self, rollout: Rollout) -> Tensor:
+        """Outcome reward on the last response token, minus the KL penalty when it is in the reward."""
+        mask = rollout.response_mask.float()
+        last = (rollout.response_lengths - 1).clamp(min=0).long()
+        token_rewards = torch.zeros_like(mask)
+        token_rewards[torch.arange(len(rollout), device=mask.device), last] = rollout.rewards * (rollout.response_lengths > 0)
+        if self.kl is not None and self.kl.in_reward:
+            kl = self.kl(rollout.old_logprobs if rollout.old_logprobs is not None else rollout.sample_logprobs,
+                         rollout.ref_logprobs)
+            token_rewards = token_rewards - self.kl.coef * kl * mask
+        return token_rewards
+
+    # --------------------------------------------------------------------------------- train
+    def _rollout_callbacks(self):
+        trainer = self._trainer
+        return [cb for cb in (trainer.callbacks if trainer is not None else []) if hasattr(cb, "on_rollout")]
+
+    def training_step(self, rows: list[dict], batch_idx: int) -> None:
+        t_start = time.perf_counter()
+        rollout = self.sampler(self, rows)
+        for cb in self._rollout_callbacks():
+            rollout = cb.on_rollout(self.trainer, self, rollout)
+        metrics = self.rollout_metrics(rollout)
+        if len(rollout) == 0 or rollout.response_mask.sum() == 0:
+            log.warning("step %d: empty rollout after filtering; no update", self.global_step)
+            self._log(metrics)
+            return
+
+        minibatch = self.minibatch_size or len(rollout)
+        updates_per_step = self.ppo_epochs * math.ceil(len(rollout) / minibatch)
+        # With a single update per rollout the live log-probs equal the old ones, so the extra forward
+        # is skipped (unless a KL penalty in the reward needs them before the update).
+        need_old = updates_per_step > 1 or (self.kl is not None and self.kl.in_reward)
+        t_score = time.perf_counter()
+        self._score_with_models(rollout, need_old=need_old)
+        rollout.token_rewards = self._token_rewards(rollout)
+        # On the full rollout: group statistics need every member of a group.
+        rollout.advantages, rollout.returns = self.advantage(rollout)
+        metrics["time/score"] = time.perf_counter() - t_score
+
+        t_train = time.perf_counter()
+        optimizer = self.optimizers()
+        generator = torch.Generator().manual_seed(int(self.global_step) * 1000003 + batch_idx)
+        step_stats: dict[str, list[Tensor]] = {}
+        for _ in range(self.ppo_epochs):
+            order = torch.randperm(len(rollout), generator=generator) if minibatch < len(rollout) else torch.arange(len(rollout))
+            for start in range(0, len(rollout), minibatch):
+                stats = self._update(rollout, order[start : start + minibatch], optimizer)
+                for k, v in stats.items():
+                    step_stats.setdefault(k, []).append(v)
+        metrics.update({k: torch.stack(v).float().mean() for k, v in step_stats.items()})
+        metrics["time/train"] = time.perf_counter() - t_train
+        metrics["time/step"] = time.perf_counter() - t_start
+        metrics["perf/tokens_per_s"] = rollout.response_mask.sum().float() / metrics["time/step"]
+        self._log(metrics)
+
+    def _global(self, value: Tensor) -> Tensor:
+        """Sum over ranks (identity on one process)."""
+        if self.trainer.world_size > 1:
+            return self.trainer.strategy.reduce(value, reduce_op="sum")
+        return value
+
+    def _update(self, rollout: Rollout, index: Tensor, optimizer) -> dict[str, Tensor]:
+        """One optimizer update over the responses ``index``, accumulated over micro-batches."""
+        mb = rollout.select(index)
+        world = self.trainer.world_size
+        num_tokens = self._global(mb.response_mask.sum().float())
+        num_seqs = self._global(torch.tensor(float(len(mb)), device=mb.response_mask.device))
+        optimizer.zero_grad(set_to_none=True)
+        stats: dict[str, list[Tensor]] = {}
+        for start in range(0, len(mb), self.micro_batch_size):
+            micro = mb.select(list(range(start, min(start + self.micro_batch_size, len(mb)))))
+            logprobs, entropy, values = self.forward_batch(micro, with_values=self.value_model is not None)
+            mask = micro.response_mask.float()
+            if micro.old_logprobs is None:
+                # Single update per rollout: the policy has not moved since sampling.
+                micro.old_logprobs = logprobs.detach() * mask
+            pg, pg_stats = self.policy_loss(logprobs, micro)
+            loss = self.aggregation(pg, mask, num_tokens=num_tokens, num_seqs=num_seqs)
+            if values is not None:
+                vl = value_loss(values, micro.values, micro.returns, self.value_clip)
+                loss = loss + self.value_loss_coef * self.aggregation(vl, mask, num_tokens=num_tokens, num_seqs=num_seqs)
+                stats.setdefault("value/loss", []).append(masked_mean(vl.detach(), mask))
+                stats.setdefault("value/explained_variance", []).append(explained_variance(micro.values, micro.returns, mask))
+            if self.kl is not None and not self.kl.in_reward:
+                kl = self.kl(logprobs, micro.ref_logprobs)
+                loss = loss + self.kl.coef * self.aggregation(kl, mask, num_tokens=num_tokens, num_seqs=num_seqs)
+                stats.setdefault("policy/kl_ref", []).append(masked_mean(kl.detach(), mask))
+            if self.entropy_coef:
+                loss = loss - self.entropy_coef * self.aggregation(entropy, mask, num_tokens=num_tokens, num_seqs=num_seqs)
+            # DDP averages gradients over ranks; the denominators are already global, so undo the mean.
+            self.manual_backward(loss * world)
+            log_ratio = (logprobs.detach() - micro.old_logprobs) * mask
+            stats.setdefault("policy/approx_kl", []).append(masked_mean(0.5 * log_ratio**2, mask))
+            stats.setdefault("policy/entropy", []).append(masked_mean(entropy.detach(), mask))
+            stats.setdefault("policy/loss", []).append(loss.detach() * world)
+            for k, v in pg_stats.items():
+                stats.setdefault(k, []).append(v.detach())
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm if self.max_grad_norm else float("inf"))
+        out = {k: torch.stack(v).mean() if k != "policy/loss" else torch.stack(v).sum() for k, v in stats.items()}
+        out["policy/grad_norm"] = grad_norm.detach()
+        if not torch.isfinite(grad_norm):
+            log.warning("step %d: non-finite gradient norm; update skipped", self.global_step)
+            optimizer.zero_grad(set_to_none=True)
+            out["guard/skipped_updates"] = torch.tensor(1.0)
+            return out
+        optimizer.step()
+        out["guard/skipped_updates"] = torch.tensor(0.0)
+        return out
+
+    # ------------------------------------------------------------------------------ metrics
+    def rollout_metrics(self, rollout: Rollout) -> dict[str, Tensor | float]:
+        """The per-step ledger of a rollout (reward, accuracy, lengths, truncation, groups, timings)."""
+        if len(rollout) == 0:
+            return {"reward/mean": float("nan")}
+        lengths = rollout.response_lengths.float()
+        groups = torch.unique(rollout.group_ids)
+        mixed = sum(
+            int(rollout.rewards[rollout.group_ids == g].unique().numel() > 1) for g in groups.tolist()
+        )
+        metrics: dict[str, Tensor | float] = {
+            "reward/mean": rollout.rewards.mean(),
+            "reward/std": rollout.rewards.std() if len(rollout) > 1 else torch.tensor(0.0),
+            "reward/accuracy": rollout.correct.mean(),
+            "reward/valid_group_ratio": mixed / max(len(groups), 1),
+            "response/length_mean": lengths.mean(),
+            "response/length_max": lengths.max(),
+            "response/truncated_ratio": rollout.truncated.float().mean(),
+            "response/tokens": lengths.sum(),
+        }
+        for k, v in rollout.extras.items():
+            if isinstance(v, (int, float)) or (isinstance(v, Tensor) and v.dim() == 0):
+                metrics[k] = v
+        return metrics
+
+    def _log(self, metrics: dict) -> None:
+        clean = {k: (v.detach().float() if isinstance(v, Tensor) else torch.tensor(float(v))) for k, v in metrics.items()}
+        prog = {"reward/mean", "reward/accuracy"}
+        self.log_dict({f"train/{k}": v for k, v in clean.items() if k not in prog}, on_step=True, on_epoch=False,
+                      batch_size=1)
+        self.log_dict({f"train/{k}": v for k, v in clean.items() if k in prog}, on_step=True, on_epoch=False,
+                      prog_bar=True, batch_size=1)
+
+    # ---------------------------------------------------------------------------- validate
+    def validation_step(self, rows: list[dict], batch_idx: int) -> None:
+        rollout = self.generate_and_score(rows, 1, greedy=True)
+        self.val_accuracy.update(rollout.correct)
+        self.val_length.update(rollout.response_lengths.float())
+        self.val_truncated.update(rollout.truncated.float())
+
+    def on_validation_epoch_end(self) -> None:
+        self.log("val/accuracy", self.val_accuracy.compute(), prog_bar=True)
+        self.log("val/response_length", self.val_length.compute())
+        self.log("val/truncated_ratio", self.val_truncated.compute())
+        self.val_accuracy.reset()
+        self.val_length.reset()
+        self.val_truncated.reset()
+
+    # ------------------------------------------------------------------------------ export
+    def on_fit_end(self) -> None:
+        if self.export_dir and self.trainer.is_global_zero:
+            self.export(self.export_dir)
+
+    def export(self, path: str) -> None:
+        """Save the policy and tokenizer as a Hugging Face folder (written aside, then moved in place)."""
+        tmp = f"{path.rstrip(os.sep)}.tmp"
+        self.policy.save_pretrained(tmp)
+        self.tokenizer.save_pretrained(tmp)
+        with contextlib.suppress(FileNotFoundError):
+            import shutil
+
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+        log.info("exported the policy to %s", path)

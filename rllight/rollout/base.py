@@ -1,0 +1,81 @@
+"""The interface every rollout engine implements."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Generation:
+    """What an engine returns for a list of prompts (one row per prompt it was given)."""
+
+    prompt_ids: Tensor
+    """Shape (B, P), left-padded."""
+    prompt_mask: Tensor
+    """Shape (B, P)."""
+    response_ids: Tensor
+    """Shape (B, T), right-padded with the pad id; the end token is kept."""
+    response_mask: Tensor
+    """Shape (B, T): 1 up to and including the end token."""
+    logprobs: Tensor
+    """Shape (B, T): log-probs of the sampled tokens under the sampling distribution (0 on padding)."""
+    truncated: Tensor
+    """Shape (B,), bool: the response reached ``max_new_tokens`` without an end token."""
+
+
+class RolloutEngine:
+    """Generates responses with the current policy.
+
+    Args:
+        max_new_tokens: Longest response, in tokens.
+        temperature: Sampling temperature; the trainer divides its logits by the same value so that its
+            log-probs and the engine's describe the same distribution.
+        top_p: Nucleus sampling threshold (1.0 = off).
+        top_k: Keep the k most likely tokens (0 = off).
+    """
+
+    def __init__(self, max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0):
+        if max_new_tokens < 1:
+            raise ValueError(f"rollout.max_new_tokens must be >= 1, got {max_new_tokens}")
+        if temperature <= 0:
+            raise ValueError(f"rollout.temperature must be > 0 (use greedy=True for greedy decoding), got {temperature}")
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.top_p = top_p
+        self.top_k = top_k
+
+    def generate(self, model: torch.nn.Module, tokenizer, prompts: list[list[int]], greedy: bool = False) -> Generation:
+        """Sample one response per prompt (token id lists). ``greedy`` decodes deterministically."""
+        raise NotImplementedError
+
+
+def pad_left(sequences: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """Token id lists as a left-padded (B, P) tensor and its mask."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        if s:
+            ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+            mask[i, width - len(s) :] = 1
+    return ids, mask
+
+
+def response_mask_from_ids(response_ids: Tensor, eos_ids: list[int]) -> tuple[Tensor, Tensor]:
+    """Mask up to and including the first end token of each row, and whether a row never ended.
+
+    Args:
+        response_ids: Shape (B, T).
+
+    Returns:
+        ``(mask (B, T) long, truncated (B,) bool)``.
+    """
+    is_eos = torch.isin(response_ids, torch.tensor(eos_ids, device=response_ids.device))
+    # Tokens strictly after the first end token have a positive count of earlier end tokens.
+    before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()
+    mask = (before == 0).long()
+    truncated = ~is_eos.any(dim=1)
+    return mask, truncated

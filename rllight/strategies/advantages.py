@@ -1,0 +1,65 @@
+"""Advantage estimators: each maps a scored Rollout to ``(advantages, returns)``, both (B, T)."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from rllight.algorithms import gae, group_relative, masked_whiten
+from rllight.types import Rollout
+
+
+class AdvantageEstimator:
+    """Base class. Subclass it in your own module and select it with ``class_path`` in a recipe.
+
+    ``needs_values`` tells the module to run the critic before calling the estimator.
+    """
+
+    needs_values: bool = False
+
+    def __call__(self, rollout: Rollout) -> tuple[Tensor, Tensor | None]:
+        """``(advantages (B, T), returns (B, T) or None)``, zero outside ``rollout.response_mask``."""
+        raise NotImplementedError
+
+
+class GAE(AdvantageEstimator):
+    """PPO's generalised advantage estimation (arXiv:1506.02438) on token rewards and critic values;
+    returns (value targets) are ``advantages + values``.
+
+    Args:
+        gamma: Discount.
+        lam: GAE lambda.
+        whiten: Normalise advantages over the batch's valid tokens (as PPO implementations do).
+    """
+
+    needs_values = True
+
+    def __init__(self, gamma: float = 1.0, lam: float = 0.95, whiten: bool = True):
+        self.gamma = gamma
+        self.lam = lam
+        self.whiten = whiten
+
+    def __call__(self, rollout: Rollout) -> tuple[Tensor, Tensor]:
+        if rollout.values is None:
+            raise ValueError("GAE needs a critic: set model.value_head: true in the recipe")
+        advantages, returns = gae(rollout.token_rewards, rollout.values, rollout.response_mask, self.gamma, self.lam)
+        if self.whiten:
+            advantages = masked_whiten(advantages, rollout.response_mask)
+        return advantages, returns
+
+
+class GroupRelative(AdvantageEstimator):
+    """GRPO's group-relative advantage (arXiv:2402.03300), or Dr. GRPO's (arXiv:2503.20783) with
+    ``scale_by_std: false``, broadcast to every token of the response.
+
+    Args:
+        scale_by_std: Divide by the group's (unbiased) reward std.
+        eps: Added to the std.
+    """
+
+    def __init__(self, scale_by_std: bool = True, eps: float = 1e-6):
+        self.scale_by_std = scale_by_std
+        self.eps = eps
+
+    def __call__(self, rollout: Rollout) -> tuple[Tensor, None]:
+        adv = group_relative(rollout.rewards, rollout.group_ids, self.scale_by_std, self.eps)
+        return adv.unsqueeze(-1) * rollout.response_mask.to(adv.dtype), None

@@ -1,0 +1,36 @@
+"""Samplers decide which responses make up a rollout."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rllight.types import Rollout
+
+if TYPE_CHECKING:
+    from rllight.module import RLModule
+
+
+class Sampler:
+    """Base class: ``__call__(module, rows) -> Rollout`` for a batch of prompt rows.
+
+    ``module.generate_and_score(rows, n)`` samples ``n`` responses per row and scores them.
+    """
+
+    def __call__(self, module: RLModule, rows: list[dict]) -> Rollout:
+        raise NotImplementedError
+
+
+class GroupSampler(Sampler):
+    """``group_size`` responses per prompt (GRPO's G), tied by ``group_ids``.
+
+    Args:
+        group_size: Responses per prompt (1 for PPO / SPPO-style single samples).
+    """
+
+    def __init__(self, group_size: int = 4):
+        if group_size < 1:
+            raise ValueError(f"sampler.group_size must be >= 1, got {group_size}")
+        self.group_size = group_size
+
+    def __call__(self, module: RLModule, rows: list[dict]) -> Rollout:
+        return module.generate_and_score(rows, self.group_size)

@@ -1,0 +1,135 @@
+"""The batch that flows through a training step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Rollout:
+    """Sampled responses with everything the update needs. B rows (one per response), P prompt
+    columns (left-padded), T response columns (right-padded).
+
+    Tensor fields that are ``None`` have not been computed (yet) for this algorithm.
+    """
+
+    prompt_ids: Tensor
+    """Shape (B, P): prompt token ids, left-padded."""
+    prompt_mask: Tensor
+    """Shape (B, P): 1 on prompt tokens, 0 on padding."""
+    response_ids: Tensor
+    """Shape (B, T): response token ids, right-padded; the end-of-sequence token is included."""
+    response_mask: Tensor
+    """Shape (B, T): 1 on response tokens that enter the loss."""
+    sample_logprobs: Tensor
+    """Shape (B, T): log-probs of the response tokens under the engine's sampling distribution."""
+    truncated: Tensor
+    """Shape (B,), bool: the response hit the token limit without ending."""
+    group_ids: Tensor
+    """Shape (B,), long: responses with equal ids answer the same prompt."""
+    answers: list[str]
+    """Reference answers, one per row."""
+    texts: list[str]
+    """Decoded responses, one per row."""
+    rewards: Tensor | None = None
+    """Shape (B,): outcome reward of each response (task reward plus any shaping)."""
+    correct: Tensor | None = None
+    """Shape (B,), float 0/1: whether the response solved the task (for accuracy metrics)."""
+    token_rewards: Tensor | None = None
+    """Shape (B, T): per-token rewards; the outcome reward sits on the last response token."""
+    old_logprobs: Tensor | None = None
+    """Shape (B, T): log-probs under the policy before this step's updates (the PPO ratio's base)."""
+    ref_logprobs: Tensor | None = None
+    """Shape (B, T): log-probs under the frozen reference policy (KL)."""
+    values: Tensor | None = None
+    """Shape (B, T): value estimates V(s_t) of the critic."""
+    advantages: Tensor | None = None
+    """Shape (B, T): advantages, zero outside ``response_mask``."""
+    returns: Tensor | None = None
+    """Shape (B, T): value targets."""
+    extras: dict[str, Any] = field(default_factory=dict)
+    """Per-rollout values that callbacks and strategies add (tensors with a leading B are sliced)."""
+
+    def __len__(self) -> int:
+        return self.response_ids.shape[0]
+
+    @property
+    def response_lengths(self) -> Tensor:
+        """Shape (B,): number of response tokens of each row."""
+        return self.response_mask.sum(-1)
+
+    @property
+    def input_ids(self) -> Tensor:
+        """Shape (B, P + T): prompt and response."""
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> Tensor:
+        """Shape (B, P + T). Padding inside the response (after the end token) is masked."""
+        return torch.cat([self.prompt_mask, self.response_mask.to(self.prompt_mask.dtype)], dim=1)
+
+    def select(self, index: Tensor | list[int]) -> Rollout:
+        """The rows ``index`` as a new Rollout (tensors sliced along B, lists picked)."""
+        idx = torch.as_tensor(index, dtype=torch.long)
+        n = len(self)
+
+        def pick(value: Any) -> Any:
+            if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == n:
+                return value[idx.to(value.device)]
+            if isinstance(value, list) and len(value) == n:
+                return [value[i] for i in idx.tolist()]
+            return value
+
+        changes = {f.name: pick(getattr(self, f.name)) for f in fields(self) if f.name != "extras"}
+        changes["extras"] = {k: pick(v) for k, v in self.extras.items()}
+        return replace(self, **changes)
+
+    def to(self, device: torch.device | str) -> Rollout:
+        changes = {
+            f.name: getattr(self, f.name).to(device)
+            for f in fields(self)
+            if isinstance(getattr(self, f.name), Tensor)
+        }
+        return replace(self, **changes)
+
+    @staticmethod
+    def cat(parts: list[Rollout], pad_id: int) -> Rollout:
+        """Concatenate rollouts along B, padding prompts on the left and responses on the right."""
+        if len(parts) == 1:
+            return parts[0]
+        p = max(r.prompt_ids.shape[1] for r in parts)
+        t = max(r.response_ids.shape[1] for r in parts)
+
+        def left(x: Tensor, width: int, value: float) -> Tensor:
+            return torch.nn.functional.pad(x, (width - x.shape[1], 0), value=value)
+
+        def right(x: Tensor, width: int, value: float) -> Tensor:
+            return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
+
+        out: dict[str, Any] = {}
+        for f in fields(Rollout):
+            values = [getattr(r, f.name) for r in parts]
+            if f.name == "extras":
+                out[f.name] = {
+                    k: torch.cat([r.extras[k] for r in parts]) if isinstance(v, Tensor) else sum((r.extras[k] for r in parts), [])
+                    if isinstance(v, list) else v
+                    for k, v in parts[0].extras.items()
+                }
+            elif values[0] is None:
+                out[f.name] = None
+            elif isinstance(values[0], list):
+                out[f.name] = sum(values, [])
+            elif f.name == "prompt_ids":
+                out[f.name] = torch.cat([left(v, p, pad_id) for v in values])
+            elif f.name == "prompt_mask":
+                out[f.name] = torch.cat([left(v, p, 0) for v in values])
+            elif values[0].dim() == 2:
+                fill = pad_id if f.name == "response_ids" else 0
+                out[f.name] = torch.cat([right(v, t, fill) for v in values])
+            else:
+                out[f.name] = torch.cat(values)
+        return Rollout(**out)

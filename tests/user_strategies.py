@@ -1,0 +1,52 @@
+"""Strategies as a user would write them in their own module (not part of rllight)."""
+
+import torch
+
+from rllight.rewards import Reward
+from rllight.strategies import AdvantageEstimator
+
+
+class DigitReward(Reward):
+    """Fraction of the response's characters that are digits: varies across samples of a random model,
+    so group-relative advantages are non-zero."""
+
+    def __call__(self, response: str, answer: str) -> float:
+        return sum(c.isdigit() for c in response) / max(len(response), 1) + 0.1 * len(response) / 10
+
+
+class RawReward(AdvantageEstimator):
+    """The outcome reward itself as the advantage of every token (REINFORCE without a baseline)."""
+
+    calls = 0
+
+    def __init__(self, scale: float = 1.0):
+        self.scale = scale
+
+    def __call__(self, rollout):
+        type(self).calls += 1
+        adv = self.scale * rollout.rewards.unsqueeze(-1) * rollout.response_mask.float()
+        return adv, None
+
+
+class FlakyReward(Reward):
+    """Raises on the first response and returns NaN on the second."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = 0
+
+    def __call__(self, response: str, answer: str) -> float:
+        self.seen += 1
+        if self.seen % 4 == 1:
+            raise RuntimeError("verifier crashed")
+        if self.seen % 4 == 2:
+            return float("nan")
+        return 1.0 + torch.rand(()).item()
+
+
+class EvenAnswer(Reward):
+    """Correct exactly when the reference answer is even, whatever the response: the validation
+    accuracy must then equal the share of even answers in the held-out split."""
+
+    def is_correct(self, response: str, answer: str) -> bool:
+        return int(answer) % 2 == 0

