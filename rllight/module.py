@@ -360,6 +360,7 @@ class RLModule(L.LightningModule):
             return out
         optimizer.step()
         out["guard/skipped_updates"] = torch.tensor(0.0)
+        out.update({k: torch.tensor(float(v)) for k, v in self.rollout.update_weights(self.policy).items()})
         return out
 
     # ------------------------------------------------------------------------------ metrics

@@ -139,7 +139,8 @@ def test_gae_matches_loop_reference(batch, length, lam):
 
 def test_gae_per_row_gamma_matches_loop_reference():
     gen = torch.Generator().manual_seed(7)
-    rewards, values = torch.randn(3, 130, generator=gen, dtype=torch.float64), torch.randn(3, 130, generator=gen, dtype=torch.float64)
+    rewards = torch.randn(3, 130, generator=gen, dtype=torch.float64)
+    values = torch.randn(3, 130, generator=gen, dtype=torch.float64)
     mask = prefix_mask([130, 77, 3], 130)
     gamma, lam = torch.tensor([1.0, 0.9, 0.5], dtype=torch.float64), torch.tensor([0.3, 1.0, 0.95], dtype=torch.float64)
     for g, w in zip(gae(rewards, values, mask, gamma, lam), gae_loop(rewards, values, mask, gamma, lam)):
@@ -527,3 +528,18 @@ def test_logprobs_and_entropy_match_direct_computation(temperature):
     assert_close(ent, want_ent.float())
     lp_bf16, _ = logprobs_and_entropy(logits.bfloat16(), targets, temperature)
     assert lp_bf16.dtype == torch.float32  # computed in float32 whatever the logits dtype
+
+
+def test_non_finite_padding_does_not_leak():
+    from rllight.algorithms import aggregate, gae
+
+    mask = torch.tensor([[1, 1, 1, 0]])
+    clean, _ = gae(torch.tensor([[0.0, 0.0, 1.0, 0.0]]), torch.tensor([[0.5, 0.6, 0.7, 0.0]]), mask, 1.0, 0.95)
+    dirty, _ = gae(torch.tensor([[0.0, 0.0, 1.0, float("inf")]]), torch.tensor([[0.5, 0.6, 0.7, float("nan")]]),
+                   mask, 1.0, 0.95)
+    torch.testing.assert_close(dirty, clean)
+    # delta_2 = 1 - 0.7 = 0.3; delta_1 = 0.7 - 0.6 = 0.1 -> 0.1 + 0.95 * 0.3 = 0.385;
+    # delta_0 = 0.6 - 0.5 = 0.1 -> 0.1 + 0.95 * 0.385 = 0.46575
+    torch.testing.assert_close(clean, torch.tensor([[0.46575, 0.385, 0.3, 0.0]]))
+    loss = aggregate(torch.tensor([[1.0, 2.0, float("nan")]]), torch.tensor([[1, 1, 0]]), "token-mean")
+    torch.testing.assert_close(loss, torch.tensor(1.5))

@@ -18,6 +18,8 @@ _CHUNK = 64
 
 def _as_row_tensor(x: float | Tensor, batch: int, like: Tensor) -> Tensor:
     """A float or a (B,) tensor as a (B,) tensor with the dtype and device of ``like``."""
+    if isinstance(x, Tensor) and x.dim() == 0:
+        x = float(x)
     if isinstance(x, Tensor):
         if x.dim() != 1 or x.shape[0] != batch:
             raise ValueError(f"expected a float or a ({batch},) tensor, got shape {tuple(x.shape)}")
@@ -96,14 +98,17 @@ def gae(
         ``(advantages, returns)``, each shape (B, T), zero outside ``response_mask``;
         ``returns = advantages + values`` on valid tokens.
     """
-    mask = response_mask.to(values.dtype)
+    valid = response_mask.bool()
+    mask = valid.to(values.dtype)
     batch = values.shape[0]
     gamma_t = _as_row_tensor(gamma, batch, values)
     lam_t = _as_row_tensor(lam, batch, values)
-    v = values * mask
+    # where, not a product: a NaN or inf left in the padding must not leak into valid tokens.
+    zero = values.new_zeros(())
+    v = torch.where(valid, values, zero)
     next_v = torch.nn.functional.pad(v[:, 1:], (0, 1))
     # In place from here: at (256, 4096) every fresh (B, T) buffer costs as much as the scan itself.
-    deltas = (token_rewards * mask).addcmul_(next_v, gamma_t.unsqueeze(1)).sub_(v)
+    deltas = torch.where(valid, token_rewards, zero).addcmul_(next_v, gamma_t.unsqueeze(1)).sub_(v)
     advantages = discounted_cumsum(deltas, gamma_t * lam_t).mul_(mask)
     returns = next_v.copy_(advantages).add_(v)
     return advantages, returns

@@ -94,8 +94,11 @@ def aggregate(
         ``seq-mean-token-sum-norm``: sum over each response divided by the constant ``max_len``, then
             mean over responses (Dr. GRPO, arXiv:2503.20783; as TRL's ``dr_grpo``).
 
+    A sequence-level loss (shape (B,), e.g. SPPO's sequence-clipped objective) is averaged over sequences
+    (``num_seqs``) whatever the mode: it has no tokens left to weigh.
+
     Args:
-        per_token: Shape (B, T).
+        per_token: Shape (B, T), or (B,) for a loss already per sequence.
         response_mask: Shape (B, T).
         num_tokens: Denominator for ``token-mean`` in place of this batch's valid-token count: pass the
             global count of the optimizer step so that gradient accumulation and several ranks weigh
@@ -106,8 +109,11 @@ def aggregate(
     Returns:
         A scalar tensor.
     """
+    if per_token.dim() == 1:
+        return per_token.sum() / (per_token.shape[0] if num_seqs is None else num_seqs)
     mask = response_mask.to(per_token.dtype)
-    masked = per_token * mask
+    # where, not a product: a non-finite value on a padding token must not turn the loss into NaN.
+    masked = torch.where(response_mask.bool(), per_token, per_token.new_zeros(()))
     if mode == "token-mean":
         denom = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
         return masked.sum() / denom

@@ -51,6 +51,12 @@ class RolloutEngine:
         """Sample one response per prompt (token id lists). ``greedy`` decodes deterministically."""
         raise NotImplementedError
 
+    def update_weights(self, model: torch.nn.Module) -> dict[str, float]:
+        """Called by the module after every optimizer update with the trained policy. Engines that hold
+        their own copy of the weights (vLLM) sync here; returns metrics (e.g. ``rollout/sync_time``).
+        Engines that generate with ``model`` itself need nothing."""
+        return {}
+
 
 def pad_left(sequences: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
     """Token id lists as a left-padded (B, P) tensor and its mask."""
