@@ -10,7 +10,6 @@ import logging
 import os
 
 import torch
-from torch import nn
 
 from rllight.errors import RecipeError
 
@@ -107,18 +106,16 @@ class SmolLM2Package(HFModel):
         return target
 
 
-class ValueHead(nn.Module):
-    """``V(s_t) = w . h_t + b`` on the policy's last hidden state (VAPO, figure 5: linear hidden -> 1).
+def response_hidden_states(decoder: torch.nn.Module, batch) -> torch.Tensor:
+    """Last hidden state at the positions that predict each response token of ``batch`` (a Rollout).
 
-    Zero-initialised so that training starts from V = 0 (no random bias in the first advantages).
+    Position ids count real tokens only, as in generation with left padding.
+
+    Returns:
+        Shape (B, T, H).
     """
-
-    def __init__(self, hidden_size: int):
-        super().__init__()
-        self.linear = nn.Linear(hidden_size, 1)
-        nn.init.zeros_(self.linear.weight)
-        nn.init.zeros_(self.linear.bias)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden`` (B, T, H) -> values (B, T), in float32."""
-        return self.linear(hidden.to(self.linear.weight.dtype)).squeeze(-1).float()
+    attention_mask = batch.attention_mask
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    p, t = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
+    out = decoder(input_ids=batch.input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    return out.last_hidden_state[:, p - 1 : p + t - 1]

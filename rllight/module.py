@@ -15,9 +15,10 @@ from jsonargparse import lazy_instance
 from torch import Tensor
 from torchmetrics import MeanMetric
 
-from rllight.algorithms import explained_variance, logprobs_and_entropy, masked_mean, value_loss
+from rllight.algorithms import logprobs_and_entropy, masked_mean
+from rllight.critics import Critic
 from rllight.errors import RecipeError
-from rllight.models import HFModel, ValueHead
+from rllight.models import HFModel, response_hidden_states
 from rllight.rewards import IntegerMatch, Reward, score_batch
 from rllight.rollout import HFEngine, RolloutEngine
 from rllight.strategies import (
@@ -49,6 +50,10 @@ def _disable_dropout(model: torch.nn.Module) -> None:
             module.attention_dropout = 0.0
 
 
+def _is_scalar(value) -> bool:
+    return isinstance(value, (int, float)) or (isinstance(value, Tensor) and value.dim() == 0)
+
+
 def _adamw(params):
     return torch.optim.AdamW(params, lr=1e-6, weight_decay=0.0)
 
@@ -68,9 +73,10 @@ class RLModule(L.LightningModule):
         advantage: Advantage estimator (GroupRelative for GRPO, GAE for PPO).
         policy_loss: Per-token policy objective.
         aggregation: How per-token losses are averaged (token-mean, seq-mean-token-mean, ...).
-        value_head: Add a linear value head on the policy's last hidden state (needed by GAE).
-        value_loss_coef: Weight of the value loss.
-        value_clip: Clip range of the value loss around the rollout's values (None = no clip).
+        critic: The value model: ``ValueHead`` on the shared backbone, ``SeparateCritic``, or None.
+        critic_updates_first: Critic-only updates on each fresh rollout before its values and advantages
+            are recomputed with the updated critic and the policy is updated (VAPO note 000, K_v = 4);
+            0 = critic and policy losses in the same updates.
         kl: KL to a frozen copy of the initial policy (None = no reference model).
         entropy_coef: Weight of an entropy bonus (0 = off).
         ppo_epochs: Passes over each rollout.
@@ -91,9 +97,8 @@ class RLModule(L.LightningModule):
         advantage: AdvantageEstimator = lazy_instance(GroupRelative),
         policy_loss: PolicyLoss = lazy_instance(ClippedSurrogate),
         aggregation: Aggregation = lazy_instance(TokenMean),
-        value_head: bool = False,
-        value_loss_coef: float = 0.5,
-        value_clip: float | None = 0.2,
+        critic: Critic | None = None,
+        critic_updates_first: int = 0,
         kl: KLPenalty | None = None,
         entropy_coef: float = 0.0,
         ppo_epochs: int = 1,
@@ -112,9 +117,8 @@ class RLModule(L.LightningModule):
         self.advantage = advantage
         self.policy_loss = policy_loss
         self.aggregation = aggregation
-        self.use_value_head = value_head
-        self.value_loss_coef = value_loss_coef
-        self.value_clip = value_clip
+        self.critic = critic
+        self.critic_updates_first = critic_updates_first
         self.kl = kl
         self.entropy_coef = entropy_coef
         if ppo_epochs < 1:
@@ -127,16 +131,22 @@ class RLModule(L.LightningModule):
         self.max_grad_norm = max_grad_norm
         self.optimizer_fn = optimizer
         self.export_dir = export_dir
-        if self.advantage.needs_values and not value_head:
-            raise RecipeError(f"model.advantage: {type(self.advantage).__name__} needs a critic; set model.value_head: true")
+        if self.advantage.needs_values and critic is None:
+            raise RecipeError(f"model.advantage: {type(self.advantage).__name__} needs a critic; set model.critic "
+                              "(e.g. class_path: rllight.critics.ValueHead)")
+        if critic_updates_first and critic is None:
+            raise RecipeError("model.critic_updates_first needs model.critic")
         self.policy: torch.nn.Module | None = None
-        self.value_model: ValueHead | None = None
         self.ref_policy: torch.nn.Module | None = None
         self.tokenizer = None
         self.val_accuracy = MeanMetric()
         self.val_length = MeanMetric()
         self.val_truncated = MeanMetric()
         self.reward_failures = 0
+        self._extra_seed = 1234
+        self._extra_cursor = 0
+        self._extra_order: list[int] = []
+        self._extra_epoch = -1
 
     # ----------------------------------------------------------------------------------- set-up
     def configure_model(self) -> None:
@@ -146,17 +156,20 @@ class RLModule(L.LightningModule):
         self.policy.config.use_cache = False
         _disable_dropout(self.policy)
         self.policy.train()
-        if self.use_value_head:
-            self.value_model = ValueHead(self.policy.config.hidden_size)
+        if self.critic is not None:
+            self.critic.setup(self)
         if self.kl is not None:
             self.ref_policy, _ = self.source.load()
             self.ref_policy.requires_grad_(False).eval()
 
     def configure_optimizers(self):
-        params = [p for p in self.policy.parameters() if p.requires_grad]
-        if self.value_model is not None:
-            params += list(self.value_model.parameters())
-        return self.optimizer_fn(params)
+        groups = [{"params": [p for p in self.policy.parameters() if p.requires_grad]}]
+        if self.critic is not None:
+            critic_group = {"params": [p for p in self.critic.parameters() if p.requires_grad]}
+            if self.critic.lr is not None:
+                critic_group["lr"] = self.critic.lr
+            groups.append(critic_group)
+        return self.optimizer_fn(groups)
 
     def state_dict(self, *args, **kwargs):
         # The reference policy is the frozen initial model: reloaded from its source, never saved.
@@ -170,6 +183,31 @@ class RLModule(L.LightningModule):
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     # ---------------------------------------------------------------------------- generation
+    def draw_prompts(self, n: int) -> list[dict]:
+        """``n`` more training prompt rows, for samplers that need more than the step's batch (e.g. DAPO's
+        dynamic sampling). A seeded stream over the training split, independent of the dataloader's
+        order; its position is saved in checkpoints."""
+        rows = self.trainer.datamodule.train_rows
+        out = []
+        for _ in range(n):
+            epoch, position = divmod(self._extra_cursor, len(rows))
+            if epoch != self._extra_epoch:  # a fresh permutation per pass, derived from the cursor alone
+                g = torch.Generator().manual_seed(self._extra_seed + epoch)
+                self._extra_order = torch.randperm(len(rows), generator=g).tolist()
+                self._extra_epoch = epoch
+            out.append(rows[self._extra_order[position]])
+            self._extra_cursor += 1
+        return out
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["rllight"] = {"extra_prompt_cursor": self._extra_cursor, "reward_failures": self.reward_failures}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        state = checkpoint.get("rllight", {})
+        self._extra_cursor = state.get("extra_prompt_cursor", 0)
+        self._extra_epoch = -1
+        self.reward_failures = state.get("reward_failures", 0)
+
     def encode_prompt(self, messages: list[dict]) -> list[int]:
         """Token ids of a chat prompt with the tokenizer's template and the generation prompt."""
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -205,40 +243,40 @@ class RLModule(L.LightningModule):
         )
 
     # ------------------------------------------------------------------------------- forward
-    def forward_batch(self, batch: Rollout, policy: torch.nn.Module | None = None, with_values: bool = False):
-        """Log-probs and entropy of the response tokens, and values when asked.
+    def forward_batch(self, batch: Rollout, policy: torch.nn.Module | None = None, with_values: bool = False,
+                      with_logprobs: bool = True):
+        """Log-probs and entropy of the response tokens, and the critic's values when asked.
 
         Only the response positions go through the output layer, so the (B, P + T, V) logits of the
         prompt are never built.
 
         Returns:
-            ``(logprobs (B, T), entropy (B, T), values (B, T) or None)``.
+            ``(logprobs (B, T), entropy (B, T), values (B, T) or (B,) or None)``; the first two are None
+            when ``with_logprobs`` is False (and a separate critic then runs alone).
         """
         policy = self.policy if policy is None else policy
-        attention_mask = batch.attention_mask
-        # Positions count real tokens only, as in generation with left padding.
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        p, t = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
-        out = policy.get_decoder()(input_ids=batch.input_ids, attention_mask=attention_mask,
-                                   position_ids=position_ids, use_cache=False)
-        hidden = out.last_hidden_state[:, p - 1 : p + t - 1]
-        logits = policy.get_output_embeddings()(hidden)
-        logprobs, entropy = logprobs_and_entropy(logits, batch.response_ids, self.rollout.temperature)
-        values = self.value_model(hidden) if with_values and self.value_model is not None else None
+        need_hidden = with_logprobs or (with_values and self.critic is not None and self.critic.shared)
+        hidden = logprobs = entropy = values = None
+        if need_hidden:
+            hidden = response_hidden_states(policy.get_decoder(), batch)
+        if with_logprobs:
+            logits = policy.get_output_embeddings()(hidden)
+            logprobs, entropy = logprobs_and_entropy(logits, batch.response_ids, self.rollout.temperature)
+        if with_values and self.critic is not None:
+            values = self.critic.values(self, batch, hidden)
         return logprobs, entropy, values
 
     @torch.no_grad()
-    def _score_with_models(self, rollout: Rollout, need_old: bool) -> None:
+    def _score_with_models(self, rollout: Rollout, need_old: bool, need_values: bool | None = None) -> None:
         """Fill old log-probs, values and reference log-probs in micro-batches, without gradients."""
-        need_values = self.value_model is not None
-        need_ref = self.ref_policy is not None
+        need_values = self.critic is not None if need_values is None else need_values
+        need_ref = self.ref_policy is not None and rollout.ref_logprobs is None
         if not (need_old or need_values or need_ref):
             return
         olds, values, refs = [], [], []
-        for start in range(0, len(rollout), self.micro_batch_size):
-            micro = rollout.select(list(range(start, min(start + self.micro_batch_size, len(rollout)))))
+        for micro in self._micro_batches(rollout):
             if need_old or need_values:
-                lp, _, v = self.forward_batch(micro, with_values=need_values)
+                lp, _, v = self.forward_batch(micro, with_values=need_values, with_logprobs=need_old)
                 olds.append(lp)
                 values.append(v)
             if need_ref:
@@ -247,9 +285,14 @@ class RLModule(L.LightningModule):
         if need_old:
             rollout.old_logprobs = torch.cat(olds) * mask
         if need_values:
-            rollout.values = torch.cat(values) * mask
+            v = torch.cat(values)
+            rollout.values = v * mask if v.dim() == 2 else v
         if need_ref:
             rollout.ref_logprobs = torch.cat(refs) * mask
+
+    def _micro_batches(self, rollout: Rollout):
+        for start in range(0, len(rollout), self.micro_batch_size):
+            yield rollout.select(list(range(start, min(start + self.micro_batch_size, len(rollout)))))
 
     def _token_rewards(self, rollout: Rollout) -> Tensor:
         """Outcome reward on the last response token, minus the KL penalty when it is in the reward."""
@@ -271,11 +314,17 @@ class RLModule(L.LightningModule):
     def training_step(self, rows: list[dict], batch_idx: int) -> None:
         t_start = time.perf_counter()
         rollout = self.sampler(self, rows)
+        metrics = self.rollout_metrics(rollout)
         for cb in self._rollout_callbacks():
             rollout = cb.on_rollout(self.trainer, self, rollout)
-        metrics = self.rollout_metrics(rollout)
+            if rollout is None:  # the callback used the rollout itself (e.g. value pretraining)
+                metrics["time/step"] = time.perf_counter() - t_start
+                self._log(metrics)
+                return
+        metrics.update({k: v for k, v in rollout.extras.items() if _is_scalar(v)})  # callbacks' own metrics
         if len(rollout) == 0 or rollout.response_mask.sum() == 0:
             log.warning("step %d: empty rollout after filtering; no update", self.global_step)
+            metrics["guard/empty_rollouts"] = 1.0
             self._log(metrics)
             return
 
@@ -286,19 +335,24 @@ class RLModule(L.LightningModule):
         need_old = updates_per_step > 1 or (self.kl is not None and self.kl.in_reward)
         t_score = time.perf_counter()
         self._score_with_models(rollout, need_old=need_old)
-        rollout.token_rewards = self._token_rewards(rollout)
-        # On the full rollout: group statistics need every member of a group.
-        rollout.advantages, rollout.returns = self.advantage(rollout)
+        self._estimate_advantages(rollout)
+        joint_critic = self.critic is not None
+        if self.critic_updates_first:
+            # VAPO note 000: fit the critic on the fresh rollout first, then recompute values and
+            # advantages with it; the policy update that follows leaves the critic alone.
+            metrics.update(self.critic_update(rollout, epochs=self.critic_updates_first))
+            self._score_with_models(rollout, need_old=False, need_values=True)
+            self._estimate_advantages(rollout)
+            joint_critic = False
         metrics["time/score"] = time.perf_counter() - t_score
 
         t_train = time.perf_counter()
-        optimizer = self.optimizers()
         generator = torch.Generator().manual_seed(int(self.global_step) * 1000003 + batch_idx)
         step_stats: dict[str, list[Tensor]] = {}
         for _ in range(self.ppo_epochs):
             order = torch.randperm(len(rollout), generator=generator) if minibatch < len(rollout) else torch.arange(len(rollout))
             for start in range(0, len(rollout), minibatch):
-                stats = self._update(rollout, order[start : start + minibatch], optimizer)
+                stats = self._update(rollout.select(order[start : start + minibatch]), policy=True, critic=joint_critic)
                 for k, v in stats.items():
                     step_stats.setdefault(k, []).append(v)
         metrics.update({k: torch.stack(v).float().mean() for k, v in step_stats.items()})
@@ -307,60 +361,131 @@ class RLModule(L.LightningModule):
         metrics["perf/tokens_per_s"] = rollout.response_mask.sum().float() / metrics["time/step"]
         self._log(metrics)
 
+    def _estimate_advantages(self, rollout: Rollout) -> None:
+        """Token rewards, then advantages and returns on the full rollout (groups need every member)."""
+        rollout.token_rewards = self._token_rewards(rollout)
+        rollout.advantages, rollout.returns = self.advantage(rollout)
+
+    def critic_update(self, rollout: Rollout, epochs: int = 1, minibatch_size: int | None = None,
+                      train_backbone: bool = True) -> dict[str, Tensor]:
+        """Critic-only updates on ``rollout`` (which has ``values`` and ``returns``): the policy's
+        parameters do not move. With a shared-backbone critic and ``train_backbone`` False only the head
+        trains (the backbone runs without gradients), as in VAPO's value pretraining.
+
+        These updates do not advance ``trainer.global_step``, which counts policy updates.
+        """
+        minibatch = minibatch_size or self.minibatch_size or len(rollout)
+        stats: dict[str, list[Tensor]] = {}
+        for _ in range(epochs):
+            for start in range(0, len(rollout), minibatch):
+                index = list(range(start, min(start + minibatch, len(rollout))))
+                out = self._update(rollout.select(index), policy=False, critic=True, train_backbone=train_backbone)
+                for k, v in out.items():
+                    stats.setdefault(f"critic_only/{k.split('/')[-1]}" if k.startswith("value/") else k, []).append(v)
+        return {k: torch.stack(v).float().mean() for k, v in stats.items()}
+
+    def nll_update(self, rollout: Rollout, coef: float = 1.0, minibatch_size: int | None = None) -> dict[str, Tensor]:
+        """Supervised updates on the responses of ``rollout``: minimise ``coef * -log pi(response)``
+        aggregated like the policy loss (self-imitation on replayed successes, VAPO).
+
+        Like ``critic_update`` these updates do not advance ``trainer.global_step``.
+        """
+        minibatch = minibatch_size or self.minibatch_size or len(rollout)
+        stats: dict[str, list[Tensor]] = {}
+        for start in range(0, len(rollout), minibatch):
+            index = list(range(start, min(start + minibatch, len(rollout))))
+            out = self._update(rollout.select(index), policy=False, critic=False, nll_coef=coef)
+            for k, v in out.items():
+                stats.setdefault(k, []).append(v)
+        return {k: torch.stack(v).float().mean() for k, v in stats.items()}
+
     def _global(self, value: Tensor) -> Tensor:
         """Sum over ranks (identity on one process)."""
         if self.trainer.world_size > 1:
             return self.trainer.strategy.reduce(value, reduce_op="sum")
         return value
 
-    def _update(self, rollout: Rollout, index: Tensor, optimizer) -> dict[str, Tensor]:
-        """One optimizer update over the responses ``index``, accumulated over micro-batches."""
-        mb = rollout.select(index)
+    def _update(self, mb: Rollout, policy: bool = True, critic: bool = True, train_backbone: bool = True,
+                nll_coef: float = 0.0) -> dict[str, Tensor]:
+        """One optimizer update over the minibatch ``mb``, accumulated over micro-batches.
+
+        ``policy`` / ``critic`` / ``nll_coef`` select the loss terms (policy objective, critic loss,
+        negative log-likelihood of the responses); parameters without a gradient do not move.
+        """
+        optimizer = self.optimizers()
         world = self.trainer.world_size
         num_tokens = self._global(mb.response_mask.sum().float())
         num_seqs = self._global(torch.tensor(float(len(mb)), device=mb.response_mask.device))
+
+        def agg(per_token: Tensor, mask: Tensor) -> Tensor:
+            return self.aggregation(per_token, mask, num_tokens=num_tokens, num_seqs=num_seqs)
+
         optimizer.zero_grad(set_to_none=True)
         stats: dict[str, list[Tensor]] = {}
-        for start in range(0, len(mb), self.micro_batch_size):
-            micro = mb.select(list(range(start, min(start + self.micro_batch_size, len(mb)))))
-            logprobs, entropy, values = self.forward_batch(micro, with_values=self.value_model is not None)
+
+        def record(key: str, value: Tensor) -> None:
+            stats.setdefault(key, []).append(value.detach())
+
+        with_values = critic and self.critic is not None
+        for micro in self._micro_batches(mb):
             mask = micro.response_mask.float()
-            if micro.old_logprobs is None:
-                # Single update per rollout: the policy has not moved since sampling.
-                micro.old_logprobs = logprobs.detach() * mask
-            pg, pg_stats = self.policy_loss(logprobs, micro)
-            loss = self.aggregation(pg, mask, num_tokens=num_tokens, num_seqs=num_seqs)
-            if values is not None:
-                vl = value_loss(values, micro.values, micro.returns, self.value_clip)
-                loss = loss + self.value_loss_coef * self.aggregation(vl, mask, num_tokens=num_tokens, num_seqs=num_seqs)
-                stats.setdefault("value/loss", []).append(masked_mean(vl.detach(), mask))
-                stats.setdefault("value/explained_variance", []).append(explained_variance(micro.values, micro.returns, mask))
-            if self.kl is not None and not self.kl.in_reward:
-                kl = self.kl(logprobs, micro.ref_logprobs)
-                loss = loss + self.kl.coef * self.aggregation(kl, mask, num_tokens=num_tokens, num_seqs=num_seqs)
-                stats.setdefault("policy/kl_ref", []).append(masked_mean(kl.detach(), mask))
-            if self.entropy_coef:
-                loss = loss - self.entropy_coef * self.aggregation(entropy, mask, num_tokens=num_tokens, num_seqs=num_seqs)
+            loss = torch.zeros((), device=mask.device)
+            if policy:
+                logprobs, entropy, values = self.forward_batch(micro, with_values=with_values)
+                if micro.old_logprobs is None:
+                    # Single update per rollout: the policy has not moved since sampling.
+                    micro.old_logprobs = logprobs.detach() * mask
+                pg, pg_stats = self.policy_loss(logprobs, micro)
+                loss = loss + agg(pg, mask)
+                if self.kl is not None and not self.kl.in_reward:
+                    kl = self.kl(logprobs, micro.ref_logprobs)
+                    loss = loss + self.kl.coef * agg(kl, mask)
+                    record("policy/kl_ref", masked_mean(kl, mask))
+                if self.entropy_coef:
+                    loss = loss - self.entropy_coef * agg(entropy, mask)
+                log_ratio = (logprobs.detach() - micro.old_logprobs) * mask
+                record("policy/approx_kl", masked_mean(0.5 * log_ratio**2, mask))
+                record("policy/entropy", masked_mean(entropy, mask))
+                for k, v in pg_stats.items():
+                    record(k, v)
+            elif nll_coef:
+                logprobs, _, _ = self.forward_batch(micro)
+                nll = agg(-logprobs, mask)
+                loss = loss + nll_coef * nll
+                record("nll/loss", nll)
+            elif self.critic.shared and not train_backbone:
+                with torch.no_grad():  # head only: the backbone gives fixed features
+                    hidden = response_hidden_states(self.policy.get_decoder(), micro)
+                values = self.critic.values(self, micro, hidden)
+            else:
+                _, _, values = self.forward_batch(micro, with_values=True, with_logprobs=False)
+            if with_values:
+                vl, v_stats = self.critic.loss(values, micro)
+                loss = loss + self.critic.loss_coef * agg(vl, mask)
+                for k, v in v_stats.items():
+                    record(k, v)
             # DDP averages gradients over ranks; the denominators are already global, so undo the mean.
             self.manual_backward(loss * world)
-            log_ratio = (logprobs.detach() - micro.old_logprobs) * mask
-            stats.setdefault("policy/approx_kl", []).append(masked_mean(0.5 * log_ratio**2, mask))
-            stats.setdefault("policy/entropy", []).append(masked_mean(entropy.detach(), mask))
-            stats.setdefault("policy/loss", []).append(loss.detach() * world)
-            for k, v in pg_stats.items():
-                stats.setdefault(k, []).append(v.detach())
-        params = [p for group in optimizer.param_groups for p in group["params"]]
+            if policy or not nll_coef:
+                record("policy/loss" if policy else "value/total_loss", loss * world)
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm if self.max_grad_norm else float("inf"))
-        out = {k: torch.stack(v).mean() if k != "policy/loss" else torch.stack(v).sum() for k, v in stats.items()}
-        out["policy/grad_norm"] = grad_norm.detach()
+        out = {k: torch.stack(v).sum() if k.endswith("loss") and k in ("policy/loss", "value/total_loss")
+               else torch.stack(v).mean() for k, v in stats.items()}
+        out["policy/grad_norm" if policy else "nll/grad_norm" if nll_coef else "value/grad_norm"] = grad_norm.detach()
         if not torch.isfinite(grad_norm):
             log.warning("step %d: non-finite gradient norm; update skipped", self.global_step)
             optimizer.zero_grad(set_to_none=True)
             out["guard/skipped_updates"] = torch.tensor(1.0)
             return out
-        optimizer.step()
         out["guard/skipped_updates"] = torch.tensor(0.0)
-        out.update({k: torch.tensor(float(v)) for k, v in self.rollout.update_weights(self.policy).items()})
+        if policy:
+            optimizer.step()
+            out.update({k: torch.tensor(float(v)) for k, v in self.rollout.update_weights(self.policy).items()})
+        else:
+            optimizer.optimizer.step()  # the raw optimizer: these steps do not count as global steps
+            if nll_coef:  # the policy moved
+                out.update({k: torch.tensor(float(v)) for k, v in self.rollout.update_weights(self.policy).items()})
         return out
 
     # ------------------------------------------------------------------------------ metrics
@@ -383,9 +508,7 @@ class RLModule(L.LightningModule):
             "response/truncated_ratio": rollout.truncated.float().mean(),
             "response/tokens": lengths.sum(),
         }
-        for k, v in rollout.extras.items():
-            if isinstance(v, (int, float)) or (isinstance(v, Tensor) and v.dim() == 0):
-                metrics[k] = v
+        metrics.update({k: v for k, v in rollout.extras.items() if _is_scalar(v)})
         return metrics
 
     def _log(self, metrics: dict) -> None:

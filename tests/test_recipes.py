@@ -87,6 +87,6 @@ def test_misspelt_command_line_option_is_not_a_prefix_match(capsys):
 
 
 def test_advantage_that_needs_a_critic_without_one_is_a_clear_error(capsys):
-    err = _error_line(capsys, ["fit", "--config", os.path.join(RECIPES, "ppo.yaml"), "--model.value_head", "false",
+    err = _error_line(capsys, ["fit", "--config", os.path.join(RECIPES, "ppo.yaml"), "--model.critic", "null",
                                "--trainer.max_steps", "0"])
-    assert "value_head" in err
+    assert "model.critic" in err

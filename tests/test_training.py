@@ -25,8 +25,8 @@ def test_two_steps_change_every_trainable_parameter(recipe, tmp_path, tiny_model
     cli, unchanged = _fit_and_compare(recipe, tmp_path, tiny_model_dir)
     assert cli.trainer.global_step >= 2
     assert unchanged == []
-    if cli.model.value_model is not None:
-        for name, p in cli.model.value_model.named_parameters():
+    if cli.model.critic is not None:
+        for name, p in cli.model.critic.named_parameters():
             assert p.abs().sum() > 0, f"value head {name} still at its zero init"
 
 

@@ -40,7 +40,7 @@ class GAE(AdvantageEstimator):
 
     def __call__(self, rollout: Rollout) -> tuple[Tensor, Tensor]:
         if rollout.values is None:
-            raise ValueError("GAE needs a critic: set model.value_head: true in the recipe")
+            raise ValueError("GAE needs a critic: set model.critic (e.g. rllight.critics.ValueHead) in the recipe")
         advantages, returns = gae(rollout.token_rewards, rollout.values, rollout.response_mask, self.gamma, self.lam)
         if self.whiten:
             advantages = masked_whiten(advantages, rollout.response_mask)
