@@ -15,7 +15,7 @@ from jsonargparse import lazy_instance
 from torch import Tensor
 from torchmetrics import MeanMetric
 
-from rllight.algorithms import logprobs_and_entropy, masked_mean
+from rllight.algorithms import chunked_logprobs_and_entropy, logprobs_and_entropy, masked_mean
 from rllight.critics import Critic
 from rllight.errors import RecipeError
 from rllight.models import HFModel, response_hidden_states
@@ -84,6 +84,9 @@ class RLModule(L.LightningModule):
         micro_batch_size: Responses per forward/backward; gradients accumulate over a minibatch, and
             the loss is normalised by the minibatch's global token (or sequence) count.
         max_grad_norm: Gradient clipping (None = off).
+        logprob_chunk_size: Compute log-probs and entropy from the hidden states this many positions at a
+            time, so the full (B, T, V) float32 logits never exist (same values and gradients).
+            None = one pass over the full logits.
         optimizer: Optimizer over the trainable parameters.
         export_dir: Save the trained policy as a Hugging Face folder here when fit ends.
     """
@@ -105,6 +108,7 @@ class RLModule(L.LightningModule):
         minibatch_size: int | None = None,
         micro_batch_size: int = 8,
         max_grad_norm: float | None = 1.0,
+        logprob_chunk_size: int | None = 1024,
         optimizer: OptimizerCallable = _adamw,
         export_dir: str | None = None,
     ):
@@ -129,6 +133,7 @@ class RLModule(L.LightningModule):
         self.minibatch_size = minibatch_size
         self.micro_batch_size = micro_batch_size
         self.max_grad_norm = max_grad_norm
+        self.logprob_chunk_size = logprob_chunk_size
         self.optimizer_fn = optimizer
         self.export_dir = export_dir
         if self.advantage.needs_values and critic is None:
@@ -260,8 +265,13 @@ class RLModule(L.LightningModule):
         if need_hidden:
             hidden = response_hidden_states(policy.get_decoder(), batch)
         if with_logprobs:
-            logits = policy.get_output_embeddings()(hidden)
-            logprobs, entropy = logprobs_and_entropy(logits, batch.response_ids, self.rollout.temperature)
+            head = policy.get_output_embeddings()
+            if self.logprob_chunk_size and type(head) is torch.nn.Linear:
+                logprobs, entropy = chunked_logprobs_and_entropy(hidden, head.weight, batch.response_ids,
+                                                                 self.rollout.temperature, bias=head.bias,
+                                                                 chunk_size=self.logprob_chunk_size)
+            else:  # e.g. an adapter-wrapped output layer: the direct path through its forward
+                logprobs, entropy = logprobs_and_entropy(head(hidden), batch.response_ids, self.rollout.temperature)
         if with_values and self.critic is not None:
             values = self.critic.values(self, batch, hidden)
         return logprobs, entropy, values

@@ -1,18 +1,18 @@
-"""Per-token log-probabilities and entropy from logits."""
+"""Per-token log-probabilities and entropy, directly from logits or chunked from hidden states."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-__all__ = ["logprobs_and_entropy"]
+__all__ = ["logprobs_and_entropy", "chunked_logprobs_and_entropy"]
 
 
 def logprobs_and_entropy(logits: Tensor, targets: Tensor, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
     """Log-probability of ``targets`` and the entropy of the sampling distribution at each position.
 
     The logits are divided by ``temperature`` first, so that the result is the log-probability under
-    the distribution the rollout engine sampled from. Computed in float32.
+    the distribution the rollout engine sampled from. Computed in float32 at least (float64 stays).
 
     Args:
         logits: Shape (B, T, V).
@@ -21,7 +21,98 @@ def logprobs_and_entropy(logits: Tensor, targets: Tensor, temperature: float = 1
     Returns:
         ``(logprobs, entropy)``, each shape (B, T).
     """
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, dim=-1)
     token_logp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = -(logp.exp() * logp).sum(-1)
     return token_logp, entropy
+
+
+def _chunk_stats(h: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float):
+    logits = torch.nn.functional.linear(h, weight, bias)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature  # at least float32
+    logp = torch.log_softmax(logits, dim=-1)
+    p = logp.exp()
+    token_logp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = -(p * logp).sum(-1)
+    return logp, p, token_logp, entropy
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    """Forward and backward over row chunks; only one chunk's (rows, V) logits exist at a time and
+    nothing of size V is saved for backward (the chunk is recomputed there)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size):
+        rows = hidden.shape[0]
+        dtype = torch.promote_types(hidden.dtype, torch.float32)
+        token_logp = hidden.new_empty(rows, dtype=dtype)
+        entropy = hidden.new_empty(rows, dtype=dtype)
+        with torch.no_grad():
+            for s in range(0, rows, chunk_size):
+                _, _, lp, ent = _chunk_stats(hidden[s : s + chunk_size], weight, bias, targets[s : s + chunk_size],
+                                             temperature)
+                token_logp[s : s + chunk_size] = lp
+                entropy[s : s + chunk_size] = ent
+        ctx.save_for_backward(hidden, weight, bias, targets, entropy)
+        ctx.temperature = temperature
+        ctx.chunk_size = chunk_size
+        return token_logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, bias, targets, entropy = ctx.saved_tensors
+        t, c = ctx.temperature, ctx.chunk_size
+        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        acc = torch.promote_types(weight.dtype, torch.float32)
+        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if ctx.needs_input_grad[1] else None
+        grad_bias = None
+        if bias is not None and ctx.needs_input_grad[2]:
+            grad_bias = torch.zeros(bias.shape, dtype=acc, device=bias.device)
+        for s in range(0, hidden.shape[0], c):
+            h = hidden[s : s + c]
+            with torch.no_grad():
+                logp, p, _, _ = _chunk_stats(h, weight, bias, targets[s : s + c], t)
+                # d logp_y / dz = onehot(y) - p;  d H / dz = -p (log p + H); z = logits / t.
+                g = -p * (logp + entropy[s : s + c, None]) * grad_entropy[s : s + c, None]
+                g -= p * grad_logp[s : s + c, None]
+                g.scatter_add_(-1, targets[s : s + c, None], grad_logp[s : s + c, None])
+                g /= t
+                if grad_hidden is not None:
+                    grad_hidden[s : s + c] = (g @ weight.to(g.dtype)).to(hidden.dtype)
+                if grad_weight is not None:
+                    grad_weight += g.t() @ h.to(acc)
+                if grad_bias is not None:
+                    grad_bias += g.sum(0)
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        if grad_bias is not None:
+            grad_bias = grad_bias.to(bias.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None
+
+
+def chunked_logprobs_and_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    temperature: float = 1.0,
+    bias: Tensor | None = None,
+    chunk_size: int = 1024,
+) -> tuple[Tensor, Tensor]:
+    """``logprobs_and_entropy(hidden @ weight.T + bias, targets, temperature)`` without ever holding the
+    full (B, T, V) float32 logits: rows are processed ``chunk_size`` at a time in the forward pass, and
+    recomputed chunk by chunk in the backward pass. Same values and gradients as the direct path (up to
+    float rounding); peak extra memory is about ``3 * chunk_size * V`` floats.
+
+    Args:
+        hidden: Shape (B, T, H), the last hidden state at the positions predicting ``targets``.
+        weight: Shape (V, H), the output layer (``lm_head.weight``).
+        targets: Shape (B, T), token ids.
+        bias: Shape (V,) or None.
+
+    Returns:
+        ``(logprobs, entropy)``, each shape (B, T), float32 (float64 for float64 inputs).
+    """
+    b, t, h = hidden.shape
+    lp, ent = _ChunkedLogprobs.apply(hidden.reshape(b * t, h), weight, bias, targets.reshape(b * t), temperature,
+                                     chunk_size)
+    return lp.view(b, t), ent.view(b, t)
