@@ -20,7 +20,8 @@ class RLLightCLI(LightningCLI):
     """LightningCLI for RLModule and RLDataModule.
 
     Defaults it sets on the trainer (a recipe can override each): ``log_every_n_steps: 1`` (one RL
-    step per batch is already coarse), ``num_sanity_val_steps: 0`` (evaluation runs whole, see below).
+    step per batch is already coarse), ``num_sanity_val_steps: 0`` (evaluation runs whole, see below),
+    ``inference_mode: false`` (validation under ``no_grad``; see ``__init__``).
     No ``link_arguments``: every value lives in exactly one place of the recipe.
 
     Extra top-level options:
@@ -30,7 +31,11 @@ class RLLightCLI(LightningCLI):
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
-        kwargs.setdefault("trainer_defaults", {"log_every_n_steps": 1, "num_sanity_val_steps": 0})
+        # inference_mode off: validation runs under no_grad instead, because a validation before fit
+        # under inference mode would leave the metrics' state as inference tensors that the in-fit
+        # validation then cannot update.
+        kwargs.setdefault("trainer_defaults", {"log_every_n_steps": 1, "num_sanity_val_steps": 0,
+                                               "inference_mode": False})
         kwargs.setdefault("auto_configure_optimizers", False)
         # A misspelt option must fail, not match a longer one by prefix; errors raise so that main()
         # can print them on one line.

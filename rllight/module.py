@@ -83,6 +83,8 @@ class RLModule(L.LightningModule):
         minibatch_size: Responses per optimizer update (None = the whole rollout in one update).
         micro_batch_size: Responses per forward/backward; gradients accumulate over a minibatch, and
             the loss is normalised by the minibatch's global token (or sequence) count.
+        micro_batch_tokens: Split minibatches by a token budget instead (rows x padded length per
+            micro-batch); the loss normalisation is unchanged.
         max_grad_norm: Gradient clipping (None = off).
         logprob_chunk_size: Compute log-probs and entropy from the hidden states this many positions at a
             time, so the full (B, T, V) float32 logits never exist (same values and gradients).
@@ -107,6 +109,7 @@ class RLModule(L.LightningModule):
         ppo_epochs: int = 1,
         minibatch_size: int | None = None,
         micro_batch_size: int = 8,
+        micro_batch_tokens: int | None = None,
         max_grad_norm: float | None = 1.0,
         logprob_chunk_size: int | None = 1024,
         optimizer: OptimizerCallable = _adamw,
@@ -132,6 +135,7 @@ class RLModule(L.LightningModule):
         self.ppo_epochs = ppo_epochs
         self.minibatch_size = minibatch_size
         self.micro_batch_size = micro_batch_size
+        self.micro_batch_tokens = micro_batch_tokens
         self.max_grad_norm = max_grad_norm
         self.logprob_chunk_size = logprob_chunk_size
         self.optimizer_fn = optimizer
@@ -292,17 +296,39 @@ class RLModule(L.LightningModule):
             if need_ref:
                 refs.append(self.forward_batch(micro, policy=self.ref_policy)[0])
         mask = rollout.response_mask.float()
+        width = mask.shape[1]
+
+        def full(parts: list[Tensor]) -> Tensor:  # micro-batches are trimmed: pad back to the rollout's T
+            return torch.cat([torch.nn.functional.pad(x, (0, width - x.shape[1])) if x.dim() == 2 else x for x in parts])
+
         if need_old:
-            rollout.old_logprobs = torch.cat(olds) * mask
+            rollout.old_logprobs = full(olds) * mask
         if need_values:
-            v = torch.cat(values)
+            v = full(values)
             rollout.values = v * mask if v.dim() == 2 else v
         if need_ref:
-            rollout.ref_logprobs = torch.cat(refs) * mask
+            rollout.ref_logprobs = full(refs) * mask
 
     def _micro_batches(self, rollout: Rollout):
-        for start in range(0, len(rollout), self.micro_batch_size):
-            yield rollout.select(list(range(start, min(start + self.micro_batch_size, len(rollout)))))
+        """Micro-batches of ``rollout`` in order: ``micro_batch_size`` rows each, or, with
+        ``micro_batch_tokens``, as many consecutive rows as fit the token budget (rows x padded length,
+        at least one row). Each is trimmed to its own longest prompt and response."""
+        n = len(rollout)
+        if not self.micro_batch_tokens:
+            bounds = [(s, min(s + self.micro_batch_size, n)) for s in range(0, n, self.micro_batch_size)]
+        else:
+            prompt_len = rollout.prompt_mask.sum(-1).tolist()
+            resp_len = rollout.response_mask.sum(-1).tolist()
+            bounds, start, width_p, width_t = [], 0, 0, 0
+            for i in range(n):
+                wp, wt = max(width_p, prompt_len[i]), max(width_t, resp_len[i])
+                if i > start and (i - start + 1) * (wp + wt) > self.micro_batch_tokens:
+                    bounds.append((start, i))
+                    start, wp, wt = i, prompt_len[i], resp_len[i]
+                width_p, width_t = wp, wt
+            bounds.append((start, n))
+        for s, e in bounds:
+            yield rollout.select(list(range(s, e))).trim()
 
     def _token_rewards(self, rollout: Rollout) -> Tensor:
         """Outcome reward on the last response token, minus the KL penalty when it is in the reward."""

@@ -88,6 +88,27 @@ class Rollout:
         changes["extras"] = {k: pick(v) for k, v in self.extras.items()}
         return replace(self, **changes)
 
+    def trim(self) -> Rollout:
+        """Drop prompt columns that are padding in every row and response columns past the longest
+        response, so a micro-batch of short sequences costs only its own length."""
+        p = int(self.prompt_mask.sum(-1).max().item()) if len(self) else 0
+        t = int(self.response_mask.sum(-1).max().item()) if len(self) else 0
+        t = max(t, 1)
+        full_p, full_t = self.prompt_ids.shape[1], self.response_ids.shape[1]
+        if p == full_p and t == full_t:
+            return self
+
+        def cut(name: str, value: Any) -> Any:
+            if not isinstance(value, Tensor) or value.dim() < 2:
+                return value
+            if name in ("prompt_ids", "prompt_mask"):
+                return value[:, full_p - p :]
+            return value[:, :t] if value.shape[1] == full_t else value
+
+        changes = {f.name: cut(f.name, getattr(self, f.name)) for f in fields(self) if f.name != "extras"}
+        changes["extras"] = {k: cut(k, v) for k, v in self.extras.items()}
+        return replace(self, **changes)
+
     def to(self, device: torch.device | str) -> Rollout:
         changes = {
             f.name: getattr(self, f.name).to(device)

@@ -81,3 +81,21 @@ def test_validation_accuracy_is_the_share_of_correct_answers(tmp_path, tiny_mode
     assert len(rows) == 20 and 0 < expected < 1
     assert results[0]["val/accuracy"] == pytest.approx(expected)
     assert results[0]["val/response_length"] > 0
+
+
+def test_evaluate_before_after_with_validation_during_fit(tmp_path, tiny_model_dir, capsys):
+    """Validation before fit, during fit (every step) and after fit share the metrics' state."""
+    import json
+
+    from rllight.cli import main
+
+    overlay = tiny_overrides(tmp_path, tiny_model_dir)
+    main(["fit", "--config", os.path.join(RECIPES, "grpo.yaml"), "--config", overlay, "--evaluate_before_after",
+          "true", "--trainer.limit_val_batches", "1.0", "--trainer.val_check_interval", "1",
+          "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "accuracy_before=" in out and "accuracy_after=" in out
+    summary = json.loads(next(tmp_path.rglob("eval_summary.json")).read_text())
+    assert summary["num_val"] == 4 and 0.0 <= summary["accuracy_after"] <= 1.0
+    logged = (next(tmp_path.rglob("metrics.csv"))).read_text()
+    assert logged.count("val/accuracy") >= 1
