@@ -119,3 +119,32 @@ def response_hidden_states(decoder: torch.nn.Module, batch) -> torch.Tensor:
     p, t = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
     out = decoder(input_ids=batch.input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     return out.last_hidden_state[:, p - 1 : p + t - 1]
+
+
+class LoRA:
+    """LoRA adapters with ``peft`` (Hu et al., arXiv:2106.09685): only the adapters (and a critic, if
+    any) train. The KL reference is the same model with its adapters disabled, so no second copy of the
+    weights is held. Export merges the adapters into a plain Hugging Face folder.
+
+    Adapter dropout is not offered: the trainer runs without dropout (see ``RLModule``).
+
+    Args:
+        rank: Adapter rank r.
+        alpha: Scaling numerator (the update is scaled by alpha / r).
+        target_modules: Module names to adapt, or "all-linear" (every linear layer but the output).
+    """
+
+    def __init__(self, rank: int = 16, alpha: float = 32.0, target_modules: list[str] | str = "all-linear"):
+        if rank < 1:
+            raise RecipeError(f"model.lora.rank must be >= 1, got {rank}")
+        self.rank = rank
+        self.alpha = alpha
+        self.target_modules = target_modules
+
+    def apply(self, model):
+        """Wrap ``model`` in a ``peft`` model with fresh adapters (B = 0, so outputs are unchanged)."""
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=0.0, target_modules=self.target_modules,
+                            task_type="CAUSAL_LM")
+        return get_peft_model(model, config)

@@ -18,7 +18,7 @@ from torchmetrics import MeanMetric
 from rllight.algorithms import chunked_logprobs_and_entropy, logprobs_and_entropy, masked_mean
 from rllight.critics import Critic
 from rllight.errors import RecipeError
-from rllight.models import HFModel, response_hidden_states
+from rllight.models import HFModel, LoRA, response_hidden_states
 from rllight.rewards import IntegerMatch, Reward, score_batch
 from rllight.rollout import HFEngine, RolloutEngine
 from rllight.strategies import (
@@ -67,6 +67,9 @@ class RLModule(L.LightningModule):
 
     Args:
         model: Where the policy's weights come from (loaded in ``configure_model``).
+        lora: Train LoRA adapters instead of every weight (None = full fine-tuning).
+        gradient_checkpointing: Recompute the policy's activations in the backward pass (less memory,
+            about a third more compute).
         rollout: Generation engine and sampling settings.
         sampler: Which responses form a rollout (e.g. G per prompt).
         reward: Outcome reward of a response against the reference answer.
@@ -86,6 +89,9 @@ class RLModule(L.LightningModule):
         micro_batch_tokens: Split minibatches by a token budget instead (rows x padded length per
             micro-batch); the loss normalisation is unchanged.
         max_grad_norm: Gradient clipping (None = off).
+        max_consecutive_skips: An update whose loss or gradient is not finite is skipped and logged
+            (``guard/skipped_updates``); after this many in a row the run stops with an error.
+        max_prompt_tokens: Drop (and count) prompts longer than this many tokens (None = no limit).
         logprob_chunk_size: Compute log-probs and entropy from the hidden states this many positions at a
             time, so the full (B, T, V) float32 logits never exist (same values and gradients).
             None = one pass over the full logits.
@@ -96,6 +102,8 @@ class RLModule(L.LightningModule):
     def __init__(
         self,
         model: HFModel,
+        lora: LoRA | None = None,
+        gradient_checkpointing: bool = False,
         rollout: RolloutEngine = lazy_instance(HFEngine),
         sampler: Sampler = lazy_instance(GroupSampler),
         reward: Reward = lazy_instance(IntegerMatch),
@@ -111,6 +119,8 @@ class RLModule(L.LightningModule):
         micro_batch_size: int = 8,
         micro_batch_tokens: int | None = None,
         max_grad_norm: float | None = 1.0,
+        max_consecutive_skips: int = 3,
+        max_prompt_tokens: int | None = None,
         logprob_chunk_size: int | None = 1024,
         optimizer: OptimizerCallable = _adamw,
         export_dir: str | None = None,
@@ -118,6 +128,8 @@ class RLModule(L.LightningModule):
         super().__init__()
         self.automatic_optimization = False
         self.source = model
+        self.lora = lora
+        self.gradient_checkpointing = gradient_checkpointing
         self.rollout = rollout
         self.sampler = sampler
         self.reward = reward
@@ -137,6 +149,11 @@ class RLModule(L.LightningModule):
         self.micro_batch_size = micro_batch_size
         self.micro_batch_tokens = micro_batch_tokens
         self.max_grad_norm = max_grad_norm
+        self.max_consecutive_skips = max_consecutive_skips
+        self.max_prompt_tokens = max_prompt_tokens
+        self.consecutive_skips = 0
+        self.dropped_prompts = 0
+        self._epoch_start_step = 0
         self.logprob_chunk_size = logprob_chunk_size
         self.optimizer_fn = optimizer
         self.export_dir = export_dir
@@ -163,11 +180,15 @@ class RLModule(L.LightningModule):
             return
         self.policy, self.tokenizer = self.source.load()
         self.policy.config.use_cache = False
+        if self.gradient_checkpointing:
+            self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.lora is not None:
+            self.policy = self.lora.apply(self.policy)
         _disable_dropout(self.policy)
         self.policy.train()
         if self.critic is not None:
             self.critic.setup(self)
-        if self.kl is not None:
+        if self.kl is not None and self.lora is None:  # with LoRA the reference is the adapter-free model
             self.ref_policy, _ = self.source.load()
             self.ref_policy.requires_grad_(False).eval()
 
@@ -209,13 +230,16 @@ class RLModule(L.LightningModule):
         return out
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["rllight"] = {"extra_prompt_cursor": self._extra_cursor, "reward_failures": self.reward_failures}
+        checkpoint["rllight"] = {"extra_prompt_cursor": self._extra_cursor, "reward_failures": self.reward_failures,
+                                 "dropped_prompts": self.dropped_prompts, "consecutive_skips": self.consecutive_skips}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         state = checkpoint.get("rllight", {})
         self._extra_cursor = state.get("extra_prompt_cursor", 0)
         self._extra_epoch = -1
         self.reward_failures = state.get("reward_failures", 0)
+        self.dropped_prompts = state.get("dropped_prompts", 0)
+        self.consecutive_skips = state.get("consecutive_skips", 0)
 
     def encode_prompt(self, messages: list[dict]) -> list[int]:
         """Token ids of a chat prompt with the tokenizer's template and the generation prompt."""
@@ -225,8 +249,22 @@ class RLModule(L.LightningModule):
         return list(ids)
 
     def generate_and_score(self, rows: list[dict], n: int, greedy: bool = False) -> Rollout:
-        """Sample ``n`` responses for each prompt row and score them with the reward."""
+        """Sample ``n`` responses for each prompt row and score them with the reward.
+
+        Prompts longer than ``max_prompt_tokens`` are dropped and counted (``data/dropped_long_prompts``),
+        never truncated: a cut prompt is a different question.
+        """
         prompts = [self.encode_prompt(r["messages"]) for r in rows]
+        dropped = 0
+        if self.max_prompt_tokens is not None:
+            keep = [i for i, p in enumerate(prompts) if len(p) <= self.max_prompt_tokens]
+            dropped = len(prompts) - len(keep)
+            if dropped:
+                log.warning("dropped %d prompt(s) longer than max_prompt_tokens=%d", dropped, self.max_prompt_tokens)
+            rows, prompts = [rows[i] for i in keep], [prompts[i] for i in keep]
+            self.dropped_prompts += dropped
+        if not prompts:
+            return Rollout.empty(extras={"data/dropped_long_prompts": float(dropped)})
         t0 = time.perf_counter()
         gen = self.rollout.generate(self.policy, self.tokenizer, [p for p in prompts for _ in range(n)], greedy=greedy)
         t1 = time.perf_counter()
@@ -248,7 +286,8 @@ class RLModule(L.LightningModule):
             texts=texts,
             rewards=torch.tensor(rewards, dtype=torch.float32, device=device),
             correct=torch.tensor(correct, dtype=torch.float32, device=device),
-            extras={"time/rollout": t1 - t0, "time/reward": t2 - t1, "reward/failures": float(failures)},
+            extras={"time/rollout": t1 - t0, "time/reward": t2 - t1, "reward/failures": float(failures),
+                    "data/dropped_long_prompts": float(dropped)},
         )
 
     # ------------------------------------------------------------------------------- forward
@@ -284,7 +323,7 @@ class RLModule(L.LightningModule):
     def _score_with_models(self, rollout: Rollout, need_old: bool, need_values: bool | None = None) -> None:
         """Fill old log-probs, values and reference log-probs in micro-batches, without gradients."""
         need_values = self.critic is not None if need_values is None else need_values
-        need_ref = self.ref_policy is not None and rollout.ref_logprobs is None
+        need_ref = self.kl is not None and rollout.ref_logprobs is None
         if not (need_old or need_values or need_ref):
             return
         olds, values, refs = [], [], []
@@ -294,7 +333,7 @@ class RLModule(L.LightningModule):
                 olds.append(lp)
                 values.append(v)
             if need_ref:
-                refs.append(self.forward_batch(micro, policy=self.ref_policy)[0])
+                refs.append(self.reference_logprobs(micro))
         mask = rollout.response_mask.float()
         width = mask.shape[1]
 
@@ -308,6 +347,14 @@ class RLModule(L.LightningModule):
             rollout.values = v * mask if v.dim() == 2 else v
         if need_ref:
             rollout.ref_logprobs = full(refs) * mask
+
+    def reference_logprobs(self, batch: Rollout) -> Tensor:
+        """Log-probs under the reference policy: the frozen initial model, or with LoRA the policy with
+        its adapters disabled."""
+        if self.lora is not None:
+            with self.policy.disable_adapter():
+                return self.forward_batch(batch)[0]
+        return self.forward_batch(batch, policy=self.ref_policy)[0]
 
     def _micro_batches(self, rollout: Rollout):
         """Micro-batches of ``rollout`` in order: ``micro_batch_size`` rows each, or, with
@@ -397,6 +444,16 @@ class RLModule(L.LightningModule):
         metrics["perf/tokens_per_s"] = rollout.response_mask.sum().float() / metrics["time/step"]
         self._log(metrics)
 
+    def on_train_epoch_start(self) -> None:
+        self._epoch_start_step = self.global_step
+
+    def on_train_epoch_end(self) -> None:
+        if self.global_step == self._epoch_start_step:
+            # Otherwise a run whose every batch is filtered out would loop over epochs forever.
+            raise RecipeError(f"epoch {self.current_epoch} made no update: every batch was empty after filtering "
+                              f"({self.dropped_prompts} prompts dropped as longer than max_prompt_tokens="
+                              f"{self.max_prompt_tokens}); relax the filters or check the data")
+
     def _estimate_advantages(self, rollout: Rollout) -> None:
         """Token rewards, then advantages and returns on the full rollout (groups need every member)."""
         rollout.token_rewards = self._token_rewards(rollout)
@@ -463,6 +520,7 @@ class RLModule(L.LightningModule):
             stats.setdefault(key, []).append(value.detach())
 
         with_values = critic and self.critic is not None
+        finite = True
         for micro in self._micro_batches(mb):
             mask = micro.response_mask.float()
             loss = torch.zeros((), device=mask.device)
@@ -500,6 +558,9 @@ class RLModule(L.LightningModule):
                 loss = loss + self.critic.loss_coef * agg(vl, mask)
                 for k, v in v_stats.items():
                     record(k, v)
+            if not torch.isfinite(loss):
+                finite = False  # skip the backward; the whole update is skipped below
+                continue
             # DDP averages gradients over ranks; the denominators are already global, so undo the mean.
             self.manual_backward(loss * world)
             if policy or not nll_coef:
@@ -509,11 +570,21 @@ class RLModule(L.LightningModule):
         out = {k: torch.stack(v).sum() if k.endswith("loss") and k in ("policy/loss", "value/total_loss")
                else torch.stack(v).mean() for k, v in stats.items()}
         out["policy/grad_norm" if policy else "nll/grad_norm" if nll_coef else "value/grad_norm"] = grad_norm.detach()
-        if not torch.isfinite(grad_norm):
-            log.warning("step %d: non-finite gradient norm; update skipped", self.global_step)
+        if self.trainer.world_size > 1:  # every rank must take the same decision
+            finite = bool(self._global(torch.tensor(float(not finite), device=grad_norm.device)).item() == 0)
+        if not finite or not torch.isfinite(grad_norm):
+            self.consecutive_skips += 1
+            log.warning("step %d: non-finite loss or gradient; update skipped (%d in a row)", self.global_step,
+                        self.consecutive_skips)
             optimizer.zero_grad(set_to_none=True)
+            if self.consecutive_skips >= self.max_consecutive_skips:
+                raise FloatingPointError(
+                    f"stopping at step {self.global_step}: {self.consecutive_skips} consecutive updates had a "
+                    "non-finite loss or gradient; lower the learning rate or check the reward, then resume from the "
+                    "last checkpoint")
             out["guard/skipped_updates"] = torch.tensor(1.0)
             return out
+        self.consecutive_skips = 0
         out["guard/skipped_updates"] = torch.tensor(0.0)
         if policy:
             optimizer.step()
@@ -528,7 +599,7 @@ class RLModule(L.LightningModule):
     def rollout_metrics(self, rollout: Rollout) -> dict[str, Tensor | float]:
         """The per-step ledger of a rollout (reward, accuracy, lengths, truncation, groups, timings)."""
         if len(rollout) == 0:
-            return {"reward/mean": float("nan")}
+            return {k: v for k, v in rollout.extras.items() if _is_scalar(v)}
         lengths = rollout.response_lengths.float()
         groups = torch.unique(rollout.group_ids)
         mixed = sum(
@@ -576,9 +647,15 @@ class RLModule(L.LightningModule):
             self.export(self.export_dir)
 
     def export(self, path: str) -> None:
-        """Save the policy and tokenizer as a Hugging Face folder (written aside, then moved in place)."""
+        """Save the policy and tokenizer as a Hugging Face folder (written aside, then moved in place);
+        LoRA adapters are merged into the weights."""
         tmp = f"{path.rstrip(os.sep)}.tmp"
-        self.policy.save_pretrained(tmp)
+        policy = self.policy
+        if self.lora is not None:  # a plain model with the adapters merged in, the live one untouched
+            import copy
+
+            policy = copy.deepcopy(policy).merge_and_unload()
+        policy.save_pretrained(tmp)
         self.tokenizer.save_pretrained(tmp)
         with contextlib.suppress(FileNotFoundError):
             import shutil

@@ -54,6 +54,15 @@ class Rollout:
     extras: dict[str, Any] = field(default_factory=dict)
     """Per-rollout values that callbacks and strategies add (tensors with a leading B are sliced)."""
 
+    @staticmethod
+    def empty(extras: dict[str, Any] | None = None) -> Rollout:
+        """A rollout with no rows (every prompt was filtered out)."""
+        z2 = torch.zeros((0, 1), dtype=torch.long)
+        return Rollout(prompt_ids=z2, prompt_mask=z2, response_ids=z2, response_mask=z2,
+                       sample_logprobs=torch.zeros((0, 1)), truncated=torch.zeros(0, dtype=torch.bool),
+                       group_ids=torch.zeros(0, dtype=torch.long), answers=[], texts=[], rewards=torch.zeros(0),
+                       correct=torch.zeros(0), extras=dict(extras or {}))
+
     def __len__(self) -> int:
         return self.response_ids.shape[0]
 

@@ -3,7 +3,7 @@
 import torch
 
 from rllight.rewards import Reward
-from rllight.strategies import AdvantageEstimator
+from rllight.strategies import AdvantageEstimator, ClippedSurrogate
 
 
 class DigitReward(Reward):
@@ -50,3 +50,17 @@ class EvenAnswer(Reward):
 
     def is_correct(self, response: str, answer: str) -> bool:
         return int(answer) % 2 == 0
+
+
+class NaNLoss(ClippedSurrogate):
+    """A policy loss that is NaN from the ``after``-th call on (a diverging run)."""
+
+    def __init__(self, after: int = 0):
+        super().__init__()
+        self.after = after
+        self.calls = 0
+
+    def __call__(self, logprobs, batch):
+        self.calls += 1
+        loss, stats = super().__call__(logprobs, batch)
+        return (loss * float("nan") if self.calls > self.after else loss), stats

@@ -21,3 +21,30 @@ __all__ = [
     "masked_whiten",
     "value_loss",
 ]
+
+from rllight.algorithms.baselines import reinforce_pp, remax, rloo  # noqa: E402
+from rllight.algorithms.sequence import (  # noqa: E402
+    cispo,
+    effective_sample_size,
+    gspo,
+    sequence_clipped_surrogate,
+    truncated_is_weight,
+    vespo_weight,
+)
+
+__all__ += [
+    "cispo",
+    "effective_sample_size",
+    "gspo",
+    "reinforce_pp",
+    "remax",
+    "rloo",
+    "sequence_clipped_surrogate",
+    "truncated_is_weight",
+    "vespo_weight",
+]
+
+from rllight.algorithms.lambdas import adaptive_lambda, vapo_lambda  # noqa: E402
+from rllight.algorithms.shaping import group_retention_probability, mixed_groups, soft_overlong_punishment  # noqa: E402
+
+__all__ += ["adaptive_lambda", "group_retention_probability", "mixed_groups", "soft_overlong_punishment", "vapo_lambda"]

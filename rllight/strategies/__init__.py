@@ -30,3 +30,33 @@ __all__ = [
     "SeqMeanTokenSumNorm",
     "TokenMean",
 ]
+
+from rllight.strategies.baselines import CISPO, GSPO, RLOO, ReinforcePP, ReMax, ReMaxSampler, TruncatedIS  # noqa: E402
+from rllight.strategies.sppo import PromptBaseline, SequenceClippedSurrogate  # noqa: E402
+from rllight.strategies.vespo import VESPO  # noqa: E402
+
+__all__ += [
+    "CISPO",
+    "GSPO",
+    "PromptBaseline",
+    "RLOO",
+    "ReMax",
+    "ReMaxSampler",
+    "ReinforcePP",
+    "SequenceClippedSurrogate",
+    "TruncatedIS",
+    "VESPO",
+]
+
+from rllight.strategies.dapo import DynamicSampling  # noqa: E402
+from rllight.strategies.vapo import (  # noqa: E402
+    AdaptiveLambda,
+    DecoupledGAE,
+    FixedLambda,
+    LambdaSchedule,
+    PositiveExampleNLL,
+    VAPOLambda,
+)
+
+__all__ += ["AdaptiveLambda", "DecoupledGAE", "DynamicSampling", "FixedLambda", "LambdaSchedule", "PositiveExampleNLL",
+            "VAPOLambda"]

@@ -1,0 +1,119 @@
+"""DAPO's dynamic sampling (Yu et al., arXiv:2503.14476, section 3.2) as a sampler strategy."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from rllight.algorithms.shaping import mixed_groups
+from rllight.errors import RecipeError
+from rllight.strategies.samplers import Sampler
+from rllight.types import Rollout
+
+if TYPE_CHECKING:
+    from rllight.module import RLModule
+
+log = logging.getLogger(__name__)
+
+_METRICS = ("reward", "correct")
+
+
+class DynamicSampling(Sampler):
+    """Over-sample and keep only groups with mixed outcomes (DAPO, arXiv:2503.14476, section 3.2).
+
+    Each round samples ``group_size`` responses for a set of prompts and drops every group whose
+    rewards are all equal (all right or all wrong: its group-relative advantage is zero). Rounds repeat
+    with fresh prompts from ``module.draw_prompts`` until ``target_groups`` mixed groups are kept
+    (surplus mixed groups of the last round are dropped, as verl does) or ``max_rounds`` rounds ran.
+    When the cap is hit the step trains on the mixed groups it has (possibly none: the module then
+    skips the update), logs a warning and sets ``sampling/cap_hit``.
+
+    With success rate p a group survives with probability ``a_G(p) = 1 - (1-p)^G - p^G``
+    (``rllight.algorithms.group_retention_probability``), so the cost per kept group is ``1 / a_G(p)``
+    groups; the metrics make that cost visible.
+
+    Metrics (``train/sampling/...``): ``groups_drawn``, ``groups_kept``, ``rounds``, ``cap_hit`` (0/1),
+    ``retention`` (mixed / drawn), ``responses_drawn`` and ``generated_tokens`` (every generated
+    response token, discarded groups included).
+
+    Args:
+        group_size: G, responses per prompt (DAPO: 16).
+        target_groups: Mixed groups a step trains on (None = the number of prompts in the step's batch).
+        max_rounds: Cap on sampling rounds per step, the first included (verl's max_num_gen_batches).
+        prompts_per_round: Prompts drawn in each extra round (None = the step's batch size).
+        metric: What must vary inside a group: ``reward`` (the task reward, as ALGORITHMS.md states it)
+            or ``correct`` (the 0/1 accuracy, as DAPO's verl recipe filters on ``acc``).
+    """
+
+    def __init__(self, group_size: int = 16, target_groups: int | None = None, max_rounds: int = 10,
+                 prompts_per_round: int | None = None, metric: str = "reward"):
+        if group_size < 2:
+            raise RecipeError(f"model.sampler.group_size must be >= 2 for dynamic sampling (a group of one is "
+                              f"never mixed), got {group_size}")
+        if target_groups is not None and target_groups < 1:
+            raise RecipeError(f"model.sampler.target_groups must be >= 1 or null, got {target_groups}")
+        if max_rounds < 1:
+            raise RecipeError(f"model.sampler.max_rounds must be >= 1, got {max_rounds}")
+        if prompts_per_round is not None and prompts_per_round < 1:
+            raise RecipeError(f"model.sampler.prompts_per_round must be >= 1 or null, got {prompts_per_round}")
+        if metric not in _METRICS:
+            raise RecipeError(f"model.sampler.metric must be one of {', '.join(_METRICS)}, got {metric!r}")
+        self.group_size = group_size
+        self.target_groups = target_groups
+        self.max_rounds = max_rounds
+        self.prompts_per_round = prompts_per_round
+        self.metric = metric
+
+    def __call__(self, module: RLModule, rows: list[dict]) -> Rollout:
+        target = self.target_groups or len(rows)
+        per_round = self.prompts_per_round or len(rows)
+        kept: list[Rollout] = []
+        n_kept = n_drawn = n_mixed = responses = 0
+        tokens = 0.0
+        totals: dict[str, float] = {}  # the engine's per-call scalars (timings, failures): summed over rounds
+        rounds = 0
+        batch = rows
+        while rounds < self.max_rounds and n_kept < target:
+            if rounds:
+                batch = module.draw_prompts(per_round)
+            part = module.generate_and_score(batch, self.group_size)
+            rounds += 1
+            for key, value in part.extras.items():
+                if isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.dim() == 0):
+                    totals[key] = totals.get(key, 0.0) + float(value)
+            # generate_and_score numbers groups 0..n-1 in every call: shift them so that groups of
+            # different rounds never share an id.
+            part.group_ids = part.group_ids + n_drawn
+            n_drawn += len(batch)
+            responses += len(part)
+            tokens += float(part.response_lengths.sum())
+            values = part.rewards if self.metric == "reward" else part.correct
+            mixed = mixed_groups(values, part.group_ids)
+            ids = torch.unique(part.group_ids[mixed]).tolist()  # sorted: groups in prompt order
+            n_mixed += len(ids)
+            ids = ids[: target - n_kept]
+            if ids:
+                keep = torch.isin(part.group_ids, torch.tensor(ids, device=part.group_ids.device))
+                kept.append(part.select(torch.nonzero(keep).squeeze(-1).cpu()))
+                n_kept += len(ids)
+            elif not kept and rounds == self.max_rounds:
+                kept.append(part.select([]))  # nothing mixed at all: an empty rollout of the right shape
+        cap_hit = n_kept < target
+        if cap_hit:
+            log.warning("dynamic sampling: cap hit, %d of %d mixed groups after max_rounds=%d (%d groups drawn); "
+                        "training on the %d kept", n_kept, target, self.max_rounds, n_drawn, n_kept)
+        rollout = Rollout.cat(kept, pad_id=module.tokenizer.pad_token_id)
+        rollout.extras.update(totals)
+        rollout.extras.update({
+            "sampling/groups_drawn": float(n_drawn),
+            "sampling/groups_kept": float(n_kept),
+            "sampling/rounds": float(rounds),
+            "sampling/cap_hit": float(cap_hit),
+            "sampling/retention": n_mixed / max(n_drawn, 1),
+            "sampling/responses_drawn": float(responses),
+            "sampling/generated_tokens": tokens,
+        })
+        return rollout
+

@@ -1,0 +1,93 @@
+"""Guards: non-finite updates are skipped then stop the run; long prompts are dropped and counted;
+an empty batch after filtering is a no-op step; token-budget micro-batches leave the update unchanged."""
+
+import os
+
+import pytest
+import torch
+
+from conftest import RECIPES
+from helpers import build, tiny_overrides
+
+
+def test_non_finite_loss_skips_update_then_stops(tmp_path, tiny_model_dir):
+    cli = build(os.path.join(RECIPES, "grpo.yaml"), tiny_overrides(
+        tmp_path, tiny_model_dir, policy_loss={"class_path": "user_strategies.NaNLoss", "init_args": {"after": 1}},
+        max_consecutive_skips=2), "--trainer.max_steps", "10")
+    with pytest.raises(FloatingPointError, match="2 consecutive updates"):
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    # The first update was finite; the two NaN ones were skipped and did not move the parameters.
+    assert cli.trainer.global_step == 1
+    for p in cli.model.policy.parameters():
+        assert torch.isfinite(p).all()
+
+
+def test_long_prompts_are_dropped_and_counted_never_truncated(tmp_path, tiny_model_dir):
+    cli = build(os.path.join(RECIPES, "grpo.yaml"), tiny_overrides(tmp_path, tiny_model_dir))
+    module = cli.model
+    module.configure_model()
+    short = {"messages": [{"role": "user", "content": "What is 1 + 1?"}], "answer": "2"}
+    long = {"messages": [{"role": "user", "content": "What is 1 + 1? " * 40}], "answer": "2"}
+    module.max_prompt_tokens = len(module.encode_prompt(short["messages"]))
+    rollout = module.generate_and_score([short, long, short], n=2)
+    assert len(rollout) == 4
+    assert rollout.extras["data/dropped_long_prompts"] == 1.0 and module.dropped_prompts == 1
+    # Kept prompts are whole: the prompt tokens equal the full encoding.
+    kept = rollout.prompt_ids[0][rollout.prompt_mask[0].bool()].tolist()
+    assert kept == module.encode_prompt(short["messages"])
+
+
+def test_empty_batches_after_filtering_are_no_op_steps_then_a_clear_stop(tmp_path, tiny_model_dir):
+    from rllight.errors import RecipeError
+
+    cli = build(os.path.join(RECIPES, "grpo.yaml"), tiny_overrides(tmp_path, tiny_model_dir, max_prompt_tokens=3))
+    # Every prompt is longer than 3 tokens: each step is a no-op, and after an epoch with no update the run
+    # stops with a message instead of looping forever.
+    with pytest.raises(RecipeError, match="epoch 0 made no update.*max_prompt_tokens=3"):
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert cli.trainer.global_step == 0
+    assert cli.model.dropped_prompts == 16  # 8 batches of 2 prompts
+
+
+def _one_update(tiny_model_dir, tmp_path, **micro):
+    """Parameters after one RL step (one SGD update) from the same seed: the same rollout each time."""
+    cli = build(os.path.join(RECIPES, "grpo.yaml"), tiny_overrides(
+        tmp_path, tiny_model_dir, aggregation={"class_path": "rllight.strategies.TokenMean"},
+        optimizer={"class_path": "torch.optim.SGD", "init_args": {"lr": 1.0}}, **micro),
+        "--trainer.max_steps", "1", "--data.batch_size", "4")
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    return {n: p.detach().clone() for n, p in cli.model.policy.named_parameters()}
+
+
+def test_micro_batching_by_count_or_token_budget_leaves_the_update_unchanged(tmp_path, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    whole = _one_update(tiny_model_dir, tmp_path, micro_batch_size=64)
+    singles = _one_update(tiny_model_dir, tmp_path, micro_batch_size=1)
+    budget = _one_update(tiny_model_dir, tmp_path, micro_batch_tokens=40)
+    assert sum((whole[n] - initial[n]).abs().sum() for n in whole) > 0
+    for name in whole:
+        torch.testing.assert_close(singles[name], whole[name], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(budget[name], whole[name], rtol=1e-5, atol=1e-6)
+
+
+def test_token_budget_packs_rows_by_padded_length(tiny_model_dir):
+    from rllight.models import HFModel
+    from rllight.module import RLModule
+    from rllight.types import Rollout
+
+    module = RLModule(HFModel(tiny_model_dir), micro_batch_tokens=20)
+    b = 5
+    prompt_len, resp_len = [4, 4, 2, 6, 3], [6, 2, 8, 1, 3]
+    p_mask = torch.tensor([[0] * (6 - n) + [1] * n for n in prompt_len])
+    r_mask = torch.tensor([[1] * n + [0] * (8 - n) for n in resp_len])
+    rollout = Rollout(prompt_ids=p_mask * 7, prompt_mask=p_mask, response_ids=r_mask * 9, response_mask=r_mask,
+                      sample_logprobs=torch.zeros(b, 8), truncated=torch.zeros(b, dtype=torch.bool),
+                      group_ids=torch.arange(b), answers=["1"] * b, texts=[""] * b)
+    micro = list(module._micro_batches(rollout))
+    # rows 0,1: 2 x (4 + 6) = 20 fits; adding row 2 needs 3 x (4 + 8) = 36 > 20.
+    # row 2 alone 10; with row 3: 2 x (6 + 8) = 28 > 20. rows 3,4: 2 x (6 + 3) = 18 fits.
+    assert [len(m) for m in micro] == [2, 1, 2]
+    assert [tuple(m.prompt_ids.shape) + tuple(m.response_ids.shape) for m in micro] == [
+        (2, 4, 2, 6), (1, 2, 1, 8), (2, 6, 2, 3)]
