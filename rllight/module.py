@@ -50,6 +50,33 @@ def _disable_dropout(model: torch.nn.Module) -> None:
             module.attention_dropout = 0.0
 
 
+def _rng_state() -> dict:
+    """Every random stream a step draws from, as tensors and ints (loadable with weights_only)."""
+    import random
+
+    import numpy as np
+
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": (kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached)}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    import random
+
+    import numpy as np
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
 def _is_scalar(value) -> bool:
     return isinstance(value, (int, float)) or (isinstance(value, Tensor) and value.dim() == 0)
 
@@ -230,10 +257,13 @@ class RLModule(L.LightningModule):
         return out
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["rng"] = _rng_state()
         checkpoint["rllight"] = {"extra_prompt_cursor": self._extra_cursor, "reward_failures": self.reward_failures,
                                  "dropped_prompts": self.dropped_prompts, "consecutive_skips": self.consecutive_skips}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        if "rng" in checkpoint:
+            _set_rng_state(checkpoint["rng"])
         state = checkpoint.get("rllight", {})
         self._extra_cursor = state.get("extra_prompt_cursor", 0)
         self._extra_epoch = -1
@@ -395,6 +425,15 @@ class RLModule(L.LightningModule):
         return [cb for cb in (trainer.callbacks if trainer is not None else []) if hasattr(cb, "on_rollout")]
 
     def training_step(self, rows: list[dict], batch_idx: int) -> None:
+        self.rl_step(rows, batch_idx)
+        # Counted here, not in on_train_batch_end, which Lightning runs after the checkpoint callbacks: a
+        # checkpoint taken after this step must record it, or a resumed run would replay its batch.
+        datamodule = self.trainer.datamodule
+        if datamodule is not None and hasattr(datamodule, "batches_trained"):
+            datamodule.batches_trained += 1
+
+    def rl_step(self, rows: list[dict], batch_idx: int) -> None:
+        """One RL step on a batch of prompt rows: sample, score, estimate, update, log."""
         t_start = time.perf_counter()
         rollout = self.sampler(self, rows)
         metrics = self.rollout_metrics(rollout)

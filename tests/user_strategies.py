@@ -2,6 +2,7 @@
 
 import torch
 
+from rllight.callbacks import RolloutCallback
 from rllight.rewards import Reward
 from rllight.strategies import AdvantageEstimator, ClippedSurrogate
 
@@ -64,3 +65,18 @@ class NaNLoss(ClippedSurrogate):
         self.calls += 1
         loss, stats = super().__call__(logprobs, batch)
         return (loss * float("nan") if self.calls > self.after else loss), stats
+
+
+class KillAt(RolloutCallback):
+    """SIGKILLs its own process in the middle of the RL step that follows global step ``step``."""
+
+    def __init__(self, step: int = -1):
+        self.step = step
+
+    def on_rollout(self, trainer, module, rollout):
+        if trainer.global_step == self.step:
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
+        return rollout

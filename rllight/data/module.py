@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 
 import lightning as L
@@ -11,6 +12,10 @@ from torch.utils.data import DataLoader
 
 from rllight.data.arithmetic import ArithmeticTask
 from rllight.errors import RecipeError
+
+# ResumableSampler restarts the data stream at the trained-batch count saved in checkpoints, so
+# Lightning's generic warning about resuming mid-epoch with a plain dataloader does not apply.
+warnings.filterwarnings("ignore", message=".*your dataloader is not resumable.*")
 
 
 def _load_rows(paths: Sequence[str], field: str) -> list[dict]:
@@ -45,6 +50,37 @@ def _load_rows(paths: Sequence[str], field: str) -> list[dict]:
         if not len(ds):
             raise RecipeError(f"{field}: '{path}' holds no rows")
     return rows
+
+
+class ResumableSampler(torch.utils.data.Sampler[int]):
+    """A fresh seeded permutation of the training rows each epoch, able to start mid-epoch.
+
+    Each epoch yields the first ``epoch_rows`` indices of a permutation of ``num_rows`` that depends only
+    on ``(seed, epoch)``; ``start_at(n)`` skips the first ``n`` rows of that stream. A run resumed after
+    ``k`` trained batches therefore sees exactly the rows an uninterrupted run would: the trained-batch
+    count decides where it resumes, not the dataloader's prefetching.
+    """
+
+    def __init__(self, num_rows: int, epoch_rows: int, seed: int):
+        self.num_rows = num_rows
+        self.epoch_rows = epoch_rows
+        self.seed = seed
+        self.skip = 0  # rows of the stream already consumed by training
+
+    def start_at(self, rows_consumed: int) -> None:
+        self.skip = rows_consumed
+
+    def __iter__(self):
+        epoch, offset = divmod(self.skip, self.epoch_rows)
+        g = torch.Generator().manual_seed(self.seed + epoch)
+        order = torch.randperm(self.num_rows, generator=g)[: self.epoch_rows].tolist()
+        self.skip = (epoch + 1) * self.epoch_rows  # the next iterator starts the next epoch
+        yield from order[offset:]
+
+    def __len__(self) -> int:
+        # A full epoch, also when resuming mid-epoch: Lightning's restored batch counter then reaches the
+        # epoch's end exactly when this iterator runs out.
+        return self.epoch_rows
 
 
 def collate(rows: list[dict]) -> list[dict]:
@@ -94,6 +130,8 @@ class RLDataModule(L.LightningDataModule):
         self.seed = seed
         self.train_rows: list[dict] | None = None
         self.val_rows: list[dict] = []
+        self.batches_trained = 0
+        """Training batches completed (advanced by the module after each RL step; saved in checkpoints)."""
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_rows is not None:
@@ -120,9 +158,22 @@ class RLDataModule(L.LightningDataModule):
         return msgs
 
     def train_dataloader(self) -> DataLoader:
-        generator = torch.Generator().manual_seed(self.seed)
-        return DataLoader(self.train_rows, batch_size=self.batch_size, shuffle=True, drop_last=True,
-                          collate_fn=collate, generator=generator)
+        per_epoch = len(self.train_rows) // self.batch_size
+        if per_epoch == 0:
+            raise RecipeError(f"data.batch_size={self.batch_size} is larger than the {len(self.train_rows)} training rows")
+        sampler = ResumableSampler(len(self.train_rows), per_epoch * self.batch_size, self.seed)
+        # Whole batches: resuming after k trained batches skips k * batch_size rows of the stream.
+        sampler.start_at(self.batches_trained * self.batch_size)
+        # The loader's own generator keeps iterator creation from drawing on the global RNG, which the
+        # rollouts use: a resumed run must see the same random stream as an uninterrupted one.
+        return DataLoader(self.train_rows, batch_size=self.batch_size, sampler=sampler, drop_last=True,
+                          collate_fn=collate, generator=torch.Generator().manual_seed(self.seed))
+
+    def state_dict(self) -> dict:
+        return {"batches_trained": self.batches_trained}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.batches_trained = state_dict.get("batches_trained", 0)
 
     def val_dataloader(self) -> DataLoader | list:
         if not self.val_rows:

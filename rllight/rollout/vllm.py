@@ -23,15 +23,17 @@ How it runs:
 - **Log-probs of the distribution sampled from**: ``logprobs_mode="processed_logprobs"`` makes vLLM return
   log-probs after temperature (and top-k / top-p), like HFEngine's processed scores; the trainer divides its
   logits by the same temperature.
-- **Weight sync**: ``update_weights`` pushes the full state dict through the worker's in-place
-  ``reload_weights`` (vLLM >= 0.11; the checkpoint-format path that re-runs the per-layer weight processing,
-  e.g. the CPU backend's packed GEMM weights, which a bare ``model.load_weights`` would leave stale), then
-  resets the prefix cache, whose KV entries were computed with the old weights.
+- **Weight sync**: ``update_weights`` pushes the full state dict through the workers' in-place
+  ``reload_weights(weights_iterator=...)`` (``LLM.collective_rpc``; in vLLM 0.32, not in 2025 releases, whose
+  ``reload_weights`` takes no weights). It is the checkpoint-format path: it re-runs the per-layer weight
+  processing (e.g. the CPU backend's packed GEMM weights, quantisation) that a bare ``model.load_weights``
+  would leave stale. Then it resets the prefix cache, whose KV entries were computed with the old weights.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import random
 import shutil
@@ -119,6 +121,22 @@ def _save_policy(model: torch.nn.Module, tokenizer, path: str) -> None:
     else:
         model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+
+
+class _RotaryReloadFilter(logging.Filter):
+    """vLLM 0.32's in-place reload counts the rotary embedding's cos/sin cache (a buffer computed from the
+    config, absent from checkpoints) as a weight to load, logs "RotaryEmbedding: Failed to load weights" on
+    every sync, and then puts the cache back unchanged. This drops that one message, nothing else."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("RotaryEmbedding") and message.endswith("Failed to load weights"))
+
+
+def _quiet_rotary_reload_warning() -> None:
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if not any(isinstance(f, _RotaryReloadFilter) for f in logger.filters):
+        logger.addFilter(_RotaryReloadFilter())
 
 
 @contextlib.contextmanager
@@ -235,6 +253,7 @@ class VLLMEngine(RolloutEngine):
                 logprobs_mode="processed_logprobs",
                 **kwargs,
             )
+        _quiet_rotary_reload_warning()
         return self.llm
 
     def close(self) -> None:

@@ -33,7 +33,8 @@ def _broadcast(adv: Tensor, rollout: Rollout) -> Tensor:
 class RLOO(AdvantageEstimator):
     """REINFORCE leave-one-out (Ahmadian et al., arXiv:2402.14740): the baseline of a response is the
     mean reward of the other responses to its prompt, ``A_i = R_i - mean_{j != i} R_j``, broadcast to
-    every token. Needs ``group_size >= 2``; a group of one gets A = 0."""
+    every token. Needs ``group_size >= 2``; a group of one gets A = 0. Reads the outcome reward only: a KL
+    penalty belongs in the loss (``model.kl.in_reward: false``) with this estimator."""
 
     def __call__(self, rollout: Rollout) -> tuple[Tensor, None]:
         return _broadcast(rloo(rollout.rewards, rollout.group_ids), rollout), None
@@ -71,7 +72,7 @@ class ReMaxSampler(Sampler):
 class ReMax(AdvantageEstimator):
     """ReMax (Li et al., arXiv:2310.10505): ``A_i = R_i - R(greedy response to the same prompt)``,
     broadcast to every token. Needs ``model.sampler: rllight.strategies.ReMaxSampler``, which generates
-    and scores the greedy responses."""
+    and scores the greedy responses. Reads the outcome rewards only (put a KL penalty in the loss)."""
 
     def __call__(self, rollout: Rollout) -> tuple[Tensor, None]:
         if GREEDY_REWARDS not in rollout.extras:

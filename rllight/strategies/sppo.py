@@ -29,7 +29,8 @@ class PromptBaseline(AdvantageEstimator):
         it is floored at ``min_sigma`` so that a confident critic cannot blow the advantage up (the
         floor is ours, not the paper's).
 
-    Returns no value targets: the critic is fitted to the rewards themselves.
+    Returns no value targets: the critic is fitted to the rewards themselves. Reads the outcome reward
+    only, so a KL penalty belongs in the loss (``model.kl.in_reward: false``).
 
     Args:
         normalize: none, batch_std or bernoulli.

@@ -23,7 +23,8 @@ class VESPO(PolicyLoss):
     computed in log space and detached, with ``(c1, c2)`` by the sign of the response's advantage; and the
     per-token loss ``-phi(W) A_t logp_t`` (shape (B, T), aggregated by the recipe: token-mean in the
     paper). The gradient is ``phi(W) A grad log pi``: an importance-weighted REINFORCE whose weight is
-    smoothly damped on both sides of W = 1 instead of clipped.
+    smoothly damped on both sides of W = 1 instead of clipped. With top-p / top-k sampling the engine's
+    log-probs are those of the truncated distribution, so W then also measures that truncation.
 
     Staleness ``N = global batch / mini batch`` is the number of sequential optimizer updates per rollout:
     with R = data.batch_size * sampler.group_size responses per rollout, ``N = model.ppo_epochs * R /
