@@ -187,6 +187,9 @@ class RLModule(L.LightningModule):
         if self.advantage.needs_values and critic is None:
             raise RecipeError(f"model.advantage: {type(self.advantage).__name__} needs a critic; set model.critic "
                               "(e.g. class_path: rllight.critics.ValueHead)")
+        if kl is not None and kl.in_reward and not advantage.uses_token_rewards:
+            raise RecipeError(f"model.kl.in_reward: {type(advantage).__name__} reads only the outcome reward, so a KL "
+                              "penalty in the reward would be ignored; put it in the loss (in_reward: false)")
         if critic_updates_first and critic is None:
             raise RecipeError("model.critic_updates_first needs model.critic")
         self.policy: torch.nn.Module | None = None
@@ -458,6 +461,7 @@ class RLModule(L.LightningModule):
         t_score = time.perf_counter()
         self._score_with_models(rollout, need_old=need_old)
         self._estimate_advantages(rollout)
+        metrics.update({k: v for k, v in rollout.extras.items() if _is_scalar(v)})  # estimators' statistics
         joint_critic = self.critic is not None
         if self.critic_updates_first:
             # VAPO note 000: fit the critic on the fresh rollout first, then recompute values and

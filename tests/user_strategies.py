@@ -80,3 +80,28 @@ class KillAt(RolloutCallback):
 
             os.kill(os.getpid(), signal.SIGKILL)
         return rollout
+
+
+class DumpState(RolloutCallback):
+    """Records, on each rank, the last step's local and global token counts and the final weights
+    (to the path in RLLIGHT_TEST_DUMP, with {rank} filled in)."""
+
+    def __init__(self):
+        self.record = {}
+
+    def on_rollout(self, trainer, module, rollout):
+        local = rollout.response_mask.sum().float()
+        self.record["local_tokens"] = local.item()
+        self.record["global_tokens"] = module._global(local.clone()).item()
+        self.record["prompts"] = sorted(rollout.answers)
+        return rollout
+
+    def on_train_end(self, trainer, module):
+        import os
+
+        import torch
+
+        params = {f"policy.{n}": p.detach().clone() for n, p in module.policy.named_parameters()}
+        params.update({f"critic.{n}": p.detach().clone() for n, p in module.critic.named_parameters()})
+        path = os.environ["RLLIGHT_TEST_DUMP"].format(rank=trainer.global_rank)
+        torch.save({**self.record, "params": params}, path)

@@ -11,10 +11,13 @@ from rllight.types import Rollout
 class AdvantageEstimator:
     """Base class. Subclass it in your own module and select it with ``class_path`` in a recipe.
 
-    ``needs_values`` tells the module to run the critic before calling the estimator.
+    ``needs_values`` tells the module to run the critic before calling the estimator;
+    ``uses_token_rewards`` says that it reads ``rollout.token_rewards`` (where a KL penalty in the
+    reward lands) rather than only the outcome ``rollout.rewards``.
     """
 
     needs_values: bool = False
+    uses_token_rewards: bool = False
 
     def __call__(self, rollout: Rollout) -> tuple[Tensor, Tensor | None]:
         """``(advantages (B, T), returns (B, T) or None)``, zero outside ``rollout.response_mask``."""
@@ -32,6 +35,7 @@ class GAE(AdvantageEstimator):
     """
 
     needs_values = True
+    uses_token_rewards = True
 
     def __init__(self, gamma: float = 1.0, lam: float = 0.95, whiten: bool = True):
         self.gamma = gamma

@@ -91,6 +91,8 @@ class ReinforcePP(AdvantageEstimator):
         gamma: Discount (1.0 in the paper).
     """
 
+    uses_token_rewards = True
+
     def __init__(self, gamma: float = 1.0):
         if not 0 < gamma <= 1:
             raise RecipeError(f"model.advantage.gamma must be in (0, 1], got {gamma}")
