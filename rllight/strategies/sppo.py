@@ -1,6 +1,6 @@
 """SPPO (Wang et al., "SPPO: Sequence-Level PPO for Long-Horizon Reasoning Tasks", arXiv:2604.08865):
 a scalar prompt critic gives the baseline, one advantage per response, and the PPO clip acts on the
-sum of the token ratios of a response. The critic is ``rllight.critics_sppo.PromptCritic``."""
+sum of the token ratios of a response. The critic is ``rllight.critics.PromptCritic``."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ _NORMALIZE = ("none", "batch_std", "bernoulli")
 
 class PromptBaseline(AdvantageEstimator):
     """SPPO's sequence-level advantage ``A = (R - V(prompt)) / sigma``, broadcast over every response
-    token. ``V`` comes from a prompt-level critic (``rllight.critics_sppo.PromptCritic``, values (B,)).
+    token. ``V`` comes from a prompt-level critic (``rllight.critics.PromptCritic``, values (B,)).
 
     ``sigma`` by ``normalize``:
         ``none``: 1 (the note's simplified form, ``A = R - V``);
@@ -53,7 +53,7 @@ class PromptBaseline(AdvantageEstimator):
         values = rollout.values
         if values is None or values.dim() != 1:
             raise RecipeError("model.critic: PromptBaseline needs a prompt-level critic with one value per response "
-                              "(class_path: rllight.critics_sppo.PromptCritic)")
+                              "(class_path: rllight.critics.PromptCritic)")
         adv = rollout.rewards.to(values.dtype) - values
         if self.normalize == "batch_std":
             adv = adv / ((adv.std() if adv.numel() > 1 else adv.new_zeros(())) + self.eps)
