@@ -180,7 +180,8 @@ class RLModule(L.LightningModule):
         self.max_prompt_tokens = max_prompt_tokens
         self.consecutive_skips = 0
         self.dropped_prompts = 0
-        self._epoch_start_step = 0
+        self._consumed_steps = 0
+        self._epoch_start = (0, 0)
         self.logprob_chunk_size = logprob_chunk_size
         self.optimizer_fn = optimizer
         self.export_dir = export_dir
@@ -443,6 +444,7 @@ class RLModule(L.LightningModule):
         for cb in self._rollout_callbacks():
             rollout = cb.on_rollout(self.trainer, self, rollout)
             if rollout is None:  # the callback used the rollout itself (e.g. value pretraining)
+                self._consumed_steps += 1
                 metrics["time/step"] = time.perf_counter() - t_start
                 self._log(metrics)
                 return
@@ -488,10 +490,11 @@ class RLModule(L.LightningModule):
         self._log(metrics)
 
     def on_train_epoch_start(self) -> None:
-        self._epoch_start_step = self.global_step
+        self._epoch_start = (self.global_step, self._consumed_steps)
 
     def on_train_epoch_end(self) -> None:
-        if self.global_step == self._epoch_start_step:
+        # Progress is an update, or a step a callback used (value pretraining makes no policy update).
+        if (self.global_step, self._consumed_steps) == self._epoch_start:
             # Otherwise a run whose every batch is filtered out would loop over epochs forever.
             raise RecipeError(f"epoch {self.current_epoch} made no update: every batch was empty after filtering "
                               f"({self.dropped_prompts} prompts dropped as longer than max_prompt_tokens="

@@ -13,6 +13,23 @@ from conftest import RECIPES
 from helpers import build
 
 ALL_RECIPES = sorted(glob.glob(os.path.join(RECIPES, "**", "*.yaml"), recursive=True))
+ABLATIONS = os.path.join(RECIPES, "ablations")
+BASE_PREFIX = "# base: "
+
+
+def recipe_configs(recipe: str) -> list[str]:
+    """The config files that make up ``recipe``: an overlay under recipes/ablations/ names its base recipe on
+    its first line (``# base: recipes/vapo.yaml``) and is parsed on top of it; any other recipe stands alone."""
+    with open(recipe) as f:
+        first = f.readline()
+    if not first.startswith(BASE_PREFIX):
+        return [recipe]
+    base = os.path.join(os.path.dirname(RECIPES), first[len(BASE_PREFIX):].strip())
+    return [base, recipe]
+
+
+def config_args(recipe: str) -> list[str]:
+    return [arg for path in recipe_configs(recipe) for arg in ("--config", path)]
 
 
 def test_recipes_exist():
@@ -22,7 +39,7 @@ def test_recipes_exist():
 
 @pytest.mark.parametrize("recipe", ALL_RECIPES, ids=os.path.basename)
 def test_recipe_parses_and_instantiates(recipe):
-    cli = build(recipe)
+    cli = build(*recipe_configs(recipe))
     assert isinstance(cli.model, RLModule)
     assert cli.model.policy is None  # weights load in configure_model, not at construction
 
@@ -34,10 +51,20 @@ def test_recipe_starts_with_a_header_comment(recipe):
     assert first.startswith("# ") and len(first) > 20
 
 
+@pytest.mark.parametrize("recipe", [r for r in ALL_RECIPES if r.startswith(ABLATIONS + os.sep)], ids=os.path.basename)
+def test_ablation_overlay_names_an_existing_base_and_says_what_it_changes(recipe):
+    with open(recipe) as f:
+        first, second = f.readline(), f.readline()
+    assert first.startswith(BASE_PREFIX), f"{recipe}: the first line must be '{BASE_PREFIX}recipes/<name>.yaml'"
+    base = recipe_configs(recipe)[0]
+    assert os.path.isfile(base) and os.path.dirname(base) == RECIPES, base
+    assert second.startswith("# ") and len(second) > 20  # the header: what the overlay turns off or changes
+
+
 @pytest.mark.parametrize("recipe", ALL_RECIPES, ids=os.path.basename)
 def test_print_config_round_trips(recipe, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
-        main(["fit", "--config", recipe, "--print_config"])
+        main(["fit", *config_args(recipe), "--print_config"])
     assert exc.value.code in (0, None)
     first = capsys.readouterr().out
     printed = tmp_path / "printed.yaml"

@@ -104,6 +104,7 @@ class DecoupledGAE(AdvantageEstimator):
     """
 
     needs_values = True
+    uses_token_rewards = True
 
     def __init__(self, policy_lambda: LambdaSchedule = lazy_instance(AdaptiveLambda), value_lam: float | None = 1.0,
                  gamma: float = 1.0, whiten: bool = True):

@@ -1,0 +1,203 @@
+"""Self-imitation on a replay buffer of successful responses (VAPO note 000, eq. 11; SIL, Oh et al.,
+arXiv:1806.05635), as a rollout callback."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import lightning as L
+import torch
+
+from rllight.callbacks.base import RolloutCallback
+from rllight.errors import RecipeError
+from rllight.rollout.base import pad_left
+from rllight.types import Rollout
+
+if TYPE_CHECKING:
+    from rllight.module import RLModule
+
+POLICIES = ("fifo", "highest_reward", "reservoir")
+
+
+def build_rollout(entries: list[dict], pad_id: int, device: torch.device | str = "cpu") -> Rollout:
+    """A Rollout of stored responses: prompts left-padded, responses right-padded, masks from the
+    stored (unpadded) lengths. Sampling log-probs are zeros (nothing was sampled); ``correct`` is 1.
+
+    Args:
+        entries: Dicts with ``prompt_ids`` and ``response_ids`` (1-D long tensors), ``reward`` (float),
+            ``answer`` and ``text`` (str).
+    """
+    prompt_ids, prompt_mask = pad_left([e["prompt_ids"].tolist() for e in entries], pad_id)
+    width = max(len(e["response_ids"]) for e in entries)
+    response_ids = torch.full((len(entries), width), pad_id, dtype=torch.long)
+    response_mask = torch.zeros((len(entries), width), dtype=torch.long)
+    for i, e in enumerate(entries):
+        n = len(e["response_ids"])
+        response_ids[i, :n] = e["response_ids"]
+        response_mask[i, :n] = 1
+    rollout = Rollout(
+        prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids, response_mask=response_mask,
+        sample_logprobs=torch.zeros(response_ids.shape), truncated=torch.zeros(len(entries), dtype=torch.bool),
+        group_ids=torch.arange(len(entries)), answers=[e["answer"] for e in entries],
+        texts=[e["text"] for e in entries],
+        rewards=torch.tensor([e["reward"] for e in entries], dtype=torch.float32),
+        correct=torch.ones(len(entries)),
+    )
+    return rollout.to(device)
+
+
+class SelfImitation(RolloutCallback):
+    """Keep successful responses in a replay buffer and, every ``every_n_steps`` RL steps, take one
+    supervised update on a sample of them: ``coef * -log pi(y* | x)``, aggregated like the policy loss
+    (``module.nll_update``; VAPO note 000 step 5, eq. 11).
+
+    A response is a success when ``rollout.correct`` is set (or, with ``min_reward``, when its reward is at
+    least ``min_reward``). Each entry stores on CPU what rebuilds a Rollout: the prompt's and the
+    response's token ids without padding (their lengths give the masks), the reward, answer and text.
+    The replay runs in ``on_train_batch_end``, after the step's policy update as in note 000; a step
+    consumed by an earlier callback (value pretraining) neither stores nor replays.
+
+    Replacement when the buffer is full (note 000 leaves it open):
+        ``fifo``: the oldest entry leaves.
+        ``highest_reward``: the new entry replaces the lowest-reward entry (the oldest among equals) if
+            its reward is at least as high; with 0/1 rewards this is fifo among the successes.
+        ``reservoir``: the n-th success offered replaces a uniformly drawn slot with probability
+            capacity / n (a uniform sample of every success seen; Vitter's algorithm R).
+
+    The buffer, the counters and the sampling generator are in ``state_dict``, so resume restores them.
+
+    Metrics: ``train/sil/{buffer_size,added}`` each step; ``train/sil/{nll,replayed}`` on replay steps.
+
+    Args:
+        capacity: Most entries kept.
+        every_n_steps: Replay on every n-th RL step that reaches this callback (N_sil).
+        batch_size: Entries per replay update (drawn without replacement; fewer while the buffer is small).
+        coef: Weight of the NLL loss.
+        policy: Replacement policy: fifo, highest_reward or reservoir.
+        min_reward: Success threshold on the reward (None = use ``rollout.correct``).
+        unique: Skip a response already in the buffer for the same prompt.
+        seed: Seed of the buffer's own generator (reservoir slots, replay samples).
+    """
+
+    def __init__(self, capacity: int = 256, every_n_steps: int = 1, batch_size: int = 8, coef: float = 0.1,
+                 policy: str = "fifo", min_reward: float | None = None, unique: bool = True, seed: int = 0):
+        for name, value in (("capacity", capacity), ("every_n_steps", every_n_steps), ("batch_size", batch_size)):
+            if value < 1:
+                raise RecipeError(f"trainer.callbacks: SelfImitation.{name} must be >= 1, got {value}")
+        if coef < 0:
+            raise RecipeError(f"trainer.callbacks: SelfImitation.coef must be >= 0, got {coef}")
+        if policy not in POLICIES:
+            raise RecipeError(f"trainer.callbacks: SelfImitation.policy must be one of {', '.join(POLICIES)}, "
+                              f"got {policy!r}")
+        self.capacity = capacity
+        self.every_n_steps = every_n_steps
+        self.batch_size = batch_size
+        self.coef = coef
+        self.policy = policy
+        self.min_reward = min_reward
+        self.unique = unique
+        self.seed = seed
+        self.entries: list[dict] = []
+        self.offered = 0  # successes offered to the buffer (duplicates excluded): reservoir's n
+        self.insertions = 0  # a clock for "oldest"
+        self.steps_seen = 0
+        self._keys: set[tuple] = set()
+        self._generator = torch.Generator().manual_seed(seed)
+        self._pending = False
+
+    # ------------------------------------------------------------------------------- buffer
+    @staticmethod
+    def _key(entry: dict) -> tuple:
+        return tuple(entry["prompt_ids"].tolist()), tuple(entry["response_ids"].tolist())
+
+    def _evict(self, index: int) -> None:
+        self._keys.discard(self._key(self.entries[index]))
+
+    def add(self, entry: dict) -> bool:
+        """Offer one entry; returns whether it entered the buffer."""
+        key = self._key(entry)
+        if self.unique and key in self._keys:
+            return False
+        self.offered += 1
+        entry = dict(entry, order=self.insertions)
+        if len(self.entries) < self.capacity:
+            self.entries.append(entry)
+        else:
+            slot = self._slot_for(entry)
+            if slot is None:
+                return False
+            self._evict(slot)
+            self.entries[slot] = entry
+        self._keys.add(key)
+        self.insertions += 1
+        return True
+
+    def _slot_for(self, entry: dict) -> int | None:
+        """The slot a new entry replaces in a full buffer, or None when the policy rejects it."""
+        if self.policy == "fifo":
+            return min(range(len(self.entries)), key=lambda i: self.entries[i]["order"])
+        if self.policy == "highest_reward":
+            slot = min(range(len(self.entries)), key=lambda i: (self.entries[i]["reward"], self.entries[i]["order"]))
+            return slot if entry["reward"] >= self.entries[slot]["reward"] else None
+        # reservoir: keep the n-th offer with probability capacity / n, in a uniformly drawn slot
+        slot = int(torch.randint(self.offered, (1,), generator=self._generator))
+        return slot if slot < self.capacity else None
+
+    def sample(self, n: int) -> list[dict]:
+        """Up to ``n`` distinct entries, uniformly."""
+        order = torch.randperm(len(self.entries), generator=self._generator)[:n]
+        return [self.entries[i] for i in order.tolist()]
+
+    # -------------------------------------------------------------------------------- hooks
+    def on_rollout(self, trainer: L.Trainer | None, module: RLModule, rollout: Rollout) -> Rollout:
+        self.steps_seen += 1
+        self._pending = True
+        if self.min_reward is not None:
+            success = rollout.rewards >= self.min_reward
+        elif rollout.correct is not None:
+            success = rollout.correct > 0
+        else:
+            raise ValueError("SelfImitation needs rollout.correct, or set min_reward")
+        lengths = rollout.response_lengths
+        prompt_mask = rollout.prompt_mask.bool()
+        response_mask = rollout.response_mask.bool()
+        added = 0
+        for i in torch.nonzero(success & (lengths > 0)).flatten().tolist():
+            added += self.add({
+                "prompt_ids": rollout.prompt_ids[i][prompt_mask[i]].detach().cpu().clone(),
+                "response_ids": rollout.response_ids[i][response_mask[i]].detach().cpu().clone(),
+                "reward": float(rollout.rewards[i]),
+                "answer": rollout.answers[i],
+                "text": rollout.texts[i],
+            })
+        rollout.extras["sil/buffer_size"] = float(len(self.entries))
+        rollout.extras["sil/added"] = float(added)
+        return rollout
+
+    def on_train_batch_end(self, trainer: L.Trainer | None, pl_module: RLModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if not self._pending:
+            return
+        self._pending = False
+        if self.steps_seen % self.every_n_steps or not self.entries:
+            return
+        replayed = build_rollout(self.sample(self.batch_size), pl_module.tokenizer.pad_token_id, pl_module.device)
+        stats = pl_module.nll_update(replayed, self.coef)
+        metrics = {"train/sil/replayed": float(len(replayed))}
+        if "nll/loss" in stats:
+            metrics["train/sil/nll"] = float(stats["nll/loss"])
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+
+    # -------------------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        return {"entries": [dict(e) for e in self.entries], "offered": self.offered, "insertions": self.insertions,
+                "steps_seen": self.steps_seen, "generator": self._generator.get_state()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.entries = [dict(e) for e in state_dict["entries"]]
+        self.offered = int(state_dict["offered"])
+        self.insertions = int(state_dict["insertions"])
+        self.steps_seen = int(state_dict["steps_seen"])
+        self._generator.set_state(state_dict["generator"])
+        self._keys = {self._key(e) for e in self.entries}
+        self._pending = False

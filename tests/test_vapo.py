@@ -1,0 +1,565 @@
+"""VAPO (arXiv:2504.05118, note 000): lambdas and decoupled GAE against hand-computed numbers (arithmetic in the
+comments), the positive-example NLL, value pretraining and self-imitation on hand-built rollouts with fake
+modules, the critic-first update order and two-step runs of the VAPO recipes on a tiny in-process model, and
+resume from a Lightning checkpoint."""
+
+import math
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+from torch.testing import assert_close
+from transformers import AutoModelForCausalLM
+
+from rllight.algorithms import adaptive_lambda, gae, vapo_lambda
+from rllight.callbacks import SelfImitation, ValuePretraining
+from rllight.callbacks.replay import build_rollout
+from rllight.errors import RecipeError
+from rllight.strategies import (
+    AdaptiveLambda,
+    ClippedSurrogate,
+    DecoupledGAE,
+    FixedLambda,
+    PositiveExampleNLL,
+    TokenMean,
+    VAPOLambda,
+)
+
+from conftest import RECIPES
+from helpers import build, tiny_overrides
+from test_dapo import make_rollout
+
+ABLATIONS = os.path.join(RECIPES, "ablations")
+
+# --------------------------------------------------------------------------------------------------
+# Lambdas
+# --------------------------------------------------------------------------------------------------
+
+
+def test_adaptive_lambda_hand_computed():
+    # Lengths 10, 20, 30: mean 20, unbiased std 10 -> z = -1, 0, 1.
+    # sigmoid(1) = 0.7310585786, sigmoid(-1) = 0.2689414214.
+    # lam = 0.3 + 0.65 * sigmoid(z) = 0.3 + 0.1748119239, 0.3 + 0.325, 0.3 + 0.4751880761.
+    lam = adaptive_lambda(torch.tensor([10, 20, 30]), 0.3, 0.95)
+    assert_close(lam, torch.tensor([0.4748119239, 0.625, 0.7751880761]))
+
+
+def test_adaptive_lambda_at_the_mean_length_is_the_midpoint():
+    # The response at the batch mean has z = 0: (0.3 + 0.95) / 2 = 0.625, whatever the spread.
+    assert adaptive_lambda(torch.tensor([2, 8, 14]))[1].item() == pytest.approx(0.625)
+    # Equal lengths (std 0, clamped to 1) and a single response: every lambda is the midpoint.
+    assert_close(adaptive_lambda(torch.tensor([7, 7, 7])), torch.full((3,), 0.625))
+    assert_close(adaptive_lambda(torch.tensor([5])), torch.tensor([0.625]))
+
+
+def test_adaptive_lambda_clamps_a_small_std_to_one_token():
+    # Lengths 10, 11: std = 0.7071 is clamped to 1 -> z = -0.5, 0.5;
+    # sigmoid(0.5) = 0.6224593312 -> 0.3 + 0.65 * 0.6224593312 = 0.7045985653; 0.3 + 0.65 * 0.3775406688 = 0.5454014347.
+    assert_close(adaptive_lambda(torch.tensor([10.0, 11.0])), torch.tensor([0.5454014347, 0.7045985653]))
+
+
+def test_vapo_lambda_hand_computed():
+    # 1 - 1 / (0.05 L): L = 100 -> 1 - 1/5 = 0.8; L = 1000 -> 1 - 1/50 = 0.98; L = 20 -> 1 - 1/1 = 0;
+    # L = 10 -> 1 - 1/0.5 = -1, clamped to 0; L = 0 -> undefined, 0.
+    assert_close(vapo_lambda(torch.tensor([100, 1000, 20, 10, 0]), alpha=0.05),
+                 torch.tensor([0.8, 0.98, 0.0, 0.0, 0.0]))
+
+
+def test_lambda_schedules_delegate_to_the_pure_functions():
+    lengths = torch.tensor([3, 9, 30])
+    assert FixedLambda(0.9)(lengths) == 0.9
+    assert_close(AdaptiveLambda(0.2, 0.8)(lengths), adaptive_lambda(lengths, 0.2, 0.8))
+    assert_close(VAPOLambda(0.1)(lengths), vapo_lambda(lengths, 0.1))
+
+
+# --------------------------------------------------------------------------------------------------
+# Decoupled GAE
+# --------------------------------------------------------------------------------------------------
+
+
+def _scored(values, token_rewards, lengths):
+    rollout = make_rollout([0.0] * len(lengths), lengths, width=len(values[0]))
+    rollout.values = torch.tensor(values)
+    rollout.token_rewards = torch.tensor(token_rewards)
+    return rollout
+
+
+def test_decoupled_gae_hand_computed():
+    # One response of 3 tokens (the 4th column is padding with junk), outcome reward 1 on the last token,
+    # V = 0.5, 0.6, 0.7; gamma = 1.
+    # Policy lambda 0.5: delta = 0.6-0.5 = 0.1, 0.7-0.6 = 0.1, 1-0.7 = 0.3;
+    #   A_2 = 0.3; A_1 = 0.1 + 0.5*0.3 = 0.25; A_0 = 0.1 + 0.5*0.25 = 0.225.
+    # Value lambda 1: returns are the Monte-Carlo return G_t = 1 on every token.
+    rollout = _scored([[0.5, 0.6, 0.7, 9.0]], [[0.0, 0.0, 1.0, 0.0]], [3])
+    adv, ret = DecoupledGAE(policy_lambda=FixedLambda(0.5), value_lam=1.0, whiten=False)(rollout)
+    assert_close(adv, torch.tensor([[0.225, 0.25, 0.3, 0.0]]))
+    assert_close(ret, torch.tensor([[1.0, 1.0, 1.0, 0.0]]))
+    # Coupled (value_lam null): the targets bootstrap with the policy's lambda, returns = A + V
+    #   = 0.225 + 0.5, 0.25 + 0.6, 0.3 + 0.7.
+    _, ret = DecoupledGAE(policy_lambda=FixedLambda(0.5), value_lam=None, whiten=False)(rollout)
+    assert_close(ret, torch.tensor([[0.725, 0.85, 1.0, 0.0]]))
+    assert rollout.extras["advantage/lambda_mean"] == pytest.approx(0.5)
+
+
+def test_decoupled_gae_uses_one_adaptive_lambda_per_sequence_and_reports_its_statistics():
+    g = torch.Generator().manual_seed(0)
+    lengths = [2, 5, 3, 6]
+    rollout = _scored(torch.rand(4, 6, generator=g).tolist(), torch.zeros(4, 6).tolist(), lengths)
+    rollout.token_rewards[torch.arange(4), torch.tensor(lengths) - 1] = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    adv, ret = DecoupledGAE(whiten=False)(rollout)  # defaults: AdaptiveLambda(0.3, 0.95), value_lam 1.0
+    lam = adaptive_lambda(torch.tensor(lengths))
+    expected_adv, _ = gae(rollout.token_rewards, rollout.values, rollout.response_mask, 1.0, lam)
+    _, mc = gae(rollout.token_rewards, rollout.values, rollout.response_mask, 1.0, 1.0)
+    assert_close(adv, expected_adv)
+    assert_close(ret, mc)
+    # Monte-Carlo returns with gamma = 1: the outcome reward on every valid token.
+    assert_close(ret, torch.tensor([1.0, 0.0, 1.0, 1.0]).unsqueeze(-1) * rollout.response_mask)
+    assert rollout.extras["advantage/lambda_mean"] == pytest.approx(lam.mean().item())
+    assert rollout.extras["advantage/lambda_min"] == pytest.approx(lam.min().item())
+    assert rollout.extras["advantage/lambda_max"] == pytest.approx(lam.max().item())
+
+
+# --------------------------------------------------------------------------------------------------
+# Positive-example NLL (the paper's in-batch self-imitation)
+# --------------------------------------------------------------------------------------------------
+
+
+def test_positive_example_nll_hand_computed():
+    # Two responses of two tokens; response 0 is correct, response 1 wrong. Zero advantages, so the clipped
+    # surrogate is 0 and only the NLL term is left: 0.1 * (-ln 0.5, -ln 0.25) on response 0, 0 on response 1.
+    # token-mean over the step's 4 tokens: 0.1 * (0.6931471806 + 1.3862943611) / 4 = 0.0519860385.
+    logprobs = torch.log(torch.tensor([[0.5, 0.25], [0.5, 0.5]])).requires_grad_()
+    batch = make_rollout([1.0, 0.0], lengths=[2, 2])
+    batch.old_logprobs = logprobs.detach().clone()
+    batch.advantages = torch.zeros(2, 2)
+    per_token, stats = PositiveExampleNLL(ClippedSurrogate(0.2, 0.28), coef=0.1)(logprobs, batch)
+    assert_close(per_token.detach(), torch.tensor([[0.0693147181, 0.1386294361], [0.0, 0.0]]))
+    loss = TokenMean()(per_token, batch.response_mask, num_tokens=torch.tensor(4.0))
+    assert loss.item() == pytest.approx(0.0519860385)
+    loss.backward()
+    # d loss / d logp = -0.1 / 4 = -0.025 on the correct response's tokens, 0 on the wrong one's.
+    assert_close(logprobs.grad, torch.tensor([[-0.025, -0.025], [0.0, 0.0]]))
+    assert stats["policy/positive_nll"].item() == pytest.approx((0.6931471806 + 1.3862943611) / 2)
+    # Normalisation: the paper divides by the correct tokens only (2): 0.1 * 2.0794415417 / 2 = 0.1039720771;
+    # ours is that times N_correct / N = 2 / 4.
+    assert loss.item() == pytest.approx(0.1039720771 * 2 / 4)
+
+
+# --------------------------------------------------------------------------------------------------
+# Bad values: one line naming the field
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make,field", [
+    (lambda: FixedLambda(1.5), "lam"),
+    (lambda: AdaptiveLambda(0.9, 0.3), "lam_min"),
+    (lambda: VAPOLambda(0.0), "alpha"),
+    (lambda: DecoupledGAE(value_lam=2.0), "value_lam"),
+    (lambda: PositiveExampleNLL(coef=-1.0), "coef"),
+    (lambda: ValuePretraining(max_steps=-1), "max_steps"),
+    (lambda: ValuePretraining(patience=0), "patience"),
+    (lambda: ValuePretraining(epochs=0), "epochs"),
+    (lambda: SelfImitation(capacity=0), "capacity"),
+    (lambda: SelfImitation(every_n_steps=0), "every_n_steps"),
+    (lambda: SelfImitation(policy="lifo"), "policy"),
+    (lambda: SelfImitation(coef=-0.1), "coef"),
+])
+def test_bad_values_are_one_line_recipe_errors_naming_the_field(make, field):
+    with pytest.raises(RecipeError, match=field) as err:
+        make()
+    assert len(str(err.value).splitlines()) == 1
+
+
+# --------------------------------------------------------------------------------------------------
+# Value pretraining with a fake module
+# --------------------------------------------------------------------------------------------------
+
+
+class FakeCriticModule:
+    """What ValuePretraining uses of RLModule: a critic, the estimator's gamma, ``forward_batch`` (values
+    0.3 on every token), ``critic_update`` (records its call, returns the next scripted loss), ``log_dict``."""
+
+    def __init__(self, losses, gamma=1.0):
+        self.critic = object()
+        self.advantage = SimpleNamespace(gamma=gamma)
+        self.micro_batch_size = 2
+        self.losses = list(losses)
+        self.updates = []
+        self.logged = []
+
+    def forward_batch(self, batch, with_values=False, with_logprobs=True):
+        assert with_values and not with_logprobs
+        return None, None, torch.full(batch.response_ids.shape, 0.3)
+
+    def critic_update(self, rollout, epochs=1, minibatch_size=None, train_backbone=True):
+        self.updates.append({"rollout": rollout, "epochs": epochs, "minibatch_size": minibatch_size,
+                             "train_backbone": train_backbone})
+        return {"critic_only/loss": torch.tensor(self.losses.pop(0)),
+                "critic_only/explained_variance": torch.tensor(0.5)}
+
+    def log_dict(self, metrics, **kwargs):
+        self.logged.append(metrics)
+
+
+def test_value_pretraining_fits_the_head_on_monte_carlo_returns_and_consumes_the_rollout():
+    module = FakeCriticModule(losses=[0.4])
+    rollout = make_rollout([1.0, 0.0, 1.0], lengths=[3, 1, 2])
+    out = ValuePretraining(max_steps=5, epochs=2, minibatch_size=4).on_rollout(None, module, rollout)
+    assert out is None  # no policy update this step
+    call = module.updates[0]
+    assert (call["epochs"], call["minibatch_size"], call["train_backbone"]) == (2, 4, False)  # head only
+    fitted = call["rollout"]
+    # Monte-Carlo returns (lambda 1, gamma 1): the outcome reward on every valid token, 0 on padding.
+    assert_close(fitted.returns, torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [1.0, 1.0, 0.0]]))
+    assert_close(fitted.values, 0.3 * fitted.response_mask.float())
+    assert module.logged[0]["train/value_pretraining/loss"] == pytest.approx(0.4)
+
+
+def test_value_pretraining_discounts_the_returns_with_the_estimators_gamma():
+    # gamma = 0.5, reward 1 on the 3rd token: G = 0.25, 0.5, 1.
+    module = FakeCriticModule(losses=[0.4], gamma=0.5)
+    ValuePretraining().on_rollout(None, module, make_rollout([1.0], lengths=[3]))
+    assert_close(module.updates[0]["rollout"].returns, torch.tensor([[0.25, 0.5, 1.0]]))
+
+
+def test_value_pretraining_stops_when_the_loss_plateaus_then_hands_over():
+    # patience 2, min_delta 1e-3: 1.0 (best), 0.5 (best), 0.4995 (not below 0.5 - 0.001: 1 bad),
+    # 0.6 (2 bad) -> finished after 4 rollouts; the 5th passes through untouched.
+    module = FakeCriticModule(losses=[1.0, 0.5, 0.4995, 0.6])
+    cb = ValuePretraining(max_steps=100, patience=2, min_delta=1e-3)
+    for _ in range(4):
+        assert cb.on_rollout(None, module, make_rollout([1.0, 0.0], [2, 2])) is None
+    assert (cb.finished, cb.steps_done, cb.best_loss, cb.bad_steps) == (True, 4, 0.5, 2)
+    rollout = make_rollout([1.0, 0.0], [2, 2])
+    assert cb.on_rollout(None, module, rollout) is rollout
+    assert len(module.updates) == 4
+    assert module.logged[-1]["train/value_pretraining/finished"] == 1.0
+
+
+def test_value_pretraining_runs_max_steps_without_patience_and_zero_steps_is_off():
+    module = FakeCriticModule(losses=[3.0, 2.0, 1.0])
+    cb = ValuePretraining(max_steps=2, patience=None)
+    for _ in range(2):
+        assert cb.on_rollout(None, module, make_rollout([1.0], [1])) is None
+    assert cb.finished and len(module.updates) == 2
+    off = ValuePretraining(max_steps=0)
+    rollout = make_rollout([1.0], [1])
+    assert off.on_rollout(None, module, rollout) is rollout and len(module.updates) == 2
+
+
+def test_value_pretraining_state_dict_round_trip_resumes_the_count():
+    module = FakeCriticModule(losses=[1.0, 0.9, 0.8])
+    cb = ValuePretraining(max_steps=3, patience=None)
+    for _ in range(2):
+        cb.on_rollout(None, module, make_rollout([1.0], [1]))
+    restored = ValuePretraining(max_steps=3, patience=None)
+    restored.load_state_dict(cb.state_dict())
+    assert restored.state_dict() == {"steps_done": 2, "finished": False, "best_loss": pytest.approx(0.9),
+                                     "bad_steps": 0}
+    assert restored.on_rollout(None, module, make_rollout([1.0], [1])) is None
+    assert restored.finished and restored.steps_done == 3
+
+
+def test_value_pretraining_without_a_critic_is_a_recipe_error():
+    module = FakeCriticModule(losses=[])
+    module.critic = None
+    with pytest.raises(RecipeError, match="model.critic"):
+        ValuePretraining().on_rollout(None, module, make_rollout([1.0], [1]))
+
+
+# --------------------------------------------------------------------------------------------------
+# Self-imitation replay buffer with a fake module
+# --------------------------------------------------------------------------------------------------
+
+
+class FakeNLLModule:
+    """What SelfImitation uses of RLModule: ``tokenizer``, ``device``, ``nll_update`` (records), ``log_dict``."""
+
+    def __init__(self):
+        self.tokenizer = SimpleNamespace(pad_token_id=0)
+        self.device = torch.device("cpu")
+        self.replayed = []
+        self.logged = []
+
+    def nll_update(self, rollout, coef=1.0, minibatch_size=None):
+        self.replayed.append((rollout, coef))
+        return {"nll/loss": torch.tensor(1.5)}
+
+    def log_dict(self, metrics, **kwargs):
+        self.logged.append(metrics)
+
+
+def _entry(i, reward=1.0):
+    return {"prompt_ids": torch.tensor([1, i]), "response_ids": torch.tensor([i, i + 1]), "reward": reward,
+            "answer": str(i), "text": f"t{i}"}
+
+
+def test_self_imitation_stores_unpadded_successes_and_replays_them_after_the_update():
+    # Row 0: correct, prompt of 3 tokens (1 left pad), response of 2 (2 right pads); row 1: wrong;
+    # row 2: correct, prompt of 4 tokens, response of 4.
+    rollout = make_rollout([1.0, 0.0, 1.0], lengths=[2, 3, 4], prompt_lengths=[3, 2, 4])
+    module = FakeNLLModule()
+    cb = SelfImitation(every_n_steps=2, batch_size=8, coef=0.3)
+    out = cb.on_rollout(None, module, rollout)
+    assert out is rollout and out.extras["sil/buffer_size"] == 2.0 and out.extras["sil/added"] == 2.0
+    assert [e["prompt_ids"].tolist() for e in cb.entries] == [[100, 101, 102], [300, 301, 302, 303]]
+    assert [e["response_ids"].tolist() for e in cb.entries] == [[150, 151], [350, 351, 352, 353]]
+    assert all(e["prompt_ids"].device.type == "cpu" for e in cb.entries)
+    cb.on_train_batch_end(None, module, None, None, 0)
+    assert module.replayed == []  # step 1 of every 2
+    cb.on_rollout(None, module, make_rollout([0.0], [1]))
+    cb.on_train_batch_end(None, module, None, None, 1)
+    assert len(module.replayed) == 1
+    replayed, coef = module.replayed[0]
+    assert coef == 0.3
+    order = [0, 1] if replayed.prompt_ids[0, -1] == 102 else [1, 0]  # replay order is random
+    replayed = replayed.select(order)
+    assert replayed.prompt_ids.tolist() == [[0, 100, 101, 102], [300, 301, 302, 303]]
+    assert replayed.prompt_mask.tolist() == [[0, 1, 1, 1], [1, 1, 1, 1]]
+    assert replayed.response_ids.tolist() == [[150, 151, 0, 0], [350, 351, 352, 353]]
+    assert replayed.response_mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
+    assert module.logged[-1] == {"train/sil/replayed": 2.0, "train/sil/nll": 1.5}
+    # No rollout reached the callback this step (e.g. value pretraining consumed it): no replay.
+    cb.on_train_batch_end(None, module, None, None, 2)
+    assert len(module.replayed) == 1
+
+
+def test_self_imitation_min_reward_and_duplicates():
+    cb = SelfImitation(min_reward=0.5)
+    rollout = make_rollout([0.7, 0.2, 0.5], lengths=[1, 1, 1], correct=[0, 1, 0])
+    cb.on_rollout(None, FakeNLLModule(), rollout)
+    assert [e["reward"] for e in cb.entries] == [pytest.approx(0.7), 0.5]  # the reward decides, not `correct`
+    cb.on_rollout(None, FakeNLLModule(), rollout)  # the same responses again: not stored twice
+    assert len(cb.entries) == 2
+    keep_all = SelfImitation(unique=False)
+    assert keep_all.add(_entry(1)) and keep_all.add(_entry(1)) and len(keep_all.entries) == 2
+
+
+def test_self_imitation_fifo_drops_the_oldest():
+    cb = SelfImitation(capacity=2, policy="fifo")
+    for i in range(3):
+        cb.add(_entry(i))
+    assert sorted(int(e["answer"]) for e in cb.entries) == [1, 2]
+    cb.add(_entry(3))
+    assert sorted(int(e["answer"]) for e in cb.entries) == [2, 3]
+
+
+def test_self_imitation_highest_reward_replaces_the_lowest_and_the_oldest_among_equals():
+    cb = SelfImitation(capacity=2, policy="highest_reward")
+    cb.add(_entry(0, 0.5))
+    cb.add(_entry(1, 0.9))
+    assert cb.add(_entry(2, 0.7))  # replaces 0.5
+    assert not cb.add(_entry(3, 0.6))  # lower than everything kept
+    assert sorted(e["reward"] for e in cb.entries) == [0.7, 0.9]
+    assert cb.add(_entry(4, 0.7))  # ties the lowest: replaces the older 0.7
+    assert sorted(int(e["answer"]) for e in cb.entries) == [1, 4]
+
+
+def test_self_imitation_reservoir_keeps_a_uniform_sample_of_every_success():
+    # Algorithm R: after 100 offers to a buffer of 10, each offer is kept with probability 10 / 100. Over 200
+    # seeds, the early and the late half are each kept 0.1 of the time (standard error about 0.003).
+    kept = torch.zeros(100)
+    for seed in range(200):
+        cb = SelfImitation(capacity=10, policy="reservoir", seed=seed)
+        for i in range(100):
+            cb.add(_entry(i))
+        assert len(cb.entries) == 10
+        kept[[int(e["answer"]) for e in cb.entries]] += 1
+    share = kept / 200
+    assert share[:50].mean().item() == pytest.approx(0.1, abs=0.015)
+    assert share[50:].mean().item() == pytest.approx(0.1, abs=0.015)
+
+
+def test_self_imitation_state_dict_round_trip_restores_buffer_and_sampling():
+    cb = SelfImitation(capacity=5, policy="reservoir", seed=3)
+    for i in range(12):
+        cb.add(_entry(i))
+    state = cb.state_dict()
+    restored = SelfImitation(capacity=5, policy="reservoir", seed=99)
+    restored.load_state_dict(state)
+    assert [e["answer"] for e in restored.entries] == [e["answer"] for e in cb.entries]
+    assert (restored.offered, restored.insertions, restored.steps_seen) == (cb.offered, cb.insertions, cb.steps_seen)
+    # The generator's state travels too: both draw the same replay sample and reservoir slots.
+    assert [e["answer"] for e in restored.sample(3)] == [e["answer"] for e in cb.sample(3)]
+    assert restored.add(_entry(50)) == cb.add(_entry(50))
+    assert [e["answer"] for e in restored.entries] == [e["answer"] for e in cb.entries]
+
+
+def test_build_rollout_pads_and_masks():
+    rollout = build_rollout([_entry(5), {**_entry(7), "prompt_ids": torch.tensor([9]),
+                                         "response_ids": torch.tensor([1, 2, 3])}], pad_id=0)
+    assert rollout.prompt_ids.tolist() == [[1, 5], [0, 9]]
+    assert rollout.response_ids.tolist() == [[5, 6, 0], [1, 2, 3]]
+    assert rollout.response_mask.tolist() == [[1, 1, 0], [1, 1, 1]]
+    assert rollout.correct.tolist() == [1.0, 1.0]
+
+
+# --------------------------------------------------------------------------------------------------
+# Tiny-model runs
+# --------------------------------------------------------------------------------------------------
+
+
+def _write(tmp_path, name, cfg):
+    path = os.path.join(tmp_path, name)
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    return path
+
+
+def _callbacks(tmp_path, *callbacks):
+    return _write(tmp_path, "callbacks.yaml", {"trainer": {"callbacks": list(callbacks)}})
+
+
+def _pretraining(**init_args):
+    return {"class_path": "rllight.callbacks.ValuePretraining", "init_args": init_args}
+
+
+def _replay(**init_args):
+    return {"class_path": "rllight.callbacks.SelfImitation", "init_args": init_args}
+
+
+# The tiny overlay's 16 training prompts make 8 batches per epoch; value pretraining may consume up to 10
+# batches (recipes/vapo.yaml), and an epoch without any policy update stops the run. 64 prompts: 32 batches.
+MORE_PROMPTS = ("--data.task.init_args.num_train", "64")
+
+
+def _unchanged_policy_parameters(module, model_dir):
+    before = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    return [n for n, p in module.policy.named_parameters() if p.requires_grad and torch.equal(p, before[n])]
+
+
+@pytest.mark.parametrize("recipe", ["vapo.yaml", "vapo-paper-lambda.yaml"])
+def test_vapo_two_steps_change_every_trainable_parameter(recipe, tmp_path, tiny_model_dir):
+    cli = build(os.path.join(RECIPES, recipe), tiny_overrides(tmp_path, tiny_model_dir), *MORE_PROMPTS)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    pretraining = next(cb for cb in cli.trainer.callbacks if isinstance(cb, ValuePretraining))
+    assert pretraining.finished and pretraining.steps_done >= 1
+    assert cli.trainer.global_step == 2  # policy updates; pretraining rollouts do not count
+    assert _unchanged_policy_parameters(cli.model, tiny_model_dir) == []
+    for name, p in cli.model.critic.named_parameters():
+        assert p.abs().sum() > 0, f"value head {name} still at its zero init"
+    logged = cli.trainer.callback_metrics
+    assert "train/value_pretraining/loss" in logged
+    assert 0.0 <= logged["train/advantage/lambda_min"] <= logged["train/advantage/lambda_mean"] \
+        <= logged["train/advantage/lambda_max"] < 1.0
+
+
+def test_vapo_with_a_separate_critic(tmp_path, tiny_model_dir):
+    critic = {"critic": {"class_path": "rllight.critics.SeparateCritic",
+                         "init_args": {"model": {"class_path": "rllight.models.HFModel",
+                                                 "init_args": {"path": tiny_model_dir}}, "lr": 1e-2}}}
+    overlay = _write(tmp_path, "critic.yaml", {"model": critic})
+    cli = build(os.path.join(RECIPES, "vapo.yaml"), tiny_overrides(tmp_path, tiny_model_dir), overlay, *MORE_PROMPTS)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert cli.trainer.global_step == 2
+    assert _unchanged_policy_parameters(cli.model, tiny_model_dir) == []
+    # Value pretraining and the critic-first updates train the whole separate critic, backbone included.
+    before = AutoModelForCausalLM.from_pretrained(tiny_model_dir).get_decoder().state_dict()
+    backbone = cli.model.critic.backbone
+    unchanged = [n for n, p in backbone.named_parameters() if torch.equal(p.detach(), before[n])]
+    assert unchanged == []
+    assert cli.model.critic.head.weight.abs().sum() > 0
+
+
+class SpyGAE(DecoupledGAE):
+    """Records the values it was given and the advantages it returned."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.calls = []
+
+    def __call__(self, rollout):
+        adv, ret = super().__call__(rollout)
+        self.calls.append((rollout.values.detach().clone(), adv.detach().clone()))
+        return adv, ret
+
+
+class SpyLoss(ClippedSurrogate):
+    """Records the advantages each policy-loss call trains on."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seen = []
+
+    def __call__(self, logprobs, batch):
+        self.seen.append(batch.advantages.detach().clone())
+        return super().__call__(logprobs, batch)
+
+
+@pytest.mark.parametrize("critic_first", [2, 0])
+def test_critic_updates_first_recompute_advantages_with_the_updated_critic(critic_first, tmp_path, tiny_model_dir):
+    # One RL step of vapo.yaml (no pretraining, no replay, to isolate the update order), 16 responses in one
+    # minibatch and one micro-batch. With critic_updates_first = K: the estimator runs on the fresh values,
+    # the critic takes K updates, the estimator runs again on the new values, and the policy trains on
+    # those second advantages. With 0 the estimator runs once and critic and policy train together.
+    cli = build(os.path.join(RECIPES, "vapo.yaml"), tiny_overrides(tmp_path, tiny_model_dir), _callbacks(tmp_path),
+                "--trainer.max_steps", "1", "--model.critic_updates_first", str(critic_first))
+    module = cli.model
+    module.advantage = SpyGAE(policy_lambda=AdaptiveLambda(), value_lam=1.0)
+    module.policy_loss = SpyLoss(clip_low=0.2, clip_high=0.28)
+    critic_calls = []
+    original = module.critic_update
+
+    def critic_update(rollout, epochs=1, **kwargs):
+        critic_calls.append(epochs)
+        return original(rollout, epochs=epochs, **kwargs)
+
+    module.critic_update = critic_update
+    cli.trainer.fit(module, datamodule=cli.datamodule)
+    assert len(module.policy_loss.seen) == 1
+    if critic_first:
+        assert critic_calls == [critic_first]
+        assert len(module.advantage.calls) == 2
+        (v0, a0), (v1, a1) = module.advantage.calls
+        assert not torch.equal(v0, v1)  # the critic moved before the advantages were recomputed
+        assert not torch.equal(a0, a1)
+        assert_close(module.policy_loss.seen[0], a1)  # the policy trained on the recomputed advantages
+    else:
+        assert critic_calls == []
+        assert len(module.advantage.calls) == 1
+        assert_close(module.policy_loss.seen[0], module.advantage.calls[0][1])
+
+
+def test_replay_buffer_and_value_pretraining_state_survive_a_checkpoint(tmp_path, tiny_model_dir):
+    # Pretrain for 1 rollout, then 2 policy steps whose responses all count as successes (min_reward 0: the
+    # test reward is >= 0), replayed every step. Save a Lightning checkpoint; a new trainer resumes from it.
+    callbacks = _callbacks(tmp_path, _pretraining(max_steps=1, patience=None),
+                           _replay(capacity=256, every_n_steps=1, batch_size=4, coef=1.0, policy="reservoir",
+                                   min_reward=0.0))
+    overlay = tiny_overrides(tmp_path, tiny_model_dir)
+
+    def run(max_steps, ckpt_path=None):
+        cli = build(os.path.join(RECIPES, "vapo.yaml"), overlay, callbacks, "--trainer.max_steps", str(max_steps))
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path)
+        pre = next(cb for cb in cli.trainer.callbacks if isinstance(cb, ValuePretraining))
+        sil = next(cb for cb in cli.trainer.callbacks if isinstance(cb, SelfImitation))
+        return cli, pre, sil
+
+    cli, pre, sil = run(2)
+    assert pre.finished and pre.steps_done == 1 and math.isfinite(pre.best_loss)
+    assert sil.steps_seen == 2 and len(sil.entries) > 0
+    assert "train/sil/nll" in cli.trainer.callback_metrics  # the replay ran inside fit
+    ckpt = str(tmp_path / "step2.ckpt")
+    cli.trainer.save_checkpoint(ckpt)
+    saved_pre, saved_sil = pre.state_dict(), sil.state_dict()
+    stored = torch.load(ckpt, weights_only=False)["callbacks"]
+    assert {"ValuePretraining", "SelfImitation"} <= set(stored)
+
+    # Resume with nothing left to do: the restored states equal the saved ones.
+    _, pre2, sil2 = run(2, ckpt)
+    assert pre2.state_dict() == saved_pre
+    assert [(e["prompt_ids"].tolist(), e["response_ids"].tolist()) for e in sil2.entries] == \
+        [(e["prompt_ids"].tolist(), e["response_ids"].tolist()) for e in saved_sil["entries"]]
+    assert (sil2.offered, sil2.steps_seen) == (saved_sil["offered"], saved_sil["steps_seen"])
+    assert torch.equal(sil2.state_dict()["generator"], saved_sil["generator"])
+
+    # Resume for one more step: no second pretraining phase, the buffer keeps growing from the saved one.
+    cli3, pre3, sil3 = run(3, ckpt)
+    assert cli3.trainer.global_step == 3
+    assert pre3.steps_done == 1
+    assert sil3.steps_seen == saved_sil["steps_seen"] + 1
+    assert len(sil3.entries) > len(saved_sil["entries"])
+    old = {(tuple(e["prompt_ids"].tolist()), tuple(e["response_ids"].tolist())) for e in saved_sil["entries"]}
+    assert old <= {(tuple(e["prompt_ids"].tolist()), tuple(e["response_ids"].tolist())) for e in sil3.entries}

@@ -1,0 +1,187 @@
+"""Compare GRPO, DAPO and VAPO on the quickstart model and task for the same budget.
+
+Each method runs its recipe (recipes/grpo.yaml, recipes/dapo.yaml, recipes/vapo.yaml) as a subprocess,
+``rllight fit --config <recipe> --config <shared overlay> --evaluate_before_after true``. The overlay gives
+every method the same budget and sampling: the same number of policy updates (``--steps``), prompts per
+step (``--batch-size``), responses per prompt (``--group-size``), response length, temperature and learning
+rate; mid-run validation is off. Greedy accuracy on the same held-out problems before and after training
+comes from each run's ``eval_summary.json``.
+
+Equal steps do not mean equal samples: DAPO's dynamic sampling draws extra groups, and VAPO's value
+pretraining consumes rollouts before its first policy update. The table therefore reports, from each
+run's TensorBoard log, the responses and response tokens actually generated (discarded ones included)
+and the training time next to the wall time (which includes loading and both evaluations).
+
+Full run (SmolLM2-135M-Instruct, arithmetic, CPU; the quickstart's budget of 40 steps x 4 prompts x 8
+responses per method; GRPO takes about as long as the quickstart, about 15 minutes on 2 free cores, DAPO and
+VAPO longer: extra sampling rounds, value pretraining, K_v = 4 critic passes; plan on about an hour in all):
+
+    .venv/bin/python tools/compare.py
+
+Smoke test (seconds of training, a handful of held-out problems; proves the pipeline, not the methods):
+
+    .venv/bin/python tools/compare.py --steps 1 --batch-size 1 --group-size 2 --val-size 4 --max-new-tokens 8 \\
+        --out runs/compare-smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+METHODS = {"grpo": "recipes/grpo.yaml", "dapo": "recipes/dapo.yaml", "vapo": "recipes/vapo.yaml"}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--methods", nargs="+", default=list(METHODS),
+                   help="Methods to run: names of the built-in recipes (grpo, dapo, vapo) or NAME=RECIPE.yaml "
+                        "(e.g. vapo-paper=recipes/vapo-paper-lambda.yaml).")
+    p.add_argument("--steps", type=int, default=40, help="Policy updates per method (trainer.max_steps).")
+    p.add_argument("--batch-size", type=int, default=4, help="Prompts per step (data.batch_size).")
+    p.add_argument("--group-size", type=int, default=8, help="Responses per prompt (model.sampler group_size).")
+    p.add_argument("--max-new-tokens", type=int, default=24, help="Longest response in tokens.")
+    p.add_argument("--temperature", type=float, default=0.7, help="Sampling temperature of the rollouts.")
+    p.add_argument("--lr", type=float, default=2e-5, help="Policy learning rate (the quickstart's).")
+    p.add_argument("--val-size", type=int, default=200, help="Held-out problems for greedy accuracy.")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs/compare", help="Folder for the runs, compare.json and compare.md.")
+    p.add_argument("--config", action="append", default=[],
+                   help="Another overlay applied to every method after the shared one (repeatable).")
+    args = p.parse_args(argv)
+    for name in ("steps", "batch_size", "group_size", "max_new_tokens", "val_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def method_recipes(specs: list[str]) -> dict[str, str]:
+    out = {}
+    for spec in specs:
+        name, _, recipe = spec.partition("=")
+        recipe = recipe or METHODS.get(name)
+        if recipe is None:
+            raise SystemExit(f"compare: unknown method {name!r}; use one of {', '.join(METHODS)} or NAME=RECIPE.yaml")
+        out[name] = recipe
+    return out
+
+
+def shared_overlay(args: argparse.Namespace, run_dir: str) -> dict:
+    """The settings every method shares: budget, sampling, learning rate, evaluation."""
+    return {
+        "seed_everything": args.seed,
+        "trainer": {
+            "max_steps": args.steps,
+            "default_root_dir": run_dir,
+            "enable_checkpointing": False,  # a 135M model with AdamW states is 1.6 GB per run
+            "check_val_every_n_epoch": None,
+            "val_check_interval": 10**9,  # no mid-run validation: before and after only
+            "limit_val_batches": None,
+        },
+        "model": {
+            "rollout": {"init_args": {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}},
+            "sampler": {"init_args": {"group_size": args.group_size}},
+            "optimizer": {"init_args": {"lr": args.lr}},
+        },
+        "data": {"batch_size": args.batch_size, "val_size": args.val_size},
+    }
+
+
+def read_scalars(log_dir: str) -> dict[str, list[float]]:
+    """Every scalar series of a TensorBoard log folder (empty when there is none)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    if not glob.glob(os.path.join(log_dir, "events.out.tfevents.*")):
+        return {}
+    acc = EventAccumulator(log_dir, size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def generated(scalars: dict[str, list[float]], batch_size: int, group_size: int) -> tuple[float, float]:
+    """(responses, response tokens) generated over the run, discarded ones included. Each training batch
+    logs one ``train/time/step`` (value-pretraining rollouts too); dynamic sampling logs its own counts."""
+    if "train/sampling/responses_drawn" in scalars:
+        return sum(scalars["train/sampling/responses_drawn"]), sum(scalars["train/sampling/generated_tokens"])
+    steps = len(scalars.get("train/time/step", []))
+    return steps * batch_size * group_size, sum(scalars.get("train/response/tokens", []))
+
+
+def run_method(name: str, recipe: str, args: argparse.Namespace) -> dict:
+    run_dir = os.path.join(args.out, name)
+    os.makedirs(run_dir, exist_ok=True)
+    overlay = os.path.join(run_dir, "compare_overlay.yaml")
+    with open(overlay, "w") as f:
+        yaml.safe_dump(shared_overlay(args, run_dir), f, sort_keys=False)
+    cmd = [sys.executable, "-m", "rllight.cli", "fit", "--config", recipe, "--config", overlay,
+           *[a for c in args.config for a in ("--config", c)], "--evaluate_before_after", "true"]
+    print(f"compare: {name}: {' '.join(cmd)}", flush=True)
+    before_versions = set(glob.glob(os.path.join(run_dir, "lightning_logs", "version_*")))
+    t0 = time.perf_counter()
+    with open(os.path.join(run_dir, "stdout.log"), "w") as log_file:
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, check=False)
+    wall = time.perf_counter() - t0
+    result = {"method": name, "recipe": recipe, "returncode": proc.returncode, "wall_s": wall}
+    new = sorted(set(glob.glob(os.path.join(run_dir, "lightning_logs", "version_*"))) - before_versions,
+                 key=lambda p: int(p.rsplit("_", 1)[-1]))
+    if proc.returncode != 0 or not new:
+        print(f"compare: {name} failed (exit {proc.returncode}); see {run_dir}/stdout.log", file=sys.stderr)
+        return result
+    log_dir = new[-1]
+    with open(os.path.join(log_dir, "eval_summary.json")) as f:
+        result.update(json.load(f))
+    scalars = read_scalars(log_dir)
+    result["responses"], result["tokens"] = generated(scalars, args.batch_size, args.group_size)
+    result["train_s"] = sum(scalars.get("train/time/step", []))
+    result["log_dir"] = log_dir
+    return result
+
+
+def table(results: list[dict]) -> str:
+    head = ("| method | recipe | accuracy before | accuracy after | difference (± se) | responses | tokens "
+            "| train time (s) | wall time (s) |")
+    rows = [head, "|" + "---|" * 9]
+
+    def fmt(value, spec):
+        return "-" if value is None else format(value, spec)
+
+    for r in results:
+        if r.get("accuracy_after") is None:
+            rows.append(f"| {r['method']} | {r['recipe']} | failed (exit {r['returncode']}) | | | | | | "
+                        f"{r['wall_s']:.0f} |")
+            continue
+        diff = f"{r['difference']:+.3f} ± {r['stderr_of_difference']:.3f}" if "difference" in r else "-"
+        rows.append(f"| {r['method']} | {r['recipe']} | {fmt(r['accuracy_before'], '.3f')} | "
+                    f"{fmt(r['accuracy_after'], '.3f')} | {diff} | {r['responses']:.0f} | {r['tokens']:.0f} | "
+                    f"{r['train_s']:.0f} | {r['wall_s']:.0f} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    recipes = method_recipes(args.methods)
+    args.out = os.path.abspath(args.out)
+    os.makedirs(args.out, exist_ok=True)
+    results = [run_method(name, recipe, args) for name, recipe in recipes.items()]
+    budget = (f"{args.steps} policy updates x {args.batch_size} prompts x {args.group_size} responses, "
+              f"max_new_tokens {args.max_new_tokens}, temperature {args.temperature}, lr {args.lr}, "
+              f"greedy accuracy on {args.val_size} held-out problems")
+    text = f"Budget: {budget}\n\n{table(results)}\n"
+    print("\n" + text)
+    with open(os.path.join(args.out, "compare.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(args.out, "compare.json"), "w") as f:
+        json.dump({"budget": vars(args), "results": results}, f, indent=2)
+    return 0 if all(r["returncode"] == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
