@@ -21,6 +21,7 @@ from rllight.errors import RecipeError
 from rllight.models import HFModel, LoRA, response_hidden_states
 from rllight.rewards import IntegerMatch, Reward, score_batch
 from rllight.rollout import HFEngine, RolloutEngine
+from rllight.rollout.metrics import logprob_mismatch
 from rllight.strategies import (
     AdvantageEstimator,
     Aggregation,
@@ -321,7 +322,7 @@ class RLModule(L.LightningModule):
             rewards=torch.tensor(rewards, dtype=torch.float32, device=device),
             correct=torch.tensor(correct, dtype=torch.float32, device=device),
             extras={"time/rollout": t1 - t0, "time/reward": t2 - t1, "reward/failures": float(failures),
-                    "data/dropped_long_prompts": float(dropped)},
+                    "data/dropped_long_prompts": float(dropped), **self.rollout.last_metrics},
         )
 
     # ------------------------------------------------------------------------------- forward
@@ -462,6 +463,8 @@ class RLModule(L.LightningModule):
         need_old = updates_per_step > 1 or (self.kl is not None and self.kl.in_reward)
         t_score = time.perf_counter()
         self._score_with_models(rollout, need_old=need_old)
+        if rollout.old_logprobs is not None:  # else measured on the live log-probs in the update
+            metrics.update(logprob_mismatch(rollout.old_logprobs, rollout.sample_logprobs, rollout.response_mask))
         self._estimate_advantages(rollout)
         metrics.update({k: v for k, v in rollout.extras.items() if _is_scalar(v)})  # estimators' statistics
         joint_critic = self.critic is not None
@@ -575,6 +578,8 @@ class RLModule(L.LightningModule):
                 if micro.old_logprobs is None:
                     # Single update per rollout: the policy has not moved since sampling.
                     micro.old_logprobs = logprobs.detach() * mask
+                    for k, v in logprob_mismatch(micro.old_logprobs, micro.sample_logprobs, mask).items():
+                        record(k, v)
                 pg, pg_stats = self.policy_loss(logprobs, micro)
                 loss = loss + agg(pg, mask)
                 if self.kl is not None and not self.kl.in_reward:

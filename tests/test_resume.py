@@ -34,7 +34,7 @@ def _metrics(path):
     with open(path) as f:
         for row in csv.DictReader(f):
             kept = {k: v for k, v in row.items() if v and k.startswith("train/") and "/time/" not in k
-                    and "/perf/" not in k}
+                    and "/perf/" not in k and not k.endswith(("tokens_per_s", "sync_time"))}
             if kept:
                 out.setdefault(int(row["step"]), {}).update(kept)
     return out

