@@ -27,19 +27,20 @@ def logprobs_and_entropy(logits: Tensor, targets: Tensor, temperature: float = 1
     return token_logp, entropy
 
 
-def _chunk_stats(h: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float):
+def _chunk_logp(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
+    """log-softmax of one chunk's logits, in place in the logits buffer (one (rows, V) allocation)."""
     logits = torch.nn.functional.linear(h, weight, bias)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature  # at least float32
-    logp = torch.log_softmax(logits, dim=-1)
-    p = logp.exp()
-    token_logp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = -(p * logp).sum(-1)
-    return logp, p, token_logp, entropy
+    if logits.dtype not in (torch.float32, torch.float64):
+        logits = logits.float()  # at least float32
+    if temperature != 1.0:
+        logits.div_(temperature)
+    return logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True))
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
     """Forward and backward over row chunks; only one chunk's (rows, V) logits exist at a time and
-    nothing of size V is saved for backward (the chunk is recomputed there)."""
+    nothing of size V is saved for backward (the chunk is recomputed there). Element-wise work is done
+    in place: at V = 49152 every extra (rows, V) pass costs about as much as the matmul saved."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size):
@@ -49,10 +50,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
         entropy = hidden.new_empty(rows, dtype=dtype)
         with torch.no_grad():
             for s in range(0, rows, chunk_size):
-                _, _, lp, ent = _chunk_stats(hidden[s : s + chunk_size], weight, bias, targets[s : s + chunk_size],
-                                             temperature)
-                token_logp[s : s + chunk_size] = lp
-                entropy[s : s + chunk_size] = ent
+                logp = _chunk_logp(hidden[s : s + chunk_size], weight, bias, temperature)
+                token_logp[s : s + chunk_size] = logp.gather(-1, targets[s : s + chunk_size, None]).squeeze(-1)
+                entropy[s : s + chunk_size] = -(logp.exp().mul_(logp)).sum(-1)
         ctx.save_for_backward(hidden, weight, bias, targets, entropy)
         ctx.temperature = temperature
         ctx.chunk_size = chunk_size
@@ -62,25 +62,30 @@ class _ChunkedLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, bias, targets, entropy = ctx.saved_tensors
         t, c = ctx.temperature, ctx.chunk_size
-        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         acc = torch.promote_types(weight.dtype, torch.float32)
         grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if ctx.needs_input_grad[1] else None
         grad_bias = None
         if bias is not None and ctx.needs_input_grad[2]:
             grad_bias = torch.zeros(bias.shape, dtype=acc, device=bias.device)
+        w = weight.to(acc)
         for s in range(0, hidden.shape[0], c):
             h = hidden[s : s + c]
+            g_lp, g_ent = grad_logp[s : s + c, None], grad_entropy[s : s + c, None]
             with torch.no_grad():
-                logp, p, _, _ = _chunk_stats(h, weight, bias, targets[s : s + c], t)
-                # d logp_y / dz = onehot(y) - p;  d H / dz = -p (log p + H); z = logits / t.
-                g = -p * (logp + entropy[s : s + c, None]) * grad_entropy[s : s + c, None]
-                g -= p * grad_logp[s : s + c, None]
-                g.scatter_add_(-1, targets[s : s + c, None], grad_logp[s : s + c, None])
-                g /= t
+                g = _chunk_logp(h, weight, bias, t)
+                p = g.exp()
+                # dL/dz = g_lp (onehot(y) - p) + g_ent (-p (log p + H)), z = logits / t, built in place:
+                # g = p * (-(log p + H) g_ent - g_lp) + g_lp onehot(y).
+                g.add_(entropy[s : s + c, None]).mul_(-g_ent).sub_(g_lp).mul_(p)
+                del p
+                g.scatter_add_(-1, targets[s : s + c, None], g_lp.to(g.dtype))
+                if t != 1.0:
+                    g.div_(t)
                 if grad_hidden is not None:
-                    grad_hidden[s : s + c] = (g @ weight.to(g.dtype)).to(hidden.dtype)
+                    grad_hidden[s : s + c] = (g @ w).to(hidden.dtype)
                 if grad_weight is not None:
-                    grad_weight += g.t() @ h.to(acc)
+                    grad_weight.addmm_(g.t(), h.to(acc))
                 if grad_bias is not None:
                     grad_bias += g.sum(0)
         if grad_weight is not None:
