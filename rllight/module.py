@@ -58,8 +58,11 @@ def _rng_state() -> dict:
     import numpy as np
 
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
-             "numpy": (kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached)}
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": (kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -187,11 +190,15 @@ class RLModule(L.LightningModule):
         self.optimizer_fn = optimizer
         self.export_dir = export_dir
         if self.advantage.needs_values and critic is None:
-            raise RecipeError(f"model.advantage: {type(self.advantage).__name__} needs a critic; set model.critic "
-                              "(e.g. class_path: rllight.critics.ValueHead)")
+            raise RecipeError(
+                f"model.advantage: {type(self.advantage).__name__} needs a critic; set model.critic "
+                "(e.g. class_path: rllight.critics.ValueHead)"
+            )
         if kl is not None and kl.in_reward and not advantage.uses_token_rewards:
-            raise RecipeError(f"model.kl.in_reward: {type(advantage).__name__} reads only the outcome reward, so a KL "
-                              "penalty in the reward would be ignored; put it in the loss (in_reward: false)")
+            raise RecipeError(
+                f"model.kl.in_reward: {type(advantage).__name__} reads only the outcome reward, so a KL "
+                "penalty in the reward would be ignored; put it in the loss (in_reward: false)"
+            )
         if critic_updates_first and critic is None:
             raise RecipeError("model.critic_updates_first needs model.critic")
         self.policy: torch.nn.Module | None = None
@@ -263,8 +270,12 @@ class RLModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["rng"] = _rng_state()
-        checkpoint["rllight"] = {"extra_prompt_cursor": self._extra_cursor, "reward_failures": self.reward_failures,
-                                 "dropped_prompts": self.dropped_prompts, "consecutive_skips": self.consecutive_skips}
+        checkpoint["rllight"] = {
+            "extra_prompt_cursor": self._extra_cursor,
+            "reward_failures": self.reward_failures,
+            "dropped_prompts": self.dropped_prompts,
+            "consecutive_skips": self.consecutive_skips,
+        }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if "rng" in checkpoint:
@@ -321,13 +332,23 @@ class RLModule(L.LightningModule):
             texts=texts,
             rewards=torch.tensor(rewards, dtype=torch.float32, device=device),
             correct=torch.tensor(correct, dtype=torch.float32, device=device),
-            extras={"time/rollout": t1 - t0, "time/reward": t2 - t1, "reward/failures": float(failures),
-                    "data/dropped_long_prompts": float(dropped), **self.rollout.last_metrics},
+            extras={
+                "time/rollout": t1 - t0,
+                "time/reward": t2 - t1,
+                "reward/failures": float(failures),
+                "data/dropped_long_prompts": float(dropped),
+                **self.rollout.last_metrics,
+            },
         )
 
     # ------------------------------------------------------------------------------- forward
-    def forward_batch(self, batch: Rollout, policy: torch.nn.Module | None = None, with_values: bool = False,
-                      with_logprobs: bool = True):
+    def forward_batch(
+        self,
+        batch: Rollout,
+        policy: torch.nn.Module | None = None,
+        with_values: bool = False,
+        with_logprobs: bool = True,
+    ):
         """Log-probs and entropy of the response tokens, and the critic's values when asked.
 
         Only the response positions go through the output layer, so the (B, P + T, V) logits of the
@@ -345,9 +366,14 @@ class RLModule(L.LightningModule):
         if with_logprobs:
             head = policy.get_output_embeddings()
             if self.logprob_chunk_size and type(head) is torch.nn.Linear:
-                logprobs, entropy = chunked_logprobs_and_entropy(hidden, head.weight, batch.response_ids,
-                                                                 self.rollout.temperature, bias=head.bias,
-                                                                 chunk_size=self.logprob_chunk_size)
+                logprobs, entropy = chunked_logprobs_and_entropy(
+                    hidden,
+                    head.weight,
+                    batch.response_ids,
+                    self.rollout.temperature,
+                    bias=head.bias,
+                    chunk_size=self.logprob_chunk_size,
+                )
             else:  # e.g. an adapter-wrapped output layer: the direct path through its forward
                 logprobs, entropy = logprobs_and_entropy(head(hidden), batch.response_ids, self.rollout.temperature)
         if with_values and self.critic is not None:
@@ -373,7 +399,9 @@ class RLModule(L.LightningModule):
         width = mask.shape[1]
 
         def full(parts: list[Tensor]) -> Tensor:  # micro-batches are trimmed: pad back to the rollout's T
-            return torch.cat([torch.nn.functional.pad(x, (0, width - x.shape[1])) if x.dim() == 2 else x for x in parts])
+            return torch.cat(
+                [torch.nn.functional.pad(x, (0, width - x.shape[1])) if x.dim() == 2 else x for x in parts]
+            )
 
         if need_old:
             rollout.old_logprobs = full(olds) * mask
@@ -417,10 +445,14 @@ class RLModule(L.LightningModule):
         mask = rollout.response_mask.float()
         last = (rollout.response_lengths - 1).clamp(min=0).long()
         token_rewards = torch.zeros_like(mask)
-        token_rewards[torch.arange(len(rollout), device=mask.device), last] = rollout.rewards * (rollout.response_lengths > 0)
+        token_rewards[torch.arange(len(rollout), device=mask.device), last] = rollout.rewards * (
+            rollout.response_lengths > 0
+        )
         if self.kl is not None and self.kl.in_reward:
-            kl = self.kl(rollout.old_logprobs if rollout.old_logprobs is not None else rollout.sample_logprobs,
-                         rollout.ref_logprobs)
+            kl = self.kl(
+                rollout.old_logprobs if rollout.old_logprobs is not None else rollout.sample_logprobs,
+                rollout.ref_logprobs,
+            )
             token_rewards = token_rewards - self.kl.coef * kl * mask
         return token_rewards
 
@@ -481,7 +513,11 @@ class RLModule(L.LightningModule):
         generator = torch.Generator().manual_seed(int(self.global_step) * 1000003 + batch_idx)
         step_stats: dict[str, list[Tensor]] = {}
         for _ in range(self.ppo_epochs):
-            order = torch.randperm(len(rollout), generator=generator) if minibatch < len(rollout) else torch.arange(len(rollout))
+            order = (
+                torch.randperm(len(rollout), generator=generator)
+                if minibatch < len(rollout)
+                else torch.arange(len(rollout))
+            )
             for start in range(0, len(rollout), minibatch):
                 stats = self._update(rollout.select(order[start : start + minibatch]), policy=True, critic=joint_critic)
                 for k, v in stats.items():
@@ -499,17 +535,20 @@ class RLModule(L.LightningModule):
         # Progress is an update, or a step a callback used (value pretraining makes no policy update).
         if (self.global_step, self._consumed_steps) == self._epoch_start:
             # Otherwise a run whose every batch is filtered out would loop over epochs forever.
-            raise RecipeError(f"epoch {self.current_epoch} made no update: every batch was empty after filtering "
-                              f"({self.dropped_prompts} prompts dropped as longer than max_prompt_tokens="
-                              f"{self.max_prompt_tokens}); relax the filters or check the data")
+            raise RecipeError(
+                f"epoch {self.current_epoch} made no update: every batch was empty after filtering "
+                f"({self.dropped_prompts} prompts dropped as longer than max_prompt_tokens="
+                f"{self.max_prompt_tokens}); relax the filters or check the data"
+            )
 
     def _estimate_advantages(self, rollout: Rollout) -> None:
         """Token rewards, then advantages and returns on the full rollout (groups need every member)."""
         rollout.token_rewards = self._token_rewards(rollout)
         rollout.advantages, rollout.returns = self.advantage(rollout)
 
-    def critic_update(self, rollout: Rollout, epochs: int = 1, minibatch_size: int | None = None,
-                      train_backbone: bool = True) -> dict[str, Tensor]:
+    def critic_update(
+        self, rollout: Rollout, epochs: int = 1, minibatch_size: int | None = None, train_backbone: bool = True
+    ) -> dict[str, Tensor]:
         """Critic-only updates on ``rollout`` (which has ``values`` and ``returns``): the policy's
         parameters do not move. With a shared-backbone critic and ``train_backbone`` False only the head
         trains (the backbone runs without gradients), as in VAPO's value pretraining.
@@ -547,8 +586,9 @@ class RLModule(L.LightningModule):
             return self.trainer.strategy.reduce(value, reduce_op="sum")
         return value
 
-    def _update(self, mb: Rollout, policy: bool = True, critic: bool = True, train_backbone: bool = True,
-                nll_coef: float = 0.0) -> dict[str, Tensor]:
+    def _update(
+        self, mb: Rollout, policy: bool = True, critic: bool = True, train_backbone: bool = True, nll_coef: float = 0.0
+    ) -> dict[str, Tensor]:
         """One optimizer update over the minibatch ``mb``, accumulated over micro-batches.
 
         ``policy`` / ``critic`` / ``nll_coef`` select the loss terms (policy objective, critic loss,
@@ -618,21 +658,29 @@ class RLModule(L.LightningModule):
                 record("policy/loss" if policy else "value/total_loss", loss * world)
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm if self.max_grad_norm else float("inf"))
-        out = {k: torch.stack(v).sum() if k.endswith("loss") and k in ("policy/loss", "value/total_loss")
-               else torch.stack(v).mean() for k, v in stats.items()}
+        out = {
+            k: torch.stack(v).sum()
+            if k.endswith("loss") and k in ("policy/loss", "value/total_loss")
+            else torch.stack(v).mean()
+            for k, v in stats.items()
+        }
         out["policy/grad_norm" if policy else "nll/grad_norm" if nll_coef else "value/grad_norm"] = grad_norm.detach()
         if self.trainer.world_size > 1:  # every rank must take the same decision
             finite = bool(self._global(torch.tensor(float(not finite), device=grad_norm.device)).item() == 0)
         if not finite or not torch.isfinite(grad_norm):
             self.consecutive_skips += 1
-            log.warning("step %d: non-finite loss or gradient; update skipped (%d in a row)", self.global_step,
-                        self.consecutive_skips)
+            log.warning(
+                "step %d: non-finite loss or gradient; update skipped (%d in a row)",
+                self.global_step,
+                self.consecutive_skips,
+            )
             optimizer.zero_grad(set_to_none=True)
             if self.consecutive_skips >= self.max_consecutive_skips:
                 raise FloatingPointError(
                     f"stopping at step {self.global_step}: {self.consecutive_skips} consecutive updates had a "
                     "non-finite loss or gradient; lower the learning rate or check the reward, then resume from the "
-                    "last checkpoint")
+                    "last checkpoint"
+                )
             out["guard/skipped_updates"] = torch.tensor(1.0)
             return out
         self.consecutive_skips = 0
@@ -653,9 +701,7 @@ class RLModule(L.LightningModule):
             return {k: v for k, v in rollout.extras.items() if _is_scalar(v)}
         lengths = rollout.response_lengths.float()
         groups = torch.unique(rollout.group_ids)
-        mixed = sum(
-            int(rollout.rewards[rollout.group_ids == g].unique().numel() > 1) for g in groups.tolist()
-        )
+        mixed = sum(int(rollout.rewards[rollout.group_ids == g].unique().numel() > 1) for g in groups.tolist())
         metrics: dict[str, Tensor | float] = {
             "reward/mean": rollout.rewards.mean(),
             "reward/std": rollout.rewards.std() if len(rollout) > 1 else torch.tensor(0.0),
@@ -670,12 +716,20 @@ class RLModule(L.LightningModule):
         return metrics
 
     def _log(self, metrics: dict) -> None:
-        clean = {k: (v.detach().float() if isinstance(v, Tensor) else torch.tensor(float(v))) for k, v in metrics.items()}
+        clean = {
+            k: (v.detach().float() if isinstance(v, Tensor) else torch.tensor(float(v))) for k, v in metrics.items()
+        }
         prog = {"reward/mean", "reward/accuracy"}
-        self.log_dict({f"train/{k}": v for k, v in clean.items() if k not in prog}, on_step=True, on_epoch=False,
-                      batch_size=1)
-        self.log_dict({f"train/{k}": v for k, v in clean.items() if k in prog}, on_step=True, on_epoch=False,
-                      prog_bar=True, batch_size=1)
+        self.log_dict(
+            {f"train/{k}": v for k, v in clean.items() if k not in prog}, on_step=True, on_epoch=False, batch_size=1
+        )
+        self.log_dict(
+            {f"train/{k}": v for k, v in clean.items() if k in prog},
+            on_step=True,
+            on_epoch=False,
+            prog_bar=True,
+            batch_size=1,
+        )
 
     # ---------------------------------------------------------------------------- validate
     def validation_step(self, rows: list[dict], batch_idx: int) -> None:

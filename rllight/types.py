@@ -58,10 +58,20 @@ class Rollout:
     def empty(extras: dict[str, Any] | None = None) -> Rollout:
         """A rollout with no rows (every prompt was filtered out)."""
         z2 = torch.zeros((0, 1), dtype=torch.long)
-        return Rollout(prompt_ids=z2, prompt_mask=z2, response_ids=z2, response_mask=z2,
-                       sample_logprobs=torch.zeros((0, 1)), truncated=torch.zeros(0, dtype=torch.bool),
-                       group_ids=torch.zeros(0, dtype=torch.long), answers=[], texts=[], rewards=torch.zeros(0),
-                       correct=torch.zeros(0), extras=dict(extras or {}))
+        return Rollout(
+            prompt_ids=z2,
+            prompt_mask=z2,
+            response_ids=z2,
+            response_mask=z2,
+            sample_logprobs=torch.zeros((0, 1)),
+            truncated=torch.zeros(0, dtype=torch.bool),
+            group_ids=torch.zeros(0, dtype=torch.long),
+            answers=[],
+            texts=[],
+            rewards=torch.zeros(0),
+            correct=torch.zeros(0),
+            extras=dict(extras or {}),
+        )
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]
@@ -120,9 +130,7 @@ class Rollout:
 
     def to(self, device: torch.device | str) -> Rollout:
         changes = {
-            f.name: getattr(self, f.name).to(device)
-            for f in fields(self)
-            if isinstance(getattr(self, f.name), Tensor)
+            f.name: getattr(self, f.name).to(device) for f in fields(self) if isinstance(getattr(self, f.name), Tensor)
         }
         return replace(self, **changes)
 
@@ -145,8 +153,11 @@ class Rollout:
             values = [getattr(r, f.name) for r in parts]
             if f.name == "extras":
                 out[f.name] = {
-                    k: torch.cat([r.extras[k] for r in parts]) if isinstance(v, Tensor) else sum((r.extras[k] for r in parts), [])
-                    if isinstance(v, list) else v
+                    k: torch.cat([r.extras[k] for r in parts])
+                    if isinstance(v, Tensor)
+                    else sum((r.extras[k] for r in parts), [])
+                    if isinstance(v, list)
+                    else v
                     for k, v in parts[0].extras.items()
                 }
             elif values[0] is None:

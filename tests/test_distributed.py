@@ -16,18 +16,52 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 
 @pytest.mark.slow
 def test_ddp_two_cpu_processes(tmp_path, tiny_model_dir):
-    overlay = tiny_overrides(tmp_path, tiny_model_dir, critic={"class_path": "rllight.critics.ValueHead"},
-                             advantage={"class_path": "rllight.strategies.GAE"})
+    overlay = tiny_overrides(
+        tmp_path,
+        tiny_model_dir,
+        critic={"class_path": "rllight.critics.ValueHead"},
+        advantage={"class_path": "rllight.strategies.GAE"},
+    )
     out = tmp_path / "export"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]),
-               RLLIGHT_TEST_DUMP=str(tmp_path / "rank{rank}.pt"))
-    cmd = [sys.executable, "-m", "rllight.cli", "fit", "--config", os.path.join(RECIPES, "ppo.yaml"), "--config", overlay,
-           "--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu",
-           "--trainer.max_steps", "2", "--model.minibatch_size", "null", "--model.ppo_epochs", "1",
-           "--model.export_dir", str(out), "--trainer.enable_checkpointing", "true",
-           "--trainer.callbacks+", "user_strategies.DumpState",
-           "--trainer.callbacks+", "lightning.pytorch.callbacks.ModelCheckpoint",
-           "--trainer.callbacks.dirpath", str(tmp_path / "ckpt"), "--trainer.callbacks.save_last", "true"]
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]),
+        RLLIGHT_TEST_DUMP=str(tmp_path / "rank{rank}.pt"),
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "rllight.cli",
+        "fit",
+        "--config",
+        os.path.join(RECIPES, "ppo.yaml"),
+        "--config",
+        overlay,
+        "--trainer.strategy",
+        "ddp",
+        "--trainer.devices",
+        "2",
+        "--trainer.accelerator",
+        "cpu",
+        "--trainer.max_steps",
+        "2",
+        "--model.minibatch_size",
+        "null",
+        "--model.ppo_epochs",
+        "1",
+        "--model.export_dir",
+        str(out),
+        "--trainer.enable_checkpointing",
+        "true",
+        "--trainer.callbacks+",
+        "user_strategies.DumpState",
+        "--trainer.callbacks+",
+        "lightning.pytorch.callbacks.ModelCheckpoint",
+        "--trainer.callbacks.dirpath",
+        str(tmp_path / "ckpt"),
+        "--trainer.callbacks.save_last",
+        "true",
+    ]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))

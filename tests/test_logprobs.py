@@ -19,7 +19,10 @@ def test_chunked_matches_direct_values_and_gradients(chunk_size, use_bias, tempe
     weight = torch.randn(50, 16, generator=g, dtype=torch.float64, requires_grad=True)
     bias = torch.randn(50, generator=g, dtype=torch.float64, requires_grad=True) if use_bias else None
     targets = torch.randint(0, 50, (3, 7), generator=g)
-    g_lp, g_ent = torch.randn(3, 7, generator=g, dtype=torch.float64), torch.randn(3, 7, generator=g, dtype=torch.float64)
+    g_lp, g_ent = (
+        torch.randn(3, 7, generator=g, dtype=torch.float64),
+        torch.randn(3, 7, generator=g, dtype=torch.float64),
+    )
     params = [hidden, weight] + ([bias] if use_bias else [])
 
     lp, ent = _direct(hidden, weight, bias, targets, temperature)

@@ -13,10 +13,18 @@ LORA = {"class_path": "rllight.models.LoRA", "init_args": {"rank": 4, "alpha": 8
 
 def test_lora_trains_only_adapters_and_exports_merged(tmp_path, tiny_model_dir):
     out = tmp_path / "export"
-    cli = build(os.path.join(RECIPES, "quickstart-lora.yaml"), tiny_overrides(
-        tmp_path, tiny_model_dir, lora=LORA, export_dir=str(out),
-        critic={"class_path": "rllight.critics.ValueHead"}, advantage={"class_path": "rllight.strategies.GAE"},
-        kl={"class_path": "rllight.strategies.KLPenalty", "init_args": {"coef": 0.1}}))
+    cli = build(
+        os.path.join(RECIPES, "quickstart-lora.yaml"),
+        tiny_overrides(
+            tmp_path,
+            tiny_model_dir,
+            lora=LORA,
+            export_dir=str(out),
+            critic={"class_path": "rllight.critics.ValueHead"},
+            advantage={"class_path": "rllight.strategies.GAE"},
+            kl={"class_path": "rllight.strategies.KLPenalty", "init_args": {"coef": 0.1}},
+        ),
+    )
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     module = cli.model
     assert module.ref_policy is None  # no second copy of the weights
@@ -47,9 +55,13 @@ def test_lora_trains_only_adapters_and_exports_merged(tmp_path, tiny_model_dir):
     merged = AutoModelForCausalLM.from_pretrained(out)
     assert not any("lora" in k for k in merged.state_dict())
     with torch.no_grad():
-        torch.testing.assert_close(module.forward_batch(rollout, policy=merged)[0][mask], live[mask],
-                                   rtol=1e-4, atol=1e-4)
-    assert merged.generate(rollout.prompt_ids[:1], max_new_tokens=3, do_sample=False).shape[1] > rollout.prompt_ids.shape[1]
+        torch.testing.assert_close(
+            module.forward_batch(rollout, policy=merged)[0][mask], live[mask], rtol=1e-4, atol=1e-4
+        )
+    assert (
+        merged.generate(rollout.prompt_ids[:1], max_new_tokens=3, do_sample=False).shape[1]
+        > rollout.prompt_ids.shape[1]
+    )
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(tiny_model_dir):

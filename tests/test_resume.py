@@ -18,13 +18,37 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 
 def _fit(tmp_path, name, overlay, *extra):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "rllight.cli", "fit", "--config", os.path.join(RECIPES, "grpo.yaml"),
-           "--config", overlay, "--trainer.max_steps", "6", "--trainer.enable_checkpointing", "true",
-           "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
-           "--trainer.logger.save_dir", str(tmp_path / name), "--trainer.logger.name", "", "--trainer.logger.version", "0",
-           "--trainer.callbacks+", "lightning.pytorch.callbacks.ModelCheckpoint",
-           "--trainer.callbacks.dirpath", str(tmp_path / f"{name}_ckpt"), "--trainer.callbacks.every_n_train_steps", "1",
-           "--trainer.callbacks.save_last", "true", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rllight.cli",
+        "fit",
+        "--config",
+        os.path.join(RECIPES, "grpo.yaml"),
+        "--config",
+        overlay,
+        "--trainer.max_steps",
+        "6",
+        "--trainer.enable_checkpointing",
+        "true",
+        "--trainer.logger",
+        "lightning.pytorch.loggers.CSVLogger",
+        "--trainer.logger.save_dir",
+        str(tmp_path / name),
+        "--trainer.logger.name",
+        "",
+        "--trainer.logger.version",
+        "0",
+        "--trainer.callbacks+",
+        "lightning.pytorch.callbacks.ModelCheckpoint",
+        "--trainer.callbacks.dirpath",
+        str(tmp_path / f"{name}_ckpt"),
+        "--trainer.callbacks.every_n_train_steps",
+        "1",
+        "--trainer.callbacks.save_last",
+        "true",
+        *extra,
+    ]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -33,8 +57,15 @@ def _metrics(path):
     out: dict[int, dict[str, str]] = {}
     with open(path) as f:
         for row in csv.DictReader(f):
-            kept = {k: v for k, v in row.items() if v and k.startswith("train/") and "/time/" not in k
-                    and "/perf/" not in k and not k.endswith(("tokens_per_s", "sync_time"))}
+            kept = {
+                k: v
+                for k, v in row.items()
+                if v
+                and k.startswith("train/")
+                and "/time/" not in k
+                and "/perf/" not in k
+                and not k.endswith(("tokens_per_s", "sync_time"))
+            }
             if kept:
                 out.setdefault(int(row["step"]), {}).update(kept)
     return out
@@ -56,8 +87,9 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path, tiny_model_d
     state = torch.load(last, weights_only=True)
     assert state["global_step"] == 3 and state["RLDataModule"] == {"batches_trained": 3}
 
-    resumed = _fit(tmp_path, "killed", overlay, *kill_cb, "-1", "--ckpt_path", str(last),
-                   "--trainer.logger.version", "1")
+    resumed = _fit(
+        tmp_path, "killed", overlay, *kill_cb, "-1", "--ckpt_path", str(last), "--trainer.logger.version", "1"
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
     a = _metrics(tmp_path / "full" / "version_0" / "metrics.csv")

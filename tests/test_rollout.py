@@ -23,8 +23,9 @@ def test_pad_left():
 
 
 def _module(model_dir, temperature=1.0, max_new_tokens=8):
-    module = RLModule(HFModel(model_dir), rollout=HFEngine(max_new_tokens=max_new_tokens, temperature=temperature,
-                                                           batch_size=3))
+    module = RLModule(
+        HFModel(model_dir), rollout=HFEngine(max_new_tokens=max_new_tokens, temperature=temperature, batch_size=3)
+    )
     module.configure_model()
     return module
 
@@ -53,7 +54,11 @@ def test_truncated_flag_and_greedy_is_deterministic(tiny_model_dir):
     a = module.generate_and_score(rows, n=2, greedy=True)
     b = module.generate_and_score(rows, n=2, greedy=True)
     assert torch.equal(a.response_ids, b.response_ids)
-    assert torch.equal(a.truncated, a.response_mask.sum(-1).eq(3) & ~torch.isin(a.response_ids[:, -1], torch.tensor([module.tokenizer.eos_token_id])))
+    assert torch.equal(
+        a.truncated,
+        a.response_mask.sum(-1).eq(3)
+        & ~torch.isin(a.response_ids[:, -1], torch.tensor([module.tokenizer.eos_token_id])),
+    )
     assert a.group_ids.tolist() == [0, 0]
 
 
@@ -62,11 +67,17 @@ def _toy(b, p, t, seed=0):
     lengths = torch.randint(1, t + 1, (b,), generator=g)
     mask = (torch.arange(t)[None] < lengths[:, None]).long()
     return Rollout(
-        prompt_ids=torch.randint(3, 50, (b, p), generator=g), prompt_mask=torch.ones(b, p, dtype=torch.long),
-        response_ids=torch.randint(3, 50, (b, t), generator=g) * mask, response_mask=mask,
-        sample_logprobs=-torch.rand(b, t, generator=g) * mask, truncated=lengths.eq(t),
-        group_ids=torch.arange(b) // 2, answers=[str(i) for i in range(b)], texts=["x"] * b,
-        rewards=torch.rand(b, generator=g), extras={"w": torch.arange(b), "note": "kept"},
+        prompt_ids=torch.randint(3, 50, (b, p), generator=g),
+        prompt_mask=torch.ones(b, p, dtype=torch.long),
+        response_ids=torch.randint(3, 50, (b, t), generator=g) * mask,
+        response_mask=mask,
+        sample_logprobs=-torch.rand(b, t, generator=g) * mask,
+        truncated=lengths.eq(t),
+        group_ids=torch.arange(b) // 2,
+        answers=[str(i) for i in range(b)],
+        texts=["x"] * b,
+        rewards=torch.rand(b, generator=g),
+        extras={"w": torch.arange(b), "note": "kept"},
     )
 
 

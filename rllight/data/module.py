@@ -38,12 +38,16 @@ def _load_rows(paths: Sequence[str], field: str) -> list[dict]:
         for i, row in enumerate(ds):
             prompt = row.get("prompt")
             if prompt is None or (isinstance(prompt, str) and not prompt.strip()):
-                raise RecipeError(f"{path} row {i + 1}: missing field 'prompt'; every row needs 'prompt' "
-                                  "(a string or a list of chat messages) and 'answer'")
-            if isinstance(prompt, list) and not all(isinstance(m, dict) and "role" in m and "content" in m
-                                                    for m in prompt):
-                raise RecipeError(f"{path} row {i + 1}: 'prompt' is a list but not of chat messages "
-                                  "({'role': ..., 'content': ...})")
+                raise RecipeError(
+                    f"{path} row {i + 1}: missing field 'prompt'; every row needs 'prompt' "
+                    "(a string or a list of chat messages) and 'answer'"
+                )
+            if isinstance(prompt, list) and not all(
+                isinstance(m, dict) and "role" in m and "content" in m for m in prompt
+            ):
+                raise RecipeError(
+                    f"{path} row {i + 1}: 'prompt' is a list but not of chat messages ({{'role': ..., 'content': ...}})"
+                )
             if row.get("answer") is None:
                 raise RecipeError(f"{path} row {i + 1}: missing field 'answer'; every row needs 'prompt' and 'answer'")
             rows.append({"prompt": prompt, "answer": str(row["answer"])})
@@ -160,14 +164,22 @@ class RLDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         per_epoch = len(self.train_rows) // self.batch_size
         if per_epoch == 0:
-            raise RecipeError(f"data.batch_size={self.batch_size} is larger than the {len(self.train_rows)} training rows")
+            raise RecipeError(
+                f"data.batch_size={self.batch_size} is larger than the {len(self.train_rows)} training rows"
+            )
         sampler = ResumableSampler(len(self.train_rows), per_epoch * self.batch_size, self.seed)
         # Whole batches: resuming after k trained batches skips k * batch_size rows of the stream.
         sampler.start_at(self.batches_trained * self.batch_size)
         # The loader's own generator keeps iterator creation from drawing on the global RNG, which the
         # rollouts use: a resumed run must see the same random stream as an uninterrupted one.
-        return DataLoader(self.train_rows, batch_size=self.batch_size, sampler=sampler, drop_last=True,
-                          collate_fn=collate, generator=torch.Generator().manual_seed(self.seed))
+        return DataLoader(
+            self.train_rows,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            drop_last=True,
+            collate_fn=collate,
+            generator=torch.Generator().manual_seed(self.seed),
+        )
 
     def state_dict(self) -> dict:
         return {"batches_trained": self.batches_trained}

@@ -41,7 +41,9 @@ class RolloutEngine:
         if max_new_tokens < 1:
             raise ValueError(f"rollout.max_new_tokens must be >= 1, got {max_new_tokens}")
         if temperature <= 0:
-            raise ValueError(f"rollout.temperature must be > 0 (use greedy=True for greedy decoding), got {temperature}")
+            raise ValueError(
+                f"rollout.temperature must be > 0 (use greedy=True for greedy decoding), got {temperature}"
+            )
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.top_p = top_p
