@@ -81,6 +81,15 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _reduce(key: str, values: list[Tensor], micro_batches: bool = False) -> Tensor:
+    """One number from per-micro-batch (or per-update) values: the loss of an update is the sum of its
+    micro-batches' shares, a ``*_max`` metric is a maximum, everything else a mean."""
+    stacked = torch.stack(values).float()
+    if micro_batches and key in ("policy/loss", "value/total_loss"):
+        return stacked.sum()
+    return stacked.max() if key.endswith("_max") else stacked.mean()
+
+
 def _is_scalar(value) -> bool:
     return isinstance(value, (int, float)) or (isinstance(value, Tensor) and value.dim() == 0)
 
@@ -522,7 +531,7 @@ class RLModule(L.LightningModule):
                 stats = self._update(rollout.select(order[start : start + minibatch]), policy=True, critic=joint_critic)
                 for k, v in stats.items():
                     step_stats.setdefault(k, []).append(v)
-        metrics.update({k: torch.stack(v).float().mean() for k, v in step_stats.items()})
+        metrics.update({k: _reduce(k, v) for k, v in step_stats.items()})
         metrics["time/train"] = time.perf_counter() - t_train
         metrics["time/step"] = time.perf_counter() - t_start
         metrics["perf/tokens_per_s"] = rollout.response_mask.sum().float() / metrics["time/step"]
@@ -658,12 +667,7 @@ class RLModule(L.LightningModule):
                 record("policy/loss" if policy else "value/total_loss", loss * world)
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm if self.max_grad_norm else float("inf"))
-        out = {
-            k: torch.stack(v).sum()
-            if k.endswith("loss") and k in ("policy/loss", "value/total_loss")
-            else torch.stack(v).mean()
-            for k, v in stats.items()
-        }
+        out = {k: _reduce(k, v, micro_batches=True) for k, v in stats.items()}
         out["policy/grad_norm" if policy else "nll/grad_norm" if nll_coef else "value/grad_norm"] = grad_norm.detach()
         if self.trainer.world_size > 1:  # every rank must take the same decision
             finite = bool(self._global(torch.tensor(float(not finite), device=grad_norm.device)).item() == 0)
