@@ -128,15 +128,25 @@ def group_relative(rewards: Tensor, group_ids: Tensor, scale_by_std: bool = True
     Returns:
         Shape (B,).
     """
-    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
-    r = rewards.to(torch.float32) if not rewards.is_floating_point() else rewards
-    n = counts.to(r.dtype)
-    sums = torch.zeros_like(n).index_add_(0, inverse, r)
-    mean = sums / n
+    r, inverse, n = group_index(rewards, group_ids)
+    mean = group_sum(r, inverse, n.shape[0]) / n
     centred = r - mean[inverse]
+    alone = n[inverse] <= 1
     if not scale_by_std:
-        return torch.where(counts[inverse] > 1, centred, torch.zeros_like(centred))
-    sq = torch.zeros_like(n).index_add_(0, inverse, centred * centred)
-    std = torch.sqrt(sq / (n - 1).clamp(min=1))
+        return torch.where(alone, torch.zeros_like(centred), centred)
+    std = torch.sqrt(group_sum(centred * centred, inverse, n.shape[0]) / (n - 1).clamp(min=1))
     adv = centred / (std[inverse] + eps)
-    return torch.where(counts[inverse] > 1, adv, torch.zeros_like(adv))
+    return torch.where(alone, torch.zeros_like(adv), adv)
+
+
+def group_index(values: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(values as floats, group index of each row (B,), size of each group (G,))`` for any integer
+    group labels; the shared first step of the group-baseline estimators."""
+    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    v = values if values.is_floating_point() else values.to(torch.float32)
+    return v, inverse, counts.to(v.dtype)
+
+
+def group_sum(values: Tensor, inverse: Tensor, num_groups: int) -> Tensor:
+    """Per-group sums (G,) of ``values`` (B,) under the row-to-group index ``inverse``."""
+    return values.new_zeros(num_groups).index_add_(0, inverse, values)

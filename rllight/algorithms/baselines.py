@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rllight.algorithms.advantages import discounted_cumsum
+from rllight.algorithms.advantages import discounted_cumsum, group_index, group_sum
 from rllight.algorithms.kl import masked_whiten
 
 __all__ = ["rloo", "remax", "reinforce_pp"]
@@ -29,10 +29,9 @@ def rloo(rewards: Tensor, group_ids: Tensor) -> Tensor:
     Returns:
         Shape (B,).
     """
-    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
-    r = rewards if rewards.is_floating_point() else rewards.to(torch.float32)
-    sums = torch.zeros(counts.shape, dtype=r.dtype, device=r.device).index_add_(0, inverse, r)
-    n = counts[inverse].to(r.dtype)
+    r, inverse, sizes = group_index(rewards, group_ids)
+    sums = group_sum(r, inverse, sizes.shape[0])
+    n = sizes[inverse]
     others = (sums[inverse] - r) / (n - 1).clamp(min=1)
     return torch.where(n > 1, r - others, torch.zeros_like(r))
 

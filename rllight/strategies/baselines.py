@@ -13,7 +13,7 @@ from torch import Tensor
 from rllight.algorithms import cispo, gspo, masked_mean, reinforce_pp, remax, rloo, truncated_is_weight
 from rllight.errors import RecipeError
 from rllight.strategies.advantages import AdvantageEstimator
-from rllight.strategies.losses import PolicyLoss
+from rllight.strategies.losses import PolicyLoss, check_clip_range
 from rllight.strategies.samplers import Sampler
 from rllight.types import Rollout
 
@@ -118,10 +118,7 @@ class GSPO(PolicyLoss):
     """
 
     def __init__(self, clip_low: float = 3e-4, clip_high: float = 4e-4):
-        if not 0 < clip_low < 1:
-            raise RecipeError(f"model.policy_loss.clip_low must be in (0, 1), got {clip_low}")
-        if clip_high <= 0:
-            raise RecipeError(f"model.policy_loss.clip_high must be > 0, got {clip_high}")
+        check_clip_range(clip_low, clip_high)
         self.clip_low = clip_low
         self.clip_high = clip_high
 

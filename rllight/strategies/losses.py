@@ -5,7 +5,16 @@ from __future__ import annotations
 from torch import Tensor
 
 from rllight.algorithms import aggregate, clip_fractions, clipped_surrogate, kl_penalty
+from rllight.errors import RecipeError
 from rllight.types import Rollout
+
+
+def check_clip_range(clip_low: float, clip_high: float) -> None:
+    """One-line errors for a clip range ``[1 - clip_low, 1 + clip_high]`` that cannot work."""
+    if not 0 < clip_low < 1:
+        raise RecipeError(f"model.policy_loss.clip_low must be in (0, 1), got {clip_low}")
+    if clip_high <= 0:
+        raise RecipeError(f"model.policy_loss.clip_high must be > 0, got {clip_high}")
 
 
 class PolicyLoss:

@@ -10,7 +10,7 @@ from torch import Tensor
 from rllight.algorithms import sequence_clipped_surrogate
 from rllight.errors import RecipeError
 from rllight.strategies.advantages import AdvantageEstimator
-from rllight.strategies.losses import PolicyLoss
+from rllight.strategies.losses import PolicyLoss, check_clip_range
 from rllight.types import Rollout
 
 __all__ = ["PromptBaseline", "SequenceClippedSurrogate"]
@@ -77,10 +77,7 @@ class SequenceClippedSurrogate(PolicyLoss):
     """
 
     def __init__(self, clip_low: float = 0.2, clip_high: float = 0.2):
-        if not 0 < clip_low < 1:
-            raise RecipeError(f"model.policy_loss.clip_low must be in (0, 1), got {clip_low}")
-        if clip_high <= 0:
-            raise RecipeError(f"model.policy_loss.clip_high must be > 0, got {clip_high}")
+        check_clip_range(clip_low, clip_high)
         self.clip_low = clip_low
         self.clip_high = clip_high
 
