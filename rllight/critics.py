@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rllight.algorithms import explained_variance, masked_mean, value_loss
+from rllight.algorithms import masked_mean, value_loss
 from rllight.errors import RecipeError
 from rllight.models import HFModel, response_hidden_states
 from rllight.rollout.base import pad_left
@@ -70,7 +70,6 @@ class _TokenValueLoss:
         per_token = value_loss(values, batch.values, batch.returns, self.clip)
         return per_token, {
             "value/loss": masked_mean(per_token.detach(), mask),
-            "value/explained_variance": explained_variance(batch.values, batch.returns, mask),
             "value/mean": masked_mean(values.detach(), mask),
         }
 

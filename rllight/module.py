@@ -15,7 +15,7 @@ from jsonargparse import lazy_instance
 from torch import Tensor
 from torchmetrics import MeanMetric
 
-from rllight.algorithms import chunked_logprobs_and_entropy, logprobs_and_entropy, masked_mean
+from rllight.algorithms import chunked_logprobs_and_entropy, explained_variance, logprobs_and_entropy, masked_mean
 from rllight.critics import Critic
 from rllight.errors import RecipeError
 from rllight.models import HFModel, LoRA, response_hidden_states
@@ -508,11 +508,16 @@ class RLModule(L.LightningModule):
             metrics.update(logprob_mismatch(rollout.old_logprobs, rollout.sample_logprobs, rollout.response_mask))
         self._estimate_advantages(rollout)
         metrics.update({k: v for k, v in rollout.extras.items() if _is_scalar(v)})  # estimators' statistics
+        ev = self._explained_variance(rollout)
+        if ev is not None:  # of the critic as it enters the step, on the fresh rollout
+            metrics["value/explained_variance"] = ev
         joint_critic = self.critic is not None
         if self.critic_updates_first:
             # VAPO note 000: fit the critic on the fresh rollout first, then recompute values and
-            # advantages with it; the policy update that follows leaves the critic alone.
-            metrics.update(self.critic_update(rollout, epochs=self.critic_updates_first))
+            # advantages with it; the policy update that follows leaves the critic alone. A value head
+            # on the shared backbone trains alone here: a backbone step would move the policy between
+            # sampling and its update (the rollout would no longer be on-policy, the engine stale).
+            metrics.update(self.critic_update(rollout, epochs=self.critic_updates_first, train_backbone=False))
             self._score_with_models(rollout, need_old=False, need_values=True)
             self._estimate_advantages(rollout)
             joint_critic = False
@@ -558,14 +563,19 @@ class RLModule(L.LightningModule):
     def critic_update(
         self, rollout: Rollout, epochs: int = 1, minibatch_size: int | None = None, train_backbone: bool = True
     ) -> dict[str, Tensor]:
-        """Critic-only updates on ``rollout`` (which has ``values`` and ``returns``): the policy's
-        parameters do not move. With a shared-backbone critic and ``train_backbone`` False only the head
-        trains (the backbone runs without gradients), as in VAPO's value pretraining.
+        """Critic-only updates on ``rollout`` (which has ``values`` and ``returns``). A separate critic
+        trains whole and the policy does not move. A value head on the shared backbone trains alone with
+        ``train_backbone`` False (the backbone runs without gradients, as in VAPO's value pretraining);
+        with True the value loss also trains the backbone, which is the policy's, so the policy moves
+        (and the rollout engine is synced after each update).
 
         These updates do not advance ``trainer.global_step``, which counts policy updates.
         """
         minibatch = minibatch_size or self.minibatch_size or len(rollout)
         stats: dict[str, list[Tensor]] = {}
+        ev = self._explained_variance(rollout)
+        if ev is not None:
+            stats["critic_only/explained_variance"] = [ev]
         for _ in range(epochs):
             for start in range(0, len(rollout), minibatch):
                 index = list(range(start, min(start + minibatch, len(rollout))))
@@ -573,6 +583,13 @@ class RLModule(L.LightningModule):
                 for k, v in out.items():
                     stats.setdefault(f"critic_only/{k.split('/')[-1]}" if k.startswith("value/") else k, []).append(v)
         return {k: torch.stack(v).float().mean() for k, v in stats.items()}
+
+    @staticmethod
+    def _explained_variance(rollout: Rollout) -> Tensor | None:
+        """Explained variance of a token-level critic's values on the whole rollout (None without one)."""
+        if rollout.values is None or rollout.returns is None or rollout.values.dim() != 2:
+            return None
+        return explained_variance(rollout.values, rollout.returns, rollout.response_mask)
 
     def nll_update(self, rollout: Rollout, coef: float = 1.0, minibatch_size: int | None = None) -> dict[str, Tensor]:
         """Supervised updates on the responses of ``rollout``: minimise ``coef * -log pi(response)``
@@ -694,7 +711,7 @@ class RLModule(L.LightningModule):
             out.update({k: torch.tensor(float(v)) for k, v in self.rollout.update_weights(self.policy).items()})
         else:
             optimizer.optimizer.step()  # the raw optimizer: these steps do not count as global steps
-            if nll_coef:  # the policy moved
+            if nll_coef or (with_values and self.critic.shared and train_backbone):  # the policy moved
                 out.update({k: torch.tensor(float(v)) for k, v in self.rollout.update_weights(self.policy).items()})
         return out
 

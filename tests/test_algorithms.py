@@ -496,6 +496,9 @@ def test_explained_variance():
     # -> 1 - 0.25 / 1.25 = 0.8
     values = torch.tensor([[1.5, 1.5, 3.5, 3.5, -40.0]])
     assert_close(explained_variance(values, returns, mask), torch.tensor(0.8))
+    # Returns that do not vary on the valid tokens (all-wrong batch): undefined, not a huge negative.
+    constant = torch.tensor([[0.0, 0.0, 0.0, 0.0, 5.0]])
+    assert torch.isnan(explained_variance(values * 1e-3, constant, mask))
 
 
 # --------------------------------------------------------------------------------------------------

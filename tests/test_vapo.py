@@ -522,6 +522,55 @@ def test_critic_updates_first_recompute_advantages_with_the_updated_critic(criti
         assert_close(module.policy_loss.seen[0], module.advantage.calls[0][1])
 
 
+def test_critic_first_updates_of_a_shared_value_head_leave_the_policy_where_it_sampled(tmp_path, tiny_model_dir):
+    # The K_v critic updates run between sampling and the policy update. Were the value loss to train the
+    # shared backbone there, the policy would move before its own update: the rollout would be off-policy
+    # while its "old" log-probs came from the moved policy, and the engine would sample from stale weights.
+    cli = build(os.path.join(RECIPES, "vapo.yaml"), tiny_overrides(tmp_path, tiny_model_dir), _callbacks(tmp_path),
+                "--trainer.max_steps", "1", "--model.critic_updates_first", "3", "--model.critic.init_args.lr", "0.1")
+    module = cli.model
+    snapshots = []
+    original = module.critic_update
+
+    def critic_update(rollout, **kwargs):
+        before = {n: p.detach().clone() for n, p in module.policy.named_parameters()}
+        head = module.critic.head.weight.detach().clone()
+        out = original(rollout, **kwargs)
+        snapshots.append((before, head))
+        return out
+
+    module.critic_update = critic_update
+    cli.trainer.fit(module, datamodule=cli.datamodule)
+    ((before, head),) = snapshots
+    moved = [n for n, p in before.items() if not torch.equal(p, dict(module.policy.named_parameters())[n])]
+    assert moved  # the policy update that followed moved it ...
+    # ... and the log-probs it trained from equal the ones the engine sampled with (up to float noise).
+    logged = cli.trainer.callback_metrics
+    assert logged["train/rollout/logprob_diff_max"] < 1e-4
+    assert not torch.equal(head, module.critic.head.weight)  # the head did train
+    assert "train/value/explained_variance" in logged and "train/critic_only/explained_variance" in logged
+
+
+def test_critic_update_of_the_shared_backbone_moves_the_policy_and_syncs_the_engine(tmp_path, tiny_model_dir):
+    cli = build(os.path.join(RECIPES, "vapo.yaml"), tiny_overrides(tmp_path, tiny_model_dir), _callbacks(tmp_path),
+                "--trainer.max_steps", "1")
+    module = cli.model
+    cli.trainer.fit(module, datamodule=cli.datamodule)
+    rollout = module.sampler(module, cli.datamodule.train_rows[:2])
+    module._score_with_models(rollout, need_old=False, need_values=True)
+    module._estimate_advantages(rollout)
+    rollout.returns = rollout.returns + 1.0  # a target the critic cannot already meet
+    synced = []
+    module.rollout.update_weights = lambda policy: synced.append(policy) or {}
+    embed = module.policy.get_input_embeddings().weight
+
+    before = embed.detach().clone()
+    module.critic_update(rollout, train_backbone=False)
+    assert torch.equal(embed, before) and synced == []  # head only: the policy stays, nothing to sync
+    module.critic_update(rollout, train_backbone=True)
+    assert not torch.equal(embed, before) and synced == [module.policy]
+
+
 def test_replay_buffer_and_value_pretraining_state_survive_a_checkpoint(tmp_path, tiny_model_dir):
     # Pretrain for 1 rollout, then 2 policy steps whose responses all count as successes (min_reward 0: the
     # test reward is >= 0), replayed every step. Save a Lightning checkpoint; a new trainer resumes from it.

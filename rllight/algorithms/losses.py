@@ -149,7 +149,9 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, clip: float 
 
 def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
     """``1 - Var(R - V) / Var(R)`` over the masked entries: 1 is a perfect critic, 0 no better than a
-    constant, negative worse. Shapes (B, T); returns a scalar."""
+    constant, negative worse. Shapes (B, T); returns a scalar, NaN when the returns do not vary (then
+    it is undefined: any number would be an artefact of a tiny denominator). Compute it over a whole
+    rollout, not per micro-batch, where constant returns are common."""
     m = mask.to(values.dtype)
     n = m.sum().clamp(min=1)
 
@@ -158,4 +160,5 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
         return (((x - mean) ** 2) * m).sum() / n
 
     var_r = var(returns)
-    return 1.0 - var(returns - values) / var_r.clamp(min=1e-8)
+    defined = var_r > 1e-8
+    return torch.where(defined, 1.0 - var(returns - values) / torch.where(defined, var_r, 1.0), torch.nan)
