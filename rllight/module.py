@@ -542,6 +542,15 @@ class RLModule(L.LightningModule):
         metrics["perf/tokens_per_s"] = rollout.response_mask.sum().float() / metrics["time/step"]
         self._log(metrics)
 
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        # Lightning keeps the last value of each step-level metric for the whole epoch and sends it to the
+        # logger again at every later step, so a metric logged on some steps only (replay, value
+        # pretraining, critic-only updates) would show stale repeats. Forget the previous step's values
+        # (trainer.callback_metrics keeps them).
+        results = self.trainer._results
+        if results is not None:
+            results.reset(metrics=False)
+
     def on_train_epoch_start(self) -> None:
         self._epoch_start = (self.global_step, self._consumed_steps)
 
@@ -576,10 +585,14 @@ class RLModule(L.LightningModule):
         ev = self._explained_variance(rollout)
         if ev is not None:
             stats["critic_only/explained_variance"] = [ev]
+        # Head only: the backbone does not move, so its hidden states are computed once and reused by
+        # every epoch (one (B, T, H) tensor per micro-batch, kept for the duration of this call).
+        hidden_cache: dict[int, list[Tensor]] | None = {} if self.critic.shared and not train_backbone else None
         for _ in range(epochs):
             for start in range(0, len(rollout), minibatch):
                 index = list(range(start, min(start + minibatch, len(rollout))))
-                out = self._update(rollout.select(index), policy=False, critic=True, train_backbone=train_backbone)
+                out = self._update(rollout.select(index), policy=False, critic=True, train_backbone=train_backbone,
+                                   hidden_cache=None if hidden_cache is None else hidden_cache.setdefault(start, []))
                 for k, v in out.items():
                     stats.setdefault(f"critic_only/{k.split('/')[-1]}" if k.startswith("value/") else k, []).append(v)
         return {k: torch.stack(v).float().mean() for k, v in stats.items()}
@@ -613,12 +626,20 @@ class RLModule(L.LightningModule):
         return value
 
     def _update(
-        self, mb: Rollout, policy: bool = True, critic: bool = True, train_backbone: bool = True, nll_coef: float = 0.0
+        self,
+        mb: Rollout,
+        policy: bool = True,
+        critic: bool = True,
+        train_backbone: bool = True,
+        nll_coef: float = 0.0,
+        hidden_cache: list[Tensor] | None = None,
     ) -> dict[str, Tensor]:
         """One optimizer update over the minibatch ``mb``, accumulated over micro-batches.
 
         ``policy`` / ``critic`` / ``nll_coef`` select the loss terms (policy objective, critic loss,
         negative log-likelihood of the responses); parameters without a gradient do not move.
+        ``hidden_cache`` (head-only critic updates) holds the backbone's hidden states of each micro-batch
+        from an earlier call on the same minibatch, or is filled by this one.
         """
         optimizer = self.optimizers()
         world = self.trainer.world_size
@@ -636,7 +657,7 @@ class RLModule(L.LightningModule):
 
         with_values = critic and self.critic is not None
         finite = True
-        for micro in self._micro_batches(mb):
+        for index, micro in enumerate(self._micro_batches(mb)):
             mask = micro.response_mask.float()
             loss = torch.zeros((), device=mask.device)
             if policy:
@@ -665,8 +686,13 @@ class RLModule(L.LightningModule):
                 loss = loss + nll_coef * nll
                 record("nll/loss", nll)
             elif self.critic.shared and not train_backbone:
-                with torch.no_grad():  # head only: the backbone gives fixed features
-                    hidden = response_hidden_states(self.policy.get_decoder(), micro)
+                if hidden_cache is not None and index < len(hidden_cache):
+                    hidden = hidden_cache[index]
+                else:
+                    with torch.no_grad():  # head only: the backbone gives fixed features
+                        hidden = response_hidden_states(self.policy.get_decoder(), micro)
+                    if hidden_cache is not None:
+                        hidden_cache.append(hidden)
                 values = self.critic.values(self, micro, hidden)
             else:
                 _, _, values = self.forward_batch(micro, with_values=True, with_logprobs=False)

@@ -3,6 +3,7 @@ comments), the positive-example NLL, value pretraining and self-imitation on han
 modules, the critic-first update order and two-step runs of the VAPO recipes on a tiny in-process model, and
 resume from a Lightning checkpoint."""
 
+import copy
 import math
 import os
 from types import SimpleNamespace
@@ -10,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
+from lightning.pytorch.loggers import Logger
 from torch.testing import assert_close
 from transformers import AutoModelForCausalLM
 
@@ -551,15 +553,43 @@ def test_critic_first_updates_of_a_shared_value_head_leave_the_policy_where_it_s
     assert "train/value/explained_variance" in logged and "train/critic_only/explained_variance" in logged
 
 
-def test_critic_update_of_the_shared_backbone_moves_the_policy_and_syncs_the_engine(tmp_path, tiny_model_dir):
+def _vapo_module_and_scored_rollout(tmp_path, tiny_model_dir):
+    """A vapo.yaml module after one policy step, and a fresh rollout of 16 responses with values and returns."""
     cli = build(os.path.join(RECIPES, "vapo.yaml"), tiny_overrides(tmp_path, tiny_model_dir), _callbacks(tmp_path),
-                "--trainer.max_steps", "1")
+                "--trainer.max_steps", "1", "--model.micro_batch_size", "4")
     module = cli.model
     cli.trainer.fit(module, datamodule=cli.datamodule)
     rollout = module.sampler(module, cli.datamodule.train_rows[:2])
     module._score_with_models(rollout, need_old=False, need_values=True)
     module._estimate_advantages(rollout)
     rollout.returns = rollout.returns + 1.0  # a target the critic cannot already meet
+    return module, rollout
+
+
+def test_head_only_critic_epochs_reuse_the_backbone_hidden_states(tmp_path, tiny_model_dir, monkeypatch):
+    import rllight.module
+
+    module, rollout = _vapo_module_and_scored_rollout(tmp_path, tiny_model_dir)
+    start = {k: v.clone() for k, v in module.critic.state_dict().items()}
+    optimizer_state = copy.deepcopy(module.optimizers().optimizer.state_dict())
+    # Reference: three one-epoch calls, each computing the hidden states afresh.
+    for _ in range(3):
+        module.critic_update(rollout, epochs=1, train_backbone=False)
+    expected = module.critic.head.weight.detach().clone()
+    module.critic.load_state_dict(start)
+    module.optimizers().optimizer.load_state_dict(optimizer_state)
+
+    calls = []
+    original = rllight.module.response_hidden_states
+    monkeypatch.setattr(rllight.module, "response_hidden_states", lambda *a: calls.append(1) or original(*a))
+    module.critic_update(rollout, epochs=3, train_backbone=False)
+    assert len(calls) == 4  # 16 responses in micro-batches of 4: one backbone pass each, not three
+    assert not torch.equal(expected, start["head.weight"])
+    assert_close(module.critic.head.weight.detach(), expected)
+
+
+def test_critic_update_of_the_shared_backbone_moves_the_policy_and_syncs_the_engine(tmp_path, tiny_model_dir):
+    module, rollout = _vapo_module_and_scored_rollout(tmp_path, tiny_model_dir)
     synced = []
     module.rollout.update_weights = lambda policy: synced.append(policy) or {}
     embed = module.policy.get_input_embeddings().weight
@@ -569,6 +599,57 @@ def test_critic_update_of_the_shared_backbone_moves_the_policy_and_syncs_the_eng
     assert torch.equal(embed, before) and synced == []  # head only: the policy stays, nothing to sync
     module.critic_update(rollout, train_backbone=True)
     assert not torch.equal(embed, before) and synced == [module.policy]
+
+
+class CaptureLogger(Logger):
+    """Keeps every ``log_metrics`` call."""
+
+    def __init__(self, save_dir):
+        super().__init__()
+        self.calls = []
+        self._save_dir = str(save_dir)
+
+    @property
+    def save_dir(self):
+        return self._save_dir
+
+    @property
+    def log_dir(self):
+        return self._save_dir
+
+    @property
+    def name(self):
+        return "capture"
+
+    @property
+    def version(self):
+        return 0
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+    def log_metrics(self, metrics, step=None):
+        self.calls.append(dict(metrics))
+
+
+def test_metrics_of_some_steps_only_are_logged_on_those_steps_not_repeated(tmp_path, tiny_model_dir):
+    # 1 value-pretraining rollout, then 3 policy steps with a replay on every second one: each metric must
+    # reach the logger on the steps that produced it, not again (stale) on every later step.
+    callbacks = _callbacks(tmp_path, _pretraining(max_steps=1, patience=None),
+                           _replay(every_n_steps=2, batch_size=2, min_reward=0.0))
+    cli = build(os.path.join(RECIPES, "vapo.yaml"), tiny_overrides(tmp_path, tiny_model_dir), callbacks,
+                "--trainer.max_steps", "3", "--trainer.log_every_n_steps", "1")
+    logger = CaptureLogger(tmp_path)
+    cli.trainer.loggers = [logger]
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+
+    def logged(key):
+        return [key in call for call in logger.calls if "train/time/step" in call]
+
+    assert logged("train/time/step") == [True] * 4
+    assert logged("train/value_pretraining/loss") == [True, False, False, False]
+    assert logged("train/policy/loss") == [False, True, True, True]
+    assert logged("train/sil/nll") == [False, False, True, False]
 
 
 def test_replay_buffer_and_value_pretraining_state_survive_a_checkpoint(tmp_path, tiny_model_dir):
