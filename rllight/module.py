@@ -303,11 +303,12 @@ class RLModule(L.LightningModule):
             ids = ids["input_ids"]
         return list(ids)
 
-    def generate_and_score(self, rows: list[dict], n: int, greedy: bool = False) -> Rollout:
+    def generate_and_score(self, rows: list[dict], n: int, greedy: bool = False, count_dropped: bool = True) -> Rollout:
         """Sample ``n`` responses for each prompt row and score them with the reward.
 
         Prompts longer than ``max_prompt_tokens`` are dropped and counted (``data/dropped_long_prompts``),
-        never truncated: a cut prompt is a different question.
+        never truncated: a cut prompt is a different question. ``count_dropped`` False leaves the run's
+        total of dropped training prompts alone (a second pass over the same rows, or validation).
         """
         prompts = [self.encode_prompt(r["messages"]) for r in rows]
         dropped = 0
@@ -317,7 +318,8 @@ class RLModule(L.LightningModule):
             if dropped:
                 log.warning("dropped %d prompt(s) longer than max_prompt_tokens=%d", dropped, self.max_prompt_tokens)
             rows, prompts = [rows[i] for i in keep], [prompts[i] for i in keep]
-            self.dropped_prompts += dropped
+            if count_dropped:
+                self.dropped_prompts += dropped
         if not prompts:
             return Rollout.empty(extras={"data/dropped_long_prompts": float(dropped)})
         t0 = time.perf_counter()
@@ -780,7 +782,7 @@ class RLModule(L.LightningModule):
 
     # ---------------------------------------------------------------------------- validate
     def validation_step(self, rows: list[dict], batch_idx: int) -> None:
-        rollout = self.generate_and_score(rows, 1, greedy=True)
+        rollout = self.generate_and_score(rows, 1, greedy=True, count_dropped=False)
         self.val_accuracy.update(rollout.correct)
         self.val_length.update(rollout.response_lengths.float())
         self.val_truncated.update(rollout.truncated.float())

@@ -90,7 +90,7 @@ class _FakeModule:
     def __init__(self):
         self.calls = []
 
-    def generate_and_score(self, rows, n, greedy=False):
+    def generate_and_score(self, rows, n, greedy=False, count_dropped=True):
         self.calls.append((len(rows), n, greedy))
         b = len(rows) * n
         rewards = torch.arange(len(rows)) + 1.0 if greedy else 0.1 * torch.arange(b, dtype=torch.float32)

@@ -37,6 +37,18 @@ def test_long_prompts_are_dropped_and_counted_never_truncated(tmp_path, tiny_mod
     assert kept == module.encode_prompt(short["messages"])
 
 
+def test_remax_counts_a_dropped_prompt_once_though_it_samples_twice(tmp_path, tiny_model_dir):
+    cli = build(os.path.join(RECIPES, "remax.yaml"), tiny_overrides(tmp_path, tiny_model_dir))
+    module = cli.model
+    module.configure_model()
+    short = {"messages": [{"role": "user", "content": "What is 1 + 1?"}], "answer": "2"}
+    long = {"messages": [{"role": "user", "content": "What is 1 + 1? " * 40}], "answer": "2"}
+    module.max_prompt_tokens = len(module.encode_prompt(short["messages"]))
+    rollout = module.sampler(module, [short, long])  # sampled responses, then the greedy baseline
+    assert len(rollout) == module.sampler.group_size
+    assert module.dropped_prompts == 1
+
+
 def test_empty_batches_after_filtering_are_no_op_steps_then_a_clear_stop(tmp_path, tiny_model_dir):
     from rllight.errors import RecipeError
 

@@ -58,7 +58,7 @@ class ReMaxSampler(Sampler):
         rollout = module.generate_and_score(rows, self.group_size)
         if len(rollout) == 0:
             return rollout
-        greedy = module.generate_and_score(rows, 1, greedy=True)
+        greedy = module.generate_and_score(rows, 1, greedy=True, count_dropped=False)  # counted above
         if len(greedy) * self.group_size != len(rollout):  # both calls drop the same over-long prompts
             raise RuntimeError(f"ReMaxSampler: {len(greedy)} greedy responses for {len(rollout)} samples")
         rollout.extras[GREEDY_REWARDS] = greedy.rewards.repeat_interleave(self.group_size)
