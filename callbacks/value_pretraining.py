@@ -8,7 +8,6 @@ import math
 from typing import TYPE_CHECKING, Any
 
 import lightning as L
-import torch
 
 from rllight.algorithms import gae
 from rllight.callbacks.base import RolloutCallback
@@ -105,24 +104,14 @@ class ValuePretraining(RolloutCallback):
 
     def _monte_carlo_targets(self, module: RLModule, rollout: Rollout) -> None:
         """Fill ``values`` (the critic's, without gradients), ``token_rewards`` and ``returns`` (B, T)."""
-        with torch.no_grad():
-            step = max(int(getattr(module, "micro_batch_size", len(rollout))), 1)
-            values = torch.cat([module.forward_batch(rollout.select(list(range(i, min(i + step, len(rollout))))),
-                                                     with_values=True, with_logprobs=False)[2]
-                                for i in range(0, len(rollout), step)])
-        if values.dim() != 2:
+        module.score_with_models(rollout, need_old=False, need_values=True, need_ref=False)
+        if rollout.values.dim() != 2:
             raise RecipeError("trainer.callbacks: ValuePretraining fits token-level critics (values (B, T)); "
                               f"{type(module.critic).__name__} gives one value per prompt")
-        mask = rollout.response_mask
-        lengths = rollout.response_lengths
-        token_rewards = torch.zeros_like(values)
-        rows = torch.arange(len(rollout), device=values.device)
-        token_rewards[rows, (lengths - 1).clamp(min=0).long()] = rollout.rewards.to(values) * (lengths > 0)
         gamma = float(getattr(module.advantage, "gamma", 1.0))
-        rollout.values = values * mask
-        rollout.token_rewards = token_rewards
+        rollout.token_rewards = module.outcome_token_rewards(rollout)
         # lam = 1: returns are the (discounted) Monte-Carlo returns G_t, independent of the critic.
-        _, rollout.returns = gae(token_rewards, rollout.values, mask, gamma, 1.0)
+        _, rollout.returns = gae(rollout.token_rewards, rollout.values, rollout.response_mask, gamma, 1.0)
 
     def state_dict(self) -> dict[str, Any]:
         return {"steps_done": self.steps_done, "finished": self.finished, "best_loss": self.best_loss,

@@ -392,10 +392,15 @@ class RLModule(L.LightningModule):
         return logprobs, entropy, values
 
     @torch.no_grad()
-    def _score_with_models(self, rollout: Rollout, need_old: bool, need_values: bool | None = None) -> None:
-        """Fill old log-probs, values and reference log-probs in micro-batches, without gradients."""
+    def score_with_models(
+        self, rollout: Rollout, need_old: bool, need_values: bool | None = None, need_ref: bool | None = None
+    ) -> None:
+        """Fill old log-probs, values and reference log-probs in micro-batches, without gradients.
+        ``need_values`` / ``need_ref`` None: whenever there is a critic / a KL reference (and the rollout has
+        no reference log-probs yet)."""
         need_values = self.critic is not None if need_values is None else need_values
-        need_ref = self.kl is not None and rollout.ref_logprobs is None
+        if need_ref is None:
+            need_ref = self.kl is not None and rollout.ref_logprobs is None
         if not (need_old or need_values or need_ref):
             return
         olds, values, refs = [], [], []
@@ -451,14 +456,21 @@ class RLModule(L.LightningModule):
         for s, e in bounds:
             yield rollout.select(list(range(s, e))).trim()
 
-    def _token_rewards(self, rollout: Rollout) -> Tensor:
-        """Outcome reward on the last response token, minus the KL penalty when it is in the reward."""
+    @staticmethod
+    def outcome_token_rewards(rollout: Rollout) -> Tensor:
+        """(B, T): each response's outcome reward on its last token, zero elsewhere (and for empty ones)."""
         mask = rollout.response_mask.float()
         last = (rollout.response_lengths - 1).clamp(min=0).long()
         token_rewards = torch.zeros_like(mask)
-        token_rewards[torch.arange(len(rollout), device=mask.device), last] = rollout.rewards * (
+        token_rewards[torch.arange(len(rollout), device=mask.device), last] = rollout.rewards.to(mask) * (
             rollout.response_lengths > 0
         )
+        return token_rewards
+
+    def _token_rewards(self, rollout: Rollout) -> Tensor:
+        """Outcome reward on the last response token, minus the KL penalty when it is in the reward."""
+        mask = rollout.response_mask.float()
+        token_rewards = self.outcome_token_rewards(rollout)
         if self.kl is not None and self.kl.in_reward:
             kl = self.kl(
                 rollout.old_logprobs if rollout.old_logprobs is not None else rollout.sample_logprobs,
@@ -505,7 +517,7 @@ class RLModule(L.LightningModule):
         # is skipped (unless a KL penalty in the reward needs them before the update).
         need_old = updates_per_step > 1 or (self.kl is not None and self.kl.in_reward)
         t_score = time.perf_counter()
-        self._score_with_models(rollout, need_old=need_old)
+        self.score_with_models(rollout, need_old=need_old)
         if rollout.old_logprobs is not None:  # else measured on the live log-probs in the update
             metrics.update(logprob_mismatch(rollout.old_logprobs, rollout.sample_logprobs, rollout.response_mask))
         self._estimate_advantages(rollout)
@@ -520,7 +532,7 @@ class RLModule(L.LightningModule):
             # on the shared backbone trains alone here: a backbone step would move the policy between
             # sampling and its update (the rollout would no longer be on-policy, the engine stale).
             metrics.update(self.critic_update(rollout, epochs=self.critic_updates_first, train_backbone=False))
-            self._score_with_models(rollout, need_old=False, need_values=True)
+            self.score_with_models(rollout, need_old=False, need_values=True)
             self._estimate_advantages(rollout)
             joint_critic = False
         metrics["time/score"] = time.perf_counter() - t_score

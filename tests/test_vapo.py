@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 from rllight.algorithms import adaptive_lambda, gae, vapo_lambda
 from rllight.callbacks import SelfImitation, ValuePretraining
 from rllight.callbacks.replay import build_rollout
+from rllight.module import RLModule
 from rllight.errors import RecipeError
 from rllight.strategies import (
     AdaptiveLambda,
@@ -180,8 +181,11 @@ def test_bad_values_are_one_line_recipe_errors_naming_the_field(make, field):
 
 
 class FakeCriticModule:
-    """What ValuePretraining uses of RLModule: a critic, the estimator's gamma, ``forward_batch`` (values
-    0.3 on every token), ``critic_update`` (records its call, returns the next scripted loss), ``log_dict``."""
+    """What ValuePretraining uses of RLModule: a critic, the estimator's gamma, ``score_with_models`` (values
+    0.3 on every token), ``outcome_token_rewards``, ``critic_update`` (records its call, returns the next
+    scripted loss), ``log_dict``."""
+
+    outcome_token_rewards = staticmethod(RLModule.outcome_token_rewards)
 
     def __init__(self, losses, gamma=1.0):
         self.critic = object()
@@ -191,9 +195,9 @@ class FakeCriticModule:
         self.updates = []
         self.logged = []
 
-    def forward_batch(self, batch, with_values=False, with_logprobs=True):
-        assert with_values and not with_logprobs
-        return None, None, torch.full(batch.response_ids.shape, 0.3)
+    def score_with_models(self, rollout, need_old, need_values=None, need_ref=None):
+        assert need_values and not need_old and need_ref is False
+        rollout.values = 0.3 * rollout.response_mask.float()
 
     def critic_update(self, rollout, epochs=1, minibatch_size=None, train_backbone=True):
         self.updates.append({"rollout": rollout, "epochs": epochs, "minibatch_size": minibatch_size,
@@ -560,7 +564,7 @@ def _vapo_module_and_scored_rollout(tmp_path, tiny_model_dir):
     module = cli.model
     cli.trainer.fit(module, datamodule=cli.datamodule)
     rollout = module.sampler(module, cli.datamodule.train_rows[:2])
-    module._score_with_models(rollout, need_old=False, need_values=True)
+    module.score_with_models(rollout, need_old=False, need_values=True)
     module._estimate_advantages(rollout)
     rollout.returns = rollout.returns + 1.0  # a target the critic cannot already meet
     return module, rollout
