@@ -1,7 +1,12 @@
 import os
+import subprocess
+import sys
 
+import torch
 import yaml
+from transformers import AutoModelForCausalLM
 
+from conftest import RECIPES
 from rllight.cli import RLLightCLI
 
 
@@ -35,3 +40,23 @@ def build(recipe: str, *extra: str) -> RLLightCLI:
     for e in extra:
         args += ["--config", e] if e.endswith(".yaml") else [e]
     return RLLightCLI(args=args, run=False)
+
+
+def unchanged_parameters(model: torch.nn.Module, model_dir: str, decoder: bool = False) -> list[str]:
+    """Names of ``model``'s trainable parameters still equal to the weights saved in ``model_dir`` (the whole
+    causal LM, or with ``decoder`` its backbone): after training, a test asserts there are none."""
+    saved = AutoModelForCausalLM.from_pretrained(model_dir)
+    before = (saved.get_decoder() if decoder else saved).state_dict()
+    return [n for n, p in model.named_parameters() if p.requires_grad and torch.equal(p.detach(), before[n])]
+
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def fit_in_child(recipe: str, *args: str, timeout: float, **env: str) -> subprocess.CompletedProcess:
+    """Run ``rllight fit --config <recipes/recipe> <args>`` in a child process and return it (output
+    captured). The child has this environment, the tests folder on PYTHONPATH (for the test strategies),
+    and the ``env`` variables."""
+    cmd = [sys.executable, "-m", "rllight.cli", "fit", "--config", os.path.join(RECIPES, recipe), *args]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]), **env)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)

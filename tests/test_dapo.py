@@ -18,7 +18,7 @@ from rllight.strategies import DynamicSampling, SeqMeanTokenMean, TokenMean
 from rllight.types import Rollout
 
 from conftest import RECIPES
-from helpers import build, tiny_overrides
+from helpers import build, tiny_overrides, unchanged_parameters
 
 ABLATIONS = os.path.join(RECIPES, "ablations")
 
@@ -299,9 +299,7 @@ def _fit(tmp_path, model_dir, *extra, **overrides):
 def test_dapo_two_steps_change_every_trainable_parameter(tmp_path, tiny_model_dir):
     cli = _fit(tmp_path, tiny_model_dir)
     assert cli.trainer.global_step == 2
-    before = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
-    unchanged = [n for n, p in cli.model.policy.named_parameters() if p.requires_grad and torch.equal(p, before[n])]
-    assert unchanged == []
+    assert unchanged_parameters(cli.model.policy, tiny_model_dir) == []
     assert isinstance(cli.model.sampler, DynamicSampling)
     logged = cli.trainer.callback_metrics
     for key in ("groups_drawn", "groups_kept", "generated_tokens", "cap_hit"):

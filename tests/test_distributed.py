@@ -1,17 +1,10 @@
 """Lightning DDP on 2 CPU processes (gloo): training runs, the ranks stay in sync, the loss is normalised
 by the global token count, and the checkpoint loads."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from conftest import RECIPES
-from helpers import tiny_overrides
-
-TESTS = os.path.dirname(os.path.abspath(__file__))
+from helpers import fit_in_child, tiny_overrides
 
 
 @pytest.mark.slow
@@ -23,18 +16,8 @@ def test_ddp_two_cpu_processes(tmp_path, tiny_model_dir):
         advantage={"class_path": "rllight.strategies.GAE"},
     )
     out = tmp_path / "export"
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]),
-        RLLIGHT_TEST_DUMP=str(tmp_path / "rank{rank}.pt"),
-    )
-    cmd = [
-        sys.executable,
-        "-m",
-        "rllight.cli",
-        "fit",
-        "--config",
-        os.path.join(RECIPES, "ppo.yaml"),
+    run = fit_in_child(
+        "ppo.yaml",
         "--config",
         overlay,
         "--trainer.strategy",
@@ -61,8 +44,9 @@ def test_ddp_two_cpu_processes(tmp_path, tiny_model_dir):
         str(tmp_path / "ckpt"),
         "--trainer.callbacks.save_last",
         "true",
-    ]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        timeout=900,
+        RLLIGHT_TEST_DUMP=str(tmp_path / "rank{rank}.pt"),
+    )
     assert run.returncode == 0, run.stderr[-4000:]
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
     # The ranks trained on different prompts...

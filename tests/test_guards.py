@@ -22,13 +22,18 @@ def test_non_finite_loss_skips_update_then_stops(tmp_path, tiny_model_dir):
         assert torch.isfinite(p).all()
 
 
-def test_long_prompts_are_dropped_and_counted_never_truncated(tmp_path, tiny_model_dir):
-    cli = build(os.path.join(RECIPES, "grpo.yaml"), tiny_overrides(tmp_path, tiny_model_dir))
-    module = cli.model
+def _short_and_long_prompt(recipe, tmp_path, tiny_model_dir):
+    """A recipe's module whose max_prompt_tokens admits the short prompt row of the two returned, not the long."""
+    module = build(os.path.join(RECIPES, recipe), tiny_overrides(tmp_path, tiny_model_dir)).model
     module.configure_model()
     short = {"messages": [{"role": "user", "content": "What is 1 + 1?"}], "answer": "2"}
     long = {"messages": [{"role": "user", "content": "What is 1 + 1? " * 40}], "answer": "2"}
     module.max_prompt_tokens = len(module.encode_prompt(short["messages"]))
+    return module, short, long
+
+
+def test_long_prompts_are_dropped_and_counted_never_truncated(tmp_path, tiny_model_dir):
+    module, short, long = _short_and_long_prompt("grpo.yaml", tmp_path, tiny_model_dir)
     rollout = module.generate_and_score([short, long, short], n=2)
     assert len(rollout) == 4
     assert rollout.extras["data/dropped_long_prompts"] == 1.0 and module.dropped_prompts == 1
@@ -38,12 +43,7 @@ def test_long_prompts_are_dropped_and_counted_never_truncated(tmp_path, tiny_mod
 
 
 def test_remax_counts_a_dropped_prompt_once_though_it_samples_twice(tmp_path, tiny_model_dir):
-    cli = build(os.path.join(RECIPES, "remax.yaml"), tiny_overrides(tmp_path, tiny_model_dir))
-    module = cli.model
-    module.configure_model()
-    short = {"messages": [{"role": "user", "content": "What is 1 + 1?"}], "answer": "2"}
-    long = {"messages": [{"role": "user", "content": "What is 1 + 1? " * 40}], "answer": "2"}
-    module.max_prompt_tokens = len(module.encode_prompt(short["messages"]))
+    module, short, long = _short_and_long_prompt("remax.yaml", tmp_path, tiny_model_dir)
     rollout = module.sampler(module, [short, long])  # sampled responses, then the greedy baseline
     assert len(rollout) == module.sampler.group_size
     assert module.dropped_prompts == 1

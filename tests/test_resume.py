@@ -4,27 +4,16 @@ step for step, as an uninterrupted run; checkpoints are written atomically."""
 import csv
 import os
 import signal
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import RECIPES
-from helpers import tiny_overrides
-
-TESTS = os.path.dirname(os.path.abspath(__file__))
+from helpers import fit_in_child, tiny_overrides
 
 
 def _fit(tmp_path, name, overlay, *extra):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
-    cmd = [
-        sys.executable,
-        "-m",
-        "rllight.cli",
-        "fit",
-        "--config",
-        os.path.join(RECIPES, "grpo.yaml"),
+    return fit_in_child(
+        "grpo.yaml",
         "--config",
         overlay,
         "--trainer.max_steps",
@@ -48,8 +37,8 @@ def _fit(tmp_path, name, overlay, *extra):
         "--trainer.callbacks.save_last",
         "true",
         *extra,
-    ]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        timeout=600,
+    )
 
 
 def _metrics(path):

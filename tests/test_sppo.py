@@ -12,7 +12,7 @@ from torch.testing import assert_close
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import RECIPES
-from helpers import build, tiny_overrides
+from helpers import build, tiny_overrides, unchanged_parameters
 from rllight.algorithms import clipped_surrogate, sequence_clipped_surrogate
 from rllight.critics import PromptCritic, calibration_corr
 from rllight.errors import RecipeError
@@ -257,10 +257,6 @@ def test_repeated_prompts_run_once_and_share_their_value(tiny_model_dir):
 # --------------------------------------------------------------------------------------------------
 
 
-def _unchanged(named_parameters, before):
-    return [n for n, p in named_parameters if p.requires_grad and torch.equal(p.detach(), before[n])]
-
-
 def test_sppo_recipe_trains_two_steps(tmp_path, tiny_model_dir):
     # EvenAnswer: reward 1 when the reference answer is even, else 0 (a {0, 1} outcome that varies by prompt).
     overlay = tiny_overrides(tmp_path, tiny_model_dir, reward={"class_path": "user_strategies.EvenAnswer"})
@@ -269,8 +265,7 @@ def test_sppo_recipe_trains_two_steps(tmp_path, tiny_model_dir):
     module = cli.model
     assert module.sampler.group_size == 1 and module.critic.shared
     assert cli.trainer.global_step == 2  # 4 responses, minibatch 8: one update per rollout, two rollouts
-    before = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
-    assert _unchanged(module.policy.named_parameters(), before) == []
+    assert unchanged_parameters(module.policy, tiny_model_dir) == []
     assert all(p.abs().sum() > 0 for p in module.critic.parameters()), "the head is still at its zero init"
     logged = cli.trainer.logged_metrics
     assert "train/value/loss" in logged and "train/value/calibration_corr" in logged
@@ -299,8 +294,6 @@ def test_small_critic_recipe_holds_two_models_of_different_sizes(tmp_path, tiny_
     assert len(groups) == 2 and groups[1]["lr"] == critic_lr and groups[0]["lr"] != critic_lr
     assert {id(p) for p in groups[1]["params"]} == {id(p) for p in critic.parameters()}
     # Both models trained: every parameter of the policy and of the critic moved.
-    assert _unchanged(module.policy.named_parameters(),
-                      AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()) == []
-    critic_before = AutoModelForCausalLM.from_pretrained(critic_dir).get_decoder().state_dict()
-    assert _unchanged(critic.backbone.named_parameters(), critic_before) == []
+    assert unchanged_parameters(module.policy, tiny_model_dir) == []
+    assert unchanged_parameters(critic.backbone, critic_dir, decoder=True) == []
     assert critic.head.weight.abs().sum() > 0

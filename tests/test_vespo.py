@@ -9,10 +9,9 @@ import os
 import pytest
 import torch
 from torch.testing import assert_close
-from transformers import AutoModelForCausalLM
 
 from conftest import RECIPES
-from helpers import build, tiny_overrides
+from helpers import build, tiny_overrides, unchanged_parameters
 from rllight.algorithms import effective_sample_size, vespo_weight
 from rllight.errors import RecipeError
 from rllight.strategies import VESPO
@@ -157,10 +156,7 @@ def test_vespo_recipe_trains_two_steps_and_changes_every_parameter(tmp_path, tin
     cli = build(os.path.join(RECIPES, "vespo.yaml"), tiny_overrides(tmp_path, tiny_model_dir))
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     assert cli.trainer.global_step == 2
-    before = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
-    unchanged = [n for n, p in cli.model.policy.named_parameters()
-                 if p.requires_grad and torch.equal(p.detach(), before[n])]
-    assert unchanged == []
+    assert unchanged_parameters(cli.model.policy, tiny_model_dir) == []
     logged = cli.trainer.logged_metrics
     assert 0 < logged["train/policy/vespo_phi_mean"] and 0 < logged["train/policy/vespo_ess"] <= 1
 
