@@ -13,7 +13,17 @@ if TYPE_CHECKING:
 
 
 class RolloutCallback(L.Callback):
-    """Base class of callbacks that see (and may change) each scored rollout before the update."""
+    """Base class of callbacks that see (and may change) each scored rollout before the update.
+
+    The module calls them in order of ``rollout_order`` (then in the recipe's order), not in the order the
+    recipe lists them, so that listing them differently cannot change a method: reward shaping first
+    (``SoftOverlongPunishment``: 10), then loss masks (``OverlongFilter``: 20; it zeroes the masks the
+    punishment reads lengths from), then callbacks that train on the rollout (``ValuePretraining``: 30,
+    which consumes it while it pretrains), then those that store it (``SelfImitation``: 40). A callback of
+    your own runs after these unless it sets a smaller ``rollout_order``.
+    """
+
+    rollout_order: int = 100
 
     def on_rollout(self, trainer: L.Trainer, module: RLModule, rollout: Rollout) -> Rollout | None:
         """Return the rollout to train on (the same object, changed, or a new one), or None when the

@@ -4,8 +4,9 @@
   their tokens leave the loss, so an unfinished derivation is not taught as a wrong one.
 - ``SoftOverlongPunishment``: adds the length penalty R_len to the reward.
 
-List ``SoftOverlongPunishment`` before ``OverlongFilter`` in ``trainer.callbacks``: the filter zeroes the
-truncated rows' ``response_mask``, and the punishment reads lengths from that mask.
+The punishment always runs before the filter, whatever their order in ``trainer.callbacks``
+(``rollout_order``): the filter zeroes the truncated rows' ``response_mask``, and the punishment reads
+lengths from that mask.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ class OverlongFilter(RolloutCallback):
     Metrics: ``train/overlong/masked_ratio`` (share of responses masked), ``train/overlong/masked_tokens``.
     """
 
+    rollout_order = 20
+
     def on_rollout(self, trainer: L.Trainer | None, module: RLModule, rollout: Rollout) -> Rollout:
         truncated = rollout.truncated.bool().to(rollout.response_mask.device)
         masked_tokens = (rollout.response_mask * truncated.unsqueeze(-1)).sum()
@@ -55,6 +58,8 @@ class SoftOverlongPunishment(RolloutCallback):
         max_len: L_max (20480 in the paper); None = the rollout engine's ``max_new_tokens``.
         coef: Scale of the penalty (verl's ``overlong_penalty_factor``; 1.0 in the paper).
     """
+
+    rollout_order = 10
 
     def __init__(self, cache_len: int = 4096, max_len: int | None = None, coef: float = 1.0):
         if cache_len < 1:

@@ -79,6 +79,8 @@ class SelfImitation(RolloutCallback):
         seed: Seed of the buffer's own generator (reservoir slots, replay samples).
     """
 
+    rollout_order = 40
+
     def __init__(self, capacity: int = 256, every_n_steps: int = 1, batch_size: int = 8, coef: float = 0.1,
                  policy: str = "fifo", min_reward: float | None = None, unique: bool = True, seed: int = 0):
         for name, value in (("capacity", capacity), ("every_n_steps", every_n_steps), ("batch_size", batch_size)):
@@ -179,9 +181,16 @@ class SelfImitation(RolloutCallback):
         if not self._pending:
             return
         self._pending = False
-        if self.steps_seen % self.every_n_steps or not self.entries:
+        if self.steps_seen % self.every_n_steps:
             return
-        replayed = build_rollout(self.sample(self.batch_size), pl_module.tokenizer.pad_token_id, pl_module.device)
+        # Under DDP every rank replays together (the update is a collective): a rank whose own buffer is
+        # still empty takes part with no rows; nobody replays until some rank has an entry.
+        if not pl_module.any_rank(bool(self.entries)):
+            return
+        if self.entries:
+            replayed = build_rollout(self.sample(self.batch_size), pl_module.tokenizer.pad_token_id, pl_module.device)
+        else:
+            replayed = Rollout.empty().to(pl_module.device)
         stats = pl_module.nll_update(replayed, self.coef)
         metrics = {"train/sil/replayed": float(len(replayed))}
         if "nll/loss" in stats:

@@ -10,11 +10,12 @@ import time
 
 import lightning as L
 import torch
-from lightning.pytorch.cli import OptimizerCallable
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from jsonargparse import lazy_instance
 from torch import Tensor
 from torchmetrics import MeanMetric
 
+from rllight._compat import forget_step_metrics, no_gradient_sync
 from rllight.algorithms import chunked_logprobs_and_entropy, explained_variance, logprobs_and_entropy, masked_mean
 from rllight.critics import Critic
 from rllight.errors import RecipeError
@@ -128,14 +129,19 @@ class RLModule(L.LightningModule):
             the loss is normalised by the minibatch's global token (or sequence) count.
         micro_batch_tokens: Split minibatches by a token budget instead (rows x padded length per
             micro-batch); the loss normalisation is unchanged.
-        max_grad_norm: Gradient clipping (None = off).
+        max_grad_norm: Gradient-norm clipping of the policy's parameters (None = off).
+        critic_max_grad_norm: Gradient-norm clipping of the critic's parameters, separate from the policy's so
+            that a jointly trained critic does not scale the policy's step (None = off).
         max_consecutive_skips: An update whose loss or gradient is not finite is skipped and logged
             (``guard/skipped_updates``); after this many in a row the run stops with an error.
         max_prompt_tokens: Drop (and count) prompts longer than this many tokens (None = no limit).
         logprob_chunk_size: Compute log-probs and entropy from the hidden states this many positions at a
             time, so the full (B, T, V) float32 logits never exist (same values and gradients).
             None = one pass over the full logits.
-        optimizer: Optimizer over the trainable parameters.
+        optimizer: Optimizer over the trainable parameters: one group for the policy (``name: policy``) and,
+            with a critic, one for the critic (``name: critic``, at ``critic.lr`` when set).
+        lr_scheduler: Learning-rate schedule, stepped after each policy update, e.g.
+            ``rllight.schedules.WarmupSchedule`` (per-group warm-up then constant or cosine). None = constant.
         export_dir: Save the trained policy as a Hugging Face folder here when fit ends.
     """
 
@@ -159,10 +165,12 @@ class RLModule(L.LightningModule):
         micro_batch_size: int = 8,
         micro_batch_tokens: int | None = None,
         max_grad_norm: float | None = 1.0,
+        critic_max_grad_norm: float | None = 1.0,
         max_consecutive_skips: int = 3,
         max_prompt_tokens: int | None = None,
         logprob_chunk_size: int | None = 1024,
         optimizer: OptimizerCallable = _adamw,
+        lr_scheduler: LRSchedulerCallable | None = None,
         export_dir: str | None = None,
     ):
         super().__init__()
@@ -189,6 +197,7 @@ class RLModule(L.LightningModule):
         self.micro_batch_size = micro_batch_size
         self.micro_batch_tokens = micro_batch_tokens
         self.max_grad_norm = max_grad_norm
+        self.critic_max_grad_norm = critic_max_grad_norm
         self.max_consecutive_skips = max_consecutive_skips
         self.max_prompt_tokens = max_prompt_tokens
         self.consecutive_skips = 0
@@ -197,6 +206,7 @@ class RLModule(L.LightningModule):
         self._epoch_start = (0, 0)
         self.logprob_chunk_size = logprob_chunk_size
         self.optimizer_fn = optimizer
+        self.lr_scheduler_fn = lr_scheduler
         self.export_dir = export_dir
         if self.advantage.needs_values and critic is None:
             raise RecipeError(
@@ -210,6 +220,20 @@ class RLModule(L.LightningModule):
             )
         if critic_updates_first and critic is None:
             raise RecipeError("model.critic_updates_first needs model.critic")
+        if critic is not None and not advantage.needs_values:
+            raise RecipeError(
+                f"model.critic: {type(advantage).__name__} does not read values, so the critic would train for "
+                "nothing; remove model.critic or choose an estimator that uses it (e.g. GAE)"
+            )
+        group_size = getattr(sampler, "group_size", None)
+        for part, name in ((advantage, "model.advantage"), (sampler, "model.sampler")):
+            needed = getattr(part, "min_group_size", 1)
+            if group_size is not None and group_size < needed:
+                raise RecipeError(
+                    f"{name}: {type(part).__name__} compares the responses to one prompt, so group_size "
+                    f"{group_size} cannot learn (every advantage would be 0); set "
+                    f"model.sampler.init_args.group_size >= {needed}"
+                )
         self.policy: torch.nn.Module | None = None
         self.ref_policy: torch.nn.Module | None = None
         self.tokenizer = None
@@ -241,13 +265,21 @@ class RLModule(L.LightningModule):
             self.ref_policy.requires_grad_(False).eval()
 
     def configure_optimizers(self):
-        groups = [{"params": [p for p in self.policy.parameters() if p.requires_grad]}]
+        groups = [{"name": "policy", "params": [p for p in self.policy.parameters() if p.requires_grad]}]
         if self.critic is not None:
-            critic_group = {"params": [p for p in self.critic.parameters() if p.requires_grad]}
+            critic_group = {"name": "critic", "params": [p for p in self.critic.parameters() if p.requires_grad]}
             if self.critic.lr is not None:
                 critic_group["lr"] = self.critic.lr
             groups.append(critic_group)
-        return self.optimizer_fn(groups)
+        optimizer = self.optimizer_fn(groups)
+        if self.lr_scheduler_fn is None:
+            return optimizer
+        scheduler = self.lr_scheduler_fn(optimizer)
+        if getattr(scheduler, "needs_total_steps", False) and scheduler.total_steps is None:
+            if self.trainer.max_steps is None or self.trainer.max_steps < 1:
+                raise RecipeError("model.lr_scheduler.total_steps: a decaying schedule needs it, or trainer.max_steps")
+            scheduler.total_steps = self.trainer.max_steps
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def state_dict(self, *args, **kwargs):
         # The reference policy is the frozen initial model: reloaded from its source, never saved.
@@ -264,11 +296,13 @@ class RLModule(L.LightningModule):
     def draw_prompts(self, n: int) -> list[dict]:
         """``n`` more training prompt rows, for samplers that need more than the step's batch (e.g. DAPO's
         dynamic sampling). A seeded stream over the training split, independent of the dataloader's
-        order; its position is saved in checkpoints."""
+        order; its position is saved in checkpoints. Under DDP each rank takes every ``world``-th row of
+        the stream from its own offset, so ranks never draw the same extra prompts."""
         rows = self.trainer.datamodule.train_rows
+        world, rank = self.trainer.world_size, self.trainer.global_rank
         out = []
         for _ in range(n):
-            epoch, position = divmod(self._extra_cursor, len(rows))
+            epoch, position = divmod(self._extra_cursor * world + rank, len(rows))
             if epoch != self._extra_epoch:  # a fresh permutation per pass, derived from the cursor alone
                 g = torch.Generator().manual_seed(self._extra_seed + epoch)
                 self._extra_order = torch.randperm(len(rows), generator=g).tolist()
@@ -440,6 +474,8 @@ class RLModule(L.LightningModule):
         ``micro_batch_tokens``, as many consecutive rows as fit the token budget (rows x padded length,
         at least one row). Each is trimmed to its own longest prompt and response."""
         n = len(rollout)
+        if n == 0:
+            return
         if not self.micro_batch_tokens:
             bounds = [(s, min(s + self.micro_batch_size, n)) for s in range(0, n, self.micro_batch_size)]
         else:
@@ -481,8 +517,10 @@ class RLModule(L.LightningModule):
 
     # --------------------------------------------------------------------------------- train
     def _rollout_callbacks(self):
+        """The rollout callbacks in ``rollout_order`` (stable: equal orders keep the recipe's order)."""
         trainer = self._trainer
-        return [cb for cb in (trainer.callbacks if trainer is not None else []) if hasattr(cb, "on_rollout")]
+        callbacks = [cb for cb in (trainer.callbacks if trainer is not None else []) if hasattr(cb, "on_rollout")]
+        return sorted(callbacks, key=lambda cb: getattr(cb, "rollout_order", 100))
 
     def training_step(self, rows: list[dict], batch_idx: int) -> None:
         self.rl_step(rows, batch_idx)
@@ -505,26 +543,34 @@ class RLModule(L.LightningModule):
                 self._log(metrics)
                 return
         metrics.update({k: v for k, v in rollout.extras.items() if _is_scalar(v)})  # callbacks' own metrics
-        if len(rollout) == 0 or rollout.response_mask.sum() == 0:
-            log.warning("step %d: empty rollout after filtering; no update", self.global_step)
+        empty = len(rollout) == 0 or rollout.response_mask.sum() == 0
+        if empty:
             metrics["guard/empty_rollouts"] = 1.0
+        # Under DDP a rank whose rollout is empty still takes part in the other ranks' updates (with no
+        # rows); only when every rank's rollout is empty is the step skipped, by all ranks together.
+        if not self.any_rank(not empty):
+            log.warning("step %d: empty rollout after filtering; no update", self.global_step)
             self._log(metrics)
             return
+        if empty:
+            log.warning("step %d: this rank's rollout is empty; it joins the other ranks' updates", self.global_step)
+            rollout = rollout.select([])
 
         minibatch = self.minibatch_size or len(rollout)
-        updates_per_step = self.ppo_epochs * math.ceil(len(rollout) / minibatch)
+        updates_per_step = self.ppo_epochs * math.ceil(len(rollout) / max(minibatch, 1))
         # With a single update per rollout the live log-probs equal the old ones, so the extra forward
         # is skipped (unless a KL penalty in the reward needs them before the update).
         need_old = updates_per_step > 1 or (self.kl is not None and self.kl.in_reward)
         t_score = time.perf_counter()
-        self.score_with_models(rollout, need_old=need_old)
-        if rollout.old_logprobs is not None:  # else measured on the live log-probs in the update
-            metrics.update(logprob_mismatch(rollout.old_logprobs, rollout.sample_logprobs, rollout.response_mask))
-        self._estimate_advantages(rollout)
-        metrics.update({k: v for k, v in rollout.extras.items() if _is_scalar(v)})  # estimators' statistics
-        ev = self._explained_variance(rollout)
-        if ev is not None:  # of the critic as it enters the step, on the fresh rollout
-            metrics["value/explained_variance"] = ev
+        if not empty:
+            self.score_with_models(rollout, need_old=need_old)
+            if rollout.old_logprobs is not None:  # else measured on the live log-probs in the update
+                metrics.update(logprob_mismatch(rollout.old_logprobs, rollout.sample_logprobs, rollout.response_mask))
+            self._estimate_advantages(rollout)
+            metrics.update({k: v for k, v in rollout.extras.items() if _is_scalar(v)})  # estimators' statistics
+            ev = self._explained_variance(rollout)
+            if ev is not None:  # of the critic as it enters the step, on the fresh rollout
+                metrics["value/explained_variance"] = ev
         joint_critic = self.critic is not None
         if self.critic_updates_first:
             # VAPO note 000: fit the critic on the fresh rollout first, then recompute values and
@@ -532,11 +578,14 @@ class RLModule(L.LightningModule):
             # on the shared backbone trains alone here: a backbone step would move the policy between
             # sampling and its update (the rollout would no longer be on-policy, the engine stale).
             metrics.update(self.critic_update(rollout, epochs=self.critic_updates_first, train_backbone=False))
-            self.score_with_models(rollout, need_old=False, need_values=True)
-            self._estimate_advantages(rollout)
+            if not empty:
+                self.score_with_models(rollout, need_old=False, need_values=True)
+                self._estimate_advantages(rollout)
             joint_critic = False
         metrics["time/score"] = time.perf_counter() - t_score
 
+        for group in self.optimizers().param_groups:  # the rates of this step's updates (after any schedule)
+            metrics[f"lr/{group.get('name', 'policy')}"] = float(group["lr"])
         t_train = time.perf_counter()
         generator = torch.Generator().manual_seed(int(self.global_step) * 1000003 + batch_idx)
         step_stats: dict[str, list[Tensor]] = {}
@@ -546,8 +595,8 @@ class RLModule(L.LightningModule):
                 if minibatch < len(rollout)
                 else torch.arange(len(rollout))
             )
-            for start in range(0, len(rollout), minibatch):
-                stats = self._update(rollout.select(order[start : start + minibatch]), policy=True, critic=joint_critic)
+            for index in self.minibatches(len(rollout), minibatch, order):
+                stats = self._update(rollout.select(index), policy=True, critic=joint_critic)
                 for k, v in stats.items():
                     step_stats.setdefault(k, []).append(v)
         metrics.update({k: _reduce(k, v) for k, v in step_stats.items()})
@@ -557,13 +606,7 @@ class RLModule(L.LightningModule):
         self._log(metrics)
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
-        # Lightning keeps the last value of each step-level metric for the whole epoch and sends it to the
-        # logger again at every later step, so a metric logged on some steps only (replay, value
-        # pretraining, critic-only updates) would show stale repeats. Forget the previous step's values
-        # (trainer.callback_metrics keeps them).
-        results = self.trainer._results
-        if results is not None:
-            results.reset(metrics=False)
+        forget_step_metrics(self.trainer)  # a metric of some steps only must not repeat on later steps
 
     def on_train_epoch_start(self) -> None:
         self._epoch_start = (self.global_step, self._consumed_steps)
@@ -594,19 +637,17 @@ class RLModule(L.LightningModule):
 
         These updates do not advance ``trainer.global_step``, which counts policy updates.
         """
-        minibatch = minibatch_size or self.minibatch_size or len(rollout)
         stats: dict[str, list[Tensor]] = {}
-        ev = self._explained_variance(rollout)
+        ev = self._explained_variance(rollout) if len(rollout) else None
         if ev is not None:
             stats["critic_only/explained_variance"] = [ev]
         # Head only: the backbone does not move, so its hidden states are computed once and reused by
         # every epoch (one (B, T, H) tensor per micro-batch, kept for the duration of this call).
         hidden_cache: dict[int, list[Tensor]] | None = {} if self.critic.shared and not train_backbone else None
         for _ in range(epochs):
-            for start in range(0, len(rollout), minibatch):
-                index = list(range(start, min(start + minibatch, len(rollout))))
+            for i, index in enumerate(self.minibatches(len(rollout), minibatch_size or self.minibatch_size)):
                 out = self._update(rollout.select(index), policy=False, critic=True, train_backbone=train_backbone,
-                                   hidden_cache=None if hidden_cache is None else hidden_cache.setdefault(start, []))
+                                   hidden_cache=None if hidden_cache is None else hidden_cache.setdefault(i, []))
                 for k, v in out.items():
                     stats.setdefault(f"critic_only/{k.split('/')[-1]}" if k.startswith("value/") else k, []).append(v)
         return {k: torch.stack(v).float().mean() for k, v in stats.items()}
@@ -624,20 +665,54 @@ class RLModule(L.LightningModule):
 
         Like ``critic_update`` these updates do not advance ``trainer.global_step``.
         """
-        minibatch = minibatch_size or self.minibatch_size or len(rollout)
         stats: dict[str, list[Tensor]] = {}
-        for start in range(0, len(rollout), minibatch):
-            index = list(range(start, min(start + minibatch, len(rollout))))
+        for index in self.minibatches(len(rollout), minibatch_size or self.minibatch_size):
             out = self._update(rollout.select(index), policy=False, critic=False, nll_coef=coef)
             for k, v in out.items():
                 stats.setdefault(k, []).append(v)
         return {k: torch.stack(v).float().mean() for k, v in stats.items()}
 
-    def _global(self, value: Tensor) -> Tensor:
-        """Sum over ranks (identity on one process)."""
+    def _global(self, value: Tensor, op: str = "sum") -> Tensor:
+        """Sum (or ``op``: max, mean) over ranks (identity on one process)."""
         if self.trainer.world_size > 1:
-            return self.trainer.strategy.reduce(value, reduce_op="sum")
+            return self.trainer.strategy.reduce(value, reduce_op=op)
         return value
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank (a collective: every rank must call it)."""
+        return bool(self._global(torch.tensor(float(flag)), op="max").item() > 0)
+
+    def mean_over_ranks(self, value: Tensor | float) -> Tensor:
+        """The mean of a scalar over ranks (a collective: every rank must call it), e.g. for a decision that
+        all ranks must take alike."""
+        return self._global(torch.as_tensor(value, dtype=torch.float32).detach().cpu().reshape(()), op="mean")
+
+    def minibatches(self, n: int, size: int | None, order: Tensor | None = None) -> list[Tensor]:
+        """Row indices of the minibatches over ``n`` rows (``size`` rows each; None = one minibatch), in
+        ``order`` when given. Under DDP every rank must make the same number of optimizer updates: the count
+        is the largest over ranks, and a rank with fewer rows adds empty minibatches (it contributes no
+        gradient to those updates but takes part in them)."""
+        order = torch.arange(n) if order is None else order
+        size = size or max(n, 1)
+        parts = [order[s : s + size] for s in range(0, n, size)]
+        count = int(self._global(torch.tensor(float(len(parts))), op="max").item())
+        return parts + [order[:0]] * (count - len(parts))
+
+    def _sync_gradients(self, optimizer) -> None:
+        """Under DDP, sum every trainable parameter's gradient over ranks (a rank without one adds zeros); a
+        parameter that no rank has a gradient for keeps none, as on one process. Backward passes run
+        outside DDP's reducer (``no_gradient_sync``), so this is the one place gradients meet."""
+        if self.trainer.world_size <= 1:
+            return
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        has = self._global(torch.tensor([float(p.grad is not None) for p in params]))
+        live = [p for p, h in zip(params, has.tolist()) if h > 0]
+        if not live:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in live]
+        flat = self._global(torch._utils._flatten_dense_tensors(grads))
+        for p, g in zip(live, torch._utils._unflatten_dense_tensors(flat, grads)):
+            p.grad = g.view_as(p).clone()
 
     def _update(
         self,
@@ -656,7 +731,6 @@ class RLModule(L.LightningModule):
         from an earlier call on the same minibatch, or is filled by this one.
         """
         optimizer = self.optimizers()
-        world = self.trainer.world_size
         num_tokens = self._global(mb.response_mask.sum().float())
         num_seqs = self._global(torch.tensor(float(len(mb)), device=mb.response_mask.device))
 
@@ -718,14 +792,16 @@ class RLModule(L.LightningModule):
             if not torch.isfinite(loss):
                 finite = False  # skip the backward; the whole update is skipped below
                 continue
-            # DDP averages gradients over ranks; the denominators are already global, so undo the mean.
-            self.manual_backward(loss * world)
+            # The denominators are global (all ranks), so the ranks' gradients are summed, not averaged.
+            with no_gradient_sync(self.trainer):
+                self.manual_backward(loss)
             if policy or not nll_coef:
-                record("policy/loss" if policy else "value/total_loss", loss * world)
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm if self.max_grad_norm else float("inf"))
+                record("policy/loss" if policy else "value/total_loss", loss * self.trainer.world_size)
+        self._sync_gradients(optimizer)
         out = {k: _reduce(k, v, micro_batches=True) for k, v in stats.items()}
-        out["policy/grad_norm" if policy else "nll/grad_norm" if nll_coef else "value/grad_norm"] = grad_norm.detach()
+        norms = self._clip_gradients(optimizer, policy_key="policy" if policy else "nll" if nll_coef else "value")
+        out.update(norms)
+        grad_norm = torch.stack(list(norms.values())).sum() if norms else torch.zeros(())
         if self.trainer.world_size > 1:  # every rank must take the same decision
             finite = bool(self._global(torch.tensor(float(not finite), device=grad_norm.device)).item() == 0)
         if not finite or not torch.isfinite(grad_norm):
@@ -748,12 +824,30 @@ class RLModule(L.LightningModule):
         out["guard/skipped_updates"] = torch.tensor(0.0)
         if policy:
             optimizer.step()
+            scheduler = self.lr_schedulers()
+            if scheduler is not None:
+                scheduler.step()
             out.update({k: torch.tensor(float(v)) for k, v in self.rollout.update_weights(self.policy).items()})
         else:
             optimizer.optimizer.step()  # the raw optimizer: these steps do not count as global steps
             if nll_coef or (with_values and self.critic.shared and train_backbone):  # the policy moved
                 out.update({k: torch.tensor(float(v)) for k, v in self.rollout.update_weights(self.policy).items()})
         return out
+
+    def _clip_gradients(self, optimizer, policy_key: str) -> dict[str, Tensor]:
+        """Clip the policy's and the critic's gradients each to its own norm (``max_grad_norm``,
+        ``critic_max_grad_norm``) and return the norms before clipping, as ``<policy_key>/grad_norm`` and
+        ``value/grad_norm`` (groups without gradients are left out)."""
+        norms = {}
+        for group in optimizer.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            critic = group.get("name") == "critic"
+            limit = self.critic_max_grad_norm if critic else self.max_grad_norm
+            norm = torch.nn.utils.clip_grad_norm_(params, limit if limit else float("inf"))
+            norms["value/grad_norm" if critic else f"{policy_key}/grad_norm"] = norm.detach()
+        return norms
 
     # ------------------------------------------------------------------------------ metrics
     def rollout_metrics(self, rollout: Rollout) -> dict[str, Tensor | float]:
@@ -813,19 +907,8 @@ class RLModule(L.LightningModule):
             self.export(self.export_dir)
 
     def export(self, path: str) -> None:
-        """Save the policy and tokenizer as a Hugging Face folder (written aside, then moved in place);
-        LoRA adapters are merged into the weights."""
-        tmp = f"{path.rstrip(os.sep)}.tmp"
-        policy = self.policy
-        if self.lora is not None:  # a plain model with the adapters merged in, the live one untouched
-            import copy
+        """Save the policy and tokenizer as a Hugging Face folder, LoRA adapters merged
+        (``rllight.export.export_policy``: written aside, never over files an export did not write)."""
+        from rllight.export import export_policy
 
-            policy = copy.deepcopy(policy).merge_and_unload()
-        policy.save_pretrained(tmp)
-        self.tokenizer.save_pretrained(tmp)
-        with contextlib.suppress(FileNotFoundError):
-            import shutil
-
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-        log.info("exported the policy to %s", path)
+        export_policy(self.policy, self.tokenizer, path, info={"global_step": int(self.global_step)})

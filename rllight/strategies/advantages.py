@@ -13,11 +13,14 @@ class AdvantageEstimator:
 
     ``needs_values`` tells the module to run the critic before calling the estimator;
     ``uses_token_rewards`` says that it reads ``rollout.token_rewards`` (where a KL penalty in the
-    reward lands) rather than only the outcome ``rollout.rewards``.
+    reward lands) rather than only the outcome ``rollout.rewards``; ``min_group_size`` is the smallest
+    number of responses per prompt it can learn from (group baselines: 2, since a group of one has
+    advantage 0), checked against the sampler's ``group_size`` when the recipe is built.
     """
 
     needs_values: bool = False
     uses_token_rewards: bool = False
+    min_group_size: int = 1
 
     def __call__(self, rollout: Rollout) -> tuple[Tensor, Tensor | None]:
         """``(advantages (B, T), returns (B, T) or None)``, zero outside ``rollout.response_mask``."""
@@ -59,6 +62,8 @@ class GroupRelative(AdvantageEstimator):
         scale_by_std: Divide by the group's (unbiased) reward std.
         eps: Added to the std.
     """
+
+    min_group_size = 2
 
     def __init__(self, scale_by_std: bool = True, eps: float = 1e-6):
         self.scale_by_std = scale_by_std

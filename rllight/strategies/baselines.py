@@ -36,6 +36,8 @@ class RLOO(AdvantageEstimator):
     every token. Needs ``group_size >= 2``; a group of one gets A = 0. Reads the outcome reward only: a KL
     penalty belongs in the loss (``model.kl.in_reward: false``) with this estimator."""
 
+    min_group_size = 2
+
     def __call__(self, rollout: Rollout) -> tuple[Tensor, None]:
         return _broadcast(rloo(rollout.rewards, rollout.group_ids), rollout), None
 
@@ -51,7 +53,7 @@ class ReMaxSampler(Sampler):
 
     def __init__(self, group_size: int = 1):
         if group_size < 1:
-            raise RecipeError(f"model.sampler.group_size must be >= 1, got {group_size}")
+            raise RecipeError(f"model.sampler.init_args.group_size must be >= 1, got {group_size}")
         self.group_size = group_size
 
     def __call__(self, module: RLModule, rows: list[dict]) -> Rollout:

@@ -47,19 +47,23 @@ class DynamicSampling(Sampler):
             or ``correct`` (the 0/1 accuracy, as DAPO's verl recipe filters on ``acc``).
     """
 
+    min_group_size = 2  # a group of one never has mixed outcomes: every group would be dropped
+
     def __init__(self, group_size: int = 16, target_groups: int | None = None, max_rounds: int = 10,
                  prompts_per_round: int | None = None, metric: str = "reward"):
         if group_size < 2:
-            raise RecipeError(f"model.sampler.group_size must be >= 2 for dynamic sampling (a group of one is "
-                              f"never mixed), got {group_size}")
+            raise RecipeError(f"model.sampler.init_args.group_size must be >= 2 for dynamic sampling (a group of "
+                              f"one is never mixed), got {group_size}")
         if target_groups is not None and target_groups < 1:
-            raise RecipeError(f"model.sampler.target_groups must be >= 1 or null, got {target_groups}")
+            raise RecipeError(f"model.sampler.init_args.target_groups must be >= 1 or null, got {target_groups}")
         if max_rounds < 1:
-            raise RecipeError(f"model.sampler.max_rounds must be >= 1, got {max_rounds}")
+            raise RecipeError(f"model.sampler.init_args.max_rounds must be >= 1, got {max_rounds}")
         if prompts_per_round is not None and prompts_per_round < 1:
-            raise RecipeError(f"model.sampler.prompts_per_round must be >= 1 or null, got {prompts_per_round}")
+            raise RecipeError(
+                f"model.sampler.init_args.prompts_per_round must be >= 1 or null, got {prompts_per_round}"
+            )
         if metric not in _METRICS:
-            raise RecipeError(f"model.sampler.metric must be one of {', '.join(_METRICS)}, got {metric!r}")
+            raise RecipeError(f"model.sampler.init_args.metric must be one of {', '.join(_METRICS)}, got {metric!r}")
         self.group_size = group_size
         self.target_groups = target_groups
         self.max_rounds = max_rounds

@@ -1,0 +1,109 @@
+"""Learning-rate schedules: linear warm-up, then constant, linear or cosine decay, per optimizer group.
+
+The module's optimizer has one group for the policy (``name: policy``) and, with a critic, one for the
+critic (``name: critic``), each with its own learning rate (``model.optimizer`` and ``critic.lr``). A
+schedule gives each group its own warm-up and decay, as VAPO warms up its critic separately. Select it in a
+recipe like any LightningCLI scheduler callable::
+
+    model:
+      lr_scheduler:
+        class_path: rllight.schedules.WarmupSchedule
+        init_args: {warmup_steps: 20, decay: cosine, critic_warmup_steps: 0}
+
+The schedule advances once per policy update (``trainer.global_step``); critic-only updates, value
+pretraining and self-imitation updates run at the rate of the current step. Its state is saved in
+checkpoints, so an exact resume continues it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.optim.lr_scheduler import LRScheduler
+
+from rllight.errors import RecipeError
+
+_DECAYS = ("constant", "linear", "cosine")
+
+
+def warmup_factor(step: int, warmup_steps: int, decay: str, total_steps: int | None, min_lr_ratio: float) -> float:
+    """The multiplier of the base learning rate before update ``step`` (0-based).
+
+    Warm-up: ``(step + 1) / warmup_steps`` for the first ``warmup_steps`` updates (the first update already
+    moves; update ``warmup_steps - 1`` runs at the full rate). Then ``constant`` stays at 1; ``linear`` and
+    ``cosine`` go from 1 to ``min_lr_ratio`` over the updates up to ``total_steps``, and stay there.
+    E.g. warmup 4, cosine, total 8, min 0: steps 0..3 -> 0.25, 0.5, 0.75, 1; step 6 -> progress (6-4)/4 = 0.5
+    -> 0.5 * (1 + cos(pi/2)) = 0.5.
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if decay == "constant":
+        return 1.0
+    span = max(total_steps - warmup_steps, 1)
+    progress = min((step - warmup_steps) / span, 1.0)
+    shape = 1.0 - progress if decay == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * shape
+
+
+def _check(name: str, warmup_steps: int, decay: str, min_lr_ratio: float) -> None:
+    if warmup_steps < 0:
+        raise RecipeError(f"model.lr_scheduler.{name}warmup_steps must be >= 0, got {warmup_steps}")
+    if decay not in _DECAYS:
+        raise RecipeError(f"model.lr_scheduler.{name}decay: '{decay}' is not one of {', '.join(_DECAYS)}")
+    if not 0.0 <= min_lr_ratio <= 1.0:
+        raise RecipeError(f"model.lr_scheduler.min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
+
+
+class WarmupSchedule(LRScheduler):
+    """Linear warm-up, then constant, linear or cosine decay, with the critic's group on its own schedule.
+
+    Args:
+        optimizer: The module's optimizer (passed by the module; not a recipe key).
+        warmup_steps: Policy updates of linear warm-up for the policy's learning rate (0 = none).
+        decay: After warm-up: ``constant``, ``linear`` or ``cosine`` (to ``min_lr_ratio`` at ``total_steps``).
+        total_steps: Where the decay ends; None = ``trainer.max_steps`` (set by the module).
+        min_lr_ratio: The decayed learning rate as a fraction of the base rate.
+        critic_warmup_steps: Warm-up of the critic's group; None = the policy's ``warmup_steps``.
+        critic_decay: Decay of the critic's group; None = the policy's ``decay``.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        warmup_steps: int = 0,
+        decay: str = "constant",
+        total_steps: int | None = None,
+        min_lr_ratio: float = 0.0,
+        critic_warmup_steps: int | None = None,
+        critic_decay: str | None = None,
+    ):
+        self.warmup_steps = warmup_steps
+        self.decay = decay
+        self.total_steps = total_steps
+        self.min_lr_ratio = min_lr_ratio
+        self.critic_warmup_steps = warmup_steps if critic_warmup_steps is None else critic_warmup_steps
+        self.critic_decay = decay if critic_decay is None else critic_decay
+        _check("", warmup_steps, decay, min_lr_ratio)
+        _check("critic_", self.critic_warmup_steps, self.critic_decay, min_lr_ratio)
+        super().__init__(optimizer)
+
+    @property
+    def needs_total_steps(self) -> bool:
+        return self.decay != "constant" or self.critic_decay != "constant"
+
+    def factors(self, step: int) -> list[float]:
+        """The multiplier of each optimizer group's base rate before update ``step``."""
+        if self.needs_total_steps and self.total_steps is None and step > 0:
+            raise RecipeError("model.lr_scheduler.total_steps: a decaying schedule needs it, or trainer.max_steps")
+        out = []
+        for group in self.optimizer.param_groups:
+            critic = group.get("name") == "critic"
+            warmup = self.critic_warmup_steps if critic else self.warmup_steps
+            decay = self.critic_decay if critic else self.decay
+            out.append(warmup_factor(step, warmup, decay, self.total_steps, self.min_lr_ratio))
+        return out
+
+    def get_lr(self) -> list[float]:
+        step = max(self.last_epoch, 0)
+        return [base * f for base, f in zip(self.base_lrs, self.factors(step))]
