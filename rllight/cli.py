@@ -5,15 +5,39 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import shlex
+import signal
 import sys
 
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
 from rllight.data import RLDataModule
 from rllight.errors import RecipeError
+from rllight.export import check_export_dir, overlaps
 from rllight.module import RLModule
+from rllight.safety import RECIPE_KEY, Interrupts, RecipeRecord, check_resume, check_writable, read_checkpoint
 
 log = logging.getLogger("rllight")
+
+DESCRIPTION = (
+    "rllight: reinforcement learning for language models from YAML recipes. Recipes live in the recipes/ "
+    "folder of the repository (one per method: grpo, ppo, dapo, vapo, sppo, ...; overlays in "
+    "recipes/ablations and recipes/overlays). Example: rllight fit --config recipes/quickstart.yaml "
+    "--trainer.max_steps 10. See: rllight fit --help."
+)
+FIT_DESCRIPTION = (
+    "Train with a recipe: rllight fit --config recipes/grpo.yaml [--config overlay.yaml] [--key value ...]. "
+    "Rollout callbacks go in trainer.callbacks (class_path + init_args): rllight.callbacks.OverlongFilter, "
+    "rllight.callbacks.SoftOverlongPunishment, rllight.callbacks.SelfImitation, "
+    "rllight.callbacks.ValuePretraining (see recipes/dapo.yaml and recipes/vapo.yaml). "
+    "A checkpoint (last.ckpt) is saved every 10 steps unless the recipe configures a ModelCheckpoint or sets "
+    "trainer.enable_checkpointing: false; Ctrl-C or SIGTERM saves one after the current step and prints the "
+    "command that resumes (--ckpt_path FILE)."
+)
+CHECKPOINT_EVERY = 10
+"""Steps between the default checkpoints (``last.ckpt``)."""
 
 
 class RLLightCLI(LightningCLI):
@@ -24,12 +48,26 @@ class RLLightCLI(LightningCLI):
     ``inference_mode: false`` (validation under ``no_grad``; see ``__init__``).
     No ``link_arguments``: every value lives in exactly one place of the recipe.
 
+    Callbacks it adds to every run: ``rllight.safety.Interrupts`` (Ctrl-C / SIGTERM save a resumable
+    checkpoint), ``rllight.safety.RecipeRecord`` (the recipe stored in each checkpoint) and, unless the
+    recipe configures a ``ModelCheckpoint`` or sets ``trainer.enable_checkpointing: false``, a
+    ``ModelCheckpoint`` that writes ``last.ckpt`` every ``CHECKPOINT_EVERY`` steps.
+
+    Before the model loads (``before_fit``): every output location (``model.export_dir``,
+    ``trainer.default_root_dir``, checkpoint and log folders) must be writable, the export folder must be new,
+    empty or an earlier rllight export, and a ``--ckpt_path`` must be a readable checkpoint whose stored recipe
+    agrees with this one (``rllight.safety.check_resume``).
+
     Extra top-level options:
         ``evaluate_before_after``: run the validation loop before ``fit`` and again after it, print both
         accuracies and write them to ``<log_dir>/eval_summary.json``.
+        ``resume_allow_changes``: resume although the data batch size, the sampler or its group size changed.
     """
 
     def __init__(self, *args, **kwargs):
+        argv = kwargs.get("args", args[0] if args else None)
+        self._argv = list(sys.argv[1:] if argv is None else argv) if not isinstance(argv, dict) else []
+        _check_config_files(self._argv)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         # inference_mode off: validation runs under no_grad instead, because a validation before fit
         # under inference mode would leave the metrics' state as inference tensors that the in-fit
@@ -39,18 +77,110 @@ class RLLightCLI(LightningCLI):
         kwargs.setdefault("auto_configure_optimizers", False)
         # A misspelt option must fail, not match a longer one by prefix; errors raise so that main()
         # can print them on one line.
-        kwargs.setdefault("parser_kwargs", {"allow_abbrev": False, "exit_on_error": False})
+        kwargs.setdefault("parser_kwargs", {"allow_abbrev": False, "exit_on_error": False,
+                                            "description": DESCRIPTION, "fit": {"description": FIT_DESCRIPTION}})
         super().__init__(RLModule, RLDataModule, *args, **kwargs)
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_argument("--evaluate_before_after", type=bool, default=False,
                             help="Validate before and after fit and report both accuracies.")
+        parser.add_argument("--resume_allow_changes", type=bool, default=False,
+                            help="With --ckpt_path: continue although data.batch_size, the sampler or its "
+                                 "group_size differ from the checkpoint's recipe.")
+
+    def _recipe(self) -> dict:
+        """The parsed recipe as plain values (what checkpoints store)."""
+        config = self.config.get(str(self.subcommand), self.config) if self.subcommand else self.config
+        plain = config.clone().as_dict()
+        return json.loads(json.dumps(plain, default=str))
+
+    def _resume_command(self) -> str:
+        """This command line without ``--ckpt_path``: what to run (with a new one) to resume."""
+        out, skip = [], False
+        for arg in self._argv:
+            if skip:
+                skip = False
+                continue
+            if arg == "--ckpt_path":
+                skip = True
+                continue
+            if not arg.startswith("--ckpt_path="):
+                out.append(arg)
+        return "rllight " + shlex.join(out)
+
+    def instantiate_trainer(self, **kwargs):
+        config = self.config_init.get(str(self.subcommand), self.config_init) if self.subcommand else self.config_init
+        trainer_config = config.get("trainer", {}) or {}
+        callbacks = trainer_config.get("callbacks") or []
+        callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
+        callbacks += [Interrupts(self._resume_command()), RecipeRecord(self._recipe())]
+        if trainer_config.get("enable_checkpointing") is not False and not any(
+            isinstance(cb, ModelCheckpoint) for cb in callbacks
+        ):
+            callbacks.append(ModelCheckpoint(every_n_train_steps=CHECKPOINT_EVERY, save_top_k=0, save_last=True))
+        return super().instantiate_trainer(**{**kwargs, "callbacks": callbacks})
+
+    def _check_outputs(self) -> None:
+        """Every place the run writes to, checked before the model loads (one line naming the key)."""
+        trainer = self.trainer
+        config = self.config.fit
+        root = config.trainer.default_root_dir
+        check_writable(trainer.default_root_dir, "trainer.default_root_dir")
+        for cb in trainer.checkpoint_callbacks:
+            if getattr(cb, "dirpath", None):
+                check_writable(cb.dirpath, "trainer.callbacks (ModelCheckpoint dirpath)")
+        for logger in trainer.loggers:
+            save_dir = getattr(logger, "save_dir", None) or getattr(logger, "root_dir", None)
+            if save_dir:
+                check_writable(save_dir, "trainer.logger (save_dir)")
+        if not trainer.loggers:  # logs and checkpoints go straight into default_root_dir: nothing to overwrite
+            folder = os.path.join(trainer.default_root_dir, "checkpoints")
+            resumed = config.ckpt_path and os.path.dirname(os.path.abspath(config.ckpt_path)) == os.path.abspath(folder)
+            default = [cb for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None) is None]
+            if default and os.path.exists(os.path.join(folder, "last.ckpt")) and not resumed:
+                raise RecipeError(
+                    f"trainer.default_root_dir: '{folder}' already holds last.ckpt from an earlier run; resume it "
+                    f"with --ckpt_path {os.path.join(folder, 'last.ckpt')}, or give another default_root_dir"
+                )
+            written = os.path.join(trainer.default_root_dir, "config.yaml")
+            if self.save_config_callback and os.path.isfile(written):
+                with open(written) as f:
+                    if not f.readline().startswith("# lightning.pytorch=="):
+                        raise RecipeError(
+                            f"trainer.default_root_dir: '{written}' exists and was not written by a run; the run "
+                            "saves its recipe there: give another default_root_dir (or a logger)"
+                        )
+        export_dir = self.model.export_dir
+        if export_dir:
+            check_export_dir(export_dir)
+            check_writable(os.path.dirname(os.path.abspath(export_dir)), "model.export_dir")
+            outputs = [trainer.default_root_dir if root is not None else None]
+            outputs += [getattr(cb, "dirpath", None) for cb in trainer.checkpoint_callbacks]
+            outputs += [getattr(lg, "save_dir", None) for lg in trainer.loggers]
+            for other in filter(None, outputs):
+                if overlaps(export_dir, other):
+                    raise RecipeError(
+                        f"model.export_dir: '{export_dir}' would hold the run's logs and checkpoints ('{other}'), "
+                        "and an export replaces its folder; give a folder of its own (e.g. <default_root_dir>/model)"
+                    )
+
+    def _check_resume(self) -> None:
+        ckpt_path = self.config.fit.ckpt_path
+        if not ckpt_path or ckpt_path in ("last", "best", "hpc", "registry"):
+            return
+        checkpoint = read_checkpoint(str(ckpt_path))
+        for line in check_resume(checkpoint.get(RECIPE_KEY), self._recipe(), str(ckpt_path),
+                                 allow_changes=self.config.fit.resume_allow_changes):
+            log.warning(line)
+        del checkpoint
 
     def _evaluate(self) -> float | None:
         results = self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False)
         return results[0].get("val/accuracy") if results else None
 
     def before_fit(self) -> None:
+        self._check_outputs()
+        self._check_resume()
         self._before = self._evaluate() if self.config.fit.evaluate_before_after else None
 
     def after_fit(self) -> None:
@@ -74,8 +204,31 @@ class RLLightCLI(LightningCLI):
                                          for k, v in summary.items()), flush=True)
 
 
+def _check_config_files(argv: list[str]) -> None:
+    """Every ``--config FILE`` exists and is valid YAML; else one line naming the file, line and column
+    (the parser's own message names neither)."""
+    import yaml
+
+    files = [b for a, b in zip(argv, argv[1:]) if a in ("--config", "-c")]
+    files += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    for path in files:
+        if not os.path.isfile(path):
+            raise RecipeError(f"--config '{path}': no such file (recipes are in the recipes/ folder)")
+        try:
+            with open(path) as f:
+                yaml.safe_load(f)
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise RecipeError(f"--config '{path}': not valid YAML{where}: {problem}") from None
+
+
 _DETAIL_HINTS = ("is not accepted", "not expected", "Unrecognized", "Expected a", "does not exist", "No module",
                  "not a subclass", "Import path", "Not a valid", "missing")
+_EXPECTED_TYPE = re.compile(r"Expected a <class '(\w+)'>")
+_NESTED_KEY = re.compile(r'Parser key "([\w.]+)"')
+_GIVEN = re.compile(r"Given value: (.*?)(?:\. Got value:|$)")
 
 
 def one_line_parse_error(message: str) -> str:
@@ -84,6 +237,14 @@ def one_line_parse_error(message: str) -> str:
     if not lines:
         return "invalid recipe"
     head = lines[0].rstrip(":")
+    # A value of the wrong type inside a class's init_args (e.g. an optimizer's lr): name the full key and
+    # the type expected, not the first alternative the parser tried ("Expected a path").
+    keys = _NESTED_KEY.findall(str(message))
+    expected = _EXPECTED_TYPE.search(str(message))
+    if len(keys) > 1 and expected and expected.group(1) != "str":
+        given = _GIVEN.search(str(message))
+        value = f", got {given.group(1)!r}" if given else ""
+        return f"{keys[0]}.init_args.{keys[-1]} expects a {expected.group(1)}{value} (see: rllight fit --help)"
     index = next((i for hint in _DETAIL_HINTS for i, line in enumerate(lines) if i and hint in line),
                  1 if len(lines) > 1 else None)
     detail = ""
@@ -98,6 +259,7 @@ def one_line_parse_error(message: str) -> str:
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``rllight`` console script."""
     from jsonargparse import ArgumentError
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -108,6 +270,8 @@ def main(args: list[str] | None = None) -> None:
     except RecipeError as err:
         print(f"rllight: error: {err}", file=sys.stderr)
         sys.exit(2)
+    except SIGTERMException:  # saved by rllight.safety.Interrupts; exit as a terminated process does
+        sys.exit(128 + signal.SIGTERM)
 
 
 if __name__ == "__main__":

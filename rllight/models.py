@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 
 import torch
 
@@ -16,13 +17,35 @@ from rllight.errors import RecipeError
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+
+
+def _hub_cache() -> str:
+    """The Hugging Face hub cache folder, read from the environment when called."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
+    return os.path.join(home, "hub")
+
+
+def _hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def _cached_snapshot(repo_id: str, filename: str) -> str | None:
+    """The snapshot folder of ``repo_id``'s ``main`` revision in the local hub cache, if it holds ``filename``."""
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(repo_id, filename, cache_dir=_hub_cache())
+    return os.path.dirname(found) if isinstance(found, str) else None
 
 
 class HFModel:
-    """A Hugging Face causal LM from a local folder (or a hub id when the hub is reachable).
+    """A Hugging Face causal LM from a local folder, or an ``org/name`` hub id (from the local Hugging Face
+    cache, else downloaded when the hub is reachable).
 
     Args:
-        path: Folder with ``config.json`` and weights, or a hub id.
+        path: Folder with ``config.json`` and weights, or a hub id such as ``Qwen/Qwen2.5-0.5B``.
         dtype: Parameter dtype: float32, bfloat16 or float16.
         trust_remote_code: Run code shipped with the model. Off unless you trust its source.
         gguf_file: Load this GGUF file inside ``path`` instead (dequantised to ``dtype``).
@@ -39,7 +62,29 @@ class HFModel:
         self.gguf_file = gguf_file
 
     def resolve(self) -> str:
-        """The folder (or hub id) to load from."""
+        """The folder to load from, or a hub id for ``from_pretrained`` to download.
+
+        A path that exists is a folder. Otherwise an ``org/name`` (or ``name``) id is looked up in the
+        local Hugging Face cache (``HF_HUB_CACHE``, else ``HF_HOME/hub``) and its snapshot folder is
+        returned; if it is not cached, the id itself is returned for a download, unless ``HF_HUB_OFFLINE``
+        is set, which is an error naming both places tried.
+        """
+        path = os.path.expanduser(self.path)
+        if os.path.exists(path):
+            return path
+        if not _HUB_ID.match(self.path):
+            raise RecipeError(
+                f"model.model.init_args.path: folder '{self.path}' does not exist (and it is not an org/name hub id)"
+            )
+        cached = _cached_snapshot(self.path, self.gguf_file or "config.json")
+        if cached is not None:
+            return cached
+        if _hub_offline():
+            raise RecipeError(
+                f"model.model.init_args.path: '{self.path}' is not a folder and not in the Hugging Face cache "
+                f"({_hub_cache()}); the hub was not tried (HF_HUB_OFFLINE is set): download it once online, or "
+                "give a model folder"
+            )
         return self.path
 
     def load(self):
@@ -47,13 +92,20 @@ class HFModel:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         path = self.resolve()
-        if os.path.sep in path and not os.path.exists(path):
-            raise RecipeError(f"model.path: '{path}' does not exist; give a model folder or a hub id")
         kwargs = dict(trust_remote_code=self.trust_remote_code)
         if self.gguf_file:
             kwargs["gguf_file"] = self.gguf_file
-        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[self.dtype], **kwargs)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[self.dtype], **kwargs)
+        except OSError as err:
+            if os.path.exists(path):
+                raise
+            reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+            raise RecipeError(
+                f"model.model.init_args.path: '{path}' is not a folder, not in the Hugging Face cache "
+                f"({_hub_cache()}) and could not be loaded from the hub ({reason}); check the id or give a model folder"
+            ) from None
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         return model, tokenizer

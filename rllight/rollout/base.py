@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from rllight.errors import RecipeError
+
 
 @dataclass
 class Generation:
@@ -38,12 +40,18 @@ class RolloutEngine:
     """
 
     def __init__(self, max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0):
+        key = "model.rollout.init_args"
         if max_new_tokens < 1:
-            raise ValueError(f"rollout.max_new_tokens must be >= 1, got {max_new_tokens}")
+            raise RecipeError(f"{key}.max_new_tokens must be >= 1, got {max_new_tokens}")
         if temperature <= 0:
-            raise ValueError(
-                f"rollout.temperature must be > 0 (use greedy=True for greedy decoding), got {temperature}"
+            raise RecipeError(
+                f"{key}.temperature must be > 0, got {temperature}; sampling needs a positive temperature "
+                "(validation already decodes greedily)"
             )
+        if not 0 < top_p <= 1:
+            raise RecipeError(f"{key}.top_p must be in (0, 1], got {top_p}")
+        if top_k < 0:
+            raise RecipeError(f"{key}.top_k must be >= 0 (0 = off), got {top_k}")
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.top_p = top_p

@@ -6,6 +6,7 @@ import time
 
 import torch
 
+from rllight.errors import RecipeError
 from rllight.rollout.base import Generation, RolloutEngine, pad_left, response_mask_from_ids
 
 
@@ -46,6 +47,8 @@ class HFEngine(RolloutEngine):
         batch_size: int = 64,
     ):
         super().__init__(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
+        if batch_size < 1:
+            raise RecipeError(f"model.rollout.init_args.batch_size must be >= 1, got {batch_size}")
         self.batch_size = batch_size
 
     @torch.no_grad()

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import importlib.util
 import logging
 import os
 import random
@@ -45,6 +46,7 @@ import weakref
 import torch
 from torch import Tensor
 
+from rllight.errors import RecipeError
 from rllight.rollout.base import Generation, RolloutEngine, pad_left
 from rllight.rollout.hf import eos_token_ids
 
@@ -211,9 +213,15 @@ class VLLMEngine(RolloutEngine):
     ):
         super().__init__(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
         if not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(f"rollout.gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+            raise RecipeError(
+                f"model.rollout.init_args.gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
+            )
         if sync_every < 1:
-            raise ValueError(f"rollout.sync_every must be >= 1, got {sync_every}")
+            raise RecipeError(f"model.rollout.init_args.sync_every must be >= 1, got {sync_every}")
+        # Found without importing it (importing vllm is slow and has side effects): a missing vLLM is
+        # reported when the recipe is read, before any model loads.
+        if importlib.util.find_spec("vllm") is None:
+            raise RecipeError(f"model.rollout: vLLM is not installed. {INSTALL_HINT}")
         self.gpu_memory_utilization = gpu_memory_utilization
         self.kv_cache_gb = kv_cache_gb
         self.sync_every = sync_every

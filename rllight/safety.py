@@ -1,0 +1,247 @@
+"""Never lose a user's work: output locations checked before the model loads, a resumable checkpoint on
+Ctrl-C or SIGTERM, and the recipe stored in every checkpoint and compared on resume.
+
+The CLI adds the two callbacks (``Interrupts``, ``RecipeRecord``) to every ``rllight fit``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import signal
+
+import lightning as L
+import torch
+
+from rllight.errors import RecipeError
+
+log = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------------------------ output locations
+def check_writable(path: str, key: str) -> None:
+    """Refuse, in one line naming ``key``, a folder the run could not create or write into: a path
+    under a regular file, an existing file, or a folder (or nearest existing parent) without write access."""
+    path = os.path.abspath(path)
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise RecipeError(f"{key}: '{path}' is a file, not a folder; give a folder")
+    existing = path
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise RecipeError(f"{key}: '{path}' cannot be created because '{existing}' is a file; give another folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise RecipeError(f"{key}: '{existing}' is not writable; give a folder this user can write to")
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+RECIPE_KEY = "rllight_recipe"
+"""Where a checkpoint stores the recipe of the run that wrote it (flattened, plain values)."""
+
+STRUCTURAL = ("model.model", "model.lora", "model.critic", "model.critic.class_path", "model.optimizer.class_path")
+"""Keys (and everything under them, except where listed below) whose change makes the saved weights or
+optimizer state unloadable: the model source, LoRA, the critic's presence, class and model, the
+optimizer class. A resume that changes one is refused."""
+
+RUN_DEFINING = ("data.batch_size", "model.sampler.class_path", "model.sampler.init_args.group_size")
+"""Keys whose change makes the resumed run a different experiment rather than a continuation: the
+resumable data stream counts batches (a new batch size would skip the wrong prompts), and the group
+size or sampler changes every later rollout. Refused unless ``--resume_allow_changes true``."""
+
+# Critic settings that are hyper-parameters, not weights: a change is reported, not refused.
+_CRITIC_HYPER = ("loss_coef", "clip", "lr")
+# Keys that say how long or where a run goes, not what it is.
+_IGNORED = ("ckpt_path", "config", "print_config", "resume_allow_changes", "trainer.max_steps",
+            "trainer.max_epochs", "trainer.default_root_dir", "trainer.logger", "trainer.callbacks",
+            "trainer.enable_progress_bar", "trainer.enable_checkpointing", "model.export_dir")
+
+
+def flatten(config, prefix: str = "") -> dict:
+    """``{"a.b.c": value}`` for a nested dict of plain values (lists and scalars are leaves)."""
+    out = {}
+    if isinstance(config, dict):
+        if not config and prefix:
+            out[prefix] = {}
+        for k, v in config.items():
+            out.update(flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+    else:
+        out[prefix] = config
+    return out
+
+
+def _matches(key: str, prefix: str) -> bool:
+    return key == prefix or key.startswith(prefix + ".")
+
+
+def _ignored(key: str) -> bool:
+    return any(_matches(key, p) for p in _IGNORED)
+
+
+def _structural(key: str) -> bool:
+    if _matches(key, "model.critic") and key.rsplit(".", 1)[-1] in _CRITIC_HYPER:
+        return False
+    return any(_matches(key, p) for p in STRUCTURAL)
+
+
+def recipe_differences(saved: dict, current: dict) -> list[tuple[str, object, object]]:
+    """``(key, saved value, current value)`` for every flattened key that differs, ignored keys left out."""
+    a, b = flatten(saved), flatten(current)
+    out = []
+    for key in sorted(set(a) | set(b)):
+        if _ignored(key):
+            continue
+        old, new = a.get(key, "<absent>"), b.get(key, "<absent>")
+        if old != new:
+            out.append((key, old, new))
+    return out
+
+
+def check_resume(saved: dict | None, current: dict, ckpt_path: str, allow_changes: bool = False) -> list[str]:
+    """Compare the recipe stored in a checkpoint with the current one.
+
+    Returns the warnings (one line each) for differences that a resume tolerates; raises a one-line
+    ``RecipeError`` naming the keys for differences that break it (``STRUCTURAL`` always, ``RUN_DEFINING``
+    unless ``allow_changes``).
+    """
+    if saved is None:
+        return [f"--ckpt_path '{ckpt_path}' stores no recipe (not written by rllight fit); it is not compared"]
+    diffs = recipe_differences(saved, current)
+    broken = [d for d in diffs if _structural(d[0])]
+    defining = [d for d in diffs if not _structural(d[0]) and any(_matches(d[0], p) for p in RUN_DEFINING)]
+
+    def show(items):
+        return ", ".join(f"{k} ({old!r} -> {new!r})" for k, old, new in items)
+
+    if broken:
+        raise RecipeError(
+            f"--ckpt_path '{ckpt_path}' was trained with a different model, LoRA, critic or optimizer: "
+            f"{show(broken)}; resume with the recipe that wrote it, or start a new run without --ckpt_path"
+        )
+    if defining and not allow_changes:
+        raise RecipeError(
+            f"--ckpt_path '{ckpt_path}': the recipe changed what a step is: {show(defining)}; resume with the "
+            "same values, or pass --resume_allow_changes true to continue with the new ones"
+        )
+    return [f"resuming with recipe changes: {show(diffs)}"] if diffs else []
+
+
+def read_checkpoint(path: str) -> dict:
+    """The checkpoint at ``path``, loaded on the CPU with ``weights_only`` (memory-mapped, so a large one
+    costs little), or a one-line ``RecipeError`` naming the file."""
+    if not os.path.isfile(path):
+        raise RecipeError(f"--ckpt_path '{path}' does not exist; give a .ckpt file written by rllight fit")
+    try:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as err:
+            if "mmap" not in str(err):  # an old-format (not zip) file cannot be mapped; read it whole
+                raise
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # truncated, not a checkpoint, or objects weights_only refuses
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if "weights_only" in reason or "Unsupported global" in reason:
+            reason = "it holds Python objects other than tensors and plain containers"
+        raise RecipeError(
+            f"--ckpt_path '{path}' is not a readable checkpoint ({reason[:160]}); it may be truncated or "
+            "not a Lightning checkpoint: give another .ckpt file"
+        ) from None
+
+
+class RecipeRecord(L.Callback):
+    """Stores the parsed recipe in every checkpoint (``checkpoint["rllight_recipe"]``), so that a resume
+    can be compared with the run that wrote it."""
+
+    def __init__(self, recipe: dict):
+        self.recipe = recipe
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        checkpoint[RECIPE_KEY] = self.recipe
+
+
+# -------------------------------------------------------------------------------------------- interrupts
+class Interrupted(SystemExit):
+    """Raised after the checkpoint of an interrupted run is saved; the process exits with ``code``
+    (130 for Ctrl-C, 143 for SIGTERM, as a shell reports them)."""
+
+
+class Interrupts(L.Callback):
+    """On Ctrl-C (SIGINT) or SIGTERM: finish the current RL step, save a resumable checkpoint, print how
+    to resume, stop.
+
+    SIGTERM is Lightning's: its handler sets ``trainer.received_sigterm`` and its training loop raises
+    ``SIGTERMException`` right after the step's ``on_train_batch_end``, where this callback saves first.
+    SIGINT gets a handler here (while training runs) that only sets a flag, so the step is not cut
+    short; a second Ctrl-C quits at once without saving. A signal that arrives during validation is
+    acted on at the end of the next training step. With ``trainer.enable_checkpointing: false`` nothing
+    is saved: the run stops and says so.
+
+    The checkpoint goes to the ModelCheckpoint's folder (else ``<default_root_dir>/checkpoints``) as
+    ``interrupted-step=N.ckpt`` (never over an existing file).
+
+    Args:
+        resume_command: The command line that resumes the run, without ``--ckpt_path``.
+    """
+
+    def __init__(self, resume_command: str = "rllight fit --config <recipe>"):
+        self.resume_command = resume_command
+        self._sigint = False
+        self._previous = None
+        self.saved_path: str | None = None
+
+    # signal handling ------------------------------------------------------------------------------
+    def _on_sigint(self, signum, frame) -> None:
+        if self._sigint:  # the second Ctrl-C: quit now
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt
+        self._sigint = True
+        print("\nrllight: Ctrl-C: saving a checkpoint after this RL step (Ctrl-C again quits without saving)",
+              flush=True)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+
+    def _restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._restore()
+
+    # saving ------------------------------------------------------------------------------------------
+    def _target(self, trainer) -> str:
+        callback = trainer.checkpoint_callback
+        folder = getattr(callback, "dirpath", None) or os.path.join(trainer.default_root_dir, "checkpoints")
+        stem = f"interrupted-step={trainer.global_step}"
+        path, version = os.path.join(folder, f"{stem}.ckpt"), 0
+        while os.path.exists(path):
+            version += 1
+            path = os.path.join(folder, f"{stem}-v{version}.ckpt")
+        return path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        stop = trainer.strategy.reduce_boolean_decision(self._sigint or trainer.received_sigterm, all=False)
+        if not stop:
+            return
+        what = "SIGTERM" if trainer.received_sigterm else "Ctrl-C"
+        step = trainer.global_step
+        if trainer.checkpoint_callbacks:
+            path = trainer.strategy.broadcast(self._target(trainer))
+            trainer.save_checkpoint(path)
+            self.saved_path = path
+            message = (f"rllight: {what}: stopped after step {step}; resume with: {self.resume_command} "
+                       f"--ckpt_path {shlex.quote(path)}")
+        else:
+            message = f"rllight: {what}: stopped after step {step}; nothing saved (trainer.enable_checkpointing: false)"
+        if trainer.is_global_zero:
+            print(message, flush=True)
+        self._restore()
+        if not trainer.received_sigterm:  # SIGTERM: Lightning's loop raises SIGTERMException next
+            raise Interrupted(130)
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self._restore()

@@ -1,0 +1,89 @@
+"""Export never deletes or overwrites what the run did not write: a folder with other files is refused before
+training, an earlier export is replaced only once the new one is complete."""
+
+import json
+import os
+
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from helpers import fit_in_child, tiny_overrides
+from rllight.errors import RecipeError
+from rllight.export import MARKER, export_policy
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def test_export_writes_a_marked_folder_and_replaces_only_an_earlier_export(tmp_path, tiny):
+    model, tokenizer = tiny
+    target = tmp_path / "model"
+    export_policy(model, tokenizer, str(target), info={"global_step": 3})
+    assert json.loads((target / MARKER).read_text())["global_step"] == 3
+    assert (target / "config.json").exists()
+    export_policy(model, tokenizer, str(target), info={"global_step": 7})
+    assert json.loads((target / MARKER).read_text())["global_step"] == 7
+    # No half folders or old copies left next to it.
+    assert sorted(os.listdir(tmp_path)) == ["model"]
+
+
+def test_export_into_a_folder_with_other_files_keeps_them_and_saves_aside(tmp_path, tiny):
+    model, tokenizer = tiny
+    target = tmp_path / "mine"
+    target.mkdir()
+    (target / "notes.txt").write_text("keep me")
+    with pytest.raises(RecipeError, match="model.export_dir: .* not an rllight export.*saved in '(.*mine.new-.*)'"):
+        export_policy(model, tokenizer, str(target))
+    assert (target / "notes.txt").read_text() == "keep me" and os.listdir(target) == ["notes.txt"]
+    aside = [p for p in os.listdir(tmp_path) if p.startswith("mine.new-")]
+    assert len(aside) == 1 and (tmp_path / aside[0] / "config.json").exists()
+
+
+def test_an_existing_file_is_never_an_export_target(tmp_path, tiny):
+    model, tokenizer = tiny
+    target = tmp_path / "weights.bin"
+    target.write_text("user data")
+    with pytest.raises(RecipeError, match="is a file"):
+        export_policy(model, tokenizer, str(target))
+    assert target.read_text() == "user data"
+
+
+def _fit(tmp_path, tiny_model_dir, *extra, steps="1"):
+    overlay = tiny_overrides(tmp_path, tiny_model_dir)
+    return fit_in_child("grpo.yaml", "--config", overlay, "--trainer.max_steps", steps, *extra, timeout=600)
+
+
+@pytest.mark.slow
+def test_cli_refuses_export_over_user_files_or_the_run_folder_before_training(tmp_path, tiny_model_dir):
+    users = tmp_path / "users"
+    users.mkdir()
+    (users / "thesis.tex").write_text("years of work")
+    run = _fit(tmp_path, tiny_model_dir, "--model.export_dir", str(users))
+    assert run.returncode == 2 and "rllight: error: model.export_dir:" in run.stderr, run.stderr[-2000:]
+    assert os.listdir(users) == ["thesis.tex"]
+
+    # The run's own folder as export folder: the export would replace the logs and checkpoints.
+    root = tmp_path / "run"
+    run = _fit(tmp_path, tiny_model_dir, "--trainer.default_root_dir", str(root), "--model.export_dir", str(root))
+    assert run.returncode == 2 and "would hold the run's logs and checkpoints" in run.stderr, run.stderr[-2000:]
+
+    # A file as the export folder.
+    run = _fit(tmp_path, tiny_model_dir, "--model.export_dir", str(users / "thesis.tex"))
+    assert run.returncode == 2 and "is a file" in run.stderr
+    assert (users / "thesis.tex").read_text() == "years of work"
+    # Refused before training: each error is the last line, and no model was loaded or step run.
+    assert run.stderr.strip().splitlines()[-1].startswith("rllight: error:")
+    assert "train/" not in run.stdout
+
+
+@pytest.mark.slow
+def test_cli_replaces_an_earlier_export_after_training(tmp_path, tiny_model_dir, tiny):
+    model, tokenizer = tiny
+    target = tmp_path / "export"
+    export_policy(model, tokenizer, str(target), info={"global_step": 0})
+    run = _fit(tmp_path, tiny_model_dir, "--model.export_dir", str(target), steps="2")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads((target / MARKER).read_text())["global_step"] == 2
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("export.")]

@@ -1,0 +1,75 @@
+"""Ctrl-C and SIGTERM: the run finishes its RL step, saves a resumable checkpoint, says how to resume, and a
+resume from that file continues where it stopped."""
+
+import os
+import re
+import signal
+
+import pytest
+import torch
+
+from helpers import fit_in_child, tiny_overrides
+from rllight.callbacks import RolloutCallback
+
+
+class SignalAt(RolloutCallback):
+    """Sends ``signum`` to its own process in the middle of the RL step that follows global step ``step``
+    (as a user's Ctrl-C or a scheduler's SIGTERM would arrive)."""
+
+    def __init__(self, step: int = -1, signum: int = 15):
+        self.step = step
+        self.signum = signum
+
+    def on_rollout(self, trainer, module, rollout):
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), self.signum)
+        return rollout
+
+
+def _run(tmp_path, overlay, *extra):
+    return fit_in_child("grpo.yaml", "--config", overlay, "--trainer.enable_checkpointing", "true", *extra,
+                        timeout=600)
+
+
+def _saved_path(stdout: str) -> str:
+    match = re.search(r"resume with: rllight .* --ckpt_path (\S+)", stdout)
+    assert match, stdout[-2000:]
+    return match.group(1)
+
+
+@pytest.mark.slow
+def test_sigterm_saves_after_the_step_and_the_run_resumes_from_it(tmp_path, tiny_model_dir):
+    overlay = tiny_overrides(tmp_path, tiny_model_dir)
+    signal_cb = ["--trainer.callbacks+", "test_interrupt.SignalAt", "--trainer.callbacks.step", "1",
+                 "--trainer.callbacks.signum", str(int(signal.SIGTERM))]
+    stopped = _run(tmp_path, overlay, "--trainer.max_steps", "4", *signal_cb)
+    # 128 + 15: a process ended by SIGTERM, as a shell reports it.
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    path = _saved_path(stopped.stdout)
+    assert path == str(tmp_path / "checkpoints" / "interrupted-step=2.ckpt")
+    state = torch.load(path, weights_only=True)
+    # The signal arrived during the step after global step 1; that step finished and counted: 2 updates,
+    # 2 batches trained, and the recipe is stored for the resume check.
+    assert state["global_step"] == 2 and state["RLDataModule"] == {"batches_trained": 2}
+    assert state["rllight_recipe"]["model"]["sampler"]["init_args"]["group_size"] == 8
+
+    resumed = _run(tmp_path, overlay, "--trainer.max_steps", "4", "--ckpt_path", path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    # The default checkpoint (save_last) at the end of the resumed run: steps 3 and 4 were trained, no more.
+    last = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
+    assert last["global_step"] == 4 and last["RLDataModule"] == {"batches_trained": 4}
+    assert os.path.exists(path)  # the interrupted checkpoint is not overwritten or removed
+
+
+@pytest.mark.slow
+def test_ctrl_c_finishes_the_step_saves_and_exits_130(tmp_path, tiny_model_dir):
+    overlay = tiny_overrides(tmp_path, tiny_model_dir)
+    signal_cb = ["--trainer.callbacks+", "test_interrupt.SignalAt", "--trainer.callbacks.step", "0",
+                 "--trainer.callbacks.signum", str(int(signal.SIGINT))]
+    stopped = _run(tmp_path, overlay, "--trainer.max_steps", "3", *signal_cb)
+    assert stopped.returncode == 130, stopped.stderr[-3000:]
+    assert "KeyboardInterrupt" not in stopped.stderr
+    path = _saved_path(stopped.stdout)
+    state = torch.load(path, weights_only=True)
+    assert state["global_step"] == 1 and state["RLDataModule"] == {"batches_trained": 1}
+    assert path.endswith("interrupted-step=1.ckpt")
