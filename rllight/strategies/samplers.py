@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from rllight.errors import RecipeError
 from rllight.types import Rollout
 
 if TYPE_CHECKING:
@@ -29,7 +30,7 @@ class GroupSampler(Sampler):
 
     def __init__(self, group_size: int = 4):
         if group_size < 1:
-            raise ValueError(f"sampler.group_size must be >= 1, got {group_size}")
+            raise RecipeError(f"model.sampler.init_args.group_size must be >= 1, got {group_size}")
         self.group_size = group_size
 
     def __call__(self, module: RLModule, rows: list[dict]) -> Rollout:
