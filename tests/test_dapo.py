@@ -2,6 +2,7 @@
 sampling and the overlong callbacks on hand-built rollouts with a fake module, token-mean under gradient
 accumulation and a two-step run of recipes/dapo.yaml on a tiny in-process model."""
 
+import json
 import logging
 import os
 from types import SimpleNamespace
@@ -352,3 +353,30 @@ def test_dynamic_sampling_draws_extra_prompts_from_the_module_and_skips_a_step_w
 def _unchanged_policy_count(module, model_dir):
     before = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
     return sum(torch.equal(p.detach(), before[n]) for n, p in module.policy.named_parameters())
+
+
+def test_overlong_callbacks_listed_in_the_other_order_still_punish_then_filter():
+    """Listing OverlongFilter before SoftOverlongPunishment in a recipe used to change DAPO silently (the
+    filter zeroed the masks the punishment reads lengths from: truncated responses went unpunished). The
+    module runs rollout callbacks in their rollout_order, so both listings give the same rollout."""
+    from helpers import build
+    from conftest import RECIPES
+
+    reversed_cfg = "--trainer.callbacks=" + json.dumps([
+        {"class_path": "rllight.callbacks.OverlongFilter"},
+        {"class_path": "rllight.callbacks.SoftOverlongPunishment", "init_args": {"cache_len": 4}},
+    ])
+    outcomes = []
+    for args in ((), (reversed_cfg,)):
+        cli = build(f"{RECIPES}/dapo.yaml", *args, "--model.rollout.init_args.max_new_tokens", "10")
+        module = cli.model
+        module._trainer = cli.trainer  # attached as fit would, to read trainer.callbacks
+        # max_len 10, cache 4 (dapo.yaml's cache_len is 6: E = 4, so both truncated rows of length 10 get -1;
+        # the reversed overlay's cache 4: E = 6, also -1 at length 10).
+        rollout = make_rollout([1.0, -1.0, 1.0], lengths=[3, 10, 10], truncated=[False, True, True])
+        for cb in module._rollout_callbacks():
+            rollout = cb.on_rollout(cli.trainer, module, rollout)
+        outcomes.append((rollout.rewards.tolist(), rollout.response_mask.sum(-1).tolist(),
+                         rollout.extras["overlong/penalized_ratio"]))
+    # Punished first (R_len = -1 at the cap), then masked: rewards 1, -2, 0; masks 3, 0, 0; 2 of 3 punished.
+    assert outcomes[0] == outcomes[1] == ([1.0, -2.0, 0.0], [3, 0, 0], pytest.approx(2 / 3))
