@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from collections.abc import Sequence
@@ -18,8 +19,145 @@ from rllight.errors import RecipeError
 warnings.filterwarnings("ignore", message=".*your dataloader is not resumable.*")
 
 
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+"""Roles a chat message in a ``prompt`` list may have."""
+
+_ROW_HELP = "every row needs 'prompt' (a string or a list of chat messages) and 'answer'"
+
+
+def _one_line(err: BaseException) -> str:
+    """The innermost non-empty message of an exception chain, on one line: ``datasets`` wraps the
+    parser's error in a generic one ("An error occurred while generating the dataset")."""
+    message, seen, current = type(err).__name__, set(), err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        text = " ".join(str(current).split())
+        if text:
+            message = text
+        current = current.__cause__ or current.__context__
+    return message
+
+
+class _Number(str):
+    """A JSON number, kept as the text the file has ("4", "2.50", "12345678901234567890")."""
+
+
+def _json_type(value: object) -> str:
+    if isinstance(value, _Number):
+        return "number"
+    return {list: "array", str: "string", bool: "boolean", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _read_json(path: str, field: str) -> list[tuple[str, dict]] | None:
+    """The rows of a JSON Lines file or of a JSON array, each with where it is (``"f.jsonl row 2"``, and
+    ``" (line 3)"`` when blank lines put it elsewhere); None for a file that is one JSON object (left to
+    ``datasets``, which reads column layouts).
+
+    Read with the ``json`` module, not ``datasets``: a bad line is reported by its 1-based number, and values
+    keep their text. ``datasets`` gives a column one type, falling back to pandas when the rows disagree,
+    which turns the string "12" into the integer 12, an answer 4 next to 2.5 into "4.0" and a 20-digit
+    integer into a float with 17 digits. Numbers are read as their text (``_Number``)."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        text = raw.decode("utf-8-sig")  # a leading byte-order mark is fine
+    except UnicodeDecodeError as err:
+        line = raw.count(b"\n", 0, err.start) + 1
+        raise RecipeError(f"{field}: '{path}' line {line} is not UTF-8 text ({err.reason}); save the file as UTF-8") from err
+    if not text.strip():
+        raise RecipeError(f"{field}: '{path}' is empty; write one JSON object per line, {_ROW_HELP}")
+    parse = {"parse_int": _Number, "parse_float": _Number}
+    if text.lstrip().startswith("["):  # one JSON array of rows
+        try:
+            data = json.loads(text, **parse)
+        except json.JSONDecodeError as err:
+            raise RecipeError(f"{field}: '{path}' line {err.lineno} is not valid JSON ({err.msg} at column "
+                              f"{err.colno}); fix that line") from err
+        if not data:
+            raise RecipeError(f"{field}: '{path}' holds an empty JSON array; {_ROW_HELP}")
+        for i, item in enumerate(data):
+            if not isinstance(item, dict):
+                raise RecipeError(f"{path} row {i + 1}: a JSON {_json_type(item)}, not an object; {_ROW_HELP}")
+        return [(f"{path} row {i + 1}", item) for i, item in enumerate(data)]
+    rows = []
+    # split("\n"), not splitlines(): U+2028 and friends may stand unescaped inside JSON strings.
+    for number, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line, **parse)
+        except json.JSONDecodeError as err:
+            try:  # one pretty-printed object rather than JSON Lines
+                whole = json.loads(text)
+            except json.JSONDecodeError:
+                whole = None
+            if isinstance(whole, dict):
+                return None
+            raise RecipeError(f"{field}: '{path}' line {number} is not valid JSON ({err.msg} at column "
+                              f"{err.colno}); each line must be one JSON object") from err
+        if not isinstance(item, dict):
+            raise RecipeError(f"{path} line {number}: a JSON {_json_type(item)}, not an object; {_ROW_HELP}")
+        where = f"{path} row {len(rows) + 1}" + ("" if number == len(rows) + 1 else f" (line {number})")
+        rows.append((where, item))
+    return rows
+
+
+def _read_with_datasets(builder: str, path: str, field: str) -> list[tuple[str, dict]]:
+    """The rows of a parquet file (or of a JSON object document) through ``datasets``."""
+    if builder == "parquet":
+        import pyarrow.parquet as pq
+
+        if os.path.getsize(path) == 0:
+            raise RecipeError(f"{field}: '{path}' is empty (0 bytes); write the rows as a parquet table, {_ROW_HELP}")
+        try:
+            num_rows = pq.ParquetFile(path).metadata.num_rows
+        except Exception as err:
+            raise RecipeError(f"{field}: cannot read '{path}' as parquet: {_one_line(err)}") from err
+        if num_rows == 0:
+            raise RecipeError(f"{field}: '{path}' holds no rows; {_ROW_HELP}")
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:
+        ds = datasets.load_dataset(builder, data_files=path, split="train")
+    except Exception as err:  # surface the file name and the cause; datasets' own message omits both
+        raise RecipeError(f"{field}: cannot read '{path}': {_one_line(err)}") from err
+    if not len(ds):
+        raise RecipeError(f"{field}: '{path}' holds no rows; {_ROW_HELP}")
+    return [(f"{path} row {i + 1}", row) for i, row in enumerate(ds)]
+
+
+def _check_prompt(where: str, prompt: object) -> None:
+    """Raise on a prompt the chat template cannot take: not a non-empty string or list of chat messages."""
+    if prompt is None or (isinstance(prompt, str) and not prompt.strip()):
+        raise RecipeError(f"{where}: missing field 'prompt'; {_ROW_HELP}")
+    if isinstance(prompt, str) and not isinstance(prompt, _Number):
+        return
+    if not isinstance(prompt, list):
+        raise RecipeError(f"{where}: 'prompt' is a {_json_type(prompt)}; give a string or a list of chat "
+                          "messages ({'role': ..., 'content': ...})")
+    if not prompt:
+        raise RecipeError(f"{where}: 'prompt' is an empty list; give a string or a list of chat messages")
+    for j, message in enumerate(prompt):
+        if not isinstance(message, dict):
+            raise RecipeError(f"{where}: prompt[{j}] is not a chat message; 'prompt' is a list but not of chat "
+                              "messages ({'role': ..., 'content': ...})")
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            got = "missing" if role is None else repr(role if isinstance(role, str) else str(role))
+            raise RecipeError(f"{where}: prompt[{j}].role is {got}; use one of {', '.join(CHAT_ROLES)}")
+        content = message.get("content")
+        if not isinstance(content, str) or isinstance(content, _Number):
+            raise RecipeError(f"{where}: prompt[{j}].content is missing or not a string; give each message "
+                              "its text as 'content'")
+
+
 def _load_rows(paths: Sequence[str], field: str) -> list[dict]:
-    """Rows of JSONL / JSON / parquet files via ``datasets``, checked for ``prompt`` and ``answer``."""
+    """Rows of JSONL / JSON / parquet files, checked for ``prompt`` and ``answer``.
+
+    Each row also gets ``source``, where it came from (``"train.jsonl row 7"``, with the line when it
+    differs), so that later checks (``rllight.rewards.check_answers``) can name it.
+    """
     rows: list[dict] = []
     for path in paths:
         if not os.path.isfile(path):
@@ -28,31 +166,16 @@ def _load_rows(paths: Sequence[str], field: str) -> list[dict]:
         builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(ext)
         if builder is None:
             raise RecipeError(f"{field}: '{path}' has extension '{ext}'; use .jsonl, .json or .parquet")
-        import datasets
-
-        datasets.disable_progress_bars()
-        try:
-            ds = datasets.load_dataset(builder, data_files=path, split="train")
-        except Exception as err:  # surface the file name; datasets' own messages omit it
-            raise RecipeError(f"{field}: cannot read '{path}': {str(err).splitlines()[0]}") from err
-        for i, row in enumerate(ds):
+        records = _read_json(path, field) if builder == "json" else None
+        if records is None:
+            records = _read_with_datasets(builder, path, field)
+        for where, row in records:
             prompt = row.get("prompt")
-            if prompt is None or (isinstance(prompt, str) and not prompt.strip()):
-                raise RecipeError(
-                    f"{path} row {i + 1}: missing field 'prompt'; every row needs 'prompt' "
-                    "(a string or a list of chat messages) and 'answer'"
-                )
-            if isinstance(prompt, list) and not all(
-                isinstance(m, dict) and "role" in m and "content" in m for m in prompt
-            ):
-                raise RecipeError(
-                    f"{path} row {i + 1}: 'prompt' is a list but not of chat messages ({{'role': ..., 'content': ...}})"
-                )
+            _check_prompt(where, prompt)
             if row.get("answer") is None:
-                raise RecipeError(f"{path} row {i + 1}: missing field 'answer'; every row needs 'prompt' and 'answer'")
-            rows.append({"prompt": prompt, "answer": str(row["answer"])})
-        if not len(ds):
-            raise RecipeError(f"{field}: '{path}' holds no rows")
+                raise RecipeError(f"{where}: missing field 'answer'; {_ROW_HELP}")
+            rows.append({"prompt": prompt if isinstance(prompt, list) else str(prompt),
+                         "answer": str(row["answer"]), "source": where})
     return rows
 
 
@@ -145,6 +268,9 @@ class RLDataModule(L.LightningDataModule):
             self.val_rows = _load_rows(self.val_files, "data.val_files") if self.val_files else []
         else:
             self.train_rows, self.val_rows = self.task.splits()
+            for split, rows in (("train", self.train_rows), ("val", self.val_rows)):
+                for i, row in enumerate(rows):
+                    row.setdefault("source", f"data.task {split} row {i + 1}")
             if self.val_files:
                 self.val_rows = _load_rows(self.val_files, "data.val_files")
         if self.val_size is not None:
