@@ -9,6 +9,9 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 import torch
 from jsonargparse import lazy_instance
 from torch import Tensor
@@ -17,8 +20,12 @@ from rllight.algorithms import gae, masked_mean, masked_whiten
 from rllight.algorithms.lambdas import adaptive_lambda, vapo_lambda
 from rllight.errors import RecipeError
 from rllight.strategies.advantages import AdvantageEstimator
-from rllight.strategies.losses import ClippedSurrogate, PolicyLoss
+from rllight.strategies.losses import Aggregation, ClippedSurrogate, PolicyLoss
 from rllight.types import Rollout
+
+log = logging.getLogger(__name__)
+
+_NLL_NORMALIZE = ("correct_tokens", "all_tokens")
 
 
 class LambdaSchedule:
@@ -139,26 +146,56 @@ class PositiveExampleNLL(PolicyLoss):
     """A policy loss plus ``coef`` times the negative log-likelihood of this batch's correct responses
     (VAPO paper's positive-example LM loss, arXiv:2504.05118, mu = 0.1).
 
-    Per token: ``loss(...) + coef * 1[correct_i] * (-log pi(y_t))``.
+    Per token: ``loss(...) + coef * scale * 1[correct_i] * (-log pi(y_t))``, aggregated like the policy loss.
 
-    Normalisation: the NLL rides on the policy loss's aggregation. With ``token-mean`` the added term is
-    ``coef / N * sum over correct responses' tokens of -log pi``, where N counts every valid token of
-    the optimizer step (correct or not), over all micro-batches, so gradient accumulation does not
-    change it. The paper divides by the correct responses' tokens only; this term equals the paper's
-    times ``N_correct / N``, the share of the step's tokens that belong to correct responses (a second
-    global count would be needed for the paper's denominator under accumulation).
+    ``normalize`` chooses what the NLL is divided by:
+
+    - ``correct_tokens`` (the paper's form): the tokens of the correct responses of the optimizer step,
+      ``L_NLL = sum over correct tokens of -log pi / N_correct``. With token-mean aggregation (whose
+      denominator is N, every valid token of the step) this is ``scale = N / N_correct``. Both counts are
+      global over the step's micro-batches and ranks when the module calls ``begin_update`` before each
+      optimizer update; without that call they are the micro-batch's own, which is exact when a minibatch
+      is one micro-batch on one process (a warning says so once).
+    - ``all_tokens``: ``scale = 1``: the NLL rides on the aggregation's denominator. With token-mean that is
+      ``coef / N * sum over correct tokens of -log pi``, the paper's term times ``N_correct / N``, the share of
+      the step's tokens that belong to correct responses (the effective weight shrinks with accuracy).
 
     Args:
         loss: The policy objective to wrap (per-token, e.g. ClippedSurrogate with clip-higher).
         coef: mu, the weight of the NLL (0.1 in the paper).
+        normalize: correct_tokens (the paper's) or all_tokens (see above). correct_tokens needs
+            token-mean aggregation.
     """
 
     def __init__(self, loss: PolicyLoss = lazy_instance(ClippedSurrogate, clip_low=0.2, clip_high=0.28),
-                 coef: float = 0.1):
+                 coef: float = 0.1, normalize: str = "correct_tokens"):
         if coef < 0:
             raise RecipeError(f"model.policy_loss.coef must be >= 0, got {coef}")
+        if normalize not in _NLL_NORMALIZE:
+            raise RecipeError(f"model.policy_loss.normalize: '{normalize}' is not one of {', '.join(_NLL_NORMALIZE)}")
         self.loss = loss
         self.coef = coef
+        self.normalize = normalize
+        self._step_counts: tuple[Tensor, Tensor] | None = None
+        self._warned = False
+
+    def begin_update(self, minibatch: Rollout, aggregation: Aggregation, global_sum: Callable[[Tensor], Tensor]) -> None:
+        """Called by the module once per optimizer update, before its micro-batches: records the global
+        counts of the update's valid tokens and of its correct responses' tokens.
+
+        Args:
+            minibatch: The update's rows (all micro-batches of this rank).
+            aggregation: The recipe's aggregation (``correct_tokens`` needs token-mean).
+            global_sum: Sums a scalar tensor over ranks (identity on one process).
+        """
+        if self.normalize != "correct_tokens":
+            return
+        if getattr(aggregation, "mode", None) != "token-mean":
+            raise RecipeError(f"model.policy_loss.normalize: correct_tokens needs model.aggregation TokenMean, got "
+                              f"{type(aggregation).__name__}; use normalize: all_tokens with it")
+        mask = minibatch.response_mask.float()
+        positive = (minibatch.correct > 0).to(mask.dtype).unsqueeze(-1)
+        self._step_counts = (global_sum(mask.sum()), global_sum((mask * positive).sum()))
 
     def __call__(self, logprobs: Tensor, batch: Rollout) -> tuple[Tensor, dict[str, Tensor]]:
         per_token, stats = self.loss(logprobs, batch)
@@ -167,7 +204,19 @@ class PositiveExampleNLL(PolicyLoss):
         if batch.correct is None:
             raise ValueError("PositiveExampleNLL needs rollout.correct (set by the reward)")
         positive = (batch.correct > 0).to(logprobs.dtype).unsqueeze(-1)  # (B, 1)
+        mask = batch.response_mask.to(logprobs.dtype)
+        scale = logprobs.new_ones(())
+        if self.normalize == "correct_tokens":
+            if self._step_counts is not None:
+                num_tokens, num_correct = self._step_counts
+            else:
+                if not self._warned:
+                    log.warning("PositiveExampleNLL: the optimizer step's token counts were not given "
+                                "(begin_update); normalising by each micro-batch's own counts")
+                    self._warned = True
+                num_tokens, num_correct = mask.sum(), (mask * positive).sum()
+            scale = num_tokens.to(logprobs.dtype) / num_correct.to(logprobs.dtype).clamp(min=1)
         stats = dict(stats)
-        stats["policy/positive_nll"] = masked_mean(-logprobs.detach(), batch.response_mask * positive)
+        stats["policy/positive_nll"] = masked_mean(-logprobs.detach(), mask * positive)
         stats["policy/positive_fraction"] = positive.mean()
-        return per_token + self.coef * positive * (-logprobs), stats
+        return per_token + self.coef * scale * positive * (-logprobs), stats
