@@ -20,7 +20,7 @@ from rllight.algorithms import chunked_logprobs_and_entropy, explained_variance,
 from rllight.critics import Critic
 from rllight.errors import RecipeError
 from rllight.models import HFModel, LoRA, response_hidden_states
-from rllight.rewards import IntegerMatch, Reward, score_batch
+from rllight.rewards import IntegerMatch, Reward, check_answers, score_batch
 from rllight.rollout import HFEngine, RolloutEngine
 from rllight.rollout.metrics import logprob_mismatch
 from rllight.strategies import (
@@ -134,6 +134,8 @@ class RLModule(L.LightningModule):
             that a jointly trained critic does not scale the policy's step (None = off).
         max_consecutive_skips: An update whose loss or gradient is not finite is skipped and logged
             (``guard/skipped_updates``); after this many in a row the run stops with an error.
+        max_failed_reward_steps: A training batch on which the reward failed for every sample (it raised or
+            returned a non-finite value) is a warning; this many in a row stop the run with one line.
         max_prompt_tokens: Drop (and count) prompts longer than this many tokens (None = no limit).
         logprob_chunk_size: Compute log-probs and entropy from the hidden states this many positions at a
             time, so the full (B, T, V) float32 logits never exist (same values and gradients).
@@ -167,6 +169,7 @@ class RLModule(L.LightningModule):
         max_grad_norm: float | None = 1.0,
         critic_max_grad_norm: float | None = 1.0,
         max_consecutive_skips: int = 3,
+        max_failed_reward_steps: int = 3,
         max_prompt_tokens: int | None = None,
         logprob_chunk_size: int | None = 1024,
         optimizer: OptimizerCallable = _adamw,
@@ -199,6 +202,10 @@ class RLModule(L.LightningModule):
         self.max_grad_norm = max_grad_norm
         self.critic_max_grad_norm = critic_max_grad_norm
         self.max_consecutive_skips = max_consecutive_skips
+        if max_failed_reward_steps < 1:
+            raise RecipeError(f"model.max_failed_reward_steps must be >= 1, got {max_failed_reward_steps}")
+        self.max_failed_reward_steps = max_failed_reward_steps
+        self.failed_reward_steps = 0
         self.max_prompt_tokens = max_prompt_tokens
         self.consecutive_skips = 0
         self.dropped_prompts = 0
@@ -247,6 +254,14 @@ class RLModule(L.LightningModule):
         self._extra_epoch = -1
 
     # ----------------------------------------------------------------------------------- set-up
+    def setup(self, stage: str) -> None:
+        """Before the model loads: every reference answer must be one the reward can match (a row whose
+        answer can never be matched would only ever teach "wrong")."""
+        datamodule = self.trainer.datamodule if self._trainer is not None else None
+        rows = list(getattr(datamodule, "train_rows", None) or []) if stage == "fit" else []
+        rows += list(getattr(datamodule, "val_rows", None) or [])
+        check_answers(self.reward, rows)
+
     def configure_model(self) -> None:
         if self.policy is not None:
             return
@@ -318,6 +333,7 @@ class RLModule(L.LightningModule):
             "reward_failures": self.reward_failures,
             "dropped_prompts": self.dropped_prompts,
             "consecutive_skips": self.consecutive_skips,
+            "failed_reward_steps": self.failed_reward_steps,
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
@@ -329,6 +345,7 @@ class RLModule(L.LightningModule):
         self.reward_failures = state.get("reward_failures", 0)
         self.dropped_prompts = state.get("dropped_prompts", 0)
         self.consecutive_skips = state.get("consecutive_skips", 0)
+        self.failed_reward_steps = state.get("failed_reward_steps", 0)
 
     def encode_prompt(self, messages: list[dict]) -> list[int]:
         """Token ids of a chat prompt with the tokenizer's template and the generation prompt."""
@@ -363,6 +380,8 @@ class RLModule(L.LightningModule):
         answers = [r["answer"] for r in rows for _ in range(n)]
         rewards, correct, failures = score_batch(self.reward, texts, answers)
         self.reward_failures += failures
+        if count_dropped:  # a training batch
+            self._count_failed_reward_step(failures == len(texts))
         t2 = time.perf_counter()
         device = gen.response_ids.device
         return Rollout(
@@ -385,6 +404,20 @@ class RLModule(L.LightningModule):
                 **self.rollout.last_metrics,
             },
         )
+
+    def _count_failed_reward_step(self, all_failed: bool) -> None:
+        if not all_failed:
+            self.failed_reward_steps = 0
+            return
+        self.failed_reward_steps += 1
+        log.warning("step %d: the reward %s failed on every sample (%d batch(es) in a row)", self.global_step,
+                    type(self.reward).__name__, self.failed_reward_steps)
+        if self.failed_reward_steps >= self.max_failed_reward_steps:
+            raise RecipeError(
+                f"model.reward: {type(self.reward).__name__} failed on every sample of "
+                f"{self.failed_reward_steps} batches in a row (see the warnings above for its error); fix the "
+                "reward or the answers' format (model.max_failed_reward_steps sets how many batches are tolerated)"
+            )
 
     # ------------------------------------------------------------------------------- forward
     def forward_batch(

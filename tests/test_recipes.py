@@ -37,7 +37,12 @@ def test_recipes_exist():
     assert {"quickstart.yaml", "ppo.yaml", "grpo.yaml"} <= names
 
 
-@pytest.mark.parametrize("recipe", ALL_RECIPES, ids=os.path.basename)
+# recipes/paper/ name FSDP and bf16 on GPUs, which a CPU Trainer refuses: tests/test_paper_recipes.py builds them
+# with only the trainer's device settings overridden.
+CPU_RECIPES = [r for r in ALL_RECIPES if not r.startswith(os.path.join(RECIPES, "paper") + os.sep)]
+
+
+@pytest.mark.parametrize("recipe", CPU_RECIPES, ids=os.path.basename)
 def test_recipe_parses_and_instantiates(recipe):
     cli = build(*recipe_configs(recipe))
     assert isinstance(cli.model, RLModule)

@@ -105,3 +105,10 @@ class DumpState(RolloutCallback):
         params.update({f"critic.{n}": p.detach().clone() for n, p in module.critic.named_parameters()})
         path = os.environ["RLLIGHT_TEST_DUMP"].format(rank=trainer.global_rank)
         torch.save({**self.record, "params": params}, path)
+
+
+class AlwaysFails(Reward):
+    """A verifier that raises on every response (e.g. a broken import inside it)."""
+
+    def __call__(self, response: str, answer: str) -> float:
+        raise RuntimeError("verifier is broken")

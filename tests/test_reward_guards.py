@@ -1,0 +1,46 @@
+"""A reward that fails on every sample stops the run after a few batches, and reference answers the reward
+can never match are refused before the model loads: both as a user meets them, through the CLI."""
+
+import json
+
+import pytest
+
+from helpers import fit_in_child, tiny_overrides
+
+
+@pytest.mark.slow
+def test_a_reward_that_fails_on_every_sample_stops_the_run_with_one_line(tmp_path, tiny_model_dir):
+    overlay = tiny_overrides(tmp_path, tiny_model_dir, reward={"class_path": "user_strategies.AlwaysFails"})
+    run = fit_in_child("grpo.yaml", "--config", overlay, "--trainer.max_steps", "20",
+                       "--model.max_failed_reward_steps", "2", timeout=600)
+    assert run.returncode == 2, run.stderr[-3000:]
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("rllight: error: model.reward: AlwaysFails failed on every sample of 2 batches in a row")
+    assert "Traceback" not in run.stderr
+
+
+def test_a_failed_batch_between_good_ones_only_warns(tiny_model_dir, tmp_path):
+    from helpers import build
+    from conftest import RECIPES
+
+    cli = build(f"{RECIPES}/grpo.yaml", tiny_overrides(tmp_path, tiny_model_dir), "--model.max_failed_reward_steps", "2")
+    module = cli.model
+    module._count_failed_reward_step(True)
+    module._count_failed_reward_step(False)  # a good batch resets the count
+    module._count_failed_reward_step(True)
+    assert module.failed_reward_steps == 1
+    with pytest.raises(Exception, match="2 batches in a row"):
+        module._count_failed_reward_step(True)
+
+
+@pytest.mark.slow
+def test_answers_the_reward_can_never_match_are_refused_before_the_model_loads(tmp_path, tiny_model_dir):
+    data = tmp_path / "train.jsonl"
+    rows = [{"prompt": "1+1?", "answer": "2"}, {"prompt": "3-1?", "answer": "2.0"}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    overlay = tiny_overrides(tmp_path, tiny_model_dir, reward={"class_path": "rllight.rewards.IntegerMatch"})
+    run = fit_in_child("grpo.yaml", "--config", overlay, "--data.train_files", f"[{data}]", timeout=600)
+    assert run.returncode == 2, run.stderr[-3000:]
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("rllight: error: ") and str(data) in last and "row 2" in last and "'2.0'" in last
+    assert "IntegerMatch" in last
