@@ -68,6 +68,10 @@ class RLLightCLI(LightningCLI):
         argv = kwargs.get("args", args[0] if args else None)
         self._argv = list(sys.argv[1:] if argv is None else argv) if not isinstance(argv, dict) else []
         _check_config_files(self._argv)
+        # A --ckpt_path is read here, before LightningCLI loads it for its hyper-parameters (which would fail
+        # with a traceback on a bad file); only the stored recipe is kept, for the comparison in before_fit.
+        ckpt = _ckpt_path(self._argv)
+        self._saved_recipe = read_checkpoint(ckpt).get(RECIPE_KEY) if ckpt and ckpt not in _SPECIAL_CKPT else None
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         # inference_mode off: validation runs under no_grad instead, because a validation before fit
         # under inference mode would leave the metrics' state as inference tensors that the in-fit
@@ -166,13 +170,14 @@ class RLLightCLI(LightningCLI):
 
     def _check_resume(self) -> None:
         ckpt_path = self.config.fit.ckpt_path
-        if not ckpt_path or ckpt_path in ("last", "best", "hpc", "registry"):
+        if not ckpt_path or ckpt_path in _SPECIAL_CKPT:
             return
-        checkpoint = read_checkpoint(str(ckpt_path))
-        for line in check_resume(checkpoint.get(RECIPE_KEY), self._recipe(), str(ckpt_path),
+        saved = self._saved_recipe
+        if _ckpt_path(self._argv) != str(ckpt_path):  # given in a config file, not on the command line
+            saved = read_checkpoint(str(ckpt_path)).get(RECIPE_KEY)
+        for line in check_resume(saved, self._recipe(), str(ckpt_path),
                                  allow_changes=self.config.fit.resume_allow_changes):
             log.warning(line)
-        del checkpoint
 
     def _evaluate(self) -> float | None:
         results = self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False)
@@ -202,6 +207,21 @@ class RLLightCLI(LightningCLI):
                 json.dump(summary, f, indent=2)
             print("rllight: " + " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
                                          for k, v in summary.items()), flush=True)
+
+
+_SPECIAL_CKPT = ("last", "best", "hpc", "registry")
+"""``--ckpt_path`` values that Lightning resolves itself (not files)."""
+
+
+def _ckpt_path(argv: list[str]) -> str | None:
+    """The ``--ckpt_path`` given on the command line (the last one wins, as in the parser)."""
+    found = None
+    for a, b in zip(argv, argv[1:] + [None]):
+        if a == "--ckpt_path":
+            found = b
+        elif a.startswith("--ckpt_path="):
+            found = a.split("=", 1)[1]
+    return found
 
 
 def _check_config_files(argv: list[str]) -> None:
