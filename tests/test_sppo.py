@@ -1,6 +1,7 @@
 """SPPO (arXiv:2604.08865): the sequence-level clipped objective and the prompt-baseline advantage
 against hand-computed numbers, the scalar prompt critic (BCE, calibration, shared head or a separate
-smaller model, re-tokenisation), and two-step runs of recipes/sppo.yaml and recipes/sppo-small-critic.yaml."""
+smaller model, re-tokenisation), the token-level variant of the authors' code, and two-step runs of
+recipes/sppo.yaml (separate critic), its shared-critic overlay and recipes/sppo-small-critic.yaml."""
 
 import math
 import os
@@ -257,18 +258,63 @@ def test_repeated_prompts_run_once_and_share_their_value(tiny_model_dir):
 # --------------------------------------------------------------------------------------------------
 
 
-def test_sppo_recipe_trains_two_steps(tmp_path, tiny_model_dir):
+def test_sppo_recipe_trains_two_steps_with_a_separate_critic(tmp_path, tiny_model_dir):
     # EvenAnswer: reward 1 when the reference answer is even, else 0 (a {0, 1} outcome that varies by prompt).
-    overlay = tiny_overrides(tmp_path, tiny_model_dir, reward={"class_path": "user_strategies.EvenAnswer"})
+    # sppo.yaml's critic has its own model (the note's setting); the tiny model stands in for SmolLM2-135M.
+    critic_dir = build_tiny_model(str(tmp_path / "critic"), hidden_size=16, num_layers=1)
+    overlay = tiny_overrides(tmp_path, tiny_model_dir, reward={"class_path": "user_strategies.EvenAnswer"},
+                             critic={"class_path": "rllight.critics.PromptCritic", "init_args": {
+                                 "model": {"class_path": "rllight.models.HFModel", "init_args": {"path": critic_dir}}}})
     cli = build(os.path.join(RECIPES, "sppo.yaml"), overlay, "--data.batch_size", "4")
+    critic = cli.model.critic
+    assert critic.lr == 5.0e-05  # the recipe's critic learning rate survives the overlay
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     module = cli.model
-    assert module.sampler.group_size == 1 and module.critic.shared
+    assert module.sampler.group_size == 1 and not critic.shared and critic.backbone is not None
     assert cli.trainer.global_step == 2  # 4 responses, minibatch 8: one update per rollout, two rollouts
+    # Separate parameter groups, no parameter shared: the BCE gradient cannot reach the policy.
+    groups = module.optimizers().optimizer.param_groups
+    assert {id(p) for p in groups[1]["params"]} == {id(p) for p in critic.parameters()}
+    assert not {id(p) for p in groups[0]["params"]} & {id(p) for p in critic.parameters()}
     assert unchanged_parameters(module.policy, tiny_model_dir) == []
-    assert all(p.abs().sum() > 0 for p in module.critic.parameters()), "the head is still at its zero init"
+    assert unchanged_parameters(critic.backbone, critic_dir, decoder=True) == []
+    assert all(p.abs().sum() > 0 for p in critic.head.parameters()), "the head is still at its zero init"
     logged = cli.trainer.logged_metrics
     assert "train/value/loss" in logged and "train/value/calibration_corr" in logged
+
+
+def test_shared_critic_overlay_puts_the_head_on_the_policys_backbone(tmp_path, tiny_model_dir):
+    overlay = tiny_overrides(tmp_path, tiny_model_dir, reward={"class_path": "user_strategies.EvenAnswer"})
+    cli = build(os.path.join(RECIPES, "sppo.yaml"), os.path.join(RECIPES, "ablations", "sppo-shared-critic.yaml"),
+                overlay, "--data.batch_size", "4")
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    module = cli.model
+    assert module.critic.shared and module.critic.source is None and module.critic.backbone is None
+    assert module.critic.lr == 5.0e-05  # the overlay keeps the recipe's other critic settings
+    assert unchanged_parameters(module.policy, tiny_model_dir) == []
+    assert all(p.abs().sum() > 0 for p in module.critic.parameters()), "the head is still at its zero init"
+
+
+def test_token_level_overlay_is_the_authors_clip_and_token_mean():
+    # recipes/ablations/sppo-token-level.yaml: PPO's per-token clip on A = R - V, token-mean; against the
+    # note's per-response sum of clipped terms (recipes/sppo.yaml) on the same numbers.
+    # R = [1, 0], V = [0.5, 0.5] -> A = [0.5, -0.5]; ratios row 0 [1.5, 0.7], row 1 [1.5, pad]; clip 0.2.
+    #   token level: row 0: -min(0.75, 1.2 x 0.5 = 0.6) = -0.6 and -min(0.35, 0.8 x 0.5 = 0.4) = -0.35;
+    #     row 1: -min(-0.75, -0.6) = 0.75; token-mean over 3 tokens: (-0.6 - 0.35 + 0.75) / 3 = -0.066667.
+    #   sequence level: row 0: -min(0.5 x 2.2 = 1.1, 0.5 x (1.2 + 0.8) = 1.0) = -1.0; row 1: -min(-0.75, -0.6)
+    #     = 0.75; mean over the 2 responses: -0.125.
+    mask = torch.tensor([[1, 1], [1, 0]])
+    batch = _rollout(torch.tensor([1.0, 0.0]), mask, values=torch.tensor([0.5, 0.5]))
+    batch.old_logprobs = torch.zeros(2, 2)
+    logprobs = torch.log(torch.tensor([[1.5, 0.7], [1.5, 1.0]]))
+    results = {}
+    for name, extra in (("sequence", ()), ("token", (os.path.join(RECIPES, "ablations", "sppo-token-level.yaml"),))):
+        module = build(os.path.join(RECIPES, "sppo.yaml"), *extra).model
+        batch.advantages, _ = module.advantage(batch)
+        per_token, _ = module.policy_loss(logprobs, batch)
+        results[name] = module.aggregation(per_token, mask, num_tokens=3.0, num_seqs=2.0)
+    assert_close(results["token"], torch.tensor(-0.2 / 3))
+    assert_close(results["sequence"], torch.tensor(-0.125))
 
 
 def test_small_critic_recipe_holds_two_models_of_different_sizes(tmp_path, tiny_model_dir):
