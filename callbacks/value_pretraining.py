@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import lightning as L
 
-from rllight.algorithms import gae
+from rllight.algorithms import explained_variance, gae, masked_mean, value_loss
 from rllight.callbacks.base import RolloutCallback
 from rllight.errors import RecipeError
 from rllight.types import Rollout
@@ -30,32 +30,48 @@ class ValuePretraining(RolloutCallback):
     critic for ``epochs`` passes. With a value head on the shared backbone and ``train_backbone``
     False only the head trains, as note 000 describes; a separate critic trains whole.
 
-    Pretraining ends after ``max_steps`` rollouts, or earlier when the value loss measured on each
-    fresh rollout (before it is trained on) has not improved by ``min_delta`` for ``patience`` rollouts
-    in a row. Then every later rollout passes through untouched. Steps done, the finished flag and the
-    best loss are in ``state_dict`` so a resumed run neither repeats nor skips the phase.
+    Pretraining ends as the paper's criterion asks, when the value loss and the explained variance have
+    both settled: neither has improved on its best so far by more than its tolerance (``min_delta``,
+    ``min_delta_explained_variance``) for ``patience`` rollouts in a row. Both are measured on each
+    fresh rollout before the critic trains on it, so they are held-out numbers, not the fit of the data
+    just trained on. A rollout whose returns do not vary (every response wrong, or every one right) has
+    no explained variance and improves only through its loss. At the latest it ends after ``max_steps``
+    rollouts. Then every later rollout passes through untouched. The counters, the finished flag and
+    both best values are in ``state_dict`` so a resumed run neither repeats nor skips the phase.
 
     Put it first in ``trainer.callbacks`` (before callbacks that train, such as ``SelfImitation``).
 
-    Metrics: ``train/value_pretraining/{loss,explained_variance,steps_done,finished}``.
+    Metrics: ``train/value_pretraining/{loss,explained_variance}`` (held-out, on the fresh rollout; the
+    stopping criterion), ``train/value_pretraining/fit_loss`` (mean loss of the updates on it) and
+    ``train/value_pretraining/{steps_done,finished}``.
 
     Args:
         max_steps: Rollouts to pretrain on at most (0 = no pretraining).
-        patience: Stop after this many rollouts without improvement (None = run all ``max_steps``).
-        min_delta: Improvement of the loss that resets the patience counter.
+        patience: Stop after this many rollouts in a row improved neither the value loss nor the explained
+            variance (None = run all ``max_steps``).
+        min_delta: Decrease of the value loss below its best that counts as an improvement.
+        min_delta_explained_variance: Increase of the explained variance above its best that counts as an
+            improvement.
         epochs: Passes of critic updates over each rollout.
         minibatch_size: Responses per critic update (None = ``model.minibatch_size``, or the whole rollout).
-        train_backbone: Also train the shared backbone (False = head only, as note 000).
+        train_backbone: Also train the shared backbone of a ``ValueHead`` (False = head only, as note 000; the
+            policy would move before RL starts). A ``SeparateCritic`` trains whole either way.
     """
 
-    def __init__(self, max_steps: int = 50, patience: int | None = 5, min_delta: float = 1e-4, epochs: int = 1,
-                 minibatch_size: int | None = None, train_backbone: bool = False):
+    rollout_order = 30  # before SelfImitation: no replay while it consumes the rollouts
+
+    def __init__(self, max_steps: int = 50, patience: int | None = 5, min_delta: float = 1e-4,
+                 min_delta_explained_variance: float = 1e-2, epochs: int = 1, minibatch_size: int | None = None,
+                 train_backbone: bool = False):
         if max_steps < 0:
             raise RecipeError(f"trainer.callbacks: ValuePretraining.max_steps must be >= 0, got {max_steps}")
         if patience is not None and patience < 1:
             raise RecipeError(f"trainer.callbacks: ValuePretraining.patience must be >= 1 or null, got {patience}")
         if min_delta < 0:
             raise RecipeError(f"trainer.callbacks: ValuePretraining.min_delta must be >= 0, got {min_delta}")
+        if min_delta_explained_variance < 0:
+            raise RecipeError("trainer.callbacks: ValuePretraining.min_delta_explained_variance must be >= 0, "
+                              f"got {min_delta_explained_variance}")
         if epochs < 1:
             raise RecipeError(f"trainer.callbacks: ValuePretraining.epochs must be >= 1, got {epochs}")
         if minibatch_size is not None and minibatch_size < 1:
@@ -64,13 +80,31 @@ class ValuePretraining(RolloutCallback):
         self.max_steps = max_steps
         self.patience = patience
         self.min_delta = min_delta
+        self.min_delta_explained_variance = min_delta_explained_variance
         self.epochs = epochs
         self.minibatch_size = minibatch_size
         self.train_backbone = train_backbone
         self.steps_done = 0
         self.finished = max_steps == 0
         self.best_loss = math.inf
+        self.best_explained_variance = -math.inf
         self.bad_steps = 0
+
+    def observe(self, loss: float, explained_variance: float) -> str | None:
+        """Count one pretraining rollout with its held-out value loss and explained variance (NaN when
+        undefined); returns why pretraining ends now (``"max_steps"`` or ``"settled"``), else None."""
+        improved = False
+        if loss < self.best_loss - self.min_delta:
+            self.best_loss, improved = loss, True
+        # NaN compares False: a rollout without an explained variance cannot improve it.
+        if explained_variance > self.best_explained_variance + self.min_delta_explained_variance:
+            self.best_explained_variance, improved = explained_variance, True
+        self.bad_steps = 0 if improved else self.bad_steps + 1
+        self.steps_done += 1
+        reason = ("max_steps" if self.steps_done >= self.max_steps
+                  else "settled" if self.patience is not None and self.bad_steps >= self.patience else None)
+        self.finished = reason is not None
+        return reason
 
     def on_rollout(self, trainer: L.Trainer | None, module: RLModule, rollout: Rollout) -> Rollout | None:
         if self.finished:
@@ -81,24 +115,23 @@ class ValuePretraining(RolloutCallback):
         if len(rollout) == 0 or rollout.response_mask.sum() == 0:
             return None  # nothing to fit; the step is still not a policy step
         self._monte_carlo_targets(module, rollout)
+        # Held out: the critic has not trained on this rollout yet. The clipped loss equals the plain one
+        # here (the values are the rollout's own), so the number is on the scale of the critic's loss.
+        mask = rollout.response_mask
+        loss = float(masked_mean(value_loss(rollout.values, rollout.values, rollout.returns), mask))
+        ev = float(explained_variance(rollout.values, rollout.returns, mask))
         stats = module.critic_update(rollout, epochs=self.epochs, minibatch_size=self.minibatch_size,
                                      train_backbone=self.train_backbone)
-        loss = float(stats["critic_only/loss"])
-        self.steps_done += 1
-        if loss < self.best_loss - self.min_delta:
-            self.best_loss, self.bad_steps = loss, 0
-        else:
-            self.bad_steps += 1
-        reason = ("max_steps" if self.steps_done >= self.max_steps
-                  else "plateau" if self.patience is not None and self.bad_steps >= self.patience else None)
+        reason = self.observe(loss, ev)
         if reason:
-            self.finished = True
-            log.info("value pretraining finished after %d steps (%s); best value loss %.5f; RL starts",
-                     self.steps_done, reason, self.best_loss)
-        metrics = {"train/value_pretraining/loss": loss, "train/value_pretraining/steps_done": float(self.steps_done),
+            log.info("value pretraining finished after %d rollouts (%s); best held-out value loss %.5f, "
+                     "explained variance %.3f; RL starts", self.steps_done, reason, self.best_loss,
+                     self.best_explained_variance)
+        metrics = {"train/value_pretraining/loss": loss, "train/value_pretraining/explained_variance": ev,
+                   "train/value_pretraining/steps_done": float(self.steps_done),
                    "train/value_pretraining/finished": float(self.finished)}
-        if "critic_only/explained_variance" in stats:
-            metrics["train/value_pretraining/explained_variance"] = float(stats["critic_only/explained_variance"])
+        if "critic_only/loss" in stats:
+            metrics["train/value_pretraining/fit_loss"] = float(stats["critic_only/loss"])
         module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
         return None
 
@@ -115,10 +148,12 @@ class ValuePretraining(RolloutCallback):
 
     def state_dict(self) -> dict[str, Any]:
         return {"steps_done": self.steps_done, "finished": self.finished, "best_loss": self.best_loss,
-                "bad_steps": self.bad_steps}
+                "best_explained_variance": self.best_explained_variance, "bad_steps": self.bad_steps}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.steps_done = int(state_dict["steps_done"])
         self.finished = bool(state_dict["finished"])
         self.best_loss = float(state_dict["best_loss"])
+        # Checkpoints written before the explained variance joined the criterion lack it: no best yet.
+        self.best_explained_variance = float(state_dict.get("best_explained_variance", -math.inf))
         self.bad_steps = int(state_dict["bad_steps"])
