@@ -4,7 +4,8 @@ A critic is an ``nn.Module`` built lazily in ``setup`` (weights load with the po
 instantiate without downloads. Two placements:
 
 - ``ValueHead``: a linear head on the policy's last hidden state (shared backbone; VAPO figure 5);
-- ``SeparateCritic``: its own, possibly smaller, causal LM with a head (decoupled critic);
+- ``SeparateCritic``: its own causal LM with a head (decoupled critic; by default a copy of the
+  initial policy, as VAPO's value model);
 - ``PromptCritic``: SPPO's scalar prompt critic, on the shared backbone or a separate smaller model.
 
 Token-level critics return values (B, T); a prompt-level critic (one value per prompt, e.g. SPPO's)
@@ -100,20 +101,28 @@ class ValueHead(_TokenValueLoss, Critic):
 
 
 class SeparateCritic(_TokenValueLoss, Critic):
-    """A separate causal LM with a linear value head (decoupled critic; may be smaller than the
-    policy). It must share the policy's tokenizer (token-level values are per response token).
+    """A causal LM of its own with a linear value head (decoupled critic): the value loss trains the whole
+    critic, and neither the value loss nor the policy's updates reach the other model. By default it starts
+    as a copy of the policy's initial weights, as VAPO (arXiv:2504.05118) initialises its value model
+    (note 000, algorithm 2: ``V <- copy of pi + value head``); ``model`` may name another, possibly smaller,
+    model instead. It must share the policy's tokenizer (token-level values are per response token).
+    The head is zero-initialised (training starts from V = 0).
 
     Args:
-        model: Where the critic's backbone comes from.
+        model: Where the critic's backbone comes from (None = the policy's own source, ``model.model``: a
+            second copy of the initial policy).
         loss_coef: Weight of the value loss.
         clip: Clip range of the value loss (None = no clip).
-        lr: Learning rate of the critic (None = the policy's).
+        lr: Learning rate of the critic, backbone and head (None = the policy's).
     """
 
     shared = False
 
-    def __init__(self, model: HFModel, loss_coef: float = 0.5, clip: float | None = 0.2, lr: float | None = None):
+    def __init__(self, model: HFModel | None = None, loss_coef: float = 0.5, clip: float | None = 0.2,
+                 lr: float | None = None):
         super().__init__(loss_coef=loss_coef, lr=lr)
+        if lr is not None and lr <= 0:
+            raise RecipeError(f"model.critic.lr must be > 0 or null, got {lr}")
         self.source = model
         self.clip = clip
         self.backbone: nn.Module | None = None
@@ -122,11 +131,11 @@ class SeparateCritic(_TokenValueLoss, Critic):
     def setup(self, module: RLModule) -> None:
         if self.backbone is not None:
             return
-        lm, tokenizer = self.source.load()
+        lm, tokenizer = (self.source if self.source is not None else module.source).load()
         if tokenizer.get_vocab() != module.tokenizer.get_vocab():
             raise RecipeError("model.critic: SeparateCritic needs the policy's tokenizer for token-level values; "
                               "use a critic model of the same family")
-        self.backbone = lm.get_decoder()
+        self.backbone = lm.get_decoder()  # the LM head is not needed: a value, not a next token, is read out
         self.head = _zero_linear(lm.config.hidden_size)
 
     def values(self, module: RLModule, batch: Rollout, hidden: Tensor | None) -> Tensor:
