@@ -2,15 +2,25 @@
 
 Each method runs its recipe (recipes/grpo.yaml, recipes/dapo.yaml, recipes/vapo.yaml) as a subprocess,
 ``rllight fit --config <recipe> --config <shared overlay> --evaluate_before_after true``. The overlay gives
-every method the same budget and sampling: the same number of policy updates (``--steps``), prompts per
-step (``--batch-size``), responses per prompt (``--group-size``), response length, temperature and learning
-rate; mid-run validation is off. Greedy accuracy on the same held-out problems before and after training
+every method the same budget and sampling: the same number of rollouts with a policy update (``--steps``),
+prompts per step (``--batch-size``), responses per prompt (``--group-size``), response length, temperature
+and learning rate; mid-run validation is off. Greedy accuracy on the same held-out problems before and after training
 comes from each run's ``eval_summary.json``.
+
+The budget is counted in rollouts that reach a policy update (``--steps``), not in optimizer updates: a
+recipe that splits each rollout into minibatches (VAPO: 2 updates per rollout of 32 responses at
+``model.minibatch_size: 16``) would otherwise see fewer prompts. Each method's ``trainer.max_steps`` (which
+counts optimizer updates) is ``--steps`` times its updates per rollout, ``ppo_epochs * ceil(responses /
+minibatch_size)``, read from the method's resolved configuration (``--print_config``).
 
 Equal steps do not mean equal samples: DAPO's dynamic sampling draws extra groups, and VAPO's value
 pretraining consumes rollouts before its first policy update. The table therefore reports, from each
 run's TensorBoard log, the responses and response tokens actually generated (discarded ones included)
-and the training time next to the wall time (which includes loading and both evaluations).
+and the training time next to the wall time (which includes loading and both evaluations). It also reports
+the truncation ratio of the greedy held-out responses after training and, for methods with a critic, how
+much of the variance of the returns the critic explains: at the end of value pretraining (held out, on
+the last pretraining rollout, and how many rollouts it took) and over the last half of the RL steps
+(``train/value/explained_variance``: the critic as it enters each step, on the fresh rollout).
 
 Full run (SmolLM2-135M-Instruct, arithmetic, CPU; the quickstart's budget of 40 steps x 4 prompts x 8
 responses per method; GRPO takes about as long as the quickstart, about 15 minutes on 2 free cores, DAPO and
@@ -30,6 +40,7 @@ import argparse
 import glob
 import json
 import os
+import math
 import subprocess
 import sys
 import time
@@ -45,7 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--methods", nargs="+", default=list(METHODS),
                    help="Methods to run: names of the built-in recipes (grpo, dapo, vapo) or NAME=RECIPE.yaml "
                         "(e.g. vapo-paper=recipes/vapo-paper-lambda.yaml).")
-    p.add_argument("--steps", type=int, default=40, help="Policy updates per method (trainer.max_steps).")
+    p.add_argument("--steps", type=int, default=40,
+                   help="Rollouts with a policy update per method (trainer.max_steps is this times the method's "
+                        "updates per rollout).")
     p.add_argument("--batch-size", type=int, default=4, help="Prompts per step (data.batch_size).")
     p.add_argument("--group-size", type=int, default=8, help="Responses per prompt (model.sampler group_size).")
     p.add_argument("--max-new-tokens", type=int, default=24, help="Longest response in tokens.")
@@ -74,12 +87,12 @@ def method_recipes(specs: list[str]) -> dict[str, str]:
     return out
 
 
-def shared_overlay(args: argparse.Namespace, run_dir: str) -> dict:
+def shared_overlay(args: argparse.Namespace, run_dir: str, updates_per_rollout: int = 1) -> dict:
     """The settings every method shares: budget, sampling, learning rate, evaluation."""
     return {
         "seed_everything": args.seed,
         "trainer": {
-            "max_steps": args.steps,
+            "max_steps": args.steps * updates_per_rollout,
             "default_root_dir": run_dir,
             "enable_checkpointing": False,  # a 135M model with AdamW states is 1.6 GB per run
             "check_val_every_n_epoch": None,
@@ -115,6 +128,25 @@ def generated(scalars: dict[str, list[float]], batch_size: int, group_size: int)
     return steps * batch_size * group_size, sum(scalars.get("train/response/tokens", []))
 
 
+def updates_per_rollout(config: dict) -> int:
+    """Optimizer updates one rollout makes under a resolved configuration (``--print_config`` output):
+    ``ppo_epochs * ceil(responses / minibatch_size)``, responses = prompts x responses per prompt."""
+    model = config.get("model") or {}
+    sampler_args = (model.get("sampler") or {}).get("init_args") or {}
+    responses = int(config["data"]["batch_size"]) * int(sampler_args.get("group_size") or 1)
+    minibatch = model.get("minibatch_size") or responses
+    return int(model.get("ppo_epochs") or 1) * math.ceil(responses / minibatch)
+
+
+def resolved_config(cmd: list[str]) -> dict:
+    """The complete configuration a ``rllight fit`` command would run with."""
+    proc = subprocess.run([*cmd, "--print_config"], cwd=ROOT, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"compare: cannot resolve the configuration of {' '.join(cmd)}: "
+                         f"{(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+    return yaml.safe_load(proc.stdout)
+
+
 def run_method(name: str, recipe: str, args: argparse.Namespace) -> dict:
     run_dir = os.path.join(args.out, name)
     os.makedirs(run_dir, exist_ok=True)
@@ -122,14 +154,19 @@ def run_method(name: str, recipe: str, args: argparse.Namespace) -> dict:
     with open(overlay, "w") as f:
         yaml.safe_dump(shared_overlay(args, run_dir), f, sort_keys=False)
     cmd = [sys.executable, "-m", "rllight.cli", "fit", "--config", recipe, "--config", overlay,
-           *[a for c in args.config for a in ("--config", c)], "--evaluate_before_after", "true"]
-    print(f"compare: {name}: {' '.join(cmd)}", flush=True)
+           *[a for c in args.config for a in ("--config", c)]]
+    per_rollout = updates_per_rollout(resolved_config(cmd))
+    with open(overlay, "w") as f:
+        yaml.safe_dump(shared_overlay(args, run_dir, per_rollout), f, sort_keys=False)
+    cmd += ["--evaluate_before_after", "true"]
+    print(f"compare: {name}: {per_rollout} policy updates per rollout; {' '.join(cmd)}", flush=True)
     before_versions = set(glob.glob(os.path.join(run_dir, "lightning_logs", "version_*")))
     t0 = time.perf_counter()
     with open(os.path.join(run_dir, "stdout.log"), "w") as log_file:
         proc = subprocess.run(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, check=False)
     wall = time.perf_counter() - t0
-    result = {"method": name, "recipe": recipe, "returncode": proc.returncode, "wall_s": wall}
+    result = {"method": name, "recipe": recipe, "returncode": proc.returncode, "wall_s": wall,
+              "updates": args.steps * per_rollout}
     new = sorted(set(glob.glob(os.path.join(run_dir, "lightning_logs", "version_*"))) - before_versions,
                  key=lambda p: int(p.rsplit("_", 1)[-1]))
     if proc.returncode != 0 or not new:
@@ -141,26 +178,54 @@ def run_method(name: str, recipe: str, args: argparse.Namespace) -> dict:
     scalars = read_scalars(log_dir)
     result["responses"], result["tokens"] = generated(scalars, args.batch_size, args.group_size)
     result["train_s"] = sum(scalars.get("train/time/step", []))
+    result.update(critic_summary(scalars))
+    truncated = scalars.get("val/truncated_ratio")
+    result["truncated_after"] = truncated[-1] if truncated else None  # the evaluation after training
     result["log_dir"] = log_dir
     return result
 
 
+def _finite_mean(values: list[float]) -> float | None:
+    values = [v for v in values if math.isfinite(v)]
+    return sum(values) / len(values) if values else None
+
+
+def critic_summary(scalars: dict[str, list[float]]) -> dict:
+    """How well the critic explains the returns: after value pretraining (the held-out explained variance
+    on the last pretraining rollout, and how many rollouts it took) and over the last half of the RL steps
+    (mean of the finite ``train/value/explained_variance``: NaN marks a rollout whose returns did not vary).
+    Empty for methods without a critic."""
+    out = {}
+    pre = scalars.get("train/value_pretraining/explained_variance")
+    if pre:
+        out["pretraining_rollouts"] = len(pre)
+        out["ev_pretraining_end"] = pre[-1] if math.isfinite(pre[-1]) else None
+    rl = scalars.get("train/value/explained_variance")
+    if rl:
+        out["ev_rl_last_half"] = _finite_mean(rl[len(rl) // 2:])
+    return out
+
+
 def table(results: list[dict]) -> str:
-    head = ("| method | recipe | accuracy before | accuracy after | difference (± se) | responses | tokens "
+    head = ("| method | recipe | updates | accuracy before | accuracy after | difference (± se) | truncated after "
+            "| critic EV: pretraining end (rollouts) | critic EV: RL, last half | responses | tokens "
             "| train time (s) | wall time (s) |")
-    rows = [head, "|" + "---|" * 9]
+    rows = [head, "|" + "---|" * 13]
 
     def fmt(value, spec):
         return "-" if value is None else format(value, spec)
 
     for r in results:
         if r.get("accuracy_after") is None:
-            rows.append(f"| {r['method']} | {r['recipe']} | failed (exit {r['returncode']}) | | | | | | "
-                        f"{r['wall_s']:.0f} |")
+            rows.append(f"| {r['method']} | {r['recipe']} | {r.get('updates', '-')} | failed (exit "
+                        f"{r['returncode']}) | | | | | | | | | {r['wall_s']:.0f} |")
             continue
         diff = f"{r['difference']:+.3f} ± {r['stderr_of_difference']:.3f}" if "difference" in r else "-"
-        rows.append(f"| {r['method']} | {r['recipe']} | {fmt(r['accuracy_before'], '.3f')} | "
-                    f"{fmt(r['accuracy_after'], '.3f')} | {diff} | {r['responses']:.0f} | {r['tokens']:.0f} | "
+        pre = (f"{fmt(r.get('ev_pretraining_end'), '.3f')} ({r['pretraining_rollouts']})"
+               if "pretraining_rollouts" in r else "-")
+        rows.append(f"| {r['method']} | {r['recipe']} | {r['updates']} | {fmt(r['accuracy_before'], '.3f')} | "
+                    f"{fmt(r['accuracy_after'], '.3f')} | {diff} | {fmt(r.get('truncated_after'), '.2f')} | {pre} | "
+                    f"{fmt(r.get('ev_rl_last_half'), '.3f')} | {r['responses']:.0f} | {r['tokens']:.0f} | "
                     f"{r['train_s']:.0f} | {r['wall_s']:.0f} |")
     return "\n".join(rows)
 
@@ -171,8 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out = os.path.abspath(args.out)
     os.makedirs(args.out, exist_ok=True)
     results = [run_method(name, recipe, args) for name, recipe in recipes.items()]
-    budget = (f"{args.steps} policy updates x {args.batch_size} prompts x {args.group_size} responses, "
-              f"max_new_tokens {args.max_new_tokens}, temperature {args.temperature}, lr {args.lr}, "
+    budget = (f"{args.steps} rollouts with a policy update x {args.batch_size} prompts x {args.group_size} "
+              f"responses, max_new_tokens {args.max_new_tokens}, temperature {args.temperature}, lr {args.lr}, "
               f"greedy accuracy on {args.val_size} held-out problems")
     text = f"Budget: {budget}\n\n{table(results)}\n"
     print("\n" + text)
