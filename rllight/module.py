@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import os
 import time
 
 import lightning as L
@@ -766,6 +764,10 @@ class RLModule(L.LightningModule):
         optimizer = self.optimizers()
         num_tokens = self._global(mb.response_mask.sum().float())
         num_seqs = self._global(torch.tensor(float(len(mb)), device=mb.response_mask.device))
+        if num_tokens.item() == 0:
+            # Every response of this minibatch, on every rank, is masked (e.g. all truncated under the overlong
+            # filter): nothing to learn from, and a token mean would divide by zero. No update, not a failure.
+            return {"guard/empty_updates": torch.tensor(1.0)}
 
         def agg(per_token: Tensor, mask: Tensor) -> Tensor:
             return self.aggregation(per_token, mask, num_tokens=num_tokens, num_seqs=num_seqs)

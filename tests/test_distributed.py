@@ -59,3 +59,68 @@ def test_ddp_two_cpu_processes(tmp_path, tiny_model_dir):
     state = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
     assert state["global_step"] == 2 and any(k.startswith("critic.") for k in state["state_dict"])
     assert (out / "config.json").exists()
+
+
+def _ddp_overlay(tmp_path, tiny_model_dir, name, **model):
+    """The tiny-model overlay plus what every 2-rank run here needs."""
+    return tiny_overrides(tmp_path / name, tiny_model_dir, **model)
+
+
+DDP = ["--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu",
+       "--trainer.callbacks+", "user_strategies.DumpState"]
+
+
+def _same_weights_on_both_ranks(tmp_path):
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+    for name, p in r0["params"].items():
+        torch.testing.assert_close(r1["params"][name], p, rtol=0, atol=0, msg=name)
+    return r0, r1
+
+
+@pytest.mark.slow
+def test_ddp_dapo_with_the_draw_cap_hit_an_empty_rank_and_a_nan_loss_on_the_other(tmp_path, tiny_model_dir):
+    """Dynamic sampling where rank 1 keeps no group (its reward is flat) and the draw cap is hit on rank 0,
+    so the ranks reach different rollout sizes; rank 0's first loss is NaN. Every rank must make the same
+    updates (no hang), skip the NaN update together, and end with identical weights."""
+    (tmp_path / "dapo").mkdir()
+    overlay = _ddp_overlay(tmp_path, tiny_model_dir, "dapo", reward={"class_path": "user_strategies.FlatOnRank1"},
+                           policy_loss={"class_path": "user_strategies.NaNLossOnRank0"})
+    run = fit_in_child("dapo.yaml", "--config", overlay, *DDP, "--trainer.max_steps", "3",
+                       "--model.sampler.init_args.target_groups", "8", "--model.sampler.init_args.max_rounds", "2",
+                       timeout=900, RLLIGHT_TEST_DUMP=str(tmp_path / "rank{rank}.pt"))
+    assert run.returncode == 0, run.stderr[-4000:]
+    r0, r1 = _same_weights_on_both_ranks(tmp_path)
+    assert all(n > 0 for n in r0["rollout_sizes"]) and all(n == 0 for n in r1["rollout_sizes"])
+    assert "cap hit" in run.stderr
+    # The NaN update was skipped on both ranks, once (each rank logs its skip).
+    assert run.stderr.count("non-finite loss or gradient; update skipped (1 in a row)") == 2, run.stderr[-4000:]
+
+
+@pytest.mark.slow
+def test_ddp_vapo_value_pretraining_and_self_imitation(tmp_path, tiny_model_dir):
+    (tmp_path / "vapo").mkdir()
+    overlay = _ddp_overlay(tmp_path, tiny_model_dir, "vapo")
+    callbacks = ("[{class_path: rllight.callbacks.ValuePretraining, init_args: {max_steps: 2, patience: null}},"
+                 " {class_path: rllight.callbacks.SelfImitation, init_args: {every_n_steps: 1, batch_size: 4,"
+                 " min_reward: 0.0}}, {class_path: user_strategies.DumpState}]")
+    run = fit_in_child("vapo.yaml", "--config", overlay, "--trainer.strategy", "ddp", "--trainer.devices", "2",
+                       "--trainer.accelerator", "cpu", f"--trainer.callbacks={callbacks}", "--trainer.max_steps", "2",
+                       timeout=900, RLLIGHT_TEST_DUMP=str(tmp_path / "rank{rank}.pt"))
+    assert run.returncode == 0, run.stderr[-4000:]
+    r0, r1 = _same_weights_on_both_ranks(tmp_path)
+    # DumpState runs after value pretraining, which consumed the first 2 rollouts: it saw the RL steps only.
+    assert len(r0["rollout_sizes"]) == len(r1["rollout_sizes"]) >= 1
+    assert "value pretraining finished" in run.stderr
+
+
+@pytest.mark.slow
+def test_ddp_sppo_with_its_separate_prompt_critic(tmp_path, tiny_model_dir):
+    (tmp_path / "sppo").mkdir()
+    tiny = {"class_path": "rllight.models.HFModel", "init_args": {"path": tiny_model_dir}}
+    overlay = _ddp_overlay(tmp_path, tiny_model_dir, "sppo", critic={
+        "class_path": "rllight.critics.PromptCritic", "init_args": {"model": tiny, "lr": 5.0e-5}})
+    run = fit_in_child("sppo.yaml", "--config", overlay, *DDP, "--trainer.max_steps", "4",
+                       timeout=900, RLLIGHT_TEST_DUMP=str(tmp_path / "rank{rank}.pt"))
+    assert run.returncode == 0, run.stderr[-4000:]
+    r0, _ = _same_weights_on_both_ranks(tmp_path)
+    assert any(k.startswith("critic.") for k in r0["params"])

@@ -94,6 +94,7 @@ class DumpState(RolloutCallback):
         self.record["local_tokens"] = local.item()
         self.record["global_tokens"] = module._global(local.clone()).item()
         self.record["prompts"] = sorted(rollout.answers)
+        self.record.setdefault("rollout_sizes", []).append(len(rollout))
         return rollout
 
     def on_train_end(self, trainer, module):
@@ -102,7 +103,8 @@ class DumpState(RolloutCallback):
         import torch
 
         params = {f"policy.{n}": p.detach().clone() for n, p in module.policy.named_parameters()}
-        params.update({f"critic.{n}": p.detach().clone() for n, p in module.critic.named_parameters()})
+        if module.critic is not None:
+            params.update({f"critic.{n}": p.detach().clone() for n, p in module.critic.named_parameters()})
         path = os.environ["RLLIGHT_TEST_DUMP"].format(rank=trainer.global_rank)
         torch.save({**self.record, "params": params}, path)
 
@@ -112,3 +114,32 @@ class AlwaysFails(Reward):
 
     def __call__(self, response: str, answer: str) -> float:
         raise RuntimeError("verifier is broken")
+
+
+class FlatOnRank1(Reward):
+    """DigitReward on rank 0; on every other rank the same reward for every response, so dynamic sampling
+    keeps no group there and that rank's rollout is empty (the DDP path where one rank has nothing)."""
+
+    def __call__(self, response: str, answer: str) -> float:
+        import os
+
+        if os.environ.get("LOCAL_RANK", "0") != "0":
+            return 0.0
+        return DigitReward()(response, answer)
+
+
+class NaNLossOnRank0(ClippedSurrogate):
+    """A non-finite loss on rank 0 at its first update only: every rank must skip that update together."""
+
+    def __init__(self, clip_low: float = 0.2, clip_high: float = 0.28):
+        super().__init__(clip_low=clip_low, clip_high=clip_high)
+        self.calls = 0
+
+    def __call__(self, logprobs, batch):
+        import os
+
+        self.calls += 1
+        loss, stats = super().__call__(logprobs, batch)
+        if os.environ.get("LOCAL_RANK", "0") == "0" and self.calls == 1:
+            loss = loss * float("nan")
+        return loss, stats
