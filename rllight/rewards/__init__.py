@@ -171,3 +171,7 @@ def check_answers(reward: Reward, rows: list[dict], field: str = "answer") -> No
             reason = " ".join(str(reason).split())
             raise RecipeError(f"{where}: {field} {_quote(answer)} can never be matched by "
                               f"{type(reward).__name__}: {reason}")
+
+
+from rllight.rewards.combine import FormatReward, Weighted  # noqa: E402  (they subclass Reward, above)
+from rllight.rewards.runner import RewardRunner, RewardScores  # noqa: E402

@@ -1,0 +1,75 @@
+"""Rewards that misbehave on purpose, in a module the reward worker processes can import (they get the
+trainer's sys.path, where pytest puts this folder)."""
+
+import os
+import signal
+import time
+
+from rllight.rewards import IntegerMatch, Reward
+
+
+class HangOn(IntegerMatch):
+    """IntegerMatch that never returns for the answer ``on``."""
+
+    def __init__(self, on: str):
+        super().__init__()
+        self.on = on
+
+    def __call__(self, response: str, answer: str) -> float:
+        while answer == self.on:
+            time.sleep(1)
+        return super().__call__(response, answer)
+
+
+class DieOn(IntegerMatch):
+    """IntegerMatch whose process ends on the answer ``on``: ``os._exit(1)``, or SIGKILL to itself."""
+
+    def __init__(self, on: str, how: str = "exit"):
+        super().__init__()
+        self.on = on
+        self.how = how
+
+    def __call__(self, response: str, answer: str) -> float:
+        if answer == self.on:
+            if self.how == "exit":
+                os._exit(1)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().__call__(response, answer)
+
+
+class Echo(Reward):
+    """The response read as a number (raises on text that is not one)."""
+
+    def __call__(self, response: str, answer: str) -> float:
+        return float(response)
+
+
+class Always(Reward):
+    """``value`` whatever the response: 1 accepts every wrong answer, 0 rejects every right one."""
+
+    def __init__(self, value: float):
+        super().__init__()
+        self.value = value
+
+    def __call__(self, response: str, answer: str) -> float:
+        return self.value
+
+
+class Pid(Reward):
+    """The id of the process that scores: tells the worker processes apart from the test's."""
+
+    def __call__(self, response: str, answer: str) -> float:
+        return float(os.getpid())
+
+
+class Loads(Reward):
+    """How many times this process has unpickled a ``Loads``: stays 1 in a worker that got it once."""
+
+    loads = 0
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        type(self).loads += 1
+
+    def __call__(self, response: str, answer: str) -> float:
+        return float(type(self).loads)
