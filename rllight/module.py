@@ -18,8 +18,10 @@ from rllight.algorithms import chunked_logprobs_and_entropy, explained_variance,
 from rllight.critics import Critic
 from rllight.errors import RecipeError
 from rllight.models import HFModel, LoRA, response_hidden_states
-from rllight.rewards import IntegerMatch, Reward, check_answers, score_batch
+from rllight.data.prompt_stream import PromptStream
+from rllight.rewards import IntegerMatch, Reward, check_answers
 from rllight.rollout import HFEngine, RolloutEngine
+from rllight.rollout.producer import RolloutProducer
 from rllight.rollout.metrics import logprob_mismatch
 from rllight.strategies import (
     AdvantageEstimator,
@@ -202,11 +204,7 @@ class RLModule(L.LightningModule):
         self.max_consecutive_skips = max_consecutive_skips
         if max_failed_reward_steps < 1:
             raise RecipeError(f"model.max_failed_reward_steps must be >= 1, got {max_failed_reward_steps}")
-        self.max_failed_reward_steps = max_failed_reward_steps
-        self.failed_reward_steps = 0
-        self.max_prompt_tokens = max_prompt_tokens
         self.consecutive_skips = 0
-        self.dropped_prompts = 0
         self._consumed_steps = 0
         self._epoch_start = (0, 0)
         self.logprob_chunk_size = logprob_chunk_size
@@ -245,11 +243,10 @@ class RLModule(L.LightningModule):
         self.val_accuracy = MeanMetric()
         self.val_length = MeanMetric()
         self.val_truncated = MeanMetric()
-        self.reward_failures = 0
-        self._extra_seed = 1234
+        # Rollout production (prompts -> generation -> reward) is its own layer; samplers compose it.
+        self.producer = RolloutProducer(rollout, reward, max_prompt_tokens, max_failed_reward_steps)
+        self.prompt_stream: PromptStream | None = None  # extra training prompts (set up with the data)
         self._extra_cursor = 0
-        self._extra_order: list[int] = []
-        self._extra_epoch = -1
 
     # ----------------------------------------------------------------------------------- set-up
     def setup(self, stage: str) -> None:
@@ -259,6 +256,11 @@ class RLModule(L.LightningModule):
         rows = list(getattr(datamodule, "train_rows", None) or []) if stage == "fit" else []
         rows += list(getattr(datamodule, "val_rows", None) or [])
         check_answers(self.reward, rows)
+        train_rows = getattr(datamodule, "train_rows", None) if stage == "fit" else None
+        if train_rows:
+            self.prompt_stream = PromptStream(train_rows, world=self.trainer.world_size, rank=self.trainer.global_rank)
+            self.prompt_stream.cursor = self._extra_cursor
+            self.producer.bind(self.policy, self.tokenizer, draw=self.prompt_stream.draw)
 
     def configure_model(self) -> None:
         if self.policy is not None:
@@ -276,6 +278,7 @@ class RLModule(L.LightningModule):
         if self.kl is not None and self.lora is None:  # with LoRA the reference is the adapter-free model
             self.ref_policy, _ = self.source.load()
             self.ref_policy.requires_grad_(False).eval()
+        self.producer.bind(self.policy, self.tokenizer)
 
     def configure_optimizers(self):
         groups = [{"name": "policy", "params": [p for p in self.policy.parameters() if p.requires_grad]}]
@@ -305,117 +308,24 @@ class RLModule(L.LightningModule):
             state_dict.update({f"ref_policy.{k}": v for k, v in self.ref_policy.state_dict().items()})
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
-    # ---------------------------------------------------------------------------- generation
-    def draw_prompts(self, n: int) -> list[dict]:
-        """``n`` more training prompt rows, for samplers that need more than the step's batch (e.g. DAPO's
-        dynamic sampling). A seeded stream over the training split, independent of the dataloader's
-        order; its position is saved in checkpoints. Under DDP each rank takes every ``world``-th row of
-        the stream from its own offset, so ranks never draw the same extra prompts."""
-        rows = self.trainer.datamodule.train_rows
-        world, rank = self.trainer.world_size, self.trainer.global_rank
-        out = []
-        for _ in range(n):
-            epoch, position = divmod(self._extra_cursor * world + rank, len(rows))
-            if epoch != self._extra_epoch:  # a fresh permutation per pass, derived from the cursor alone
-                g = torch.Generator().manual_seed(self._extra_seed + epoch)
-                self._extra_order = torch.randperm(len(rows), generator=g).tolist()
-                self._extra_epoch = epoch
-            out.append(rows[self._extra_order[position]])
-            self._extra_cursor += 1
-        return out
-
+    # ----------------------------------------------------------------------------- rollouts
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["rng"] = _rng_state()
         checkpoint["rllight"] = {
-            "extra_prompt_cursor": self._extra_cursor,
-            "reward_failures": self.reward_failures,
-            "dropped_prompts": self.dropped_prompts,
+            "extra_prompt_cursor": self.prompt_stream.cursor if self.prompt_stream is not None else 0,
             "consecutive_skips": self.consecutive_skips,
-            "failed_reward_steps": self.failed_reward_steps,
+            **self.producer.state_dict(),
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if "rng" in checkpoint:
             _set_rng_state(checkpoint["rng"])
         state = checkpoint.get("rllight", {})
-        self._extra_cursor = state.get("extra_prompt_cursor", 0)
-        self._extra_epoch = -1
-        self.reward_failures = state.get("reward_failures", 0)
-        self.dropped_prompts = state.get("dropped_prompts", 0)
+        self._extra_cursor = state.get("extra_prompt_cursor", 0)  # applied when the stream is built (setup)
+        if self.prompt_stream is not None:
+            self.prompt_stream.cursor = self._extra_cursor
         self.consecutive_skips = state.get("consecutive_skips", 0)
-        self.failed_reward_steps = state.get("failed_reward_steps", 0)
-
-    def encode_prompt(self, messages: list[dict]) -> list[int]:
-        """Token ids of a chat prompt with the tokenizer's template and the generation prompt."""
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if not isinstance(ids, list):  # newer tokenizers return a BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
-
-    def generate_and_score(self, rows: list[dict], n: int, greedy: bool = False, count_dropped: bool = True) -> Rollout:
-        """Sample ``n`` responses for each prompt row and score them with the reward.
-
-        Prompts longer than ``max_prompt_tokens`` are dropped and counted (``data/dropped_long_prompts``),
-        never truncated: a cut prompt is a different question. ``count_dropped`` False leaves the run's
-        total of dropped training prompts alone (a second pass over the same rows, or validation).
-        """
-        prompts = [self.encode_prompt(r["messages"]) for r in rows]
-        dropped = 0
-        if self.max_prompt_tokens is not None:
-            keep = [i for i, p in enumerate(prompts) if len(p) <= self.max_prompt_tokens]
-            dropped = len(prompts) - len(keep)
-            if dropped:
-                log.warning("dropped %d prompt(s) longer than max_prompt_tokens=%d", dropped, self.max_prompt_tokens)
-            rows, prompts = [rows[i] for i in keep], [prompts[i] for i in keep]
-            if count_dropped:
-                self.dropped_prompts += dropped
-        if not prompts:
-            return Rollout.empty(extras={"data/dropped_long_prompts": float(dropped)})
-        t0 = time.perf_counter()
-        gen = self.rollout.generate(self.policy, self.tokenizer, [p for p in prompts for _ in range(n)], greedy=greedy)
-        t1 = time.perf_counter()
-        texts = self.tokenizer.batch_decode(gen.response_ids, skip_special_tokens=True)
-        answers = [r["answer"] for r in rows for _ in range(n)]
-        rewards, correct, failures = score_batch(self.reward, texts, answers)
-        self.reward_failures += failures
-        if count_dropped:  # a training batch
-            self._count_failed_reward_step(failures == len(texts))
-        t2 = time.perf_counter()
-        device = gen.response_ids.device
-        return Rollout(
-            prompt_ids=gen.prompt_ids,
-            prompt_mask=gen.prompt_mask,
-            response_ids=gen.response_ids,
-            response_mask=gen.response_mask,
-            sample_logprobs=gen.logprobs,
-            truncated=gen.truncated,
-            group_ids=torch.arange(len(rows), device=device).repeat_interleave(n),
-            answers=answers,
-            texts=texts,
-            rewards=torch.tensor(rewards, dtype=torch.float32, device=device),
-            correct=torch.tensor(correct, dtype=torch.float32, device=device),
-            extras={
-                "time/rollout": t1 - t0,
-                "time/reward": t2 - t1,
-                "reward/failures": float(failures),
-                "data/dropped_long_prompts": float(dropped),
-                **self.rollout.last_metrics,
-            },
-        )
-
-    def _count_failed_reward_step(self, all_failed: bool) -> None:
-        if not all_failed:
-            self.failed_reward_steps = 0
-            return
-        self.failed_reward_steps += 1
-        log.warning("step %d: the reward %s failed on every sample (%d batch(es) in a row)", self.global_step,
-                    type(self.reward).__name__, self.failed_reward_steps)
-        if self.failed_reward_steps >= self.max_failed_reward_steps:
-            raise RecipeError(
-                f"model.reward: {type(self.reward).__name__} failed on every sample of "
-                f"{self.failed_reward_steps} batches in a row (see the warnings above for its error); fix the "
-                "reward or the answers' format (model.max_failed_reward_steps sets how many batches are tolerated)"
-            )
+        self.producer.load_state_dict(state)
 
     # ------------------------------------------------------------------------------- forward
     def forward_batch(
@@ -564,7 +474,7 @@ class RLModule(L.LightningModule):
     def rl_step(self, rows: list[dict], batch_idx: int) -> None:
         """One RL step on a batch of prompt rows: sample, score, estimate, update, log."""
         t_start = time.perf_counter()
-        rollout = self.sampler(self, rows)
+        rollout = self.sampler(self.producer, rows)
         metrics = self.rollout_metrics(rollout)
         for cb in self._rollout_callbacks():
             rollout = cb.on_rollout(self.trainer, self, rollout)
@@ -648,8 +558,8 @@ class RLModule(L.LightningModule):
             # Otherwise a run whose every batch is filtered out would loop over epochs forever.
             raise RecipeError(
                 f"epoch {self.current_epoch} made no update: every batch was empty after filtering "
-                f"({self.dropped_prompts} prompts dropped as longer than max_prompt_tokens="
-                f"{self.max_prompt_tokens}); relax the filters or check the data"
+                f"({self.producer.dropped_prompts} prompts dropped as longer than max_prompt_tokens="
+                f"{self.producer.max_prompt_tokens}); relax the filters or check the data"
             )
 
     def _estimate_advantages(self, rollout: Rollout) -> None:
@@ -923,7 +833,7 @@ class RLModule(L.LightningModule):
 
     # ---------------------------------------------------------------------------- validate
     def validation_step(self, rows: list[dict], batch_idx: int) -> None:
-        rollout = self.generate_and_score(rows, 1, greedy=True, count_dropped=False)
+        rollout = self.producer.sample(rows, 1, greedy=True, training=False)
         self.val_accuracy.update(rollout.correct)
         self.val_length.update(rollout.response_lengths.float())
         self.val_truncated.update(rollout.truncated.float())

@@ -84,12 +84,12 @@ def test_rloo_strategy_broadcasts_over_the_response():
 
 
 class _FakeModule:
-    """Stands in for RLModule.generate_and_score: sampled rewards 0.1 * row, greedy rewards 1 + row."""
+    """Stands in for RolloutProducer.sample: sampled rewards 0.1 * row, greedy rewards 1 + row."""
 
     def __init__(self):
         self.calls = []
 
-    def generate_and_score(self, rows, n, greedy=False, count_dropped=True):
+    def sample(self, rows, n, greedy=False, training=True):
         self.calls.append((len(rows), n, greedy))
         b = len(rows) * n
         rewards = torch.arange(len(rows)) + 1.0 if greedy else 0.1 * torch.arange(b, dtype=torch.float32)

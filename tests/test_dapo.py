@@ -130,23 +130,23 @@ def test_token_mean_weighs_every_token_1_over_1100_also_across_micro_batches():
 
 
 class FakeSamplerModule:
-    """What DynamicSampling uses of RLModule: ``generate_and_score``, ``draw_prompts``, ``tokenizer``.
-    Each call to ``generate_and_score`` takes the next rewards (and response lengths) of the script."""
+    """What DynamicSampling uses of the rollout producer: ``sample``, ``more_prompts``, ``pad_id``.
+    Each call to ``sample`` takes the next rewards (and response lengths) of the script."""
 
     def __init__(self, rewards, lengths=None, correct=None):
         self.rewards = list(rewards)
         self.lengths = list(lengths) if lengths is not None else None
         self.correct = list(correct) if correct is not None else None
-        self.tokenizer = SimpleNamespace(pad_token_id=0)
+        self.pad_id = 0
         self.generated_for: list[list[str]] = []
         self.drawn = 0
 
-    def draw_prompts(self, n):
+    def more_prompts(self, n):
         rows = [{"answer": f"extra{self.drawn + i}"} for i in range(n)]
         self.drawn += n
         return rows
 
-    def generate_and_score(self, rows, n):
+    def sample(self, rows, n):
         rewards = self.rewards.pop(0)
         assert len(rewards) == len(rows) * n
         lengths = self.lengths.pop(0) if self.lengths else [1] * len(rewards)
@@ -234,7 +234,7 @@ def test_dynamic_sampling_retention_matches_a_G_of_p():
     ({"metric": "acc"}, "metric"),
 ])
 def test_dynamic_sampling_bad_values_name_the_field(kwargs, field):
-    with pytest.raises(RecipeError, match=f"model.sampler.{field}") as err:
+    with pytest.raises(RecipeError, match=f"model.sampler.init_args.{field}") as err:
         DynamicSampling(**kwargs)
     assert len(str(err.value).splitlines()) == 1
 
@@ -346,7 +346,7 @@ def test_dynamic_sampling_draws_extra_prompts_from_the_module_and_skips_a_step_w
     assert logged["train/sampling/groups_drawn"] == 6 and logged["train/sampling/groups_kept"] == 0
     assert logged["train/sampling/responses_drawn"] == 6 * 8
     assert logged["train/guard/empty_rollouts"] == 1
-    assert cli.model._extra_cursor == 2 * 2  # two extra rounds of 2 prompts
+    assert cli.model.prompt_stream.cursor == 2 * 2  # two extra rounds of 2 prompts
     assert _unchanged_policy_count(cli.model, tiny_model_dir) == len(list(cli.model.policy.parameters()))
 
 

@@ -28,25 +28,25 @@ def _short_and_long_prompt(recipe, tmp_path, tiny_model_dir):
     module.configure_model()
     short = {"messages": [{"role": "user", "content": "What is 1 + 1?"}], "answer": "2"}
     long = {"messages": [{"role": "user", "content": "What is 1 + 1? " * 40}], "answer": "2"}
-    module.max_prompt_tokens = len(module.encode_prompt(short["messages"]))
+    module.producer.max_prompt_tokens = len(module.producer.encode([short])[0])
     return module, short, long
 
 
 def test_long_prompts_are_dropped_and_counted_never_truncated(tmp_path, tiny_model_dir):
     module, short, long = _short_and_long_prompt("grpo.yaml", tmp_path, tiny_model_dir)
-    rollout = module.generate_and_score([short, long, short], n=2)
+    rollout = module.producer.sample([short, long, short], n=2)
     assert len(rollout) == 4
-    assert rollout.extras["data/dropped_long_prompts"] == 1.0 and module.dropped_prompts == 1
+    assert rollout.extras["data/dropped_long_prompts"] == 1.0 and module.producer.dropped_prompts == 1
     # Kept prompts are whole: the prompt tokens equal the full encoding.
     kept = rollout.prompt_ids[0][rollout.prompt_mask[0].bool()].tolist()
-    assert kept == module.encode_prompt(short["messages"])
+    assert kept == module.producer.encode([short])[0]
 
 
 def test_remax_counts_a_dropped_prompt_once_though_it_samples_twice(tmp_path, tiny_model_dir):
     module, short, long = _short_and_long_prompt("remax.yaml", tmp_path, tiny_model_dir)
-    rollout = module.sampler(module, [short, long])  # sampled responses, then the greedy baseline
+    rollout = module.sampler(module.producer, [short, long])  # sampled responses, then the greedy baseline
     assert len(rollout) == module.sampler.group_size
-    assert module.dropped_prompts == 1
+    assert module.producer.dropped_prompts == 1
 
 
 def test_empty_batches_after_filtering_are_no_op_steps_then_a_clear_stop(tmp_path, tiny_model_dir):
@@ -58,7 +58,7 @@ def test_empty_batches_after_filtering_are_no_op_steps_then_a_clear_stop(tmp_pat
     with pytest.raises(RecipeError, match="epoch 0 made no update.*max_prompt_tokens=3"):
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     assert cli.trainer.global_step == 0
-    assert cli.model.dropped_prompts == 16  # 8 batches of 2 prompts
+    assert cli.model.producer.dropped_prompts == 16  # 8 batches of 2 prompts
 
 
 def _one_update(tiny_model_dir, tmp_path, **micro):

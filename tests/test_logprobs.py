@@ -60,7 +60,7 @@ def test_module_paths_agree(tiny_model_dir):
         module.configure_model()
         if not outs:
             rows = [{"messages": [{"role": "user", "content": "What is 3 + 4?"}], "answer": "7"}]
-            rollout = module.generate_and_score(rows, n=3)
+            rollout = module.producer.sample(rows, n=3)
         lp, ent, _ = module.forward_batch(rollout)
         (lp.sum() + ent.sum()).backward()
         outs.append((lp.detach(), ent.detach()))

@@ -41,7 +41,7 @@ def test_lora_trains_only_adapters_and_exports_merged(tmp_path, tiny_model_dir):
 
     # The reference log-probs are those of the initial model.
     rows = [{"messages": [{"role": "user", "content": "What is 2 + 2?"}], "answer": "4"}]
-    rollout = module.generate_and_score(rows, n=2)
+    rollout = module.producer.sample(rows, n=2)
     initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     with torch.no_grad():
         ref = module.reference_logprobs(rollout)
@@ -75,7 +75,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_model_dir):
         module.configure_model()
         if not grads:
             rows = [{"messages": [{"role": "user", "content": "What is 5 + 5?"}], "answer": "10"}]
-            rollout = module.generate_and_score(rows, n=2)
+            rollout = module.producer.sample(rows, n=2)
         module.forward_batch(rollout)[0].sum().backward()
         grads.append({n: p.grad for n, p in module.policy.named_parameters()})
     for name, g in grads[0].items():

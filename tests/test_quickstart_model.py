@@ -42,7 +42,7 @@ def test_engine_and_trainer_logprobs_agree_on_the_real_model(smollm2_dir):
     module.configure_model()
     rows = [{"messages": [{"role": "user", "content": q}], "answer": a}
             for q, a in [("What is 2 + 3? Answer with just the number.", "5"), ("What is 12 * 4?", "48")]]
-    rollout = module.generate_and_score(rows, n=2)
+    rollout = module.producer.sample(rows, n=2)
     with torch.no_grad():
         logprobs, _, _ = module.forward_batch(rollout)
     mask = rollout.response_mask.bool()

@@ -36,7 +36,7 @@ def test_engine_logprobs_match_trainer_logprobs(tiny_model_dir):
     torch.manual_seed(0)
     module = _module(tiny_model_dir, temperature=0.7)
     rows = [{"messages": [{"role": "user", "content": "What is 1 + 2?" + " 3" * k}], "answer": "3"} for k in range(5)]
-    rollout = module.generate_and_score(rows, n=2)
+    rollout = module.producer.sample(rows, n=2)
     # Prompts of different lengths: left padding is exercised, and several generate calls (batch_size 3).
     assert (rollout.prompt_mask == 0).any()
     assert rollout.response_ids.shape == rollout.sample_logprobs.shape == rollout.response_mask.shape
@@ -51,8 +51,8 @@ def test_engine_logprobs_match_trainer_logprobs(tiny_model_dir):
 def test_truncated_flag_and_greedy_is_deterministic(tiny_model_dir):
     module = _module(tiny_model_dir, max_new_tokens=3)
     rows = [{"messages": [{"role": "user", "content": "What is 4 + 4?"}], "answer": "8"}]
-    a = module.generate_and_score(rows, n=2, greedy=True)
-    b = module.generate_and_score(rows, n=2, greedy=True)
+    a = module.producer.sample(rows, n=2, greedy=True)
+    b = module.producer.sample(rows, n=2, greedy=True)
     assert torch.equal(a.response_ids, b.response_ids)
     assert torch.equal(
         a.truncated,

@@ -56,7 +56,7 @@ def test_failing_reward_gives_zero_and_is_counted(tmp_path, tiny_model_dir):
                 reward={"class_path": "user_strategies.FlakyReward"}))
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     # 2 steps x 2 prompts x 8 samples = 32 scored; every 4th raises and every 4th is NaN.
-    assert cli.model.reward_failures == 16
+    assert cli.model.producer.reward_failures == 16
     assert cli.trainer.global_step == 2
 
 

@@ -159,7 +159,7 @@ def vllm_module(vllm_model_dir):
 
 
 def _greedy_hf(module, rows, max_new_tokens):
-    prompts = [module.encode_prompt(r["messages"]) for r in rows]
+    prompts = module.producer.encode(rows)
     return HFEngine(max_new_tokens=max_new_tokens).generate(module.policy, module.tokenizer, prompts, greedy=True)
 
 
@@ -180,7 +180,7 @@ def test_engine_logprobs_match_trainer_logprobs(vllm_module):
     the trainer's log-probs of the same tokens (one forward, explicit positions, logits / temperature)."""
     module, _ = vllm_module
     torch.manual_seed(0)
-    rollout = module.generate_and_score(ROWS, n=2)
+    rollout = module.producer.sample(ROWS, n=2)
     assert (rollout.prompt_mask == 0).any()
     assert module.rollout.last_metrics["rollout/tokens_per_s"] > 0
     with torch.no_grad():
@@ -198,7 +198,7 @@ def test_engine_logprobs_match_trainer_logprobs(vllm_module):
 def test_seeded_sampling_is_reproducible(vllm_module):
     module, _ = vllm_module
     engine = module.rollout
-    prompts = [module.encode_prompt(r["messages"]) for r in ROWS[:2]] * 2
+    prompts = module.producer.encode(ROWS[:2]) * 2
     engine.seed, engine._calls = 7, 0
     try:
         a = engine.generate(module.policy, module.tokenizer, prompts)
@@ -219,7 +219,7 @@ def trained(vllm_module):
     policy, tok = module.policy, module.tokenizer
     original = copy.deepcopy(policy).eval()
     target = tok.encode(" 42", add_special_tokens=False) + [tok.eos_token_id]
-    prompts = [module.encode_prompt(r["messages"]) for r in TRAINED_ROWS]
+    prompts = module.producer.encode(TRAINED_ROWS)
     optimizer = torch.optim.Adam(policy.parameters(), lr=2e-2)
     for _ in range(30):
         optimizer.zero_grad()
@@ -238,14 +238,14 @@ def test_update_weights_moves_the_engine_to_the_new_policy(trained):
     module, original, target, metrics = trained
     assert metrics["rollout/sync_time"] > 0
     # Greedy: the engine answers like the trainer's own (HF) greedy decoding on the new weights.
-    engine_greedy = module.generate_and_score(TRAINED_ROWS, n=1, greedy=True)
+    engine_greedy = module.producer.sample(TRAINED_ROWS, n=1, greedy=True)
     hf_greedy = _greedy_hf(module, TRAINED_ROWS, module.rollout.max_new_tokens)
     assert torch.equal(engine_greedy.response_ids, hf_greedy.response_ids[:, : engine_greedy.response_ids.shape[1]])
     assert engine_greedy.response_ids[:, : len(target)].tolist() == [target] * len(TRAINED_ROWS)
     assert engine_greedy.correct.tolist() == [1.0] * len(TRAINED_ROWS)
     # Sampling: the engine's log-probs are the new policy's, and far from the old policy's.
     torch.manual_seed(1)
-    rollout = module.generate_and_score(TRAINED_ROWS + ROWS[:2], n=2)
+    rollout = module.producer.sample(TRAINED_ROWS + ROWS[:2], n=2)
     mask = rollout.response_mask
     with torch.no_grad():
         new, _, _ = module.forward_batch(rollout)
@@ -272,7 +272,7 @@ def test_truncation_flags_and_response_masks(trained):
     engine = module.rollout
     pad, eos = module.tokenizer.pad_token_id, module.tokenizer.eos_token_id
     # Ended rows: the end token is kept and masked in, nothing after it.
-    ended = module.generate_and_score(TRAINED_ROWS, n=1, greedy=True)
+    ended = module.producer.sample(TRAINED_ROWS, n=1, greedy=True)
     assert ended.truncated.tolist() == [False] * len(TRAINED_ROWS)
     assert ended.response_mask.sum(-1).tolist() == [len(target)] * len(TRAINED_ROWS)
     assert (ended.response_ids[:, len(target) - 1] == eos).all()
@@ -280,14 +280,14 @@ def test_truncation_flags_and_response_masks(trained):
     # Cut rows: the token limit comes before the end token.
     engine.max_new_tokens = len(target) - 1
     try:
-        cut = module.generate_and_score(TRAINED_ROWS, n=1, greedy=True)
+        cut = module.producer.sample(TRAINED_ROWS, n=1, greedy=True)
     finally:
         engine.max_new_tokens = 8
     assert cut.truncated.tolist() == [True] * len(TRAINED_ROWS)
     assert cut.response_mask.tolist() == [[1] * (len(target) - 1)] * len(TRAINED_ROWS)
     # A mixed batch agrees with the masks and flags derived from the ids alone.
     torch.manual_seed(2)
-    mixed = module.generate_and_score(TRAINED_ROWS + ROWS, n=2)
+    mixed = module.producer.sample(TRAINED_ROWS + ROWS, n=2)
     mask, truncated = response_mask_from_ids(mixed.response_ids, [eos])
     assert torch.equal(mixed.response_mask, mask) and torch.equal(mixed.truncated, truncated)
 
@@ -310,7 +310,7 @@ def test_two_training_steps_through_the_overlay(recipe, lora, tmp_path, vllm_mod
         cli.trainer.fit(module, datamodule=cli.datamodule)
         assert cli.trainer.global_step == 2 and engine._updates == 2
         torch.manual_seed(3)
-        rollout = module.generate_and_score(ROWS, n=2)
+        rollout = module.producer.sample(ROWS, n=2)
         initial = AutoModelForCausalLM.from_pretrained(vllm_model_dir)
         with torch.no_grad():
             trained_lp = module.forward_batch(rollout)[0]
@@ -319,7 +319,7 @@ def test_two_training_steps_through_the_overlay(recipe, lora, tmp_path, vllm_mod
         before = logprob_mismatch(initial_lp, rollout.sample_logprobs, rollout.response_mask)
         assert now["rollout/logprob_diff_max"] < 1e-5
         assert before["rollout/logprob_diff_max"] > 1e-3  # the policy did move, and the engine with it
-        engine_greedy = module.generate_and_score(ROWS, n=1, greedy=True)
+        engine_greedy = module.producer.sample(ROWS, n=1, greedy=True)
         hf_greedy = _greedy_hf(module, ROWS, engine.max_new_tokens)
         assert torch.equal(engine_greedy.response_ids, hf_greedy.response_ids)
         # The engine's start-up folder keeps no copy of the weights, and goes with the engine.

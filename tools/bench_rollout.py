@@ -2,7 +2,7 @@
 
 Both engines sample one response for each of the same ``--prompts`` arithmetic prompts (``ArithmeticTask``,
 chat template applied), with the same settings (temperature, ``--max-new-tokens``), from the same float32
-policy, through ``RLModule.generate_and_score`` as in training. Each engine is warmed up once on 8 prompts
+policy, through ``RolloutProducer.sample`` as in training. Each engine is warmed up once on 8 prompts
 (vLLM's start-up, which saves the policy and builds the engine, is timed separately), then the engines take
 turns for ``--repeats`` runs each (so that load from other processes falls on both alike); tokens/s =
 generated tokens / wall time of ``generate``, summed over the runs. Also printed: the time of one weight
@@ -35,7 +35,7 @@ from rllight.rollout.vllm import VLLMEngine  # noqa: E402
 def timed_run(module, engine, rows, totals):
     """One rollout of ``rows`` with ``engine``; adds its generated tokens and seconds to ``totals``."""
     module.rollout = engine
-    rollout = module.generate_and_score(rows, n=1)
+    rollout = module.producer.sample(rows, n=1)
     tokens, seconds = float(rollout.response_mask.sum()), rollout.extras["time/rollout"]
     totals[0] += tokens
     totals[1] += seconds
@@ -67,10 +67,10 @@ def main():
           f"device={next(module.policy.parameters()).device}", flush=True)
 
     torch.manual_seed(0)
-    module.generate_and_score(warmup, n=1)
+    module.producer.sample(warmup, n=1)
     module.rollout = vllm
     start = time.perf_counter()
-    module.generate_and_score(warmup, n=1)  # starts the engine
+    module.producer.sample(warmup, n=1)  # starts the engine
     print(f"vllm: started in {time.perf_counter() - start:.1f} s (save policy + build engine + 8 prompts)", flush=True)
 
     hf_totals, vllm_totals = [0.0, 0.0], [0.0, 0.0]

@@ -18,7 +18,7 @@ from rllight.strategies.samplers import Sampler
 from rllight.types import Rollout
 
 if TYPE_CHECKING:
-    from rllight.module import RLModule
+    from rllight.rollout.producer import RolloutProducer
 
 __all__ = ["CISPO", "GSPO", "RLOO", "ReMax", "ReMaxSampler", "ReinforcePP", "TruncatedIS"]
 
@@ -56,11 +56,11 @@ class ReMaxSampler(Sampler):
             raise RecipeError(f"model.sampler.init_args.group_size must be >= 1, got {group_size}")
         self.group_size = group_size
 
-    def __call__(self, module: RLModule, rows: list[dict]) -> Rollout:
-        rollout = module.generate_and_score(rows, self.group_size)
+    def __call__(self, producer: RolloutProducer, rows: list[dict]) -> Rollout:
+        rollout = producer.sample(rows, self.group_size)
         if len(rollout) == 0:
             return rollout
-        greedy = module.generate_and_score(rows, 1, greedy=True, count_dropped=False)  # counted above
+        greedy = producer.sample(rows, 1, greedy=True, training=False)  # dropped prompts counted above
         if len(greedy) * self.group_size != len(rollout):  # both calls drop the same over-long prompts
             raise RuntimeError(f"ReMaxSampler: {len(greedy)} greedy responses for {len(rollout)} samples")
         rollout.extras[GREEDY_REWARDS] = greedy.rewards.repeat_interleave(self.group_size)

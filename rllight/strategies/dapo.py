@@ -13,7 +13,7 @@ from rllight.strategies.samplers import Sampler
 from rllight.types import Rollout
 
 if TYPE_CHECKING:
-    from rllight.module import RLModule
+    from rllight.rollout.producer import RolloutProducer
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ class DynamicSampling(Sampler):
 
     Each round samples ``group_size`` responses for a set of prompts and drops every group whose
     rewards are all equal (all right or all wrong: its group-relative advantage is zero). Rounds repeat
-    with fresh prompts from ``module.draw_prompts`` until ``target_groups`` mixed groups are kept
+    with fresh prompts from ``producer.more_prompts`` (the datamodule's stream) until ``target_groups`` mixed groups are kept
     (surplus mixed groups of the last round are dropped, as verl does) or ``max_rounds`` rounds ran.
     When the cap is hit the step trains on the mixed groups it has (possibly none: the module then
     skips the update), logs a warning and sets ``sampling/cap_hit``.
@@ -70,7 +70,7 @@ class DynamicSampling(Sampler):
         self.prompts_per_round = prompts_per_round
         self.metric = metric
 
-    def __call__(self, module: RLModule, rows: list[dict]) -> Rollout:
+    def __call__(self, producer: RolloutProducer, rows: list[dict]) -> Rollout:
         target = self.target_groups or len(rows)
         per_round = self.prompts_per_round or len(rows)
         kept: list[Rollout] = []
@@ -81,13 +81,13 @@ class DynamicSampling(Sampler):
         batch = rows
         while rounds < self.max_rounds and n_kept < target:
             if rounds:
-                batch = module.draw_prompts(per_round)
-            part = module.generate_and_score(batch, self.group_size)
+                batch = producer.more_prompts(per_round)
+            part = producer.sample(batch, self.group_size)
             rounds += 1
             for key, value in part.extras.items():
                 if isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.dim() == 0):
                     totals[key] = totals.get(key, 0.0) + float(value)
-            # generate_and_score numbers groups 0..n-1 in every call: shift them so that groups of
+            # producer.sample numbers groups 0..n-1 in every call: shift them so that groups of
             # different rounds never share an id.
             part.group_ids = part.group_ids + n_drawn
             n_drawn += len(batch)
@@ -108,7 +108,7 @@ class DynamicSampling(Sampler):
         if cap_hit:
             log.warning("dynamic sampling: cap hit, %d of %d mixed groups after max_rounds=%d (%d groups drawn); "
                         "training on the %d kept", n_kept, target, self.max_rounds, n_drawn, n_kept)
-        rollout = Rollout.cat(kept, pad_id=module.tokenizer.pad_token_id)
+        rollout = Rollout.cat(kept, pad_id=producer.pad_id)
         rollout.extras.update(totals)
         rollout.extras.update({
             "sampling/groups_drawn": float(n_drawn),

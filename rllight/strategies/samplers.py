@@ -8,16 +8,17 @@ from rllight.errors import RecipeError
 from rllight.types import Rollout
 
 if TYPE_CHECKING:
-    from rllight.module import RLModule
+    from rllight.rollout.producer import RolloutProducer
 
 
 class Sampler:
-    """Base class: ``__call__(module, rows) -> Rollout`` for a batch of prompt rows.
+    """Base class: ``__call__(producer, rows) -> Rollout`` for a batch of prompt rows.
 
-    ``module.generate_and_score(rows, n)`` samples ``n`` responses per row and scores them.
+    ``producer.sample(rows, n)`` samples ``n`` responses per row and scores them; ``producer.more_prompts(n)``
+    draws further training rows (the datamodule's stream) when a step needs more than its batch.
     """
 
-    def __call__(self, module: RLModule, rows: list[dict]) -> Rollout:
+    def __call__(self, producer: RolloutProducer, rows: list[dict]) -> Rollout:
         raise NotImplementedError
 
 
@@ -33,5 +34,5 @@ class GroupSampler(Sampler):
             raise RecipeError(f"model.sampler.init_args.group_size must be >= 1, got {group_size}")
         self.group_size = group_size
 
-    def __call__(self, module: RLModule, rows: list[dict]) -> Rollout:
-        return module.generate_and_score(rows, self.group_size)
+    def __call__(self, producer: RolloutProducer, rows: list[dict]) -> Rollout:
+        return producer.sample(rows, self.group_size)

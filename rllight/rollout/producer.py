@@ -1,0 +1,147 @@
+"""Rollout production: prompt rows in, scored rollouts out.
+
+``RolloutProducer`` encodes chat prompts, drops over-long ones, generates with the engine and scores the
+responses with the reward. Samplers compose it (``producer.sample(rows, n)``, ``producer.more_prompts(n)``);
+it knows nothing of the trainer, so a new kind of rollout is a new sampler or producer, not a trainer
+subclass. The trainer hands it the policy and tokenizer once they are loaded (``bind``) and a prompt
+stream for extra draws (the datamodule's order).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from rllight.errors import RecipeError
+from rllight.rewards import Reward, score_batch
+from rllight.rollout.base import RolloutEngine
+from rllight.types import Rollout
+
+log = logging.getLogger(__name__)
+
+
+def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a chat prompt with the tokenizer's template and the generation prompt."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if not isinstance(ids, list):  # newer tokenizers return a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+class RolloutProducer:
+    """Samples responses to prompt rows with a ``RolloutEngine`` and scores them with a ``Reward``.
+
+    Prompts longer than ``max_prompt_tokens`` are dropped and counted (``data/dropped_long_prompts``), never
+    truncated: a cut prompt is a different question. A training batch on which the reward failed for every
+    sample is a warning; ``max_failed_reward_steps`` of them in a row stop the run with one line.
+
+    Counters (``reward_failures``, ``dropped_prompts``, ``failed_reward_steps``) are part of the state saved in
+    checkpoints (``state_dict``).
+    """
+
+    def __init__(self, engine: RolloutEngine, reward: Reward, max_prompt_tokens: int | None = None,
+                 max_failed_reward_steps: int = 3):
+        self.engine = engine
+        self.reward = reward
+        self.max_prompt_tokens = max_prompt_tokens
+        self.max_failed_reward_steps = max_failed_reward_steps
+        self.policy: torch.nn.Module | None = None
+        self.tokenizer = None
+        self._draw: Callable[[int], list[dict]] | None = None
+        self.reward_failures = 0
+        self.dropped_prompts = 0
+        self.failed_reward_steps = 0
+
+    def bind(self, policy: torch.nn.Module, tokenizer, draw: Callable[[int], list[dict]] | None = None) -> None:
+        """The policy to sample from, its tokenizer, and where extra prompt rows come from."""
+        self.policy, self.tokenizer = policy, tokenizer
+        if draw is not None:
+            self._draw = draw
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_token_id
+
+    def more_prompts(self, n: int) -> list[dict]:
+        """``n`` more training prompt rows beyond the step's batch (e.g. for dynamic sampling)."""
+        if self._draw is None:
+            raise RuntimeError("RolloutProducer.more_prompts: no prompt stream is bound")
+        return self._draw(n)
+
+    def encode(self, rows: list[dict]) -> list[list[int]]:
+        return [encode_chat(self.tokenizer, r["messages"]) for r in rows]
+
+    def sample(self, rows: list[dict], n: int, greedy: bool = False, training: bool = True) -> Rollout:
+        """``n`` responses for each prompt row, scored. ``training`` False (a second pass over the same rows,
+        or validation) leaves the run's counters of dropped prompts and failed reward batches alone."""
+        prompts = self.encode(rows)
+        dropped = 0
+        if self.max_prompt_tokens is not None:
+            keep = [i for i, p in enumerate(prompts) if len(p) <= self.max_prompt_tokens]
+            dropped = len(prompts) - len(keep)
+            if dropped:
+                log.warning("dropped %d prompt(s) longer than max_prompt_tokens=%d", dropped, self.max_prompt_tokens)
+            rows, prompts = [rows[i] for i in keep], [prompts[i] for i in keep]
+            if training:
+                self.dropped_prompts += dropped
+        if not prompts:
+            return Rollout.empty(extras={"data/dropped_long_prompts": float(dropped)})
+        t0 = time.perf_counter()
+        gen = self.engine.generate(self.policy, self.tokenizer, [p for p in prompts for _ in range(n)], greedy=greedy)
+        t1 = time.perf_counter()
+        texts = self.tokenizer.batch_decode(gen.response_ids, skip_special_tokens=True)
+        answers = [r["answer"] for r in rows for _ in range(n)]
+        rewards, correct, failures = score_batch(self.reward, texts, answers)
+        self.reward_failures += failures
+        if training:
+            self.count_failed_reward_batch(failures == len(texts))
+        t2 = time.perf_counter()
+        device = gen.response_ids.device
+        return Rollout(
+            prompt_ids=gen.prompt_ids,
+            prompt_mask=gen.prompt_mask,
+            response_ids=gen.response_ids,
+            response_mask=gen.response_mask,
+            sample_logprobs=gen.logprobs,
+            truncated=gen.truncated,
+            group_ids=torch.arange(len(rows), device=device).repeat_interleave(n),
+            answers=answers,
+            texts=texts,
+            rewards=torch.tensor(rewards, dtype=torch.float32, device=device),
+            correct=torch.tensor(correct, dtype=torch.float32, device=device),
+            extras={
+                "time/rollout": t1 - t0,
+                "time/reward": t2 - t1,
+                "reward/failures": float(failures),
+                "data/dropped_long_prompts": float(dropped),
+                **self.engine.last_metrics,
+            },
+        )
+
+    def count_failed_reward_batch(self, all_failed: bool) -> None:
+        """Count a training batch on which the reward failed for every sample; stop after too many in a row."""
+        if not all_failed:
+            self.failed_reward_steps = 0
+            return
+        self.failed_reward_steps += 1
+        log.warning("the reward %s failed on every sample (%d batch(es) in a row)", type(self.reward).__name__,
+                    self.failed_reward_steps)
+        if self.failed_reward_steps >= self.max_failed_reward_steps:
+            raise RecipeError(
+                f"model.reward: {type(self.reward).__name__} failed on every sample of "
+                f"{self.failed_reward_steps} batches in a row (see the warnings above for its error); fix the "
+                "reward or the answers' format (model.max_failed_reward_steps sets how many batches are tolerated)"
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"reward_failures": self.reward_failures, "dropped_prompts": self.dropped_prompts,
+                "failed_reward_steps": self.failed_reward_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.reward_failures = state.get("reward_failures", 0)
+        self.dropped_prompts = state.get("dropped_prompts", 0)
+        self.failed_reward_steps = state.get("failed_reward_steps", 0)
