@@ -48,3 +48,17 @@ from rllight.algorithms.lambdas import adaptive_lambda, vapo_lambda  # noqa: E40
 from rllight.algorithms.shaping import group_retention_probability, mixed_groups, soft_overlong_punishment  # noqa: E402
 
 __all__ += ["adaptive_lambda", "group_retention_probability", "mixed_groups", "soft_overlong_punishment", "vapo_lambda"]
+
+from rllight.algorithms.evaluation import (  # noqa: E402
+    Estimate,
+    avg_at_k,
+    bootstrap_interval,
+    maj_at_k,
+    majority_vote,
+    mean_and_se,
+    pass_at_k,
+    pass_at_k_over_prompts,
+)
+
+__all__ += ["Estimate", "avg_at_k", "bootstrap_interval", "maj_at_k", "majority_vote", "mean_and_se", "pass_at_k",
+            "pass_at_k_over_prompts"]

@@ -175,3 +175,5 @@ def check_answers(reward: Reward, rows: list[dict], field: str = "answer") -> No
 
 from rllight.rewards.combine import FormatReward, Weighted  # noqa: E402  (they subclass Reward, above)
 from rllight.rewards.runner import RewardRunner, RewardScores  # noqa: E402
+
+from rllight.rewards.per_source import PerSource, by_source, check_rows, score_rows  # noqa: E402  (it builds on the above)

@@ -1,0 +1,358 @@
+"""Evaluation: the recipe's sampling settings for it, and the accumulator the validation loop feeds.
+
+``EvalSettings`` is ``model.evaluation`` in a recipe: how many responses to sample per prompt and how,
+separately from training's sampling. ``EvalAccumulator`` collects every scored response of a validation
+epoch and computes avg@k, pass@k and maj@k with standard errors, overall and per ``data_source``, with
+the estimators of ``rllight.algorithms.evaluation``; ``write`` saves every number and every response, so
+that two runs can be compared prompt by prompt (join the row files on ``source``).
+
+In the module::
+
+    validation_step:          acc.update_rollout(rows, settings.n, rollout)     # rows kept, in order
+                              acc.drop(dropped_rows)                           # prompts too long to ask
+    on_validation_epoch_end:  acc.merge(all_gather_object(acc.state()))      # under DDP only
+                              self.log_dict(acc.compute(settings.ks)); acc.write(log_dir, settings.ks)
+                              acc.reset()
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+
+from rllight.algorithms.evaluation import avg_at_k, bootstrap_interval, maj_at_k, pass_at_k_over_prompts
+from rllight.errors import RecipeError
+
+_NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?|[-+]?\.\d+")
+
+
+def _canonical_number(text: str) -> str | None:
+    """``text`` as a canonical number ("1,200" -> "1200", "3.50" -> "3.5", "-0" -> "0"); None if it is not one."""
+    text = text.strip().replace(",", "")
+    if not re.fullmatch(r"[-+]?(\d+(\.\d*)?|\.\d+)", text):
+        return None
+    sign = "-" if text.startswith("-") else ""
+    whole, _, frac = text.lstrip("+-").partition(".")
+    whole, frac = whole.lstrip("0") or "0", frac.rstrip("0")
+    out = f"{whole}.{frac}" if frac else whole
+    return "0" if out == "0" else sign + out
+
+
+def _last_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}``, nested braces included; None if there is none."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 0, start + len("\\boxed")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1 : j]
+    return None  # unbalanced: the response was cut inside the box
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer a response commits to, as a key for majority voting: the content of its last
+    ``\\boxed{}`` if any, else its last number. Numbers are written canonically ("1,200" and "1200.0"
+    vote together); other boxed content is kept without spaces and ``$``. None when there is neither.
+
+    Only the vote uses it: whether the winning answer is right is the reward's verdict on a response
+    that gave it (``rllight.algorithms.maj_at_k``).
+    """
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        content = "".join(boxed.replace("$", "").split())
+        return _canonical_number(content) or content or None
+    numbers = _NUMBER.findall(text)
+    return _canonical_number(numbers[-1]) if numbers else None
+
+
+class EvalSettings:
+    """How evaluation samples, separately from training (``model.evaluation``). Greedy: ``n: 1`` and
+    ``temperature: 0``.
+
+    Args:
+        n: Responses sampled per prompt.
+        temperature: Sampling temperature; 0 decodes greedily (then ``n`` must be 1: the responses would
+            all be the same).
+        top_p: Nucleus sampling threshold (1.0 = off).
+        top_k: Top-k sampling (0 = off).
+        max_new_tokens: Longest response, in tokens (None = the rollout engine's ``max_new_tokens``).
+        ks: The k of avg@k, pass@k and maj@k, each in 1..n (None = 1 and n).
+        bootstrap: Resamples of a percentile bootstrap interval over prompts for each metric (0 = none; the
+            standard error is always reported).
+        confidence: Coverage of the bootstrap interval.
+        seed: Seed of the bootstrap resampling.
+    """
+
+    def __init__(
+        self,
+        n: int = 1,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        max_new_tokens: int | None = None,
+        ks: list[int] | None = None,
+        bootstrap: int = 0,
+        confidence: float = 0.95,
+        seed: int = 0,
+    ):
+        key = "model.evaluation"
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise RecipeError(f"{key}.n must be an integer >= 1 (responses per prompt), got {n!r}")
+        if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
+            raise RecipeError(f"{key}.temperature must be >= 0 (0 = greedy), got {temperature!r}")
+        if temperature == 0 and n > 1:
+            raise RecipeError(f"{key}.n is {n} with temperature 0 (greedy): every response would be the same; set "
+                              f"{key}.temperature > 0 to sample, or n: 1")
+        if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+            raise RecipeError(f"{key}.top_p must be in (0, 1], got {top_p!r}")
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+            raise RecipeError(f"{key}.top_k must be an integer >= 0 (0 = off), got {top_k!r}")
+        if max_new_tokens is not None and (not isinstance(max_new_tokens, int) or max_new_tokens < 1):
+            raise RecipeError(f"{key}.max_new_tokens must be >= 1 or null (the engine's), got {max_new_tokens!r}")
+        if ks is None:
+            ks = sorted({1, n})
+        if not ks:
+            raise RecipeError(f"{key}.ks is empty; list the k of pass@k, e.g. [1, {n}]")
+        for k in ks:
+            if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n:
+                raise RecipeError(f"{key}.ks holds {k!r}; each k must be an integer in 1..n = 1..{n} (raise "
+                                  f"{key}.n to report pass@{k})")
+        if isinstance(bootstrap, bool) or not isinstance(bootstrap, int) or bootstrap < 0:
+            raise RecipeError(f"{key}.bootstrap must be an integer >= 0 (0 = no interval), got {bootstrap!r}")
+        if not 0 < confidence < 1:
+            raise RecipeError(f"{key}.confidence must be in (0, 1), got {confidence!r}")
+        self.n = n
+        self.temperature = float(temperature)
+        self.top_p = float(top_p)
+        self.top_k = top_k
+        self.max_new_tokens = max_new_tokens
+        self.ks = sorted(set(ks))
+        self.bootstrap = bootstrap
+        self.confidence = confidence
+        self.seed = seed
+
+    @property
+    def greedy(self) -> bool:
+        """Whether evaluation decodes greedily (``temperature`` 0)."""
+        return self.temperature == 0
+
+    @contextmanager
+    def applied_to(self, engine) -> Iterator[None]:
+        """Within the block, ``engine`` (a ``RolloutEngine``) samples with these settings; its own are
+        restored after, also when the block raises. Pass ``greedy=self.greedy`` to ``engine.generate``."""
+        names = ["top_p", "top_k"] + ([] if self.greedy else ["temperature"])
+        if self.max_new_tokens is not None:
+            names.append("max_new_tokens")
+        saved = {name: getattr(engine, name) for name in names}
+        try:
+            for name in names:
+                setattr(engine, name, getattr(self, name))
+            yield
+        finally:
+            for name, value in saved.items():
+                setattr(engine, name, value)
+
+
+def _as_list(values, length: int, name: str) -> list | None:
+    if values is None:
+        return None
+    if isinstance(values, Tensor):
+        values = values.detach().cpu().tolist()
+    values = list(values)
+    if len(values) != length:
+        raise ValueError(f"{name} has {len(values)} entries; expected one per response ({length})")
+    return values
+
+
+def _finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+class EvalAccumulator:
+    """Every scored response of one evaluation, and the metrics computed from them.
+
+    Responses come prompt by prompt: the ``n`` responses of ``rows[i]`` are entries ``i * n`` to
+    ``(i + 1) * n - 1`` (the order ``RLModule.generate_and_score`` uses). Rows are grouped by their
+    ``data_source`` field (``"unknown"`` where it is missing).
+
+    Args:
+        key: The metric namespace: ``compute`` returns ``"<key>/pass@4"``, ``"<key>/<source>/pass@4"``...
+    """
+
+    def __init__(self, key: str = "val"):
+        self.key = key
+        self.n: int | None = None
+        self.records: list[dict] = []
+        """One JSON-ready record per prompt (what ``write`` saves to the rows file)."""
+        self.dropped: list[str] = []
+        """Where each prompt that could not be asked (longer than ``max_prompt_tokens``) came from."""
+
+    def reset(self) -> None:
+        self.n = None
+        self.records = []
+        self.dropped = []
+
+    def update(
+        self,
+        rows: Sequence[dict],
+        n: int,
+        correct: Tensor | Sequence[bool],
+        rewards: Tensor | Sequence[float] | None = None,
+        lengths: Tensor | Sequence[int] | None = None,
+        truncated: Tensor | Sequence[bool] | None = None,
+        answers_extracted: Sequence[str | None] | None = None,
+        texts: Sequence[str] | None = None,
+    ) -> None:
+        """Add the responses to ``rows`` (one per prompt, each with ``n`` responses).
+
+        Args:
+            rows: The prompt rows that were asked (``prompt``, ``answer``, ``data_source``, ``source``).
+            n: Responses per prompt; the same in every call of one evaluation.
+            correct: Shape (B * n,), bool or 0/1: the reward's verdict on each response.
+            rewards: Shape (B * n,): each response's reward.
+            lengths: Shape (B * n,): response lengths in tokens.
+            truncated: Shape (B * n,), bool: the response hit the token limit.
+            answers_extracted: B * n final answers for the majority vote (None where there is none);
+                default: ``extract_answer`` of each of ``texts``. Without both, maj@k is not reported.
+            texts: B * n decoded responses (saved by ``write``).
+        """
+        if self.n is not None and n != self.n:
+            raise ValueError(f"n changed within one evaluation ({self.n} then {n}); call reset() between evaluations")
+        total = len(rows) * n
+        correct = _as_list(correct, total, "correct")
+        rewards, lengths = _as_list(rewards, total, "rewards"), _as_list(lengths, total, "lengths")
+        truncated, texts = _as_list(truncated, total, "truncated"), _as_list(texts, total, "texts")
+        answers_extracted = _as_list(answers_extracted, total, "answers_extracted")
+        if answers_extracted is None and texts is not None:
+            answers_extracted = [extract_answer(t) for t in texts]
+        self.n = n
+
+        def part(values: list | None, i: int, cast) -> list | None:
+            return None if values is None else [None if v is None else cast(v) for v in values[i * n : (i + 1) * n]]
+
+        for i, row in enumerate(rows):
+            self.records.append({
+                "source": row.get("source"),
+                "data_source": str(row.get("data_source") or "unknown"),
+                "prompt": row.get("prompt"),
+                "answer": row.get("answer"),
+                "responses": part(texts, i, str),
+                "extracted": part(answers_extracted, i, str),
+                "correct": part(correct, i, lambda v: bool(v)),
+                "rewards": part(rewards, i, float),
+                "lengths": part(lengths, i, int),
+                "truncated": part(truncated, i, lambda v: bool(v)),
+            })
+
+    def update_rollout(self, rows: Sequence[dict], n: int, rollout) -> None:
+        """``update`` from a scored ``rllight.types.Rollout`` of ``rows`` sampled ``n`` times each."""
+        self.update(rows, n, rollout.correct, rewards=rollout.rewards, lengths=rollout.response_lengths,
+                    truncated=rollout.truncated, texts=rollout.texts)
+
+    def drop(self, rows: Sequence[dict]) -> None:
+        """Count prompts that were not asked (too long): reported as ``<key>/dropped_prompts``, not scored."""
+        self.dropped.extend(str(row.get("source")) for row in rows)
+
+    def state(self) -> dict:
+        """This accumulator's contents as plain Python objects, for ``torch.distributed.all_gather_object``."""
+        return {"n": self.n, "records": self.records, "dropped": self.dropped}
+
+    def merge(self, states: Sequence[dict]) -> None:
+        """Replace the contents with the union of ``states`` (every rank's ``state()``, this one's included).
+
+        A prompt that appears twice (a distributed sampler repeats rows to give every rank as many) counts
+        once: records are keyed by their row's ``source``.
+        """
+        ns = {s["n"] for s in states if s["n"] is not None}
+        if len(ns) > 1:
+            raise ValueError(f"ranks sampled different n per prompt: {sorted(ns)}")
+        records, seen, dropped = [], set(), []
+        for state in states:
+            for record in state["records"]:
+                source = record.get("source")
+                if source is not None and source in seen:
+                    continue
+                seen.add(source)
+                records.append(record)
+            dropped.extend(d for d in state["dropped"] if d not in dropped)
+        self.n = ns.pop() if ns else None
+        self.records = records
+        self.dropped = dropped
+
+    def _groups(self) -> list[tuple[str, list[dict]]]:
+        by_source: dict[str, list[dict]] = {}
+        for record in self.records:
+            by_source.setdefault(record["data_source"], []).append(record)
+        return [(f"{self.key}/", self.records)] + [(f"{self.key}/{s}/", by_source[s]) for s in sorted(by_source)]
+
+    def compute(
+        self, ks: Sequence[int], bootstrap: int = 0, confidence: float = 0.95, seed: int = 0
+    ) -> dict[str, float]:
+        """Every metric, overall (``<key>/avg@k``) and per data source (``<key>/<source>/avg@k``).
+
+        For each k: ``avg@k``, ``pass@k`` and (when answers were extracted) ``maj@k``, each with ``_se``
+        (standard error across prompts; NaN with a single prompt) and, with ``bootstrap`` resamples,
+        ``_ci_low`` / ``_ci_high``. Also per group: ``prompts``, ``reward_mean``, ``response_length`` (mean
+        tokens), ``truncated_ratio``; overall: ``dropped_prompts``. ``ks`` must each be in 1..n.
+        """
+        out: dict[str, float] = {f"{self.key}/dropped_prompts": float(len(self.dropped))}
+        if not self.records:
+            out[f"{self.key}/prompts"] = 0.0
+            return out
+        n = self.n
+        for k in ks:
+            if not 1 <= k <= n:
+                raise ValueError(f"k = {k} needs at least k responses per prompt; this evaluation sampled n = {n}")
+        for prefix, records in self._groups():
+            correct = torch.tensor([r["correct"] for r in records], dtype=torch.bool).reshape(len(records), n)
+            with_answers = all(r["extracted"] is not None for r in records)
+            answers = [r["extracted"] for r in records]
+            out[f"{prefix}prompts"] = float(len(records))
+            for k in ks:
+                estimates = {"avg": avg_at_k(correct, k), "pass": pass_at_k_over_prompts(correct, k)}
+                if with_answers:
+                    estimates["maj"] = maj_at_k(answers, correct, k)
+                for name, est in estimates.items():
+                    out[f"{prefix}{name}@{k}"] = est.mean
+                    out[f"{prefix}{name}@{k}_se"] = est.se
+                    if bootstrap:
+                        low, high = bootstrap_interval(est.per_prompt, bootstrap, confidence, seed)
+                        out[f"{prefix}{name}@{k}_ci_low"], out[f"{prefix}{name}@{k}_ci_high"] = low, high
+            for name, field in (("reward_mean", "rewards"), ("response_length", "lengths"),
+                                ("truncated_ratio", "truncated")):
+                if all(r[field] is not None for r in records):
+                    values = [float(v) for r in records for v in r[field]]
+                    out[f"{prefix}{name}"] = sum(values) / len(values)
+        return out
+
+    def write(self, directory: str, ks: Sequence[int], name: str = "eval", extra: dict | None = None,
+              **compute_kwargs) -> tuple[str, str]:
+        """Write ``<name>.json`` (every metric of ``compute(ks, **compute_kwargs)``, NaN as null, with ``n``,
+        ``ks``, the dropped prompts and ``extra``, e.g. the settings and checkpoint) and ``<name>_rows.jsonl``
+        (one line per prompt: source, data_source, prompt, answer, responses, extracted answers, correct,
+        rewards, lengths, truncated) into ``directory``; returns both paths. Each file is written whole
+        through a temporary file, so a crash never leaves half a file."""
+        os.makedirs(directory, exist_ok=True)
+        metrics = {k: _finite_or_none(v) for k, v in self.compute(ks, **compute_kwargs).items()}
+        summary = {"metrics": metrics, "n": self.n, "ks": list(ks), "dropped": self.dropped, **(extra or {})}
+        json_path = os.path.join(directory, f"{name}.json")
+        rows_path = os.path.join(directory, f"{name}_rows.jsonl")
+        _write_atomic(json_path, json.dumps(summary, indent=2, allow_nan=False) + "\n")
+        _write_atomic(rows_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in self.records))
+        return json_path, rows_path
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
