@@ -19,7 +19,7 @@ from rllight.critics import Critic
 from rllight.errors import RecipeError
 from rllight.models import HFModel, LoRA, response_hidden_states
 from rllight.data.prompt_stream import PromptStream
-from rllight.rewards import IntegerMatch, Reward, check_answers
+from rllight.rewards import IntegerMatch, Reward, RewardRunner, check_answers
 from rllight.rollout import HFEngine, RolloutEngine
 from rllight.rollout.producer import RolloutProducer
 from rllight.rollout.metrics import logprob_mismatch
@@ -114,6 +114,12 @@ class RLModule(L.LightningModule):
         rollout: Generation engine and sampling settings.
         sampler: Which responses form a rollout (e.g. G per prompt).
         reward: Outcome reward of a response against the reference answer.
+        reward_runner: Where rewards are computed: worker processes with a per-sample timeout (a hanging or
+            crashing reward gives that sample 0 and is counted: ``train/reward/timeouts``,
+            ``train/reward/worker_deaths``); None = in the training process, without a timeout.
+        reward_preflight: Before training, this many rows' reference answers must earn the reward's maximum
+            and a wrong answer must not, or the run stops with one line naming the reward and the row
+            (0 = no check, e.g. for a reward that scores something other than the answer).
         advantage: Advantage estimator (GroupRelative for GRPO, GAE for PPO).
         policy_loss: Per-token policy objective.
         aggregation: How per-token losses are averaged (token-mean, seq-mean-token-mean, ...).
@@ -155,6 +161,8 @@ class RLModule(L.LightningModule):
         rollout: RolloutEngine = lazy_instance(HFEngine),
         sampler: Sampler = lazy_instance(GroupSampler),
         reward: Reward = lazy_instance(IntegerMatch),
+        reward_runner: RewardRunner | None = lazy_instance(RewardRunner),
+        reward_preflight: int = 4,
         advantage: AdvantageEstimator = lazy_instance(GroupRelative),
         policy_loss: PolicyLoss = lazy_instance(ClippedSurrogate),
         aggregation: Aggregation = lazy_instance(TokenMean),
@@ -244,7 +252,9 @@ class RLModule(L.LightningModule):
         self.val_length = MeanMetric()
         self.val_truncated = MeanMetric()
         # Rollout production (prompts -> generation -> reward) is its own layer; samplers compose it.
-        self.producer = RolloutProducer(rollout, reward, max_prompt_tokens, max_failed_reward_steps)
+        self.producer = RolloutProducer(rollout, reward, max_prompt_tokens, max_failed_reward_steps, reward_runner)
+        self.reward_runner = reward_runner
+        self.reward_preflight = reward_preflight
         self.prompt_stream: PromptStream | None = None  # extra training prompts (set up with the data)
         self._extra_cursor = 0
 
@@ -257,10 +267,16 @@ class RLModule(L.LightningModule):
         rows += list(getattr(datamodule, "val_rows", None) or [])
         check_answers(self.reward, rows)
         train_rows = getattr(datamodule, "train_rows", None) if stage == "fit" else None
+        if train_rows and self.reward_preflight:
+            (self.reward_runner or RewardRunner(workers=0)).preflight(self.reward, train_rows, k=self.reward_preflight)
         if train_rows:
             self.prompt_stream = PromptStream(train_rows, world=self.trainer.world_size, rank=self.trainer.global_rank)
             self.prompt_stream.cursor = self._extra_cursor
             self.producer.bind(self.policy, self.tokenizer, draw=self.prompt_stream.draw)
+
+    def teardown(self, stage: str) -> None:
+        if self.reward_runner is not None:
+            self.reward_runner.close()  # the workers start again at the next score
 
     def configure_model(self) -> None:
         if self.policy is not None:

@@ -24,13 +24,13 @@ def test_a_failed_batch_between_good_ones_only_warns(tiny_model_dir, tmp_path):
     from conftest import RECIPES
 
     cli = build(f"{RECIPES}/grpo.yaml", tiny_overrides(tmp_path, tiny_model_dir), "--model.max_failed_reward_steps", "2")
-    module = cli.model
-    module._count_failed_reward_step(True)
-    module._count_failed_reward_step(False)  # a good batch resets the count
-    module._count_failed_reward_step(True)
-    assert module.failed_reward_steps == 1
+    producer = cli.model.producer
+    producer.count_failed_reward_batch(True)
+    producer.count_failed_reward_batch(False)  # a good batch resets the count
+    producer.count_failed_reward_batch(True)
+    assert producer.failed_reward_steps == 1
     with pytest.raises(Exception, match="2 batches in a row"):
-        module._count_failed_reward_step(True)
+        producer.count_failed_reward_batch(True)
 
 
 @pytest.mark.slow
@@ -44,3 +44,32 @@ def test_answers_the_reward_can_never_match_are_refused_before_the_model_loads(t
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith("rllight: error: ") and str(data) in last and "row 2" in last and "'2.0'" in last
     assert "IntegerMatch" in last
+
+
+@pytest.mark.slow
+def test_a_reward_that_hangs_costs_its_sample_not_the_run(tmp_path, tiny_model_dir):
+    """Through the CLI, rewards in a worker process with a 2 s timeout: a reward that hangs on some
+    responses gives them 0, counted in train/reward/timeouts, and the run finishes."""
+    import csv
+
+    overlay = tiny_overrides(tmp_path, tiny_model_dir,
+                             reward={"class_path": "user_strategies.HangsOnEmpty"},
+                             reward_runner={"class_path": "rllight.rewards.RewardRunner",
+                                            "init_args": {"workers": 1, "timeout_seconds": 2.0}})
+    run = fit_in_child("grpo.yaml", "--config", overlay, "--trainer.max_steps", "2",
+                       "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
+                       "--trainer.logger.save_dir", str(tmp_path / "logs"), timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    (metrics,) = list((tmp_path / "logs").rglob("metrics.csv"))
+    rows = list(csv.DictReader(open(metrics)))
+    timeouts = [float(r["train/reward/timeouts"]) for r in rows if r.get("train/reward/timeouts")]
+    assert timeouts and sum(timeouts) >= 1
+
+
+def test_the_reward_preflight_refuses_a_reward_that_cannot_tell_right_from_wrong(tmp_path, tiny_model_dir):
+    overlay = tiny_overrides(tmp_path, tiny_model_dir, reward={"class_path": "user_strategies.DigitReward"},
+                             reward_preflight=2)
+    run = fit_in_child("grpo.yaml", "--config", overlay, timeout=600)
+    assert run.returncode == 2, run.stderr[-3000:]
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("rllight: error: ") and "DigitReward" in last and "row" in last

@@ -143,3 +143,14 @@ class NaNLossOnRank0(ClippedSurrogate):
         if os.environ.get("LOCAL_RANK", "0") == "0" and self.calls == 1:
             loss = loss * float("nan")
         return loss, stats
+
+
+class HangsOnEmpty(DigitReward):
+    """Hangs (sleeps far past any timeout) on a response with no digit; DigitReward otherwise."""
+
+    def __call__(self, response: str, answer: str) -> float:
+        if not any(c.isdigit() for c in response):
+            import time
+
+            time.sleep(3600)
+        return super().__call__(response, answer)

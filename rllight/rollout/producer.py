@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from rllight.errors import RecipeError
-from rllight.rewards import Reward, score_batch
+from rllight.rewards import Reward, RewardRunner, score_batch
 from rllight.rollout.base import RolloutEngine
 from rllight.types import Rollout
 
@@ -39,14 +39,18 @@ class RolloutProducer:
     truncated: a cut prompt is a different question. A training batch on which the reward failed for every
     sample is a warning; ``max_failed_reward_steps`` of them in a row stop the run with one line.
 
+    Rewards are computed by ``runner`` (worker processes with a per-sample timeout: a reward that hangs,
+    raises or kills its process costs that sample 0, counted, never the run); None = in this process.
+
     Counters (``reward_failures``, ``dropped_prompts``, ``failed_reward_steps``) are part of the state saved in
     checkpoints (``state_dict``).
     """
 
     def __init__(self, engine: RolloutEngine, reward: Reward, max_prompt_tokens: int | None = None,
-                 max_failed_reward_steps: int = 3):
+                 max_failed_reward_steps: int = 3, runner: RewardRunner | None = None):
         self.engine = engine
         self.reward = reward
+        self.runner = runner
         self.max_prompt_tokens = max_prompt_tokens
         self.max_failed_reward_steps = max_failed_reward_steps
         self.policy: torch.nn.Module | None = None
@@ -95,7 +99,15 @@ class RolloutProducer:
         t1 = time.perf_counter()
         texts = self.tokenizer.batch_decode(gen.response_ids, skip_special_tokens=True)
         answers = [r["answer"] for r in rows for _ in range(n)]
-        rewards, correct, failures = score_batch(self.reward, texts, answers)
+        reward_metrics: dict[str, float] = {}
+        if self.runner is not None:
+            scores = self.runner.score(self.reward, texts, answers)
+            rewards, correct, failures = scores.rewards, scores.correct, scores.failures
+            reward_metrics = {"reward/timeouts": float(scores.timeouts), "reward/worker_deaths": float(scores.worker_deaths)}
+            for name, values in scores.components.items():  # each part of a weighted reward, on its own
+                reward_metrics[f"reward/{name}"] = sum(values) / max(len(values), 1)
+        else:
+            rewards, correct, failures = score_batch(self.reward, texts, answers)
         self.reward_failures += failures
         if training:
             self.count_failed_reward_batch(failures == len(texts))
@@ -117,6 +129,7 @@ class RolloutProducer:
                 "time/rollout": t1 - t0,
                 "time/reward": t2 - t1,
                 "reward/failures": float(failures),
+                **reward_metrics,
                 "data/dropped_long_prompts": float(dropped),
                 **self.engine.last_metrics,
             },
