@@ -19,7 +19,7 @@ from rllight.critics import Critic
 from rllight.errors import RecipeError
 from rllight.models import HFModel, LoRA, response_hidden_states
 from rllight.data.prompt_stream import PromptStream
-from rllight.rewards import IntegerMatch, Reward, RewardRunner, check_answers
+from rllight.rewards import IntegerMatch, Reward, RewardRunner, by_source, check_rows
 from rllight.rollout import HFEngine, RolloutEngine
 from rllight.rollout.producer import RolloutProducer
 from rllight.rollout.metrics import logprob_mismatch
@@ -265,10 +265,12 @@ class RLModule(L.LightningModule):
         datamodule = self.trainer.datamodule if self._trainer is not None else None
         rows = list(getattr(datamodule, "train_rows", None) or []) if stage == "fit" else []
         rows += list(getattr(datamodule, "val_rows", None) or [])
-        check_answers(self.reward, rows)
+        check_rows(self.reward, rows)  # each row against its data source's reward
         train_rows = getattr(datamodule, "train_rows", None) if stage == "fit" else None
         if train_rows and self.reward_preflight:
-            (self.reward_runner or RewardRunner(workers=0)).preflight(self.reward, train_rows, k=self.reward_preflight)
+            runner = self.reward_runner or RewardRunner(workers=0)
+            for reward, index in by_source(self.reward, [r.get("data_source") for r in train_rows]):
+                runner.preflight(reward, [train_rows[i] for i in index], k=self.reward_preflight)
         if train_rows:
             self.prompt_stream = PromptStream(train_rows, world=self.trainer.world_size, rank=self.trainer.global_rank)
             self.prompt_stream.cursor = self._extra_cursor

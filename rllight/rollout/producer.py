@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from rllight.errors import RecipeError
-from rllight.rewards import Reward, RewardRunner, score_batch
+from rllight.rewards import Reward, RewardRunner, by_source, score_batch
 from rllight.rollout.base import RolloutEngine
 from rllight.types import Rollout
 
@@ -83,31 +83,23 @@ class RolloutProducer:
         """``n`` responses for each prompt row, scored. ``training`` False (a second pass over the same rows,
         or validation) leaves the run's counters of dropped prompts and failed reward batches alone."""
         prompts = self.encode(rows)
-        dropped = 0
-        if self.max_prompt_tokens is not None:
-            keep = [i for i, p in enumerate(prompts) if len(p) <= self.max_prompt_tokens]
-            dropped = len(prompts) - len(keep)
-            if dropped:
-                log.warning("dropped %d prompt(s) longer than max_prompt_tokens=%d", dropped, self.max_prompt_tokens)
-            rows, prompts = [rows[i] for i in keep], [prompts[i] for i in keep]
+        keep = [i for i, p in enumerate(prompts) if self.max_prompt_tokens is None or len(p) <= self.max_prompt_tokens]
+        dropped = len(rows) - len(keep)
+        if dropped:
+            log.warning("dropped %d prompt(s) longer than max_prompt_tokens=%d", dropped, self.max_prompt_tokens)
             if training:
                 self.dropped_prompts += dropped
+        rows, prompts = [rows[i] for i in keep], [prompts[i] for i in keep]
+        # "kept_rows": which of the given rows the rollout answers (its groups, in order).
         if not prompts:
-            return Rollout.empty(extras={"data/dropped_long_prompts": float(dropped)})
+            return Rollout.empty(extras={"data/dropped_long_prompts": float(dropped), "kept_rows": keep})
         t0 = time.perf_counter()
         gen = self.engine.generate(self.policy, self.tokenizer, [p for p in prompts for _ in range(n)], greedy=greedy)
         t1 = time.perf_counter()
         texts = self.tokenizer.batch_decode(gen.response_ids, skip_special_tokens=True)
         answers = [r["answer"] for r in rows for _ in range(n)]
-        reward_metrics: dict[str, float] = {}
-        if self.runner is not None:
-            scores = self.runner.score(self.reward, texts, answers)
-            rewards, correct, failures = scores.rewards, scores.correct, scores.failures
-            reward_metrics = {"reward/timeouts": float(scores.timeouts), "reward/worker_deaths": float(scores.worker_deaths)}
-            for name, values in scores.components.items():  # each part of a weighted reward, on its own
-                reward_metrics[f"reward/{name}"] = sum(values) / max(len(values), 1)
-        else:
-            rewards, correct, failures = score_batch(self.reward, texts, answers)
+        sources = [r.get("data_source") for r in rows for _ in range(n)]
+        rewards, correct, failures, reward_metrics = self.score(texts, answers, sources)
         self.reward_failures += failures
         if training:
             self.count_failed_reward_batch(failures == len(texts))
@@ -131,9 +123,33 @@ class RolloutProducer:
                 "reward/failures": float(failures),
                 **reward_metrics,
                 "data/dropped_long_prompts": float(dropped),
+                "kept_rows": keep,
                 **self.engine.last_metrics,
             },
         )
+
+    def score(self, texts: list[str], answers: list[str], sources: list[str | None]):
+        """``(rewards, correct, failures, metrics)`` of the responses ``texts``: each scored by its data
+        source's reward (``PerSource``) or the one reward, in the worker processes of ``runner`` if any."""
+        rewards, correct = [0.0] * len(texts), [False] * len(texts)
+        failures, metrics = 0, {}
+        parts: dict[str, list[float]] = {}
+        for reward, index in by_source(self.reward, sources):
+            sub_texts, sub_answers = [texts[i] for i in index], [answers[i] for i in index]
+            if self.runner is not None:
+                scores = self.runner.score(reward, sub_texts, sub_answers)
+                values, oks, fails = scores.rewards, scores.correct, scores.failures
+                for key in ("timeouts", "worker_deaths"):
+                    metrics[f"reward/{key}"] = metrics.get(f"reward/{key}", 0.0) + float(getattr(scores, key))
+                for name, vals in scores.components.items():  # each part of a weighted reward, on its own
+                    parts.setdefault(name, []).extend(vals)
+            else:
+                values, oks, fails = score_batch(reward, sub_texts, sub_answers)
+            for j, i in enumerate(index):
+                rewards[i], correct[i] = values[j], oks[j]
+            failures += fails
+        metrics.update({f"reward/{name}": sum(v) / max(len(v), 1) for name, v in parts.items()})
+        return rewards, correct, failures, metrics
 
     def count_failed_reward_batch(self, all_failed: bool) -> None:
         """Count a training batch on which the reward failed for every sample; stop after too many in a row."""
