@@ -19,7 +19,6 @@ from rllight.callbacks import SelfImitation, ValuePretraining
 from rllight.callbacks.replay import build_rollout
 from rllight.module import RLModule
 from rllight.errors import RecipeError
-from rllight.module import RLModule
 from rllight.strategies import (
     AdaptiveLambda,
     ClippedSurrogate,
@@ -35,6 +34,7 @@ from helpers import build, tiny_overrides, unchanged_parameters
 from test_dapo import make_rollout
 
 ABLATIONS = os.path.join(RECIPES, "ablations")
+SHARED_CRITIC = os.path.join(ABLATIONS, "vapo-shared-critic.yaml")  # a value head on the policy's backbone
 
 # --------------------------------------------------------------------------------------------------
 # Lambdas
@@ -132,12 +132,13 @@ def test_decoupled_gae_uses_one_adaptive_lambda_per_sequence_and_reports_its_sta
 def test_positive_example_nll_hand_computed():
     # Two responses of two tokens; response 0 is correct, response 1 wrong. Zero advantages, so the clipped
     # surrogate is 0 and only the NLL term is left: 0.1 * (-ln 0.5, -ln 0.25) on response 0, 0 on response 1.
-    # token-mean over the step's 4 tokens: 0.1 * (0.6931471806 + 1.3862943611) / 4 = 0.0519860385.
+    # normalize all_tokens, token-mean over the step's 4 tokens: 0.1 * (0.6931471806 + 1.3862943611) / 4 = 0.0519860385
+    # (the paper's default, over the correct tokens only, is tested in tests/test_positive_nll.py).
     logprobs = torch.log(torch.tensor([[0.5, 0.25], [0.5, 0.5]])).requires_grad_()
     batch = make_rollout([1.0, 0.0], lengths=[2, 2])
     batch.old_logprobs = logprobs.detach().clone()
     batch.advantages = torch.zeros(2, 2)
-    per_token, stats = PositiveExampleNLL(ClippedSurrogate(0.2, 0.28), coef=0.1)(logprobs, batch)
+    per_token, stats = PositiveExampleNLL(ClippedSurrogate(0.2, 0.28), coef=0.1, normalize="all_tokens")(logprobs, batch)
     assert_close(per_token.detach(), torch.tensor([[0.0693147181, 0.1386294361], [0.0, 0.0]]))
     loss = TokenMean()(per_token, batch.response_mask, num_tokens=torch.tensor(4.0))
     assert loss.item() == pytest.approx(0.0519860385)
@@ -163,6 +164,7 @@ def test_positive_example_nll_hand_computed():
     (lambda: PositiveExampleNLL(coef=-1.0), "coef"),
     (lambda: ValuePretraining(max_steps=-1), "max_steps"),
     (lambda: ValuePretraining(patience=0), "patience"),
+    (lambda: ValuePretraining(min_delta_explained_variance=-0.1), "min_delta_explained_variance"),
     (lambda: ValuePretraining(epochs=0), "epochs"),
     (lambda: SelfImitation(capacity=0), "capacity"),
     (lambda: SelfImitation(every_n_steps=0), "every_n_steps"),
@@ -220,7 +222,13 @@ def test_value_pretraining_fits_the_head_on_monte_carlo_returns_and_consumes_the
     # Monte-Carlo returns (lambda 1, gamma 1): the outcome reward on every valid token, 0 on padding.
     assert_close(fitted.returns, torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [1.0, 1.0, 0.0]]))
     assert_close(fitted.values, 0.3 * fitted.response_mask.float())
-    assert module.logged[0]["train/value_pretraining/loss"] == pytest.approx(0.4)
+    logged = module.logged[0]
+    # Held out, before the update, on the 6 valid tokens: V = 0.3, returns 1 (5 tokens) and 0 (1 token).
+    # Loss 0.5 * (5 * 0.7^2 + 0.3^2) / 6 = 0.5 * 2.54 / 6 = 0.2116666667.
+    assert logged["train/value_pretraining/loss"] == pytest.approx(0.2116666667)
+    # A constant V explains none of the variance: 1 - Var(R - 0.3) / Var(R) = 0.
+    assert logged["train/value_pretraining/explained_variance"] == pytest.approx(0.0, abs=1e-6)
+    assert logged["train/value_pretraining/fit_loss"] == pytest.approx(0.4)  # what critic_update reported
 
 
 def test_value_pretraining_discounts_the_returns_with_the_estimators_gamma():
@@ -230,18 +238,61 @@ def test_value_pretraining_discounts_the_returns_with_the_estimators_gamma():
     assert_close(module.updates[0]["rollout"].returns, torch.tensor([[0.25, 0.5, 1.0]]))
 
 
-def test_value_pretraining_stops_when_the_loss_plateaus_then_hands_over():
-    # patience 2, min_delta 1e-3: 1.0 (best), 0.5 (best), 0.4995 (not below 0.5 - 0.001: 1 bad),
-    # 0.6 (2 bad) -> finished after 4 rollouts; the 5th passes through untouched.
-    module = FakeCriticModule(losses=[1.0, 0.5, 0.4995, 0.6])
-    cb = ValuePretraining(max_steps=100, patience=2, min_delta=1e-3)
-    for _ in range(4):
+def _observe_all(cb, sequence):
+    """Feed (loss, explained variance) pairs; the reasons returned, one per pair."""
+    return [cb.observe(loss, ev) for loss, ev in sequence]
+
+
+def test_value_pretraining_stops_when_loss_and_explained_variance_have_both_settled():
+    # patience 2, tolerances 1e-3 (loss) and 1e-2 (explained variance):
+    # (1.0, 0.10): both best. (0.5, 0.30): both improve. (0.4995, 0.305): 0.4995 is not below 0.5 - 0.001 and
+    # 0.305 not above 0.30 + 0.01 -> 1 rollout without improvement. (0.6, 0.2): 2 -> settled after 4 rollouts.
+    cb = ValuePretraining(max_steps=100, patience=2, min_delta=1e-3, min_delta_explained_variance=1e-2)
+    reasons = _observe_all(cb, [(1.0, 0.10), (0.5, 0.30), (0.4995, 0.305), (0.6, 0.2)])
+    assert reasons == [None, None, None, "settled"]
+    assert (cb.finished, cb.steps_done, cb.best_loss, cb.best_explained_variance, cb.bad_steps) == \
+        (True, 4, 0.5, 0.30, 2)
+
+
+def test_value_pretraining_does_not_stop_while_the_explained_variance_still_improves():
+    # The loss is flat from the 1st rollout, the explained variance rises by 0.1 (> 0.01) each time: every
+    # rollout improves one of the two, so patience 2 never runs out. Then it flattens (0.505 is not above
+    # 0.5 + 0.01): 2 more rollouts and it has settled.
+    cb = ValuePretraining(max_steps=100, patience=2, min_delta=1e-3, min_delta_explained_variance=1e-2)
+    rising = [(1.0, 0.1), (1.0, 0.2), (1.0, 0.3), (1.0, 0.4), (1.0, 0.5)]
+    assert _observe_all(cb, rising) == [None] * 5 and not cb.finished
+    assert _observe_all(cb, [(1.0, 0.505), (1.0, 0.5)]) == [None, "settled"]
+    assert cb.steps_done == 7
+
+
+def test_value_pretraining_does_not_stop_while_the_loss_still_improves():
+    # Explained variance flat (or undefined: NaN when the returns do not vary, which never counts as an
+    # improvement); the loss falls by 0.1 (> 1e-3) each rollout, so it goes on until it stops falling.
+    cb = ValuePretraining(max_steps=100, patience=2, min_delta=1e-3, min_delta_explained_variance=1e-2)
+    falling = [(0.9, 0.2), (0.8, 0.2), (0.7, math.nan), (0.6, 0.2), (0.5, math.nan)]
+    assert _observe_all(cb, falling) == [None] * 5 and not cb.finished
+    assert _observe_all(cb, [(0.5, 0.2), (0.5, math.nan)]) == [None, "settled"]
+    assert cb.best_explained_variance == 0.2
+
+
+def test_value_pretraining_stops_at_its_cap_while_both_still_improve():
+    cb = ValuePretraining(max_steps=3, patience=2)
+    assert _observe_all(cb, [(0.9, 0.1), (0.8, 0.2), (0.7, 0.3)]) == [None, None, "max_steps"]
+    assert cb.finished and cb.bad_steps == 0
+
+
+def test_value_pretraining_hands_over_once_settled():
+    # patience 1: the 1st rollout sets both bests; the 2nd is the same rollout with the same values (the
+    # fake critic does not learn), so neither improves and pretraining ends; the 3rd passes through untouched.
+    module = FakeCriticModule(losses=[1.0, 0.9])
+    cb = ValuePretraining(max_steps=100, patience=1)
+    for _ in range(2):
         assert cb.on_rollout(None, module, make_rollout([1.0, 0.0], [2, 2])) is None
-    assert (cb.finished, cb.steps_done, cb.best_loss, cb.bad_steps) == (True, 4, 0.5, 2)
+    assert (cb.finished, cb.steps_done, cb.bad_steps) == (True, 2, 1)
     rollout = make_rollout([1.0, 0.0], [2, 2])
     assert cb.on_rollout(None, module, rollout) is rollout
-    assert len(module.updates) == 4
-    assert module.logged[-1]["train/value_pretraining/finished"] == 1.0
+    assert len(module.updates) == 2
+    assert [m["train/value_pretraining/finished"] for m in module.logged] == [0.0, 1.0]
 
 
 def test_value_pretraining_runs_max_steps_without_patience_and_zero_steps_is_off():
@@ -259,13 +310,22 @@ def test_value_pretraining_state_dict_round_trip_resumes_the_count():
     module = FakeCriticModule(losses=[1.0, 0.9, 0.8])
     cb = ValuePretraining(max_steps=3, patience=None)
     for _ in range(2):
-        cb.on_rollout(None, module, make_rollout([1.0], [1]))
+        cb.on_rollout(None, module, make_rollout([1.0, 0.0], [1, 1]))
     restored = ValuePretraining(max_steps=3, patience=None)
     restored.load_state_dict(cb.state_dict())
-    assert restored.state_dict() == {"steps_done": 2, "finished": False, "best_loss": pytest.approx(0.9),
-                                     "bad_steps": 0}
+    # V = 0.3 against returns 1 and 0: loss 0.5 * (0.49 + 0.09) / 2 = 0.145, explained variance 0 (constant V);
+    # the 2nd, identical rollout improved neither.
+    assert restored.state_dict() == {"steps_done": 2, "finished": False, "best_loss": pytest.approx(0.145),
+                                     "best_explained_variance": pytest.approx(0.0, abs=1e-6), "bad_steps": 1}
     assert restored.on_rollout(None, module, make_rollout([1.0], [1])) is None
     assert restored.finished and restored.steps_done == 3
+
+
+def test_value_pretraining_loads_a_state_saved_before_the_explained_variance_criterion():
+    cb = ValuePretraining()
+    cb.load_state_dict({"steps_done": 2, "finished": False, "best_loss": 0.2, "bad_steps": 1})
+    assert cb.best_explained_variance == -math.inf and cb.steps_done == 2
+    assert cb.observe(0.3, 0.05) is None and cb.bad_steps == 0  # any explained variance beats "none yet"
 
 
 def test_value_pretraining_without_a_critic_is_a_recipe_error():
@@ -288,6 +348,10 @@ class FakeNLLModule:
         self.device = torch.device("cpu")
         self.replayed = []
         self.logged = []
+
+    @staticmethod
+    def any_rank(flag):  # one process
+        return flag
 
     def nll_update(self, rollout, coef=1.0, minibatch_size=None):
         self.replayed.append((rollout, coef))
@@ -439,21 +503,50 @@ def test_vapo_two_steps_change_every_trainable_parameter(recipe, tmp_path, tiny_
     assert pretraining.finished and pretraining.steps_done >= 1
     assert cli.trainer.global_step == 2  # policy updates; pretraining rollouts do not count
     assert unchanged_parameters(cli.model.policy, tiny_model_dir) == []
-    for name, p in cli.model.critic.named_parameters():
-        assert p.abs().sum() > 0, f"value head {name} still at its zero init"
+    # The critic is a value model of its own (a copy of the initial policy): value pretraining and the
+    # critic-first updates train all of it, backbone included, and the head has left its zero init.
+    assert unchanged_parameters(cli.model.critic.backbone, tiny_model_dir, decoder=True) == []
+    assert cli.model.critic.head.weight.abs().sum() > 0 and cli.model.critic.head.bias.abs().sum() > 0
     logged = cli.trainer.callback_metrics
-    assert "train/value_pretraining/loss" in logged
+    assert "train/value_pretraining/loss" in logged and "train/value_pretraining/explained_variance" in logged
     assert 0.0 <= logged["train/advantage/lambda_min"] <= logged["train/advantage/lambda_mean"] \
         <= logged["train/advantage/lambda_max"] < 1.0
 
 
-def test_vapo_with_a_separate_critic(tmp_path, tiny_model_dir):
+def test_vapo_critic_starts_as_a_separate_copy_of_the_initial_policy(tmp_path, tiny_model_dir):
+    cli = build(os.path.join(RECIPES, "vapo.yaml"), tiny_overrides(tmp_path, tiny_model_dir))
+    module = cli.model
+    module.configure_model()
+    critic, decoder = module.critic, module.policy.get_decoder()
+    assert type(critic).__name__ == "SeparateCritic" and critic.source is None  # null: the policy's own source
+    policy_state = decoder.state_dict()
+    critic_state = critic.backbone.state_dict()
+    assert critic_state.keys() == policy_state.keys()
+    assert all(torch.equal(critic_state[k], policy_state[k]) for k in policy_state)  # same initial weights ...
+    policy_ids = {id(p) for p in module.policy.parameters()}
+    assert not policy_ids & {id(p) for p in critic.parameters()}  # ... in parameters of its own
+    assert critic.lr == 1e-4
+
+
+def test_vapo_with_the_critic_on_the_shared_backbone(tmp_path, tiny_model_dir):
+    cli = build(os.path.join(RECIPES, "vapo.yaml"), tiny_overrides(tmp_path, tiny_model_dir), SHARED_CRITIC,
+                *MORE_PROMPTS)
+    assert type(cli.model.critic).__name__ == "ValueHead" and cli.model.critic.lr == 1e-4
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert cli.trainer.global_step == 2
+    assert unchanged_parameters(cli.model.policy, tiny_model_dir) == []
+    assert [n for n, _ in cli.model.critic.named_parameters()] == ["head.weight", "head.bias"]  # no backbone
+    assert cli.model.critic.head.weight.abs().sum() > 0
+
+
+def test_vapo_with_a_critic_model_named_by_the_recipe(tmp_path, tiny_model_dir):
     critic = {"critic": {"class_path": "rllight.critics.SeparateCritic",
                          "init_args": {"model": {"class_path": "rllight.models.HFModel",
                                                  "init_args": {"path": tiny_model_dir}}, "lr": 1e-2}}}
     overlay = _write(tmp_path, "critic.yaml", {"model": critic})
     cli = build(os.path.join(RECIPES, "vapo.yaml"), tiny_overrides(tmp_path, tiny_model_dir), overlay, *MORE_PROMPTS)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert cli.model.critic.source.path == tiny_model_dir
     assert cli.trainer.global_step == 2
     assert unchanged_parameters(cli.model.policy, tiny_model_dir) == []
     # Value pretraining and the critic-first updates train the whole separate critic, backbone included.
@@ -524,8 +617,9 @@ def test_critic_first_updates_of_a_shared_value_head_leave_the_policy_where_it_s
     # The K_v critic updates run between sampling and the policy update. Were the value loss to train the
     # shared backbone there, the policy would move before its own update: the rollout would be off-policy
     # while its "old" log-probs came from the moved policy, and the engine would sample from stale weights.
-    cli = build(os.path.join(RECIPES, "vapo.yaml"), tiny_overrides(tmp_path, tiny_model_dir), _callbacks(tmp_path),
-                "--trainer.max_steps", "1", "--model.critic_updates_first", "3", "--model.critic.init_args.lr", "0.1")
+    cli = build(os.path.join(RECIPES, "vapo.yaml"), tiny_overrides(tmp_path, tiny_model_dir), SHARED_CRITIC,
+                _callbacks(tmp_path), "--trainer.max_steps", "1", "--model.critic_updates_first", "3",
+                "--model.critic.init_args.lr", "0.1")
     module = cli.model
     snapshots = []
     original = module.critic_update
@@ -550,12 +644,13 @@ def test_critic_first_updates_of_a_shared_value_head_leave_the_policy_where_it_s
 
 
 def _vapo_module_and_scored_rollout(tmp_path, tiny_model_dir):
-    """A vapo.yaml module after one policy step, and a fresh rollout of 16 responses with values and returns."""
-    cli = build(os.path.join(RECIPES, "vapo.yaml"), tiny_overrides(tmp_path, tiny_model_dir), _callbacks(tmp_path),
-                "--trainer.max_steps", "1", "--model.micro_batch_size", "4")
+    """A vapo.yaml module with the shared value head after one policy step, and a fresh rollout of 16 responses
+    with values and returns."""
+    cli = build(os.path.join(RECIPES, "vapo.yaml"), tiny_overrides(tmp_path, tiny_model_dir), SHARED_CRITIC,
+                _callbacks(tmp_path), "--trainer.max_steps", "1", "--model.micro_batch_size", "4")
     module = cli.model
     cli.trainer.fit(module, datamodule=cli.datamodule)
-    rollout = module.sampler(module, cli.datamodule.train_rows[:2])
+    rollout = module.sampler(module.producer, cli.datamodule.train_rows[:2])
     module.score_with_models(rollout, need_old=False, need_values=True)
     module._estimate_advantages(rollout)
     rollout.returns = rollout.returns + 1.0  # a target the critic cannot already meet
@@ -648,6 +743,29 @@ def test_metrics_of_some_steps_only_are_logged_on_those_steps_not_repeated(tmp_p
     assert logged("train/sil/nll") == [False, False, True, False]
 
 
+@pytest.mark.parametrize("init_args,rollouts", [
+    # Tolerances no rollout can beat after the first (a loss 10 below its best, an explained variance 10
+    # above): the 2nd rollout improves neither, patience 1 -> settled after 2 of the 20 allowed.
+    ({"max_steps": 20, "patience": 1, "min_delta": 10.0, "min_delta_explained_variance": 10.0}, 2),
+    # Patience longer than the cap: it ends at max_steps = 3 whatever the numbers.
+    ({"max_steps": 3, "patience": 5}, 3),
+])
+def test_value_pretraining_ends_in_a_run_then_rl_starts(init_args, rollouts, tmp_path, tiny_model_dir):
+    cli = build(os.path.join(RECIPES, "vapo.yaml"), tiny_overrides(tmp_path, tiny_model_dir),
+                _callbacks(tmp_path, _pretraining(**init_args)), "--trainer.max_steps", "2")
+    logger = CaptureLogger(tmp_path)
+    cli.trainer.loggers = [logger]
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    pretraining = next(cb for cb in cli.trainer.callbacks if isinstance(cb, ValuePretraining))
+    assert pretraining.finished and pretraining.steps_done == rollouts
+    assert cli.trainer.global_step == 2  # then the 2 policy updates (one per rollout of 16 at minibatch 16)
+    steps = [call for call in logger.calls if "train/time/step" in call]
+    assert len(steps) == rollouts + 2
+    for key in ("train/value_pretraining/loss", "train/value_pretraining/explained_variance"):
+        assert [key in call for call in steps] == [True] * rollouts + [False, False]
+    assert [call["train/value_pretraining/finished"] for call in steps[:rollouts]] == [0.0] * (rollouts - 1) + [1.0]
+
+
 def test_replay_buffer_and_value_pretraining_state_survive_a_checkpoint(tmp_path, tiny_model_dir):
     # Pretrain for 1 rollout, then 2 policy steps whose responses all count as successes (min_reward 0: the
     # test reward is >= 0), replayed every step. Save a Lightning checkpoint; a new trainer resumes from it.
@@ -689,3 +807,46 @@ def test_replay_buffer_and_value_pretraining_state_survive_a_checkpoint(tmp_path
     assert len(sil3.entries) > len(saved_sil["entries"])
     old = {(tuple(e["prompt_ids"].tolist()), tuple(e["response_ids"].tolist())) for e in saved_sil["entries"]}
     assert old <= {(tuple(e["prompt_ids"].tolist()), tuple(e["response_ids"].tolist())) for e in sil3.entries}
+
+
+# --------------------------------------------------------------------------------------------------
+# tools/compare.py: the budget in rollouts and the critic's summary
+# --------------------------------------------------------------------------------------------------
+
+
+def _compare_tool():
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(RECIPES), "tools", "compare.py")
+    spec = importlib.util.spec_from_file_location("rllight_compare_tool", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_compare_counts_the_budget_in_rollouts():
+    compare = _compare_tool()
+
+    def config(batch_size, group_size, minibatch_size, ppo_epochs):
+        return {"data": {"batch_size": batch_size}, "model": {"sampler": {"init_args": {"group_size": group_size}},
+                                                              "minibatch_size": minibatch_size,
+                                                              "ppo_epochs": ppo_epochs}}
+
+    assert compare.updates_per_rollout(config(4, 8, 16, 1)) == 2  # 32 responses / 16
+    assert compare.updates_per_rollout(config(4, 8, None, 1)) == 1  # the whole rollout in one update
+    assert compare.updates_per_rollout(config(4, 8, 10, 2)) == 8  # 2 epochs x ceil(32 / 10) = 2 x 4
+    assert compare.updates_per_rollout(config(16, None, 8, 1)) == 2  # no group: 16 responses / 8
+    args = compare.parse_args(["--steps", "5"])
+    assert compare.shared_overlay(args, "runs/x", updates_per_rollout=4)["trainer"]["max_steps"] == 20
+
+
+def test_compare_summarises_the_critic():
+    compare = _compare_tool()
+    nan = math.nan
+    summary = compare.critic_summary({
+        "train/value_pretraining/explained_variance": [0.0, 0.2, 0.35],
+        # Last half of 5 RL steps: from index 2, [0.3, nan, 0.5]; NaN (returns that did not vary) left out.
+        "train/value/explained_variance": [nan, 0.1, 0.3, nan, 0.5],
+    })
+    assert summary == {"pretraining_rollouts": 3, "ev_pretraining_end": 0.35, "ev_rl_last_half": pytest.approx(0.4)}
+    assert compare.critic_summary({"train/reward/mean": [0.5]}) == {}  # no critic
