@@ -453,9 +453,10 @@ class RLModule(L.LightningModule):
 
     @staticmethod
     def outcome_token_rewards(rollout: Rollout) -> Tensor:
-        """(B, T): each response's outcome reward on its last token, zero elsewhere (and for empty ones)."""
+        """(B, T): each response's outcome reward on its last model token, zero elsewhere (and for empty ones).
+        In a multi-turn episode that is the model's last token, not an observation's."""
         mask = rollout.response_mask.float()
-        last = (rollout.response_lengths - 1).clamp(min=0).long()
+        last = rollout.last_action_index
         token_rewards = torch.zeros_like(mask)
         token_rewards[torch.arange(len(rollout), device=mask.device), last] = rollout.rewards.to(mask) * (
             rollout.response_lengths > 0

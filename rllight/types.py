@@ -24,7 +24,7 @@ class Rollout:
     response_ids: Tensor
     """Shape (B, T): response token ids, right-padded; the end-of-sequence token is included."""
     response_mask: Tensor
-    """Shape (B, T): 1 on response tokens that enter the loss."""
+    """Shape (B, T): 1 on response tokens that enter the loss: the model's own tokens (its actions)."""
     sample_logprobs: Tensor
     """Shape (B, T): log-probs of the response tokens under the engine's sampling distribution."""
     truncated: Tensor
@@ -51,6 +51,10 @@ class Rollout:
     """Shape (B, T): advantages, zero outside ``response_mask``."""
     returns: Tensor | None = None
     """Shape (B, T): value targets."""
+    context_mask: Tensor | None = None
+    """Shape (B, T): 1 on every real token after the prompt, the model's and an environment's observations
+    of a multi-turn episode alike (observations are context, not actions: ``response_mask`` leaves them
+    out). None = ``response_mask`` (a single turn)."""
     extras: dict[str, Any] = field(default_factory=dict)
     """Per-rollout values that callbacks and strategies add (tensors with a leading B are sliced)."""
 
@@ -87,9 +91,23 @@ class Rollout:
         return torch.cat([self.prompt_ids, self.response_ids], dim=1)
 
     @property
+    def valid_mask(self) -> Tensor:
+        """Shape (B, T): every real token after the prompt (``context_mask``, else ``response_mask``)."""
+        return self.response_mask if self.context_mask is None else self.context_mask
+
+    @property
     def attention_mask(self) -> Tensor:
-        """Shape (B, P + T). Padding inside the response (after the end token) is masked."""
-        return torch.cat([self.prompt_mask, self.response_mask.to(self.prompt_mask.dtype)], dim=1)
+        """Shape (B, P + T). Padding inside the response (after the end token) is masked; observation tokens
+        of a multi-turn episode are attended to."""
+        return torch.cat([self.prompt_mask, self.valid_mask.to(self.prompt_mask.dtype)], dim=1)
+
+    @property
+    def last_action_index(self) -> Tensor:
+        """Shape (B,), long: the position of each row's last model token (where the outcome reward sits);
+        0 for a row without one. Equals ``response_lengths - 1`` for a single turn."""
+        t = self.response_mask.shape[1]
+        positions = torch.arange(t, device=self.response_mask.device).expand_as(self.response_mask)
+        return torch.where(self.response_mask.bool(), positions, torch.full_like(positions, -1)).amax(-1).clamp(min=0)
 
     def select(self, index: Tensor | list[int]) -> Rollout:
         """The rows ``index`` as a new Rollout (tensors sliced along B, lists picked)."""
@@ -111,7 +129,8 @@ class Rollout:
         """Drop prompt columns that are padding in every row and response columns past the longest
         response, so a micro-batch of short sequences costs only its own length."""
         p = int(self.prompt_mask.sum(-1).max().item()) if len(self) else 0
-        t = int(self.response_mask.sum(-1).max().item()) if len(self) else 0
+        valid = self.valid_mask
+        t = int((valid.shape[1] - valid.flip(-1).int().argmax(-1)).masked_fill(valid.sum(-1) == 0, 0).max().item()) if len(self) else 0
         t = max(t, 1)
         full_p, full_t = self.prompt_ids.shape[1], self.response_ids.shape[1]
         if p == full_p and t == full_t:

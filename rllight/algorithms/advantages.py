@@ -73,6 +73,19 @@ def discounted_cumsum(x: Tensor, decay: Tensor) -> Tensor:
     return out.reshape(batch, n_chunks * chunk)[:, :length]
 
 
+def packing_order(valid: Tensor) -> Tensor:
+    """Shape (B, T), long: per row, the positions of ``valid`` tokens first (in order), then the others, so
+    that ``x.gather(1, order)`` packs a row's valid tokens to the left without gaps."""
+    t = valid.shape[1]
+    key = (~valid).long() * t + torch.arange(t, device=valid.device)  # valid first, each group in order
+    return key.argsort(dim=1)
+
+
+def unpack(packed: Tensor, order: Tensor) -> Tensor:
+    """The inverse of ``packed = x.gather(1, order)``: values back at their original positions."""
+    return torch.empty_like(packed).scatter_(1, order, packed)
+
+
 def gae(
     token_rewards: Tensor,
     values: Tensor,
@@ -99,6 +112,12 @@ def gae(
         ``returns = advantages + values`` on valid tokens.
     """
     valid = response_mask.bool()
+    if bool((valid[:, 1:] & ~valid[:, :-1]).any()):
+        # Gaps inside a row (a multi-turn episode: observation tokens are not actions): GAE runs over the
+        # model's tokens only, the observation folded into the transition to the next model token.
+        order = packing_order(valid)
+        adv, ret = gae(token_rewards.gather(1, order), values.gather(1, order), valid.gather(1, order), gamma, lam)
+        return unpack(adv, order), unpack(ret, order)
     mask = valid.to(values.dtype)
     batch = values.shape[0]
     gamma_t = _as_row_tensor(gamma, batch, values)

@@ -92,7 +92,7 @@ class RolloutProducer:
         rows, prompts = [rows[i] for i in keep], [prompts[i] for i in keep]
         # "kept_rows": which of the given rows the rollout answers (its groups, in order).
         if not prompts:
-            return Rollout.empty(extras={"data/dropped_long_prompts": float(dropped), "kept_rows": keep})
+            return Rollout.empty(extras={"data/dropped_long_prompts": float(dropped), "kept_rows": tuple(keep)})
         t0 = time.perf_counter()
         gen = self.engine.generate(self.policy, self.tokenizer, [p for p in prompts for _ in range(n)], greedy=greedy)
         t1 = time.perf_counter()
@@ -123,7 +123,7 @@ class RolloutProducer:
                 "reward/failures": float(failures),
                 **reward_metrics,
                 "data/dropped_long_prompts": float(dropped),
-                "kept_rows": keep,
+                "kept_rows": tuple(keep),  # a tuple: per prompt row, not per response (select leaves it)
                 **self.engine.last_metrics,
             },
         )
