@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 
 import lightning as L
@@ -11,12 +12,12 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from jsonargparse import lazy_instance
 from torch import Tensor
-from torchmetrics import MeanMetric
 
 from rllight._compat import forget_step_metrics, no_gradient_sync
 from rllight.algorithms import chunked_logprobs_and_entropy, explained_variance, logprobs_and_entropy, masked_mean
 from rllight.critics import Critic
 from rllight.errors import RecipeError
+from rllight.evaluation import EvalAccumulator, EvalSettings
 from rllight.models import HFModel, LoRA, response_hidden_states
 from rllight.data.prompt_stream import PromptStream
 from rllight.rewards import IntegerMatch, Reward, RewardRunner, by_source, check_rows
@@ -150,6 +151,8 @@ class RLModule(L.LightningModule):
             with a critic, one for the critic (``name: critic``, at ``critic.lr`` when set).
         lr_scheduler: Learning-rate schedule, stepped after each policy update, e.g.
             ``rllight.schedules.WarmupSchedule`` (per-group warm-up then constant or cosine). None = constant.
+        evaluation: How the validation loop samples, separately from training (n responses per prompt,
+            temperature, top-p, max tokens, the k of avg@k / pass@k / maj@k); greedy by default.
         export_dir: Save the trained policy as a Hugging Face folder here when fit ends.
     """
 
@@ -182,6 +185,7 @@ class RLModule(L.LightningModule):
         logprob_chunk_size: int | None = 1024,
         optimizer: OptimizerCallable = _adamw,
         lr_scheduler: LRSchedulerCallable | None = None,
+        evaluation: EvalSettings = lazy_instance(EvalSettings),
         export_dir: str | None = None,
     ):
         super().__init__()
@@ -248,9 +252,8 @@ class RLModule(L.LightningModule):
         self.policy: torch.nn.Module | None = None
         self.ref_policy: torch.nn.Module | None = None
         self.tokenizer = None
-        self.val_accuracy = MeanMetric()
-        self.val_length = MeanMetric()
-        self.val_truncated = MeanMetric()
+        self.evaluation = evaluation
+        self.val_results = EvalAccumulator("val")
         # Rollout production (prompts -> generation -> reward) is its own layer; samplers compose it.
         self.producer = RolloutProducer(rollout, reward, max_prompt_tokens, max_failed_reward_steps, reward_runner)
         self.reward_runner = reward_runner
@@ -852,18 +855,36 @@ class RLModule(L.LightningModule):
 
     # ---------------------------------------------------------------------------- validate
     def validation_step(self, rows: list[dict], batch_idx: int) -> None:
-        rollout = self.producer.sample(rows, 1, greedy=True, training=False)
-        self.val_accuracy.update(rollout.correct)
-        self.val_length.update(rollout.response_lengths.float())
-        self.val_truncated.update(rollout.truncated.float())
+        ev = self.evaluation
+        with ev.applied_to(self.rollout):
+            rollout = self.producer.sample(rows, ev.n, greedy=ev.greedy, training=False)
+        kept = set(rollout.extras["kept_rows"])
+        if kept:
+            self.val_results.update_rollout([rows[i] for i in sorted(kept)], ev.n, rollout)
+        self.val_results.drop([row for i, row in enumerate(rows) if i not in kept])
 
     def on_validation_epoch_end(self) -> None:
-        self.log("val/accuracy", self.val_accuracy.compute(), prog_bar=True)
-        self.log("val/response_length", self.val_length.compute())
-        self.log("val/truncated_ratio", self.val_truncated.compute())
-        self.val_accuracy.reset()
-        self.val_length.reset()
-        self.val_truncated.reset()
+        """avg@k, pass@k (unbiased) and maj@k with standard errors, overall and per data source, logged as
+        ``val/...``; ``val/accuracy`` is the mean correctness of every sampled response (greedy: accuracy).
+        A JSON of every number and a per-row JSONL of the responses go to the log folder."""
+        ev, results = self.evaluation, self.val_results
+        if self.trainer.world_size > 1:  # every rank evaluated its share of the rows
+            states = [None] * self.trainer.world_size
+            torch.distributed.all_gather_object(states, results.state())
+            results.merge(states)
+        metrics = results.compute(ev.ks, ev.bootstrap, ev.confidence, ev.seed)
+        if results.records:
+            metrics["val/accuracy"] = metrics[f"val/avg@{ev.n}"]
+            metrics["val/truncated_ratio"] = metrics.get("val/truncated_ratio", 0.0)
+        self.log_dict({k: float(v) for k, v in metrics.items() if k != "val/accuracy"}, sync_dist=False)
+        if "val/accuracy" in metrics:
+            self.log("val/accuracy", float(metrics["val/accuracy"]), prog_bar=True)
+        if self.trainer.is_global_zero and results.records and not self.trainer.sanity_checking:
+            folder = os.path.join(self.trainer.log_dir or self.trainer.default_root_dir, "evaluation")
+            results.write(folder, ev.ks, name=f"val_step{self.global_step}", bootstrap=ev.bootstrap,
+                          confidence=ev.confidence, seed=ev.seed,
+                          extra={"settings": vars(ev), "global_step": int(self.global_step)})
+        results.reset()
 
     # ------------------------------------------------------------------------------ export
     def on_fit_end(self) -> None:

@@ -154,3 +154,11 @@ class HangsOnEmpty(DigitReward):
 
             time.sleep(3600)
         return super().__call__(response, answer)
+
+
+class EvenLength(Reward):
+    """Correct when the response has an even number of characters: a coin flip per sample of a random
+    model, so pass@k differs from avg@k."""
+
+    def is_correct(self, response: str, answer: str) -> bool:
+        return len(response) % 2 == 0
