@@ -60,6 +60,15 @@ class Critic(nn.Module):
         """Per-token (B, T) or per-sequence (B,) loss against ``batch.returns`` and metrics."""
         raise NotImplementedError
 
+    def param_groups(self) -> list[dict]:
+        """The critic's optimizer groups, each ``{"name": "critic...", "params": [...]}`` with an ``lr`` where
+        it has its own. One group by default; a critic whose head learns at another rate than its backbone
+        returns two."""
+        group = {"name": "critic", "params": [p for p in self.parameters() if p.requires_grad]}
+        if self.lr is not None:
+            group["lr"] = self.lr
+        return [group]
+
 
 class _TokenValueLoss:
     """Clipped squared error against the GAE returns, for token-level critics."""
@@ -113,16 +122,22 @@ class SeparateCritic(_TokenValueLoss, Critic):
             second copy of the initial policy).
         loss_coef: Weight of the value loss.
         clip: Clip range of the value loss (None = no clip).
-        lr: Learning rate of the critic, backbone and head (None = the policy's).
+        lr: Learning rate of the critic's backbone (None = the policy's).
+        head_lr: Learning rate of the value head (None = ``lr``). A zero-initialised head passes no gradient to
+            the backbone until it has grown, so a head that learns faster than the backbone lets the whole
+            critic start learning within a few rollouts.
     """
 
     shared = False
 
     def __init__(self, model: HFModel | None = None, loss_coef: float = 0.5, clip: float | None = 0.2,
-                 lr: float | None = None):
+                 lr: float | None = None, head_lr: float | None = None):
         super().__init__(loss_coef=loss_coef, lr=lr)
         if lr is not None and lr <= 0:
             raise RecipeError(f"model.critic.lr must be > 0 or null, got {lr}")
+        if head_lr is not None and head_lr <= 0:
+            raise RecipeError(f"model.critic.head_lr must be > 0 or null, got {head_lr}")
+        self.head_lr = head_lr
         self.source = model
         self.clip = clip
         self.backbone: nn.Module | None = None
@@ -141,6 +156,14 @@ class SeparateCritic(_TokenValueLoss, Critic):
     def values(self, module: RLModule, batch: Rollout, hidden: Tensor | None) -> Tensor:
         h = response_hidden_states(self.backbone, batch)
         return self.head(h.to(self.head.weight.dtype)).squeeze(-1).float()
+
+    def param_groups(self) -> list[dict]:
+        if self.head_lr is None:
+            return super().param_groups()
+        backbone = {"name": "critic", "params": [p for p in self.backbone.parameters() if p.requires_grad]}
+        if self.lr is not None:
+            backbone["lr"] = self.lr
+        return [backbone, {"name": "critic_head", "params": list(self.head.parameters()), "lr": self.head_lr}]
 
 
 def _zero_linear(hidden_size: int) -> nn.Linear:

@@ -304,10 +304,7 @@ class RLModule(L.LightningModule):
     def configure_optimizers(self):
         groups = [{"name": "policy", "params": [p for p in self.policy.parameters() if p.requires_grad]}]
         if self.critic is not None:
-            critic_group = {"name": "critic", "params": [p for p in self.critic.parameters() if p.requires_grad]}
-            if self.critic.lr is not None:
-                critic_group["lr"] = self.critic.lr
-            groups.append(critic_group)
+            groups += self.critic.param_groups()  # e.g. a head with a learning rate of its own
         optimizer = self.optimizer_fn(groups)
         if self.lr_scheduler_fn is None:
             return optimizer
@@ -803,17 +800,19 @@ class RLModule(L.LightningModule):
 
     def _clip_gradients(self, optimizer, policy_key: str) -> dict[str, Tensor]:
         """Clip the policy's and the critic's gradients each to its own norm (``max_grad_norm``,
-        ``critic_max_grad_norm``) and return the norms before clipping, as ``<policy_key>/grad_norm`` and
-        ``value/grad_norm`` (groups without gradients are left out)."""
-        norms = {}
+        ``critic_max_grad_norm``; the critic's groups, e.g. backbone and head, together) and return the norms
+        before clipping, as ``<policy_key>/grad_norm`` and ``value/grad_norm`` (parts without gradients are
+        left out)."""
+        families: dict[bool, list[Tensor]] = {False: [], True: []}
         for group in optimizer.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            critic = group.get("name") == "critic"
-            limit = self.critic_max_grad_norm if critic else self.max_grad_norm
-            norm = torch.nn.utils.clip_grad_norm_(params, limit if limit else float("inf"))
-            norms["value/grad_norm" if critic else f"{policy_key}/grad_norm"] = norm.detach()
+            critic = str(group.get("name", "policy")).startswith("critic")
+            families[critic] += [p for p in group["params"] if p.grad is not None]
+        norms = {}
+        for critic, params in families.items():
+            if params:
+                limit = self.critic_max_grad_norm if critic else self.max_grad_norm
+                norm = torch.nn.utils.clip_grad_norm_(params, limit if limit else float("inf"))
+                norms["value/grad_norm" if critic else f"{policy_key}/grad_norm"] = norm.detach()
         return norms
 
     # ------------------------------------------------------------------------------ metrics

@@ -98,7 +98,7 @@ class WarmupSchedule(LRScheduler):
             raise RecipeError("model.lr_scheduler.total_steps: a decaying schedule needs it, or trainer.max_steps")
         out = []
         for group in self.optimizer.param_groups:
-            critic = group.get("name") == "critic"
+            critic = str(group.get("name", "")).startswith("critic")
             warmup = self.critic_warmup_steps if critic else self.warmup_steps
             decay = self.critic_decay if critic else self.decay
             out.append(warmup_factor(step, warmup, decay, self.total_steps, self.min_lr_ratio))

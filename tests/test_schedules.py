@@ -110,3 +110,21 @@ def test_group_baselines_with_one_response_per_prompt_are_refused(recipe, sample
 def test_a_critic_that_no_estimator_reads_is_refused():
     with pytest.raises(RecipeError, match="model.critic: GroupRelative does not read values"):
         build(f"{RECIPES}/grpo.yaml", "--model.critic", "rllight.critics.ValueHead")
+
+
+def test_a_separate_critic_head_learns_at_its_own_rate(tmp_path, tiny_model_dir):
+    overlay = tiny_overrides(tmp_path, tiny_model_dir)
+    cli = build(f"{RECIPES}/vapo.yaml", overlay, "--model.critic.init_args.lr", "1e-4",
+                "--model.critic.init_args.head_lr", "1e-3")
+    module = cli.model
+    module.configure_model()
+    module._trainer = cli.trainer
+    optimizer = module.configure_optimizers()
+    optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
+    groups = {g["name"]: g for g in optimizer.param_groups}
+    assert set(groups) == {"policy", "critic", "critic_head"}
+    assert groups["critic"]["lr"] == 1e-4 and groups["critic_head"]["lr"] == 1e-3
+    assert groups["policy"]["lr"] == 1e-2  # the tiny overlay's policy rate
+    head = {id(p) for p in module.critic.head.parameters()}
+    assert {id(p) for p in groups["critic_head"]["params"]} == head
+    assert not head & {id(p) for p in groups["critic"]["params"]}
