@@ -16,9 +16,11 @@ from typing import Any
 
 import torch
 
+from rllight.envs.base import Environment
 from rllight.errors import RecipeError
 from rllight.rewards import Reward, RewardRunner, by_source, score_batch
 from rllight.rollout.base import RolloutEngine
+from rllight.rollout.episodes import ChatTurns, episodes_to_rollout, run_episodes
 from rllight.types import Rollout
 
 log = logging.getLogger(__name__)
@@ -32,6 +34,15 @@ def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
     return list(ids)
 
 
+def with_first_observation(messages: list[dict], observation: str | None) -> list[dict]:
+    """``messages`` with an environment's first observation added to the last message's content (a new
+    line between them); unchanged when there is none."""
+    if observation is None:
+        return messages
+    last = messages[-1]
+    return [*messages[:-1], {**last, "content": f"{last['content']}\n{observation}"}]
+
+
 class RolloutProducer:
     """Samples responses to prompt rows with a ``RolloutEngine`` and scores them with a ``Reward``.
 
@@ -42,13 +53,21 @@ class RolloutProducer:
     Rewards are computed by ``runner`` (worker processes with a per-sample timeout: a reward that hangs,
     raises or kills its process costs that sample 0, counted, never the run); None = in this process.
 
+    With an ``environment`` every sample is a multi-turn episode (``rllight.rollout.episodes``): the environment
+    scores it, not ``reward``, and a prompt is dropped as too long also when it leaves no room under the
+    environment's ``max_total_tokens``. An environment that raises costs its episode (reward so far, counted in
+    ``reward/failures``).
+
     Counters (``reward_failures``, ``dropped_prompts``, ``failed_reward_steps``) are part of the state saved in
     checkpoints (``state_dict``).
     """
 
     def __init__(self, engine: RolloutEngine, reward: Reward, max_prompt_tokens: int | None = None,
-                 max_failed_reward_steps: int = 3, runner: RewardRunner | None = None):
+                 max_failed_reward_steps: int = 3, runner: RewardRunner | None = None,
+                 environment: Environment | None = None):
         self.engine = engine
+        self.environment = environment
+        self._chat_turns: ChatTurns | None = None
         self.reward = reward
         self.runner = runner
         self.max_prompt_tokens = max_prompt_tokens
@@ -62,6 +81,8 @@ class RolloutProducer:
 
     def bind(self, policy: torch.nn.Module, tokenizer, draw: Callable[[int], list[dict]] | None = None) -> None:
         """The policy to sample from, its tokenizer, and where extra prompt rows come from."""
+        if tokenizer is not self.tokenizer:
+            self._chat_turns = None
         self.policy, self.tokenizer = policy, tokenizer
         if draw is not None:
             self._draw = draw
@@ -82,6 +103,8 @@ class RolloutProducer:
     def sample(self, rows: list[dict], n: int, greedy: bool = False, training: bool = True) -> Rollout:
         """``n`` responses for each prompt row, scored. ``training`` False (a second pass over the same rows,
         or validation) leaves the run's counters of dropped prompts and failed reward batches alone."""
+        if self.environment is not None:
+            return self.sample_episodes(rows, n, greedy=greedy, training=training)
         prompts = self.encode(rows)
         keep = [i for i, p in enumerate(prompts) if self.max_prompt_tokens is None or len(p) <= self.max_prompt_tokens]
         dropped = len(rows) - len(keep)
@@ -124,6 +147,70 @@ class RolloutProducer:
                 **reward_metrics,
                 "data/dropped_long_prompts": float(dropped),
                 "kept_rows": tuple(keep),  # a tuple: per prompt row, not per response (select leaves it)
+                **self.engine.last_metrics,
+            },
+        )
+
+    def sample_episodes(self, rows: list[dict], n: int, greedy: bool = False, training: bool = True) -> Rollout:
+        """``n`` episodes of the environment for each prompt row, as one multi-turn ``Rollout`` (see
+        ``rllight.rollout.episodes``). Metrics: ``episode/turns_mean`` (model turns per episode) and
+        ``episode/truncated_ratio`` (episodes stopped by ``max_turns`` or ``max_total_tokens``, or whose last
+        turn hit ``max_new_tokens``)."""
+        env = self.environment
+        episodes = [env.spawn() for _ in rows for _ in range(n)]
+        prompts = [
+            encode_chat(self.tokenizer, with_first_observation(row["messages"], episodes[k * n + j].reset(row)))
+            for k, row in enumerate(rows) for j in range(n)
+        ]
+        limit = env.max_total_tokens - 1  # room for at least one generated token
+        if self.max_prompt_tokens is not None:
+            limit = min(limit, self.max_prompt_tokens)
+        keep = [k for k in range(len(rows)) if all(len(prompts[k * n + j]) <= limit for j in range(n))]
+        dropped = len(rows) - len(keep)
+        if dropped:
+            log.warning("dropped %d prompt(s) longer than %d tokens (max_prompt_tokens, or the environment's "
+                        "max_total_tokens less one)", dropped, limit)
+            if training:
+                self.dropped_prompts += dropped
+        if not keep:
+            return Rollout.empty(extras={"data/dropped_long_prompts": float(dropped), "kept_rows": tuple(keep)})
+        index = [k * n + j for k in keep for j in range(n)]
+        episodes, prompts = [episodes[i] for i in index], [prompts[i] for i in index]
+        rows = [rows[k] for k in keep]
+        if self._chat_turns is None:
+            self._chat_turns = ChatTurns(self.tokenizer)
+        failures = 0
+
+        def on_error(exc: Exception) -> None:
+            nonlocal failures
+            failures += 1
+            log.warning("the environment %s raised on an episode, which ends with the rewards it had: %s: %s",
+                        type(env).__name__, type(exc).__name__, exc)
+
+        t0 = time.perf_counter()
+        trajs = run_episodes(self.engine, self.policy, self.tokenizer, episodes, prompts, greedy=greedy,
+                             turns=self._chat_turns, on_error=on_error)
+        t1 = time.perf_counter()
+        self.reward_failures += failures
+        if training:
+            self.count_failed_reward_batch(failures == len(trajs))
+        device = next(self.policy.parameters()).device if self.policy is not None else "cpu"
+        turns = torch.tensor([len(t.turns) for t in trajs], dtype=torch.float32)
+        return episodes_to_rollout(
+            trajs,
+            rewards=[ep.trajectory_reward(t.rewards) for ep, t in zip(episodes, trajs)],
+            group_ids=torch.arange(len(rows)).repeat_interleave(n),
+            answers=[r["answer"] for r in rows for _ in range(n)],
+            tokenizer=self.tokenizer,
+            device=device,
+            extras={
+                "time/rollout": t1 - t0,
+                "reward/failures": float(failures),
+                "data/dropped_long_prompts": float(dropped),
+                "kept_rows": tuple(keep),
+                "episode/turns_mean": turns.mean().item(),
+                "episode/turns_max": turns.max().item(),
+                "episode/truncated_ratio": sum(t.truncated for t in trajs) / len(trajs),
                 **self.engine.last_metrics,
             },
         )

@@ -1,0 +1,71 @@
+"""The interface of a multi-turn environment: what it says to the model, and how it scores it."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+from rllight.errors import RecipeError
+
+
+@dataclass
+class StepResult:
+    """What an environment answers to one model turn."""
+
+    observation: str | None
+    """Text shown to the model in the next (user or tool) turn; None when the episode is done."""
+    reward: float
+    """Reward of this turn; a trajectory's reward is ``Environment.trajectory_reward`` of its turns' rewards."""
+    done: bool
+    """The episode is over (answered, or out of attempts)."""
+    correct: bool | None = None
+    """Whether the task is solved so far (for the accuracy metrics); None = not judged at this turn."""
+
+
+class Environment:
+    """A multi-turn task: the model answers, the environment replies, until it is done or a limit is hit.
+
+    Select one with ``model.environment`` (``class_path`` + ``init_args``). The object in the recipe holds the
+    settings and is a factory: ``spawn()`` returns a fresh copy for one episode, so the G episodes of a prompt
+    run independently. On that copy the episode runner calls ``reset(row)`` once (its text, if any, is added to
+    the prompt), then ``step(response_text)`` after every model turn. Keep per-episode state on ``self`` and
+    set it in ``reset``.
+
+    The runner stops an episode when ``step`` says ``done``, after ``max_turns`` model turns, or when the
+    context (prompt, model turns and observations) would exceed ``max_total_tokens``; the last two count as
+    truncated. A trajectory's reward is ``trajectory_reward`` of its turns' rewards (their sum by default),
+    and its correctness the last ``correct`` a turn reported (False when none did).
+
+    Args:
+        max_turns: Most model turns per episode.
+        max_total_tokens: Most tokens in an episode's context, prompt included.
+    """
+
+    observation_role = "user"
+    """Chat role of the observation turns (``tool`` for a template that has one the model knows)."""
+
+    def __init__(self, max_turns: int = 3, max_total_tokens: int = 1024):
+        key = "model.environment.init_args"
+        if max_turns < 1:
+            raise RecipeError(f"{key}.max_turns must be >= 1, got {max_turns}")
+        if max_total_tokens < 2:
+            raise RecipeError(f"{key}.max_total_tokens must be >= 2 (a prompt and one token), got {max_total_tokens}")
+        self.max_turns = max_turns
+        self.max_total_tokens = max_total_tokens
+
+    def spawn(self) -> Environment:
+        """A fresh episode object with this environment's settings (a shallow copy; ``reset`` sets its state)."""
+        return copy.copy(self)
+
+    def reset(self, row: dict) -> str | None:
+        """Start an episode on the prompt row ``row`` (fields ``messages``, ``answer``, ...). Returns text added
+        to the prompt's last message (e.g. tool instructions), or None."""
+        return None
+
+    def step(self, response_text: str) -> StepResult:
+        """Judge one model turn (its decoded text, special tokens removed) and say what comes next."""
+        raise NotImplementedError
+
+    def trajectory_reward(self, rewards: list[float]) -> float:
+        """The reward of a whole trajectory from its turns' rewards (in order): their sum."""
+        return float(sum(rewards))
