@@ -8,6 +8,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 import lightning as L
+import torch
 
 from rllight.algorithms import explained_variance, gae, masked_mean, value_loss
 from rllight.callbacks.base import RolloutCallback
@@ -112,16 +113,27 @@ class ValuePretraining(RolloutCallback):
         if module.critic is None:
             raise RecipeError("trainer.callbacks: ValuePretraining needs a value model; set model.critic "
                               "(e.g. class_path: rllight.critics.ValueHead)")
-        if len(rollout) == 0 or rollout.response_mask.sum() == 0:
-            return None  # nothing to fit; the step is still not a policy step
-        self._monte_carlo_targets(module, rollout)
-        # Held out: the critic has not trained on this rollout yet. The clipped loss equals the plain one
-        # here (the values are the rollout's own), so the number is on the scale of the critic's loss.
-        mask = rollout.response_mask
-        loss = float(masked_mean(value_loss(rollout.values, rollout.values, rollout.returns), mask))
-        ev = float(explained_variance(rollout.values, rollout.returns, mask))
+        # Under DDP every rank takes each decision alike (the critic updates are collectives): a rank with
+        # nothing to fit joins the others' updates with no rows, and the stopping criterion reads the
+        # ranks' mean loss and explained variance.
+        empty = len(rollout) == 0 or rollout.response_mask.sum() == 0
+        if not module.any_rank(not empty):
+            return None  # nothing to fit anywhere; the step is still not a policy step
+        local = torch.zeros(3)  # loss, explained variance, weight
+        if empty:
+            rollout = rollout.select([])
+        else:
+            self._monte_carlo_targets(module, rollout)
+            # Held out: the critic has not trained on this rollout yet. The clipped loss equals the plain one
+            # here (the values are the rollout's own), so the number is on the scale of the critic's loss.
+            mask = rollout.response_mask
+            local[0] = masked_mean(value_loss(rollout.values, rollout.values, rollout.returns), mask).detach().cpu()
+            local[1] = explained_variance(rollout.values, rollout.returns, mask).detach().cpu()
+            local[2] = 1.0
         stats = module.critic_update(rollout, epochs=self.epochs, minibatch_size=self.minibatch_size,
                                      train_backbone=self.train_backbone)
+        total = module.sum_over_ranks(local)
+        loss, ev = float(total[0] / total[2]), float(total[1] / total[2])
         reason = self.observe(loss, ev)
         if reason:
             log.info("value pretraining finished after %d rollouts (%s); best held-out value loss %.5f, "

@@ -642,10 +642,10 @@ class RLModule(L.LightningModule):
         """Whether ``flag`` holds on any rank (a collective: every rank must call it)."""
         return bool(self._global(torch.tensor(float(flag)), op="max").item() > 0)
 
-    def mean_over_ranks(self, value: Tensor | float) -> Tensor:
-        """The mean of a scalar over ranks (a collective: every rank must call it), e.g. for a decision that
-        all ranks must take alike."""
-        return self._global(torch.as_tensor(value, dtype=torch.float32).detach().cpu().reshape(()), op="mean")
+    def sum_over_ranks(self, value: Tensor | float) -> Tensor:
+        """The sum of a tensor over ranks (a collective: every rank must call it), e.g. for a decision that all
+        ranks must take alike."""
+        return self._global(torch.as_tensor(value, dtype=torch.float32).detach().cpu())
 
     def minibatches(self, n: int, size: int | None, order: Tensor | None = None) -> list[Tensor]:
         """Row indices of the minibatches over ``n`` rows (``size`` rows each; None = one minibatch), in

@@ -197,6 +197,14 @@ class FakeCriticModule:
         self.updates = []
         self.logged = []
 
+    @staticmethod
+    def any_rank(flag):  # one process
+        return flag
+
+    @staticmethod
+    def sum_over_ranks(value):
+        return value
+
     def score_with_models(self, rollout, need_old, need_values=None, need_ref=None):
         assert need_values and not need_old and need_ref is False
         rollout.values = 0.3 * rollout.response_mask.float()
