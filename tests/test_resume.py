@@ -36,6 +36,13 @@ def _fit(tmp_path, name, overlay, *extra):
         "1",
         "--trainer.callbacks.save_last",
         "true",
+        # A warm-up then cosine schedule: its position must be restored too (logged as train/lr/policy).
+        "--model.lr_scheduler",
+        "rllight.schedules.WarmupSchedule",
+        "--model.lr_scheduler.init_args.warmup_steps",
+        "2",
+        "--model.lr_scheduler.init_args.decay",
+        "cosine",
         *extra,
         timeout=600,
     )
