@@ -21,6 +21,7 @@ from rllight.evaluation import EvalAccumulator, EvalSettings
 from rllight.models import HFModel, LoRA, response_hidden_states
 from rllight.data.prompt_stream import PromptStream
 from rllight.rewards import IntegerMatch, Reward, RewardRunner, by_source, check_rows
+from rllight.envs import Environment
 from rllight.rollout import HFEngine, RolloutEngine
 from rllight.rollout.producer import RolloutProducer
 from rllight.rollout.metrics import logprob_mismatch
@@ -115,6 +116,9 @@ class RLModule(L.LightningModule):
         rollout: Generation engine and sampling settings.
         sampler: Which responses form a rollout (e.g. G per prompt).
         reward: Outcome reward of a response against the reference answer.
+        environment: Multi-turn episodes instead of one response per prompt (e.g.
+            ``rllight.envs.ArithmeticFeedback``, ``rllight.envs.Calculator``): the model's turns are trained,
+            the environment's observations are context. None = one response per prompt, scored by ``reward``.
         reward_runner: Where rewards are computed: worker processes with a per-sample timeout (a hanging or
             crashing reward gives that sample 0 and is counted: ``train/reward/timeouts``,
             ``train/reward/worker_deaths``); None = in the training process, without a timeout.
@@ -164,6 +168,7 @@ class RLModule(L.LightningModule):
         rollout: RolloutEngine = lazy_instance(HFEngine),
         sampler: Sampler = lazy_instance(GroupSampler),
         reward: Reward = lazy_instance(IntegerMatch),
+        environment: Environment | None = None,
         reward_runner: RewardRunner | None = lazy_instance(RewardRunner),
         reward_preflight: int = 4,
         advantage: AdvantageEstimator = lazy_instance(GroupRelative),
@@ -255,7 +260,9 @@ class RLModule(L.LightningModule):
         self.evaluation = evaluation
         self.val_results = EvalAccumulator("val")
         # Rollout production (prompts -> generation -> reward) is its own layer; samplers compose it.
-        self.producer = RolloutProducer(rollout, reward, max_prompt_tokens, max_failed_reward_steps, reward_runner)
+        self.producer = RolloutProducer(rollout, reward, max_prompt_tokens, max_failed_reward_steps, reward_runner,
+                                        environment=environment)
+        self.environment = environment
         self.reward_runner = reward_runner
         self.reward_preflight = reward_preflight
         self.prompt_stream: PromptStream | None = None  # extra training prompts (set up with the data)
