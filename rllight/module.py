@@ -13,7 +13,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from jsonargparse import lazy_instance
 from torch import Tensor
 
-from rllight._compat import forget_step_metrics, no_gradient_sync
+from rllight._compat import forget_step_metrics, no_gradient_sync, plain_instance
 from rllight.algorithms import chunked_logprobs_and_entropy, explained_variance, logprobs_and_entropy, masked_mean
 from rllight.critics import Critic
 from rllight.errors import RecipeError
@@ -194,6 +194,7 @@ class RLModule(L.LightningModule):
         export_dir: str | None = None,
     ):
         super().__init__()
+        reward, reward_runner = plain_instance(reward), plain_instance(reward_runner)
         self.automatic_optimization = False
         self.source = model
         self.lora = lora
@@ -575,6 +576,11 @@ class RLModule(L.LightningModule):
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         forget_step_metrics(self.trainer)  # a metric of some steps only must not repeat on later steps
 
+    def on_train_start(self) -> None:
+        # The engine's own weights (vLLM, a lower-precision copy) may have been made before a checkpoint
+        # was restored (e.g. by a validation before fit): sync them before the first rollout.
+        self.rollout.update_weights(self.policy)
+
     def on_train_epoch_start(self) -> None:
         self._epoch_start = (self.global_step, self._consumed_steps)
 
@@ -700,6 +706,8 @@ class RLModule(L.LightningModule):
         optimizer = self.optimizers()
         num_tokens = self._global(mb.response_mask.sum().float())
         num_seqs = self._global(torch.tensor(float(len(mb)), device=mb.response_mask.device))
+        if policy:
+            self.policy_loss.begin_update(mb, self.aggregation, self._global)
         if num_tokens.item() == 0:
             # Every response of this minibatch, on every rank, is masked (e.g. all truncated under the overlong
             # filter): nothing to learn from, and a token mean would divide by zero. No update, not a failure.

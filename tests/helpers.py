@@ -64,3 +64,18 @@ def fit_in_child(recipe: str, *args: str, timeout: float, **env: str) -> subproc
     cmd = [sys.executable, "-m", "rllight.cli", "fit", "--config", os.path.join(RECIPES, recipe), *args]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]), **env)
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+BASE_PREFIX = "# base: "
+
+
+def recipe_configs(recipe: str) -> list[str]:
+    """The config files that make up ``recipe``: an overlay under recipes/ablations/ names its base on its first
+    line (``# base: recipes/vapo.yaml``, or a recipe and overlays, space-separated) and is parsed on top of it;
+    any other recipe stands alone."""
+    with open(recipe) as f:
+        first = f.readline()
+    if not first.startswith(BASE_PREFIX):
+        return [recipe]
+    bases = [os.path.join(os.path.dirname(RECIPES), b) for b in first[len(BASE_PREFIX):].split()]
+    return [*bases, recipe]

@@ -10,7 +10,7 @@ import torch
 from torch.testing import assert_close
 
 from conftest import RECIPES
-from helpers import build, tiny_overrides, unchanged_parameters
+from helpers import build, recipe_configs, tiny_overrides, unchanged_parameters
 from rllight.algorithms import cispo, clipped_surrogate, gspo, reinforce_pp, remax, rloo, truncated_is_weight
 from rllight.errors import RecipeError
 from rllight.strategies import (
@@ -259,15 +259,8 @@ ABLATIONS = [os.path.join(RECIPES, "ablations", name) for name in
              ("grpo-kl-in-loss.yaml", "ppo-kl-in-reward.yaml", "grpo-tis.yaml", "grpo-entropy-bonus.yaml")]
 
 
-def _base_of(overlay):
-    with open(overlay) as f:
-        first = f.readline()
-    assert first.startswith("# base: recipes/"), first
-    return os.path.join(os.path.dirname(RECIPES), first.split("base:")[1].strip())
-
-
 def test_kl_overlays_show_both_placements():
-    kl = {os.path.basename(o): build(_base_of(o), o).model.kl for o in ABLATIONS}
+    kl = {os.path.basename(o): build(*recipe_configs(o)).model.kl for o in ABLATIONS}
     assert kl["grpo-kl-in-loss.yaml"].in_reward is False and kl["grpo-kl-in-loss.yaml"].kind == "k3"
     assert kl["ppo-kl-in-reward.yaml"].in_reward is True and kl["ppo-kl-in-reward.yaml"].kind == "k1"
     assert build(os.path.join(RECIPES, "reinforce_pp.yaml")).model.kl.in_reward is True
@@ -279,7 +272,7 @@ TRAINED = ["rloo.yaml", "remax.yaml", "reinforce_pp.yaml", "gspo.yaml", "dr_grpo
 @pytest.mark.parametrize("recipe", TRAINED + [os.path.join("ablations", os.path.basename(o)) for o in ABLATIONS])
 def test_recipe_trains_two_steps_and_changes_every_parameter(recipe, tmp_path, tiny_model_dir):
     path = os.path.join(RECIPES, recipe)
-    configs = [_base_of(path), path] if recipe.startswith("ablations") else [path]
+    configs = recipe_configs(path)
     cli = build(*configs, tiny_overrides(tmp_path, tiny_model_dir))
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     assert cli.trainer.global_step == 2

@@ -28,7 +28,8 @@ ABLATIONS = sorted(glob.glob(os.path.join(RECIPES, "ablations", "*.yaml")))
 # Recipes whose policy objective clips an importance ratio (ClippedSurrogate, SequenceClippedSurrogate,
 # GSPO, CISPO, and TruncatedIS around a clipped surrogate), with the overlays that make them so.
 CLIPPED = [
-    ("quickstart.yaml",), ("quickstart-lora.yaml",), ("grpo.yaml",), ("grpo.yaml", "ablations/grpo-tis.yaml"),
+    ("quickstart.yaml",), ("quickstart-lora.yaml",), ("grpo.yaml",),
+    ("grpo.yaml", "ablations/grpo-bf16-engine.yaml", "ablations/grpo-tis.yaml"),
     ("dapo.yaml",), ("dr_grpo.yaml",), ("ppo.yaml",), ("reinforce_pp.yaml",), ("remax.yaml",), ("rloo.yaml",),
     ("gspo.yaml",), ("cispo.yaml",), ("sppo.yaml",), ("sppo.yaml", "ablations/sppo-token-level.yaml"),
     ("sppo-small-critic.yaml",), ("vapo.yaml",), ("vapo-paper-lambda.yaml",),
@@ -147,11 +148,13 @@ def test_vespo_kernel_moves_away_from_one(tmp_path, tiny_model_dir):
 # --------------------------------------------------------------------------------------------------
 
 
-def _base_of(overlay: str) -> str:
+def _base_of(overlay: str) -> tuple[str, ...]:
+    """The base an overlay names on its first line: a recipe, possibly followed by overlays (relative to
+    recipes/)."""
     with open(overlay) as f:
         first = f.readline()
     assert first.startswith("# base: recipes/"), overlay
-    return first[len("# base: recipes/"):].strip()
+    return tuple(os.path.relpath(b, "recipes") for b in first[len("# base: "):].split())
 
 
 def _fingerprint(module, steps) -> tuple[dict[str, torch.Tensor], list[float | None]]:
@@ -160,9 +163,15 @@ def _fingerprint(module, steps) -> tuple[dict[str, torch.Tensor], list[float | N
     return params, [s.get("train/policy/loss") for s in steps]
 
 
-def _same(a, b) -> bool:
+def _same(a, b, tol: float = 1e-6) -> bool:
+    """Equal up to float noise: an overlay whose effect is a rounding difference (e.g. an importance weight of
+    1 +- 1e-7) has not changed the run."""
     (pa, la), (pb, lb) = a, b
-    return la == lb and pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
+    if len(la) != len(lb) or pa.keys() != pb.keys():
+        return False
+    if any((x is None) != (y is None) or (x is not None and abs(x - y) > tol * max(1.0, abs(x))) for x, y in zip(la, lb)):
+        return False
+    return all(torch.allclose(pa[k], pb[k], rtol=0, atol=tol) for k in pa)
 
 
 @pytest.fixture(scope="module")
@@ -171,16 +180,16 @@ def base_runs():
     return {}
 
 
-def _base_run(base_runs, base: str, tmp_path_factory, model_dir: str):
+def _base_run(base_runs, base: tuple[str, ...], tmp_path_factory, model_dir: str):
     if base not in base_runs:
-        module, steps = _run(tmp_path_factory.mktemp("base"), model_dir, base)
+        module, steps = _run(tmp_path_factory.mktemp("base"), model_dir, *base)
         base_runs[base] = _fingerprint(module, steps)
     return base_runs[base]
 
 
 def test_two_runs_of_a_recipe_are_identical(base_runs, tmp_path_factory, tiny_model_dir):
     # The control for the test below: without it, run-to-run noise would pass for an overlay's effect.
-    first = _base_run(base_runs, "grpo.yaml", tmp_path_factory, tiny_model_dir)
+    first = _base_run(base_runs, ("grpo.yaml",), tmp_path_factory, tiny_model_dir)
     module, steps = _run(tmp_path_factory.mktemp("again"), tiny_model_dir, "grpo.yaml")
     assert all(loss is not None for loss in first[1])
     assert _same(first, _fingerprint(module, steps))
@@ -190,6 +199,6 @@ def test_two_runs_of_a_recipe_are_identical(base_runs, tmp_path_factory, tiny_mo
 def test_ablation_overlay_changes_the_run(overlay, base_runs, tmp_path_factory, tiny_model_dir):
     base = _base_of(overlay)
     expected = _base_run(base_runs, base, tmp_path_factory, tiny_model_dir)
-    module, steps = _run(tmp_path_factory.mktemp("ablation"), tiny_model_dir, base,
+    module, steps = _run(tmp_path_factory.mktemp("ablation"), tiny_model_dir, *base,
                          os.path.relpath(overlay, RECIPES))
     assert not _same(expected, _fingerprint(module, steps)), f"{os.path.basename(overlay)} trains exactly like {base}"

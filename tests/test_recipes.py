@@ -10,24 +10,10 @@ from rllight.cli import main
 from rllight.module import RLModule
 
 from conftest import RECIPES
-from helpers import build
+from helpers import BASE_PREFIX, recipe_configs, build
 
 ALL_RECIPES = sorted(glob.glob(os.path.join(RECIPES, "**", "*.yaml"), recursive=True))
 ABLATIONS = os.path.join(RECIPES, "ablations")
-BASE_PREFIX = "# base: "
-
-
-def recipe_configs(recipe: str) -> list[str]:
-    """The config files that make up ``recipe``: an overlay under recipes/ablations/ names its base recipe on
-    its first line (``# base: recipes/vapo.yaml``) and is parsed on top of it; any other recipe stands alone."""
-    with open(recipe) as f:
-        first = f.readline()
-    if not first.startswith(BASE_PREFIX):
-        return [recipe]
-    base = os.path.join(os.path.dirname(RECIPES), first[len(BASE_PREFIX):].strip())
-    return [base, recipe]
-
-
 def config_args(recipe: str) -> list[str]:
     return [arg for path in recipe_configs(recipe) for arg in ("--config", path)]
 

@@ -94,3 +94,26 @@ def test_select_and_cat_round_trip():
     assert torch.equal(both.prompt_ids[:2, 1:], a.prompt_ids) and (both.prompt_mask[:2, 0] == 0).all()
     assert torch.equal(both.response_mask[:2, :2], a.response_mask) and (both.response_mask[:2, 2:] == 0).all()
     assert both.answers == a.answers + b.answers
+
+
+def test_a_bfloat16_engine_copy_is_the_behaviour_policy_and_follows_updates(tiny_model_dir):
+    """HFEngine(dtype=bfloat16) samples from a bfloat16 copy of the policy: its log-probs differ from the
+    float32 trainer's (an off-policy gap that truncated IS corrects), and after an update the copy follows."""
+    torch.manual_seed(0)
+    module = RLModule(HFModel(tiny_model_dir), rollout=HFEngine(max_new_tokens=6, dtype="bfloat16"))
+    module.configure_model()
+    rows = [{"messages": [{"role": "user", "content": "What is 1 + 2?"}], "answer": "3"}] * 2
+    rollout = module.producer.sample(rows, n=2)
+    module.score_with_models(rollout, need_old=True, need_values=False, need_ref=False)
+    mask = rollout.response_mask.bool()
+    gap = (rollout.old_logprobs - rollout.sample_logprobs)[mask].abs()
+    assert gap.max() > 1e-4  # bfloat16 against float32: not equal...
+    assert gap.max() < 0.5  # ...but the same policy
+    copy = module.rollout._copy
+    assert copy is not None and next(copy.parameters()).dtype == torch.bfloat16
+    with torch.no_grad():
+        for p in module.policy.parameters():
+            p.add_(0.5)  # an "update"
+    assert module.rollout.update_weights(module.policy)["rollout/sync_time"] >= 0
+    for p, q in zip(module.policy.parameters(), copy.parameters()):
+        torch.testing.assert_close(q, p.to(torch.bfloat16))

@@ -177,3 +177,6 @@ from rllight.rewards.combine import FormatReward, Weighted  # noqa: E402  (they 
 from rllight.rewards.runner import RewardRunner, RewardScores  # noqa: E402
 
 from rllight.rewards.per_source import PerSource, by_source, check_rows, score_rows  # noqa: E402  (it builds on the above)
+
+__all__ = ["FormatReward", "IntegerMatch", "MathVerify", "PerSource", "Reward", "RewardRunner", "RewardScores",
+           "Weighted", "by_source", "check_answers", "check_rows", "score_batch", "score_rows"]

@@ -24,6 +24,9 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     return sorted(ids)
 
 
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
 class HFEngine(RolloutEngine):
     """Batched generation in the training process with ``model.generate`` and a KV cache.
 
@@ -36,6 +39,10 @@ class HFEngine(RolloutEngine):
         top_p: Nucleus sampling threshold (1.0 = off).
         top_k: Keep the k most likely tokens (0 = off).
         batch_size: Prompts per ``generate`` call (bounds the KV cache memory).
+        dtype: Generate with a copy of the policy in this dtype (``bfloat16``: faster on GPUs and on CPUs
+            with AMX), refreshed after every update; None = the policy itself. The engine's sampling
+            log-probs then differ from the trainer's (``train/rollout/logprob_diff_*``): the behaviour
+            policy is the copy, which truncated importance sampling and VESPO correct for.
     """
 
     def __init__(
@@ -45,16 +52,43 @@ class HFEngine(RolloutEngine):
         top_p: float = 1.0,
         top_k: int = 0,
         batch_size: int = 64,
+        dtype: str | None = None,
     ):
         super().__init__(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
         if batch_size < 1:
             raise RecipeError(f"model.rollout.init_args.batch_size must be >= 1, got {batch_size}")
+        if dtype is not None and dtype not in _DTYPES:
+            raise RecipeError(f"model.rollout.init_args.dtype: '{dtype}' is not one of {', '.join(_DTYPES)} or null")
         self.batch_size = batch_size
+        self.dtype = dtype
+        self._copy: torch.nn.Module | None = None  # the policy in ``dtype``, for generation
+        self._copy_of: int | None = None  # id() of the policy the copy was made from
+
+    def _generator(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The model to generate with: the policy, or its copy in ``dtype`` (made on first use)."""
+        if self.dtype is None:
+            return model
+        if self._copy is None or self._copy_of != id(model):
+            import copy
+
+            self._copy = copy.deepcopy(model).to(_DTYPES[self.dtype]).eval()
+            self._copy.requires_grad_(False)
+            self._copy_of = id(model)
+        return self._copy
+
+    def update_weights(self, model: torch.nn.Module) -> dict[str, float]:
+        if self._copy is None or self._copy_of != id(model):
+            return {}
+        start = time.perf_counter()
+        with torch.no_grad():
+            for target, source in zip(self._copy.parameters(), model.parameters()):
+                target.copy_(source)
+        return {"rollout/sync_time": time.perf_counter() - start}
 
     @torch.no_grad()
     def generate(self, model, tokenizer, prompts: list[list[int]], greedy: bool = False) -> Generation:
         start = time.perf_counter()
-        out = self._generate_all(model, tokenizer, prompts, greedy)
+        out = self._generate_all(self._generator(model), tokenizer, prompts, greedy)
         self.last_metrics = {"rollout/tokens_per_s": out.response_mask.sum().item() / (time.perf_counter() - start)}
         return out
 

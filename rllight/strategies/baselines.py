@@ -189,6 +189,9 @@ class TruncatedIS(PolicyLoss):
         self.loss = loss
         self.cap = cap
 
+    def begin_update(self, minibatch, aggregation, global_sum) -> None:
+        self.loss.begin_update(minibatch, aggregation, global_sum)
+
     def __call__(self, logprobs: Tensor, batch: Rollout) -> tuple[Tensor, dict[str, Tensor]]:
         per_token, stats = self.loss(logprobs, batch)
         if per_token.dim() != 2:

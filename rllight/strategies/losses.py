@@ -24,6 +24,11 @@ class PolicyLoss:
     def __call__(self, logprobs: Tensor, batch: Rollout) -> tuple[Tensor, dict[str, Tensor]]:
         raise NotImplementedError
 
+    def begin_update(self, minibatch: Rollout, aggregation: Aggregation, global_sum) -> None:
+        """Called by the module once per optimizer update, on every rank, before its micro-batches: a loss
+        whose normaliser spans the whole update (e.g. the tokens of its correct responses) records it here.
+        ``global_sum`` sums a tensor over ranks. Nothing by default."""
+
 
 class ClippedSurrogate(PolicyLoss):
     """PPO's clipped surrogate with separate low and high clip (DAPO's clip-higher: 0.2 / 0.28,
