@@ -25,16 +25,20 @@ def build_rollout(entries: list[dict], pad_id: int, device: torch.device | str =
 
     Args:
         entries: Dicts with ``prompt_ids`` and ``response_ids`` (1-D long tensors), ``reward`` (float),
-            ``answer`` and ``text`` (str).
+            ``answer`` and ``text`` (str); a multi-turn episode also has ``action_mask`` (1-D, 1 on the model's
+            tokens, 0 on the observations between them), and the replayed row gets a ``context_mask``.
     """
     prompt_ids, prompt_mask = pad_left([e["prompt_ids"].tolist() for e in entries], pad_id)
     width = max(len(e["response_ids"]) for e in entries)
     response_ids = torch.full((len(entries), width), pad_id, dtype=torch.long)
     response_mask = torch.zeros((len(entries), width), dtype=torch.long)
+    context_mask = torch.zeros((len(entries), width), dtype=torch.long)
+    multi_turn = any("action_mask" in e for e in entries)
     for i, e in enumerate(entries):
         n = len(e["response_ids"])
         response_ids[i, :n] = e["response_ids"]
-        response_mask[i, :n] = 1
+        context_mask[i, :n] = 1
+        response_mask[i, :n] = e["action_mask"] if "action_mask" in e else 1
     rollout = Rollout(
         prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids, response_mask=response_mask,
         sample_logprobs=torch.zeros(response_ids.shape), truncated=torch.zeros(len(entries), dtype=torch.bool),
@@ -42,6 +46,7 @@ def build_rollout(entries: list[dict], pad_id: int, device: torch.device | str =
         texts=[e["text"] for e in entries],
         rewards=torch.tensor([e["reward"] for e in entries], dtype=torch.float32),
         correct=torch.ones(len(entries)),
+        context_mask=context_mask if multi_turn else None,
     )
     return rollout.to(device)
 
@@ -162,16 +167,19 @@ class SelfImitation(RolloutCallback):
             raise ValueError("SelfImitation needs rollout.correct, or set min_reward")
         lengths = rollout.response_lengths
         prompt_mask = rollout.prompt_mask.bool()
-        response_mask = rollout.response_mask.bool()
+        valid = rollout.valid_mask.bool()  # a multi-turn episode keeps its observations, as context
         added = 0
         for i in torch.nonzero(success & (lengths > 0)).flatten().tolist():
-            added += self.add({
+            entry = {
                 "prompt_ids": rollout.prompt_ids[i][prompt_mask[i]].detach().cpu().clone(),
-                "response_ids": rollout.response_ids[i][response_mask[i]].detach().cpu().clone(),
+                "response_ids": rollout.response_ids[i][valid[i]].detach().cpu().clone(),
                 "reward": float(rollout.rewards[i]),
                 "answer": rollout.answers[i],
                 "text": rollout.texts[i],
-            })
+            }
+            if rollout.context_mask is not None:
+                entry["action_mask"] = rollout.response_mask[i][valid[i]].detach().cpu().clone()
+            added += self.add(entry)
         rollout.extras["sil/buffer_size"] = float(len(self.entries))
         rollout.extras["sil/added"] = float(added)
         return rollout

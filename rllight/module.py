@@ -447,7 +447,7 @@ class RLModule(L.LightningModule):
             bounds = [(s, min(s + self.micro_batch_size, n)) for s in range(0, n, self.micro_batch_size)]
         else:
             prompt_len = rollout.prompt_mask.sum(-1).tolist()
-            resp_len = rollout.response_mask.sum(-1).tolist()
+            resp_len = rollout.span_lengths.tolist()  # observations of a multi-turn row included
             bounds, start, width_p, width_t = [], 0, 0, 0
             for i in range(n):
                 wp, wt = max(width_p, prompt_len[i]), max(width_t, resp_len[i])

@@ -102,6 +102,13 @@ class Rollout:
         return torch.cat([self.prompt_mask, self.valid_mask.to(self.prompt_mask.dtype)], dim=1)
 
     @property
+    def span_lengths(self) -> Tensor:
+        """Shape (B,), long: columns up to each row's last real token after the prompt (observations included;
+        ``response_lengths`` for a single turn), 0 for a row without one."""
+        valid = self.valid_mask
+        return (valid.shape[1] - valid.flip(-1).int().argmax(-1)).masked_fill(valid.sum(-1) == 0, 0)
+
+    @property
     def last_action_index(self) -> Tensor:
         """Shape (B,), long: the position of each row's last model token (where the outcome reward sits);
         0 for a row without one. Equals ``response_lengths - 1`` for a single turn."""
@@ -129,8 +136,7 @@ class Rollout:
         """Drop prompt columns that are padding in every row and response columns past the longest
         response, so a micro-batch of short sequences costs only its own length."""
         p = int(self.prompt_mask.sum(-1).max().item()) if len(self) else 0
-        valid = self.valid_mask
-        t = int((valid.shape[1] - valid.flip(-1).int().argmax(-1)).masked_fill(valid.sum(-1) == 0, 0).max().item()) if len(self) else 0
+        t = int(self.span_lengths.max().item()) if len(self) else 0
         t = max(t, 1)
         full_p, full_t = self.prompt_ids.shape[1], self.response_ids.shape[1]
         if p == full_p and t == full_t:
@@ -170,6 +176,8 @@ class Rollout:
         out: dict[str, Any] = {}
         for f in fields(Rollout):
             values = [getattr(r, f.name) for r in parts]
+            if f.name == "context_mask" and any(v is not None for v in values):
+                values = [r.valid_mask for r in parts]  # a single-turn part's context is its response
             if f.name == "extras":
                 out[f.name] = {
                     k: torch.cat([r.extras[k] for r in parts])

@@ -73,3 +73,32 @@ def test_log_probs_of_model_tokens_see_the_observation(tiny_model_dir):
     with torch.no_grad():
         logits2 = model.get_output_embeddings()(response_hidden_states(model.get_decoder(), changed))
     assert not torch.allclose(logits2[0, 4], logits[0, 4])
+
+
+def test_self_imitation_replays_a_multi_turn_episode_whole():
+    """A stored episode keeps its observations (as context) and replays with the same masks: the model's
+    turns are trained, the observation between them is attended to, not joined away."""
+    from rllight.callbacks import SelfImitation
+    from rllight.callbacks.replay import build_rollout
+
+    r = _two_turns()
+    r.correct = torch.tensor([1.0])
+    cb = SelfImitation(every_n_steps=1, batch_size=4)
+    cb.on_rollout(None, None, r)
+    (entry,) = cb.entries
+    assert entry["response_ids"].tolist() == [7, 8, 9, 10, 11]  # padding dropped, the observation kept
+    assert entry["action_mask"].tolist() == [1, 1, 0, 0, 1]
+    replayed = build_rollout(cb.entries, pad_id=0)
+    assert replayed.response_mask.tolist() == [[1, 1, 0, 0, 1]]
+    assert replayed.context_mask.tolist() == [[1, 1, 1, 1, 1]]
+
+
+def test_cat_of_single_and_multi_turn_parts_keeps_every_context():
+    multi = _two_turns()
+    single = _two_turns()
+    single.context_mask = None
+    single.response_mask = torch.tensor([[1, 1, 1, 0, 0, 0]])
+    for parts in ((single, multi), (multi, single)):
+        out = Rollout.cat(list(parts), pad_id=0)
+        expected = {id(single): [1, 1, 1, 0, 0, 0], id(multi): [1, 1, 1, 1, 1, 0]}
+        assert out.context_mask.tolist() == [expected[id(p)] for p in parts]
