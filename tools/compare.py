@@ -21,6 +21,7 @@ the truncation ratio of the greedy held-out responses after training and, for me
 much of the variance of the returns the critic explains: at the end of value pretraining (held out, on
 the last pretraining rollout, and how many rollouts it took) and over the last half of the RL steps
 (``train/value/explained_variance``: the critic as it enters each step, on the fresh rollout).
+The runs' curves, overlaid, go to ``<out>/figures/`` (one PNG per metric group, see tools/plot.py).
 
 Full run (SmolLM2-135M-Instruct, arithmetic, CPU; the quickstart's budget of 40 steps x 4 prompts x 8
 responses per method; GRPO takes about as long as the quickstart, about 15 minutes on 2 free cores, DAPO and
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import importlib.util
 import json
 import os
 import math
@@ -230,6 +232,26 @@ def table(results: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def write_figures(results: list[dict], out_dir: str) -> list[str]:
+    """The runs' curves (tools/plot.py), one PNG per metric group; comes after the table, so a failure
+    here (no matplotlib, an unreadable log) costs only the figures and is reported in one line."""
+    runs = [r for r in results if r.get("log_dir")]
+    if not runs:
+        print("compare: no run to plot", file=sys.stderr)
+        return []
+    try:
+        spec = importlib.util.spec_from_file_location("rllight_plot_tool", os.path.join(ROOT, "tools", "plot.py"))
+        plot = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(plot)
+        paths = plot.plot_runs([r["log_dir"] for r in runs], out_dir, [r["method"] for r in runs])
+    except Exception as e:  # noqa: BLE001 - reported, and the table is already written
+        print(f"compare: figures not written: {type(e).__name__}: {e}", file=sys.stderr)
+        return []
+    names = ", ".join(os.path.basename(p) for p in paths) or "none (no plotted metric)"
+    print(f"compare: figures in {out_dir}: {names}")
+    return paths
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     recipes = method_recipes(args.methods)
@@ -245,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         f.write(text)
     with open(os.path.join(args.out, "compare.json"), "w") as f:
         json.dump({"budget": vars(args), "results": results}, f, indent=2)
+    write_figures(results, os.path.join(args.out, "figures"))
     return 0 if all(r["returncode"] == 0 for r in results) else 1
 
 
