@@ -181,7 +181,7 @@ class EvalAccumulator:
     """Every scored response of one evaluation, and the metrics computed from them.
 
     Responses come prompt by prompt: the ``n`` responses of ``rows[i]`` are entries ``i * n`` to
-    ``(i + 1) * n - 1`` (the order ``RLModule.generate_and_score`` uses). Rows are grouped by their
+    ``(i + 1) * n - 1`` (the order ``RolloutProducer.sample`` uses). Rows are grouped by their
     ``data_source`` field (``"unknown"`` where it is missing).
 
     Args:
