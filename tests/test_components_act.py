@@ -86,6 +86,8 @@ def _tiny_overlay(tmp_path, model_dir: str, max_new_tokens: int, lr: float, rewa
             "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": lr, "weight_decay": 0.0}},
             "export_dir": None,
             "reward_preflight": 0,  # the test rewards do not read the answer format
+            # Rewards in this process: these runs test the objectives, not the reward workers.
+            "reward_runner": {"class_path": "rllight.rewards.RewardRunner", "init_args": {"workers": 0}},
         },
         "data": {"val_size": 4, "task": {"class_path": "rllight.data.ArithmeticTask",
                                          "init_args": {"num_train": 64, "num_val": 4}}},
