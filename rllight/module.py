@@ -578,8 +578,9 @@ class RLModule(L.LightningModule):
 
     def on_train_start(self) -> None:
         # The engine's own weights (vLLM, a lower-precision copy) may have been made before a checkpoint
-        # was restored (e.g. by a validation before fit): sync them before the first rollout.
-        self.rollout.update_weights(self.policy)
+        # was restored (e.g. by a validation before fit): sync them with the restored policy.
+        if self.trainer.ckpt_path is not None:
+            self.rollout.update_weights(self.policy)
 
     def on_train_epoch_start(self) -> None:
         self._epoch_start = (self.global_step, self._consumed_steps)

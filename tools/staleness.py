@@ -81,6 +81,8 @@ def run(model_dir: str, algo: str, n: int, steps: int, lr: float, seed: int) -> 
         rollout=HFEngine(max_new_tokens=8, temperature=1.0),
         sampler=GroupSampler(group_size=GROUP_SIZE),
         reward=DigitFraction(),
+        reward_runner=None,  # the reward is defined in this script: scored in-process
+        reward_preflight=0,  # it scores digits, not answers
         advantage=GroupRelative(),
         policy_loss=policy_loss(algo),
         aggregation=TokenMean(),
