@@ -246,15 +246,14 @@ class RLModule(L.LightningModule):
                 f"model.critic: {type(advantage).__name__} does not read values, so the critic would train for "
                 "nothing; remove model.critic or choose an estimator that uses it (e.g. GAE)"
             )
+        # (DynamicSampling refuses a group of one itself, where its group_size enters.)
         group_size = getattr(sampler, "group_size", None)
-        for part, name in ((advantage, "model.advantage"), (sampler, "model.sampler")):
-            needed = getattr(part, "min_group_size", 1)
-            if group_size is not None and group_size < needed:
-                raise RecipeError(
-                    f"{name}: {type(part).__name__} compares the responses to one prompt, so group_size "
-                    f"{group_size} cannot learn (every advantage would be 0); set "
-                    f"model.sampler.init_args.group_size >= {needed}"
-                )
+        if group_size is not None and group_size < advantage.min_group_size:
+            raise RecipeError(
+                f"model.advantage: {type(advantage).__name__} compares the responses to one prompt, so group_size "
+                f"{group_size} cannot learn (every advantage would be 0); set "
+                f"model.sampler.init_args.group_size >= {advantage.min_group_size}"
+            )
         self.policy: torch.nn.Module | None = None
         self.ref_policy: torch.nn.Module | None = None
         self.tokenizer = None
@@ -274,10 +273,8 @@ class RLModule(L.LightningModule):
         """Before the model loads: every reference answer must be one the reward can match (a row whose
         answer can never be matched would only ever teach "wrong")."""
         datamodule = self.trainer.datamodule if self._trainer is not None else None
-        rows = list(getattr(datamodule, "train_rows", None) or []) if stage == "fit" else []
-        rows += list(getattr(datamodule, "val_rows", None) or [])
-        check_rows(self.reward, rows)  # each row against its data source's reward
-        train_rows = getattr(datamodule, "train_rows", None) if stage == "fit" else None
+        train_rows = (getattr(datamodule, "train_rows", None) or []) if stage == "fit" else []
+        check_rows(self.reward, [*train_rows, *(getattr(datamodule, "val_rows", None) or [])])  # per data source
         if train_rows and self.reward_preflight:
             runner = self.reward_runner or RewardRunner(workers=0)
             for reward, index in by_source(self.reward, [r.get("data_source") for r in train_rows]):

@@ -25,8 +25,9 @@ class DynamicSampling(Sampler):
 
     Each round samples ``group_size`` responses for a set of prompts and drops every group whose
     rewards are all equal (all right or all wrong: its group-relative advantage is zero). Rounds repeat
-    with fresh prompts from ``producer.more_prompts`` (the datamodule's stream) until ``target_groups`` mixed groups are kept
-    (surplus mixed groups of the last round are dropped, as verl does) or ``max_rounds`` rounds ran.
+    with fresh prompts from ``producer.more_prompts`` (the datamodule's stream) until ``target_groups``
+    mixed groups are kept (surplus mixed groups of the last round are dropped, as verl does) or
+    ``max_rounds`` rounds ran.
     When the cap is hit the step trains on the mixed groups it has (possibly none: the module then
     skips the update), logs a warning and sets ``sampling/cap_hit``.
 
@@ -46,8 +47,6 @@ class DynamicSampling(Sampler):
         metric: What must vary inside a group: ``reward`` (the task reward, as ALGORITHMS.md states it)
             or ``correct`` (the 0/1 accuracy, as DAPO's verl recipe filters on ``acc``).
     """
-
-    min_group_size = 2  # a group of one never has mixed outcomes: every group would be dropped
 
     def __init__(self, group_size: int = 16, target_groups: int | None = None, max_rounds: int = 10,
                  prompts_per_round: int | None = None, metric: str = "reward"):
