@@ -15,6 +15,7 @@ from lightning.pytorch.cli import LightningCLI
 
 from rllight.data import RLDataModule
 from rllight.errors import RecipeError
+from rllight.evaluation import before_after
 from rllight.export import check_export_dir, overlaps
 from rllight.module import RLModule
 from rllight.safety import RECIPE_KEY, Interrupts, RecipeRecord, check_resume, check_writable, read_checkpoint
@@ -59,8 +60,9 @@ class RLLightCLI(LightningCLI):
     agrees with this one (``rllight.safety.check_resume``).
 
     Extra top-level options:
-        ``evaluate_before_after``: run the validation loop before ``fit`` and again after it, print both
-        accuracies and write them to ``<log_dir>/eval_summary.json``.
+        ``evaluate_before_after``: run the validation loop before ``fit`` and again after it, print a
+        table of both (accuracy, avg@k / pass@k / maj@k with standard errors, length, turns) and write it
+        to ``<log_dir>/eval_summary.json``.
         ``resume_allow_changes``: resume although the data batch size, the sampler or its group size changed.
     """
 
@@ -179,9 +181,9 @@ class RLLightCLI(LightningCLI):
                                  allow_changes=self.config.fit.resume_allow_changes):
             log.warning(line)
 
-    def _evaluate(self) -> float | None:
+    def _evaluate(self) -> dict[str, float]:
         results = self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False)
-        return results[0].get("val/accuracy") if results else None
+        return dict(results[0]) if results else {}
 
     def before_fit(self) -> None:
         self._check_outputs()
@@ -191,20 +193,25 @@ class RLLightCLI(LightningCLI):
     def after_fit(self) -> None:
         if not self.config.fit.evaluate_before_after:
             return
-        after = self._evaluate()
+        before, after = self._before or {}, self._evaluate()
+        acc_before, acc_after = before.get("val/accuracy"), after.get("val/accuracy")
         n = len(self.datamodule.val_rows)
-        summary = {"accuracy_before": self._before, "accuracy_after": after, "num_val": n}
-        if self._before is not None and after is not None and n:
+        summary = {"accuracy_before": acc_before, "accuracy_after": acc_after, "num_val": n}
+        if acc_before is not None and acc_after is not None and n:
             # Standard error of the difference of two accuracies on the same n problems (upper bound,
             # treating them as independent).
-            se = ((self._before * (1 - self._before) + after * (1 - after)) / n) ** 0.5
-            summary["difference"] = after - self._before
+            se = ((acc_before * (1 - acc_before) + acc_after * (1 - acc_after)) / n) ** 0.5
+            summary["difference"] = acc_after - acc_before
             summary["stderr_of_difference"] = se
+        table, lines = before_after(before, after)
         if self.trainer.is_global_zero:
             log_dir = self.trainer.log_dir or "."
             os.makedirs(log_dir, exist_ok=True)
             with open(os.path.join(log_dir, "eval_summary.json"), "w") as f:
-                json.dump(summary, f, indent=2)
+                json.dump({**summary, "metrics": table}, f, indent=2)
+            print(f"rllight: before and after training, {n} held-out prompts (± standard error):", flush=True)
+            for line in lines:
+                print("  " + line, flush=True)
             print("rllight: " + " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
                                          for k, v in summary.items()), flush=True)
 

@@ -90,6 +90,9 @@ class EvalSettings:
             standard error is always reported).
         confidence: Coverage of the bootstrap interval.
         seed: Seed of the bootstrap resampling.
+        also_greedy: When sampling (``temperature`` > 0), also decode one greedy response per prompt and
+            report its metrics as ``val/greedy/...``; ``val/accuracy`` is then the greedy accuracy (the
+            single number a before/after comparison usually quotes), else the mean over the samples.
     """
 
     def __init__(
@@ -103,6 +106,7 @@ class EvalSettings:
         bootstrap: int = 0,
         confidence: float = 0.95,
         seed: int = 0,
+        also_greedy: bool = False,
     ):
         key = "model.evaluation"
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -126,6 +130,9 @@ class EvalSettings:
             if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n:
                 raise RecipeError(f"{key}.ks holds {k!r}; each k must be an integer in 1..n = 1..{n} (raise "
                                   f"{key}.n to report pass@{k})")
+        if also_greedy and temperature == 0:
+            raise RecipeError(f"{key}.also_greedy is true while the evaluation already decodes greedily "
+                              f"(temperature 0); set {key}.temperature > 0 to sample as well, or also_greedy: false")
         if isinstance(bootstrap, bool) or not isinstance(bootstrap, int) or bootstrap < 0:
             raise RecipeError(f"{key}.bootstrap must be an integer >= 0 (0 = no interval), got {bootstrap!r}")
         if not 0 < confidence < 1:
@@ -139,6 +146,7 @@ class EvalSettings:
         self.bootstrap = bootstrap
         self.confidence = confidence
         self.seed = seed
+        self.also_greedy = bool(also_greedy)
 
     @property
     def greedy(self) -> bool:
@@ -211,6 +219,7 @@ class EvalAccumulator:
         truncated: Tensor | Sequence[bool] | None = None,
         answers_extracted: Sequence[str | None] | None = None,
         texts: Sequence[str] | None = None,
+        turns: Tensor | Sequence[int] | None = None,
     ) -> None:
         """Add the responses to ``rows`` (one per prompt, each with ``n`` responses).
 
@@ -224,6 +233,7 @@ class EvalAccumulator:
             answers_extracted: B * n final answers for the majority vote (None where there is none);
                 default: ``extract_answer`` of each of ``texts``. Without both, maj@k is not reported.
             texts: B * n decoded responses (saved by ``write``).
+            turns: Shape (B * n,): the model's turns in each episode (multi-turn environments).
         """
         if self.n is not None and n != self.n:
             raise ValueError(f"n changed within one evaluation ({self.n} then {n}); call reset() between evaluations")
@@ -232,6 +242,7 @@ class EvalAccumulator:
         rewards, lengths = _as_list(rewards, total, "rewards"), _as_list(lengths, total, "lengths")
         truncated, texts = _as_list(truncated, total, "truncated"), _as_list(texts, total, "texts")
         answers_extracted = _as_list(answers_extracted, total, "answers_extracted")
+        turns = _as_list(turns, total, "turns")
         if answers_extracted is None and texts is not None:
             answers_extracted = [extract_answer(t) for t in texts]
         self.n = n
@@ -251,12 +262,13 @@ class EvalAccumulator:
                 "rewards": part(rewards, i, float),
                 "lengths": part(lengths, i, int),
                 "truncated": part(truncated, i, lambda v: bool(v)),
+                **({} if turns is None else {"turns": part(turns, i, int)}),  # multi-turn episodes only
             })
 
     def update_rollout(self, rows: Sequence[dict], n: int, rollout) -> None:
         """``update`` from a scored ``rllight.types.Rollout`` of ``rows`` sampled ``n`` times each."""
         self.update(rows, n, rollout.correct, rewards=rollout.rewards, lengths=rollout.response_lengths,
-                    truncated=rollout.truncated, texts=rollout.texts)
+                    truncated=rollout.truncated, texts=rollout.texts, turns=getattr(rollout, "extras", {}).get("episode/turns"))
 
     def drop(self, rows: Sequence[dict]) -> None:
         """Count prompts that were not asked (too long): reported as ``<key>/dropped_prompts``, not scored."""
@@ -302,7 +314,8 @@ class EvalAccumulator:
         For each k: ``avg@k``, ``pass@k`` and (when answers were extracted) ``maj@k``, each with ``_se``
         (standard error across prompts; NaN with a single prompt) and, with ``bootstrap`` resamples,
         ``_ci_low`` / ``_ci_high``. Also per group: ``prompts``, ``reward_mean``, ``response_length`` (mean
-        tokens), ``truncated_ratio``; overall: ``dropped_prompts``. ``ks`` must each be in 1..n.
+        tokens), ``truncated_ratio``, ``turns_mean`` (multi-turn episodes only); overall:
+        ``dropped_prompts``. ``ks`` must each be in 1..n.
         """
         out: dict[str, float] = {f"{self.key}/dropped_prompts": float(len(self.dropped))}
         if not self.records:
@@ -328,8 +341,8 @@ class EvalAccumulator:
                         low, high = bootstrap_interval(est.per_prompt, bootstrap, confidence, seed)
                         out[f"{prefix}{name}@{k}_ci_low"], out[f"{prefix}{name}@{k}_ci_high"] = low, high
             for name, field in (("reward_mean", "rewards"), ("response_length", "lengths"),
-                                ("truncated_ratio", "truncated")):
-                if all(r[field] is not None for r in records):
+                                ("truncated_ratio", "truncated"), ("turns_mean", "turns")):
+                if all(r.get(field) is not None for r in records):
                     values = [float(v) for r in records for v in r[field]]
                     out[f"{prefix}{name}"] = sum(values) / len(values)
         return out
@@ -356,3 +369,43 @@ def _write_atomic(path: str, text: str) -> None:
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
     os.replace(tmp, path)
+
+
+_HEADLINE = re.compile(r"val/(greedy/)?(avg|pass|maj)@(\d+)")
+_PLAIN = ("response_length", "truncated_ratio", "turns_mean")
+
+
+def before_after(before: dict[str, float], after: dict[str, float]) -> tuple[dict, list[str]]:
+    """The overall metrics of two validations of the same rows (``val/...`` as logged), as a summary dict
+    and the lines of a printed table.
+
+    Rows: the greedy accuracy (``also_greedy``), avg@k for every k, pass@k and maj@k for k > 1 (at k = 1
+    both equal avg@1), each ``before ± se``, ``after ± se`` and the difference with the standard error
+    ``sqrt(se_before^2 + se_after^2)`` (an upper bound: it treats the two evaluations as independent, while
+    they ask the same prompts); then response length, truncation and turns without errors.
+    """
+    rows = []
+    for key in after:
+        m = _HEADLINE.fullmatch(key)
+        if m and key in before and (m.group(2) == "avg" or int(m.group(3)) > 1):
+            label = "greedy accuracy" if m.group(1) else f"{m.group(2)}@{m.group(3)}"
+            order = (0 if m.group(1) else 1, int(m.group(3)), ("avg", "pass", "maj").index(m.group(2)))
+            rows.append((order, label, key))
+    rows.sort()
+    summary: dict[str, dict] = {}
+    lines = [f"{'metric':<16} {'before':>15} {'after':>15} {'difference':>16}"]
+    for _, label, key in rows:
+        b, a = float(before[key]), float(after[key])
+        se_b, se_a = float(before.get(key + "_se", math.nan)), float(after.get(key + "_se", math.nan))
+        se_d = math.sqrt(se_b**2 + se_a**2)
+        summary[label] = {"before": b, "after": a, "before_se": _finite_or_none(se_b),
+                          "after_se": _finite_or_none(se_a), "difference": a - b,
+                          "difference_se": _finite_or_none(se_d)}
+        lines.append(f"{label:<16} {b:>7.3f} ± {se_b:<5.3f} {a:>7.3f} ± {se_a:<5.3f} {a - b:>+8.3f} ± {se_d:<5.3f}")
+    for name in _PLAIN:
+        key = f"val/{name}"
+        if key in before and key in after:
+            b, a = float(before[key]), float(after[key])
+            summary[name] = {"before": b, "after": a, "difference": a - b}
+            lines.append(f"{name:<16} {b:>15.3f} {a:>15.3f} {a - b:>+16.3f}")
+    return summary, lines

@@ -259,6 +259,7 @@ class RLModule(L.LightningModule):
         self.tokenizer = None
         self.evaluation = evaluation
         self.val_results = EvalAccumulator("val")
+        self.val_greedy = EvalAccumulator("val/greedy")  # model.evaluation.also_greedy
         # Rollout production (prompts -> generation -> reward) is its own layer; samplers compose it.
         self.producer = RolloutProducer(rollout, reward, max_prompt_tokens, max_failed_reward_steps, reward_runner,
                                         environment=environment)
@@ -868,35 +869,43 @@ class RLModule(L.LightningModule):
     # ---------------------------------------------------------------------------- validate
     def validation_step(self, rows: list[dict], batch_idx: int) -> None:
         ev = self.evaluation
-        with ev.applied_to(self.rollout):
-            rollout = self.producer.sample(rows, ev.n, greedy=ev.greedy, training=False)
-        kept = set(rollout.extras["kept_rows"])
-        if kept:
-            self.val_results.update_rollout([rows[i] for i in sorted(kept)], ev.n, rollout)
-        self.val_results.drop([row for i, row in enumerate(rows) if i not in kept])
+        passes = [(self.val_results, ev.n, ev.greedy)] + ([(self.val_greedy, 1, True)] if ev.also_greedy else [])
+        for results, n, greedy in passes:
+            with ev.applied_to(self.rollout):
+                rollout = self.producer.sample(rows, n, greedy=greedy, training=False)
+            kept = set(rollout.extras["kept_rows"])
+            if kept:
+                results.update_rollout([rows[i] for i in sorted(kept)], n, rollout)
+            results.drop([row for i, row in enumerate(rows) if i not in kept])
 
     def on_validation_epoch_end(self) -> None:
         """avg@k, pass@k (unbiased) and maj@k with standard errors, overall and per data source, logged as
-        ``val/...``; ``val/accuracy`` is the mean correctness of every sampled response (greedy: accuracy).
-        A JSON of every number and a per-row JSONL of the responses go to the log folder."""
-        ev, results = self.evaluation, self.val_results
-        if self.trainer.world_size > 1:  # every rank evaluated its share of the rows
-            states = [None] * self.trainer.world_size
-            torch.distributed.all_gather_object(states, results.state())
-            results.merge(states)
-        metrics = results.compute(ev.ks, ev.bootstrap, ev.confidence, ev.seed)
-        if results.records:
-            metrics["val/accuracy"] = metrics[f"val/avg@{ev.n}"]
+        ``val/...`` (and ``val/greedy/...`` at k = 1 with ``also_greedy``); ``val/accuracy`` is the greedy
+        accuracy where there is one, else the mean correctness of every sampled response. A JSON of every
+        number and a per-row JSONL of the responses go to the log folder."""
+        ev = self.evaluation
+        passes = [(self.val_results, ev.ks, "")] + ([(self.val_greedy, [1], "_greedy")] if ev.also_greedy else [])
+        metrics = {}
+        for results, ks, suffix in passes:
+            if self.trainer.world_size > 1:  # every rank evaluated its share of the rows
+                states = [None] * self.trainer.world_size
+                torch.distributed.all_gather_object(states, results.state())
+                results.merge(states)
+            metrics.update(results.compute(ks, ev.bootstrap, ev.confidence, ev.seed))
+            if self.trainer.is_global_zero and results.records and not self.trainer.sanity_checking:
+                folder = os.path.join(self.trainer.log_dir or self.trainer.default_root_dir, "evaluation")
+                results.write(folder, ks, name=f"val_step{self.global_step}{suffix}", bootstrap=ev.bootstrap,
+                              confidence=ev.confidence, seed=ev.seed,
+                              extra={"settings": vars(ev), "global_step": int(self.global_step)})
+        if self.val_results.records:
+            greedy = ev.also_greedy and self.val_greedy.records
+            metrics["val/accuracy"] = metrics["val/greedy/avg@1" if greedy else f"val/avg@{ev.n}"]
             metrics["val/truncated_ratio"] = metrics.get("val/truncated_ratio", 0.0)
         self.log_dict({k: float(v) for k, v in metrics.items() if k != "val/accuracy"}, sync_dist=False)
         if "val/accuracy" in metrics:
             self.log("val/accuracy", float(metrics["val/accuracy"]), prog_bar=True)
-        if self.trainer.is_global_zero and results.records and not self.trainer.sanity_checking:
-            folder = os.path.join(self.trainer.log_dir or self.trainer.default_root_dir, "evaluation")
-            results.write(folder, ev.ks, name=f"val_step{self.global_step}", bootstrap=ev.bootstrap,
-                          confidence=ev.confidence, seed=ev.seed,
-                          extra={"settings": vars(ev), "global_step": int(self.global_step)})
-        results.reset()
+        for results, _, _ in passes:
+            results.reset()
 
     # ------------------------------------------------------------------------------ export
     def on_fit_end(self) -> None:

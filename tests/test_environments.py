@@ -2,6 +2,7 @@
 stop and count; the embedded environments score as documented; the calculator's parser refuses what it must;
 the environment recipes train with the group samplers unchanged."""
 
+import json
 import os
 from fractions import Fraction
 
@@ -400,3 +401,16 @@ def test_dynamic_sampling_and_group_sampler_train_on_multi_turn_rollouts(tmp_pat
     assert float(metrics["train/sampling/groups_kept"]) > 0
     assert float(metrics["train/episode/turns_mean"]) == 2.0
     assert unchanged_parameters(cli.model.policy, tiny_model_dir) == []
+
+
+def test_validation_reports_the_turns_each_episode_used(tmp_path, tiny_model_dir):
+    """Evaluation of multi-turn episodes logs the model's turns per episode (``val/turns_mean``) and saves
+    them per response: DigitFeedback always runs to ``max_turns`` = 3."""
+    env = {"class_path": "test_environments.DigitFeedback", "init_args": {"max_turns": 3}}
+    cli = build(os.path.join(RECIPES, "env-arithmetic-feedback.yaml"),
+                tiny_overrides(tmp_path, tiny_model_dir, environment=env), "--trainer.max_steps", "1",
+                "--trainer.limit_val_batches", "1.0")
+    metrics = cli.trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)[0]
+    assert metrics["val/turns_mean"] == 3.0
+    (rows_file,) = list(tmp_path.rglob("val_step0_rows.jsonl"))
+    assert all(json.loads(line)["turns"] == [3] for line in open(rows_file))

@@ -299,3 +299,38 @@ def test_update_rollout_reads_a_scored_rollout():
     assert (m["val/response_length"], m["val/truncated_ratio"]) == (6.5, 0.5)
     acc.reset()
     assert acc.compute([1]) == {"val/dropped_prompts": 0.0, "val/prompts": 0.0}
+
+
+def test_accumulator_reports_the_turns_of_multi_turn_episodes():
+    rollout = SimpleNamespace(correct=torch.tensor([1.0, 0.0, 1.0, 1.0]), rewards=torch.tensor([1.0, 0.0, 0.8, 1.0]),
+                              response_lengths=torch.tensor([4, 9, 5, 3]), truncated=torch.tensor([0, 1, 0, 0]).bool(),
+                              texts=["7", "8", "9", "3"], extras={"episode/turns": torch.tensor([1.0, 3.0, 2.0, 1.0])})
+    acc = EvalAccumulator()
+    acc.update_rollout(ROWS[:2], 2, rollout)
+    m = acc.compute([1])
+    assert m["val/turns_mean"] == pytest.approx(7 / 4)
+    assert acc.records[0]["turns"] == [1, 3] and acc.records[1]["turns"] == [2, 1]
+
+
+def test_before_after_table_hand_computed():
+    from rllight.evaluation import before_after
+
+    before = {"val/accuracy": 0.25, "val/greedy/avg@1": 0.25, "val/greedy/avg@1_se": 0.03,
+              "val/avg@1": 0.2, "val/avg@1_se": 0.02, "val/pass@1": 0.2, "val/pass@1_se": 0.02,
+              "val/avg@4": 0.2, "val/avg@4_se": 0.02, "val/pass@4": 0.4, "val/pass@4_se": 0.04,
+              "val/arithmetic/pass@4": 0.4, "val/response_length": 10.0}
+    after = {k: v + 0.1 for k, v in before.items()}
+    after["val/pass@4_se"] = 0.03
+    summary, lines = before_after(before, after)
+    # pass@1 equals avg@1 and is left out; per-source keys are left out; greedy first, then by k.
+    assert list(summary) == ["greedy accuracy", "avg@1", "avg@4", "pass@4", "response_length"]
+    assert summary["pass@4"]["difference"] == pytest.approx(0.1)
+    assert summary["pass@4"]["difference_se"] == pytest.approx(0.05)  # sqrt(0.04^2 + 0.03^2)
+    assert summary["response_length"] == {"before": 10.0, "after": 10.1, "difference": pytest.approx(0.1)}
+    assert len(lines) == 6 and lines[4].split()[:2] == ["pass@4", "0.400"] and "+0.100 ± 0.050" in lines[4]
+
+
+def test_also_greedy_needs_sampling():
+    with pytest.raises(RecipeError, match="also_greedy"):
+        EvalSettings(also_greedy=True)
+    assert EvalSettings(n=2, temperature=1.0, also_greedy=True).also_greedy

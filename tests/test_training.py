@@ -84,7 +84,8 @@ def test_validation_accuracy_is_the_share_of_correct_answers(tmp_path, tiny_mode
 
 
 def test_evaluate_before_after_with_validation_during_fit(tmp_path, tiny_model_dir, capsys):
-    """Validation before fit, during fit (every step) and after fit share the metrics' state."""
+    """Validation before fit, during fit (every step) and after fit share the metrics' state; with sampled
+    evaluation and ``also_greedy`` the printed table has the greedy accuracy, avg@k and pass@k."""
     import json
 
     from rllight.cli import main
@@ -92,10 +93,15 @@ def test_evaluate_before_after_with_validation_during_fit(tmp_path, tiny_model_d
     overlay = tiny_overrides(tmp_path, tiny_model_dir)
     main(["fit", "--config", os.path.join(RECIPES, "grpo.yaml"), "--config", overlay, "--evaluate_before_after",
           "true", "--trainer.limit_val_batches", "1.0", "--trainer.val_check_interval", "1",
-          "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", str(tmp_path)])
+          "--model.evaluation.n", "2", "--model.evaluation.temperature", "1.0", "--model.evaluation.also_greedy",
+          "true", "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert "accuracy_before=" in out and "accuracy_after=" in out
     summary = json.loads(next(tmp_path.rglob("eval_summary.json")).read_text())
     assert summary["num_val"] == 4 and 0.0 <= summary["accuracy_after"] <= 1.0
+    table = summary["metrics"]
+    assert set(table) >= {"greedy accuracy", "avg@1", "avg@2", "pass@2", "response_length"}
+    assert table["greedy accuracy"]["after"] == summary["accuracy_after"]  # val/accuracy is the greedy one
+    assert "greedy accuracy" in out and "pass@2" in out
     logged = (next(tmp_path.rglob("metrics.csv"))).read_text()
     assert logged.count("val/accuracy") >= 1

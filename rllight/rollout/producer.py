@@ -208,6 +208,7 @@ class RolloutProducer:
                 "reward/failures": float(failures),
                 "data/dropped_long_prompts": float(dropped),
                 "kept_rows": tuple(keep),
+                "episode/turns": turns,  # per episode (shape B), for evaluation's turns_mean
                 "episode/turns_mean": turns.mean().item(),
                 "episode/turns_max": turns.max().item(),
                 "episode/truncated_ratio": sum(t.truncated for t in trajs) / len(trajs),
