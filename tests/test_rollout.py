@@ -31,7 +31,7 @@ def _module(model_dir, temperature=1.0, max_new_tokens=8):
 
 
 def test_engine_logprobs_match_trainer_logprobs(tiny_model_dir):
-    """Sampling log-probs (from generate's processed scores, left-padded prompts, KV cache) equal the
+    """Sampling log-probs (from the engine's decode loop, left-padded prompts, KV cache) equal the
     trainer's log-probs of the same tokens (one forward, explicit position ids, temperature applied)."""
     torch.manual_seed(0)
     module = _module(tiny_model_dir, temperature=0.7)
@@ -117,3 +117,50 @@ def test_a_bfloat16_engine_copy_is_the_behaviour_policy_and_follows_updates(tiny
     assert module.rollout.update_weights(module.policy)["rollout/sync_time"] >= 0
     for p, q in zip(module.policy.parameters(), copy.parameters()):
         torch.testing.assert_close(q, p.to(torch.bfloat16))
+
+
+def test_greedy_decoding_equals_model_generate_on_left_padded_prompts(tiny_model_dir):
+    """The engine's own decode loop (KV cache, positions of left-padded prompts, rows that end early fed
+    the pad id) picks the same tokens as ``model.generate`` for prompts of different lengths."""
+    policy, tok = HFModel(tiny_model_dir).load()
+    policy.eval()
+    prompts = [[5, 9, 12, 7, 3, 8, 11], [4, 6], [13, 2, 9, 10]]
+    engine = HFEngine(max_new_tokens=10)
+    out = engine.generate(policy, tok, prompts, greedy=True)
+    ids, mask = pad_left(prompts, tok.pad_token_id)
+    from rllight.rollout.hf import eos_token_ids
+
+    eos = eos_token_ids(policy, tok)
+    with torch.no_grad():
+        reference = policy.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
+                                    eos_token_id=eos, pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
+    ref_mask, _ = response_mask_from_ids(reference, eos)
+    width = out.response_ids.shape[1]
+    assert torch.equal(out.response_mask, ref_mask[:, :width]) and ref_mask[:, width:].sum() == 0
+    assert torch.equal(out.response_ids[out.response_mask.bool()], reference[:, :width][ref_mask[:, :width].bool()])
+
+
+def test_sampling_distribution_equals_the_transformers_warpers():
+    """``sample_next`` draws from, and reports the log-prob of, the distribution ``model.generate`` samples
+    from after temperature, top-k and top-p (in that order): every drawn token is one the warpers keep, and
+    its log-prob is theirs."""
+    from transformers.generation.logits_process import (
+        LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+    from rllight.rollout.hf import sample_next
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 40) * 3
+    for temperature, top_k, top_p in [(0.7, 10, 0.8), (1.3, 0, 0.5), (1.0, 5, 1.0), (0.5, 0, 1.0)]:
+        warpers = [TemperatureLogitsWarper(temperature)]
+        warpers += [TopKLogitsWarper(top_k)] if top_k else []
+        warpers += [TopPLogitsWarper(top_p)] if top_p < 1 else []
+        reference = torch.log_softmax(LogitsProcessorList(warpers)(None, logits.clone()), -1)
+        for _ in range(20):
+            token, logprob = sample_next(logits, temperature, top_k, top_p, greedy=False)
+            expected = reference.gather(-1, token[:, None]).squeeze(-1)
+            assert torch.isfinite(expected).all()  # never a token the warpers remove
+            torch.testing.assert_close(logprob, expected)
+    token, logprob = sample_next(logits, 0.7, 10, 0.8, greedy=True)
+    assert torch.equal(token, logits.argmax(-1))
+    torch.testing.assert_close(logprob, torch.log_softmax(logits, -1).amax(-1))

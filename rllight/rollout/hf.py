@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import torch
+from torch import Tensor
 
 from rllight.errors import RecipeError
 from rllight.rollout.base import Generation, RolloutEngine, pad_left, response_mask_from_ids
@@ -28,10 +29,11 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 
 
 class HFEngine(RolloutEngine):
-    """Batched generation in the training process with ``model.generate`` and a KV cache.
+    """Batched generation in the training process with a KV cache.
 
-    The sampling log-probs come from the processed scores of ``generate`` (after temperature, top-k
-    and top-p), i.e. the distribution the tokens were actually drawn from.
+    The loop is the engine's own (``_decode``): each step keeps only the sampled token's log-prob under the
+    distribution it was drawn from (after temperature, top-k and top-p), so the behaviour log-probs cost
+    (B, T) memory, not the (B, T, V) scores ``generate`` would return.
 
     Args:
         max_new_tokens: Longest response, in tokens.
@@ -121,28 +123,69 @@ class HFEngine(RolloutEngine):
         prompt_ids, prompt_mask = pad_left(prompts, tokenizer.pad_token_id)
         prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
         eos = eos_token_ids(model, tokenizer)
-        kwargs = dict(do_sample=False) if greedy else dict(
-            do_sample=True, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k
-        )
         was_training = model.training
         model.eval()
         try:
-            out = model.generate(
-                input_ids=prompt_ids,
-                attention_mask=prompt_mask,
-                max_new_tokens=self.max_new_tokens,
-                eos_token_id=eos,
-                pad_token_id=tokenizer.pad_token_id,
-                return_dict_in_generate=True,
-                output_scores=True,
-                **kwargs,
-            )
+            response_ids, logprobs = self._decode(model, prompt_ids, prompt_mask, eos, tokenizer.pad_token_id, greedy)
         finally:
             model.train(was_training)
-        response_ids = out.sequences[:, prompt_ids.shape[1] :]
-        scores = torch.stack(out.scores, dim=1).float()  # (B, T, V), processed by the sampling warpers
-        logprobs = torch.log_softmax(scores, dim=-1).gather(-1, response_ids.unsqueeze(-1)).squeeze(-1)
         mask, truncated = response_mask_from_ids(response_ids, eos)
         response_ids = torch.where(mask.bool(), response_ids, torch.full_like(response_ids, tokenizer.pad_token_id))
         logprobs = torch.where(mask.bool(), logprobs, torch.zeros_like(logprobs))
         return Generation(prompt_ids, prompt_mask, response_ids, mask, logprobs, truncated.cpu().to(device))
+
+    def _decode(self, model, prompt_ids: Tensor, prompt_mask: Tensor, eos: list[int], pad_id: int,
+                greedy: bool) -> tuple[Tensor, Tensor]:
+        """Sample up to ``max_new_tokens`` per row with a KV cache; ``(response_ids, logprobs)``, both (B, T).
+
+        Each step keeps only the sampled token's log-prob under the distribution it was drawn from
+        (``sampling_logprobs``), so memory does not grow with T x V. Rows that ended are fed the pad id
+        until every row has ended or the limit is reached. Positions count real tokens only (prompts are
+        left-padded), as in ``model.generate``.
+        """
+        mask = prompt_mask
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        inputs, cache = prompt_ids, None
+        eos_ids = torch.tensor(eos, device=prompt_ids.device)
+        running = torch.ones(prompt_ids.shape[0], dtype=torch.bool, device=prompt_ids.device)
+        tokens, logprobs = [], []
+        for _ in range(self.max_new_tokens):
+            out = model(input_ids=inputs, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                        use_cache=True, logits_to_keep=1)
+            cache = out.past_key_values
+            token, logprob = sample_next(out.logits[:, -1].float(), self.temperature, self.top_k, self.top_p, greedy)
+            token = torch.where(running, token, torch.full_like(token, pad_id))
+            tokens.append(token)
+            logprobs.append(torch.where(running, logprob, torch.zeros_like(logprob)))
+            running = running & ~torch.isin(token, eos_ids)
+            if not running.any():
+                break
+            inputs = token[:, None]
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            positions = positions[:, -1:] + 1
+        return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)
+
+
+def sample_next(logits: Tensor, temperature: float, top_k: int, top_p: float, greedy: bool) -> tuple[Tensor, Tensor]:
+    """One token per row from ``logits`` (B, V) and its log-prob under the distribution it came from.
+
+    Greedy: the arg-max, with the log-prob of the unscaled logits. Sampling: logits divided by
+    ``temperature``, then the ``top_k`` largest kept (0 = all), then the smallest set whose probability
+    reaches ``top_p`` (1.0 = all; the most likely token always stays), the order ``model.generate`` applies.
+    """
+    if greedy:
+        token = logits.argmax(-1)
+        return token, torch.log_softmax(logits, -1).gather(-1, token[:, None]).squeeze(-1)
+    logits = logits / temperature
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1)  # ascending
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop_sorted = cumulative <= 1 - top_p
+        drop_sorted[:, -1] = False
+        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+    logp = torch.log_softmax(logits, -1)
+    token = torch.multinomial(logp.exp(), 1).squeeze(-1)
+    return token, logp.gather(-1, token[:, None]).squeeze(-1)
