@@ -195,6 +195,46 @@ def test_engine_logprobs_match_trainer_logprobs(vllm_module):
 
 
 @pytest.mark.vllm
+def test_multi_turn_episodes_keep_the_engines_ids_and_log_probs(vllm_module):
+    """Two-turn episodes with the vLLM engine: the ids at the model's positions are vLLM's samples turn by
+    turn (nothing re-tokenised), and the trainer's forward over the whole episode, observations included as
+    context, gives vLLM's log-probs at the model's tokens."""
+    from rllight.envs import Environment, StepResult
+    from rllight.rewards import IntegerMatch
+    from rllight.rollout.producer import RolloutProducer
+
+    class GoOn(Environment):
+        def step(self, response_text):
+            return StepResult("go on", 1.0, done=False)
+
+    module, _ = vllm_module
+    samples = []
+    real_generate = module.rollout.generate
+
+    def spy(model, tokenizer, prompts, greedy=False):
+        gen = real_generate(model, tokenizer, prompts, greedy=greedy)
+        samples.append([gen.response_ids[i][gen.response_mask[i].bool()].tolist() for i in range(len(prompts))])
+        return gen
+
+    producer = RolloutProducer(module.rollout, IntegerMatch(), environment=GoOn(max_turns=2, max_total_tokens=200))
+    producer.bind(module.policy, module.tokenizer)
+    module.rollout.generate = spy
+    try:
+        torch.manual_seed(0)
+        rollout = producer.sample(ROWS[:3], n=2)
+    finally:
+        module.rollout.generate = real_generate
+    assert len(samples) == 2 and len(rollout) == 6
+    for i in range(6):
+        model_ids = rollout.response_ids[i][rollout.response_mask[i].bool()].tolist()
+        assert model_ids == samples[0][i] + samples[1][i]
+    assert (rollout.context_mask.sum(-1) > rollout.response_mask.sum(-1)).all()  # observations are context
+    module.score_with_models(rollout, need_old=True, need_values=False)
+    mismatch = logprob_mismatch(rollout.old_logprobs, rollout.sample_logprobs, rollout.response_mask)
+    assert mismatch["rollout/logprob_diff_max"] < 1e-5
+
+
+@pytest.mark.vllm
 def test_seeded_sampling_is_reproducible(vllm_module):
     module, _ = vllm_module
     engine = module.rollout
