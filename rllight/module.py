@@ -12,6 +12,7 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from jsonargparse import lazy_instance
 from torch import Tensor
+from torch.profiler import record_function
 
 from rllight._compat import forget_step_metrics, no_gradient_sync, plain_instance
 from rllight.algorithms import chunked_logprobs_and_entropy, explained_variance, logprobs_and_entropy, masked_mean
@@ -499,7 +500,8 @@ class RLModule(L.LightningModule):
     def rl_step(self, rows: list[dict], batch_idx: int) -> None:
         """One RL step on a batch of prompt rows: sample, score, estimate, update, log."""
         t_start = time.perf_counter()
-        rollout = self.sampler(self.producer, rows)
+        with record_function("rllight.rollout"):  # generation and reward (the markers name a profile's phases)
+            rollout = self.sampler(self.producer, rows)
         metrics = self.rollout_metrics(rollout)
         for cb in self._rollout_callbacks():
             rollout = cb.on_rollout(self.trainer, self, rollout)
@@ -529,7 +531,8 @@ class RLModule(L.LightningModule):
         need_old = updates_per_step > 1 or (self.kl is not None and self.kl.in_reward)
         t_score = time.perf_counter()
         if not empty:
-            self.score_with_models(rollout, need_old=need_old)
+            with record_function("rllight.score"):
+                self.score_with_models(rollout, need_old=need_old)
             if rollout.old_logprobs is not None:  # else measured on the live log-probs in the update
                 metrics.update(logprob_mismatch(rollout.old_logprobs, rollout.sample_logprobs, rollout.response_mask))
             self._estimate_advantages(rollout)
@@ -727,7 +730,8 @@ class RLModule(L.LightningModule):
             mask = micro.response_mask.float()
             loss = torch.zeros((), device=mask.device)
             if policy:
-                logprobs, entropy, values = self.forward_batch(micro, with_values=with_values)
+                with record_function("rllight.update.forward"):
+                    logprobs, entropy, values = self.forward_batch(micro, with_values=with_values)
                 if micro.old_logprobs is None:
                     # Single update per rollout: the policy has not moved since sampling.
                     micro.old_logprobs = logprobs.detach() * mask
@@ -771,7 +775,7 @@ class RLModule(L.LightningModule):
                 finite = False  # skip the backward; the whole update is skipped below
                 continue
             # The denominators are global (all ranks), so the ranks' gradients are summed, not averaged.
-            with no_gradient_sync(self.trainer):
+            with no_gradient_sync(self.trainer), record_function("rllight.update.backward"):
                 self.manual_backward(loss)
             if policy or not nll_coef:
                 record("policy/loss" if policy else "value/total_loss", loss * self.trainer.world_size)
@@ -801,7 +805,8 @@ class RLModule(L.LightningModule):
         self.consecutive_skips = 0
         out["guard/skipped_updates"] = torch.tensor(0.0)
         if policy:
-            optimizer.step()
+            with record_function("rllight.update.optimizer"):
+                optimizer.step()
             scheduler = self.lr_schedulers()
             if scheduler is not None:
                 scheduler.step()

@@ -6,6 +6,7 @@ import time
 
 import torch
 from torch import Tensor
+from torch.profiler import record_function
 
 from rllight.errors import RecipeError
 from rllight.rollout.base import Generation, RolloutEngine, pad_left, response_mask_from_ids
@@ -150,8 +151,9 @@ class HFEngine(RolloutEngine):
         running = torch.ones(prompt_ids.shape[0], dtype=torch.bool, device=prompt_ids.device)
         tokens, logprobs = [], []
         for _ in range(self.max_new_tokens):
-            out = model(input_ids=inputs, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                        use_cache=True, logits_to_keep=1)
+            with record_function("rllight.generate." + ("prefill" if cache is None else "token")):
+                out = model(input_ids=inputs, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                            use_cache=True, logits_to_keep=1)
             cache = out.past_key_values
             token, logprob = sample_next(out.logits[:, -1].float(), self.temperature, self.top_k, self.top_p, greedy)
             token = torch.where(running, token, torch.full_like(token, pad_id))

@@ -1,0 +1,56 @@
+"""tools/bench_step.py runs a recipe for N steps and prints the median seconds of the step and of each phase,
+generated tokens/s and peak memory (its TRL side needs TRL's own environment and is not tested here)."""
+
+import csv
+import glob
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from helpers import TESTS
+
+BENCH = os.path.join(os.path.dirname(TESTS), "tools", "bench_step.py")
+PHASES = ("rollout", "reward", "score", "update")
+
+
+def bench(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, BENCH, *args], env=env, capture_output=True, text=True, timeout=600,
+                          check=False)
+
+
+@pytest.mark.slow
+def test_bench_step_prints_the_phase_medians_tokens_per_s_and_peak_memory(tmp_path, tiny_model_dir):
+    out = tmp_path / "bench"
+    run = bench("--model-dir", tiny_model_dir, "--steps", "3", "--set", "model.rollout.init_args.max_new_tokens=8",
+                "--out", str(out))
+    assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
+    rows = re.findall(r"^  (\w[\w /]*?) {2,}([\d.e+-]+)$", run.stdout, re.MULTILINE)
+    table = {name: float(value) for name, value in rows}
+    for name in ("step", *PHASES):
+        assert table[f"{name} s"] > 0, name
+    # With 2 timed steps each median is a mean, so the phases add up to at most the step (printed to 4 digits).
+    assert sum(table[f"{name} s"] for name in PHASES) <= table["step s"] * 1.001
+    assert table["generated tokens/s"] > 0 and table["step tokens/s"] > 0
+    assert table["peak RSS GiB"] > 0
+    # The --set override reached the run: at most 8 tokens for each of the 4 x 4 responses.
+    assert "max_new_tokens 8," in run.stdout
+    assert 0 < table["tokens per step"] <= 16 * 8
+    last = run.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(r"rllight_step_s=[\d.e+-]+", last), last
+    assert float(last.split("=")[1]) == table["step s"]
+    # --steps RL steps ran, each one rollout with one optimizer update.
+    (metrics,) = glob.glob(str(out / "rllight" / "version_*" / "metrics.csv"))
+    with open(metrics) as f:
+        steps = [r for r in csv.DictReader(f) if r["train/time/step"]]
+    assert [int(r["step"]) for r in steps] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("args, option", [(["--steps", "1"], "--steps"), (["--set", "novalue"], "--set"),
+                                          (["--model-dir", "/nonexistent"], "--model-dir")])
+def test_bench_step_refuses_bad_options_in_one_line_naming_the_option(args, option):
+    run = bench(*args)
+    assert run.returncode == 2
+    assert option in run.stderr.strip().splitlines()[-1]

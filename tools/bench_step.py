@@ -1,0 +1,377 @@
+"""Seconds per RL step of rllight, by phase, and optionally against TRL's GRPOTrainer on the same config and data.
+
+The config (TRL's GRPOTrainer baseline): SmolLM2-135M-Instruct (or ``--model-dir``), 4 prompts x 4 responses
+per step, at most 64 new tokens, temperature 1.0, lr 1e-5, one optimizer update per rollout, float32, the
+embedded arithmetic task (``ArithmeticTask(num_train=4 * steps, num_val=0, seed=0)``) and the integer-match
+reward (``rllight.rewards.IntegerMatch``).
+
+rllight side: ``rllight fit --config <recipe> --config <overlay>`` runs in a child process (cwd = the
+repository root). The overlay, written to ``<out>/overlay.yaml``, sets the config above on top of
+``--recipe`` (default recipes/grpo.yaml: its GRPO, no KL, clip 0.2, seq-mean-token-mean), with
+``ppo_epochs: 1`` and ``minibatch_size: null`` (one update per rollout, so ``trainer.max_steps`` = ``--steps``
+rollouts), ``micro_batch_size: 16``, no validation, no checkpoints, no export and a CSVLogger in ``<out>``;
+``--set KEY=VALUE`` adds CLI overrides after it (to the rllight side only). Per-step numbers come from the
+logger's metrics.csv: ``train/time/step`` (the whole RL step) and its phases ``train/time/rollout``
+(generation), ``train/time/reward`` (scoring the responses), ``train/time/score`` (log-probs, values and
+advantages before the update) and ``train/time/train`` (the optimizer update); "other" is what the step
+spends outside them (rollout metrics and callbacks). Generated tokens/s is ``train/rollout/tokens_per_s``
+(generated tokens / wall time of generation); step tokens/s is ``train/perf/tokens_per_s`` (generated
+tokens / step time). Every number is the median over steps 2..N: the first step (warm-up) is left out.
+Peak memory is the peak RSS of the training process (``ru_maxrss``; reward worker processes and a vLLM
+engine process, if any, are not in it) and, when it used CUDA, torch's peak allocated GPU memory.
+
+TRL side (``--trl``): tools/trl_step.py runs with the python of TRL's own virtual environment
+(``--trl-python``; TRL pins a newer transformers than rllight's, so it cannot share rllight's venv;
+``--setup-trl`` creates it). It gets, in ``<out>/trl/``, the plain Hugging Face model folder, the same
+prompts as a JSONL in TRL's conversational format, in the order rllight's dataloader draws them (TRL's
+shuffling off), so that step k of both sees the same 4 prompts, and the settings; see tools/trl_step.py for
+how GRPOConfig matches rllight's GRPO and where it differs. TRL's step is timed from ``on_step_begin`` to
+``on_step_end`` of a TrainerCallback: it includes generation (TRL generates in ``_prepare_inputs`` of
+``training_step``), reward, loss and the optimizer update. Its peak RSS is that of its process.
+
+The last line is ``rllight_step_s=<rllight median s/step>`` or, with ``--trl``,
+
+    rllight_over_trl=<TRL median s/step / rllight median s/step>
+
+(2.0: an rllight step takes half the time of a TRL step).
+
+Usage:
+    .venv/bin/python tools/bench_step.py [--steps 6] [--engine hf|vllm] [--dtype bfloat16] [--out runs/bench_step]
+    .venv/bin/python tools/bench_step.py --setup-trl        # once: TRL's environment in .venv-trl
+    .venv/bin/python tools/bench_step.py --trl [--steps 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRL_VENV = ".venv-trl"
+TORCH_PIN = "torch==2.13.0"  # first, so that trl's torch requirement finds it met (a bare one pulls a CUDA build)
+ENGINES = {"hf": "rllight.rollout.HFEngine", "vllm": "rllight.rollout.vllm.VLLMEngine"}
+
+PROMPTS_PER_STEP = 4
+GROUP_SIZE = 4
+MAX_NEW_TOKENS = 64
+TEMPERATURE = 1.0
+LR = 1e-5
+DATA_SEED = 0
+
+PHASES = {"rollout": "train/time/rollout", "reward": "train/time/reward", "score": "train/time/score",
+          "update": "train/time/train"}
+STEP = "train/time/step"
+GENERATED_TOKENS_PER_S = "train/rollout/tokens_per_s"
+STEP_TOKENS_PER_S = "train/perf/tokens_per_s"
+TOKENS = "train/response/tokens"
+
+# Runs ``rllight fit`` in the child and reports the child's own peak memory, also when the run fails.
+RLLIGHT_CHILD = """\
+import resource, sys
+from rllight.cli import main
+try:
+    main(sys.argv[1:])
+finally:
+    print(f"bench_step: peak_rss_kb={resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}", flush=True)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        print(f"bench_step: peak_cuda_bytes={torch.cuda.max_memory_allocated()}", flush=True)
+"""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--recipe", default="recipes/grpo.yaml", help="Base recipe of the rllight side.")
+    p.add_argument("--steps", type=int, default=6, help="RL steps (rollouts with one update each) per side.")
+    p.add_argument("--engine", choices=list(ENGINES), default="hf", help="rllight's rollout engine.")
+    p.add_argument("--dtype", help="Generate with a copy of the policy in this dtype (model.rollout.init_args.dtype, "
+                                   "e.g. bfloat16); default: the float32 policy itself.")
+    p.add_argument("--model-dir", help="A Hugging Face model folder to use instead of the quickstart model.")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                   help="Extra rllight CLI override, e.g. model.rollout.init_args.max_new_tokens=8 (repeatable; "
+                        "rllight side only).")
+    p.add_argument("--out", default="runs/bench_step", help="Folder for the overlay, logs and TRL inputs.")
+    p.add_argument("--trl", action="store_true", help="Also run TRL's GRPOTrainer on the same config and data.")
+    p.add_argument("--trl-python", default=os.path.join(ROOT, TRL_VENV, "bin", "python"),
+                   help="Python of TRL's virtual environment.")
+    p.add_argument("--setup-trl", action="store_true",
+                   help="Create TRL's virtual environment (the folder above --trl-python's bin/) and install TRL; "
+                        "without --trl, only that.")
+    args = p.parse_args(argv)
+    if args.steps < 2:
+        p.error("--steps must be >= 2 (the first step is left out of the medians)")
+    if not os.path.isfile(os.path.join(ROOT, args.recipe)):
+        p.error(f"--recipe '{args.recipe}': no such file")
+    if args.model_dir is not None:
+        args.model_dir = os.path.abspath(args.model_dir)
+        if not os.path.isfile(os.path.join(args.model_dir, "config.json")):
+            p.error(f"--model-dir '{args.model_dir}': not a Hugging Face model folder (no config.json)")
+    for item in args.overrides:
+        key, sep, _ = item.partition("=")
+        if not sep or not key.strip() or key.startswith("-"):
+            p.error(f"--set expects KEY=VALUE (e.g. model.micro_batch_size=8), got '{item}'")
+    args.trl_python = os.path.abspath(args.trl_python)
+    if args.trl and not args.setup_trl and not os.path.isfile(args.trl_python):
+        p.error(f"--trl-python '{args.trl_python}': no such file; create TRL's environment with --setup-trl")
+    args.out = os.path.abspath(args.out)
+    return args
+
+
+def setup_trl(python: str) -> None:
+    """Create the virtual environment of ``python`` (``<venv>/bin/python``), install the CPU torch, then TRL
+    and its dependencies (pip chooses their versions), and print the installed versions."""
+    venv = os.path.dirname(os.path.dirname(python))
+    steps = [[sys.executable, "-m", "venv", venv],
+             [python, "-m", "pip", "install", TORCH_PIN],
+             [python, "-m", "pip", "install", "trl"]]
+    for cmd in steps:
+        print(f"bench_step: {' '.join(cmd)}", flush=True)
+        if subprocess.run(cmd, cwd=ROOT, check=False).returncode != 0:
+            raise SystemExit(f"bench_step: --setup-trl: '{' '.join(cmd)}' failed")
+    report = ("import torch, transformers, trl; "
+              "print(f'trl {trl.__version__}, transformers {transformers.__version__}, torch {torch.__version__}')")
+    versions = subprocess.run([python, "-c", report], capture_output=True, text=True, check=False)
+    if versions.returncode != 0:
+        raise SystemExit(f"bench_step: --setup-trl: trl does not import: {versions.stderr.strip().splitlines()[-1]}")
+    print(f"bench_step: {venv}: {versions.stdout.strip()}", flush=True)
+
+
+def overlay(args: argparse.Namespace) -> dict:
+    """The benchmark's config on top of the recipe."""
+    if args.model_dir is None:
+        model = {"class_path": "rllight.models.SmolLM2Package"}
+    else:
+        model = {"class_path": "rllight.models.HFModel", "init_args": {"path": args.model_dir}}
+    rollout_args = {"max_new_tokens": MAX_NEW_TOKENS, "temperature": TEMPERATURE}
+    if args.dtype is not None:
+        rollout_args["dtype"] = args.dtype
+    return {
+        "seed_everything": 0,
+        "evaluate_before_after": False,
+        "trainer": {
+            "max_steps": args.steps,
+            "limit_val_batches": 0,
+            "val_check_interval": None,
+            "check_val_every_n_epoch": None,
+            "enable_checkpointing": False,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "default_root_dir": os.path.join(args.out, "rllight"),
+            "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
+                       "init_args": {"save_dir": args.out, "name": "rllight"}},
+        },
+        "model": {
+            "model": model,
+            "rollout": {"class_path": ENGINES[args.engine], "init_args": rollout_args},
+            "sampler": {"class_path": "rllight.strategies.GroupSampler", "init_args": {"group_size": GROUP_SIZE}},
+            "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": LR}},
+            "ppo_epochs": 1,
+            "minibatch_size": None,
+            "micro_batch_size": PROMPTS_PER_STEP * GROUP_SIZE,
+            "export_dir": None,
+        },
+        "data": {
+            "batch_size": PROMPTS_PER_STEP,
+            "val_size": 0,
+            "seed": DATA_SEED,
+            "task": {"class_path": "rllight.data.ArithmeticTask",
+                     "init_args": {"num_train": PROMPTS_PER_STEP * args.steps, "num_val": 0, "seed": 0}},
+        },
+    }
+
+
+def run_child(cmd: list[str], log_path: str, what: str) -> str:
+    """Run ``cmd`` from the repository root with its output in ``log_path``; return the output, or exit with
+    one line (the output's last line) when it fails."""
+    print(f"bench_step: {what}: running (log: {log_path})", flush=True)
+    with open(log_path, "w") as log_file:
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, check=False)
+    with open(log_path) as f:
+        output = f.read()
+    if proc.returncode != 0:
+        lines = [line for line in output.splitlines() if line.strip() and not line.startswith("bench_step:")]
+        raise SystemExit(f"bench_step: {what} failed (exit {proc.returncode}): {lines[-1] if lines else '?'}; "
+                         f"see {log_path}")
+    return output
+
+
+def reported(output: str, key: str) -> float | None:
+    """The value of the child's last ``bench_step: key=value`` line (None when absent)."""
+    values = [line.split("=", 1)[1] for line in output.splitlines() if line.startswith(f"bench_step: {key}=")]
+    return float(values[-1]) if values else None
+
+
+def step_rows(metrics_csv: str) -> list[dict[str, float]]:
+    """One dict per RL step from the CSVLogger's file: the rows that carry ``train/time/step``."""
+    with open(metrics_csv) as f:
+        rows = [r for r in csv.DictReader(f) if r.get(STEP)]
+    return [{k: float(v) for k, v in r.items() if v not in ("", None)} for r in rows]
+
+
+def run_rllight(args: argparse.Namespace) -> dict:
+    """Run the rllight side; return its per-step medians (steps 2..N) and peak memory."""
+    path = os.path.join(args.out, "overlay.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(overlay(args), f, sort_keys=False)
+    cmd = [sys.executable, "-c", RLLIGHT_CHILD, "fit", "--config", args.recipe, "--config", path]
+    for item in args.overrides:
+        key, _, value = item.partition("=")
+        cmd += [f"--{key.strip()}", value]
+    before = set(glob.glob(os.path.join(args.out, "rllight", "version_*")))
+    output = run_child(cmd, os.path.join(args.out, "rllight.log"), "rllight")
+    new = sorted(set(glob.glob(os.path.join(args.out, "rllight", "version_*"))) - before,
+                 key=lambda p: int(p.rsplit("_", 1)[-1]))
+    if not new:
+        raise SystemExit(f"bench_step: rllight wrote no metrics.csv under {os.path.join(args.out, 'rllight')}")
+    steps = step_rows(os.path.join(new[-1], "metrics.csv"))
+    if len(steps) < 2:
+        raise SystemExit(f"bench_step: rllight logged {len(steps)} step(s); the medians need at least 2 (--steps)")
+    timed = steps[1:]
+    for key in (STEP, *PHASES.values(), GENERATED_TOKENS_PER_S, STEP_TOKENS_PER_S, TOKENS):
+        if any(key not in r for r in timed):
+            raise SystemExit(f"bench_step: {os.path.join(new[-1], 'metrics.csv')} lacks '{key}' on some steps")
+    result = {"steps": len(timed), "step": statistics.median(r[STEP] for r in timed)}
+    result.update({name: statistics.median(r[key] for r in timed) for name, key in PHASES.items()})
+    result["other"] = statistics.median(r[STEP] - sum(r[k] for k in PHASES.values()) for r in timed)
+    result["generated_tokens_per_s"] = statistics.median(r[GENERATED_TOKENS_PER_S] for r in timed)
+    result["step_tokens_per_s"] = statistics.median(r[STEP_TOKENS_PER_S] for r in timed)
+    result["tokens_per_step"] = statistics.median(r[TOKENS] for r in timed)
+    result["peak_rss_kb"] = reported(output, "peak_rss_kb")
+    result["peak_cuda_bytes"] = reported(output, "peak_cuda_bytes")
+    result["settings"] = describe(os.path.join(new[-1], "config.yaml"))
+    return result
+
+
+def trl_inputs(args: argparse.Namespace) -> str:
+    """Write what tools/trl_step.py reads into ``<out>/trl/`` and return the settings file: the model folder, the
+    prompts in rllight's order (conversational format) and the config."""
+    from rllight.data import ArithmeticTask
+    from rllight.data.module import ResumableSampler
+    from rllight.models import SmolLM2Package
+
+    folder = os.path.join(args.out, "trl")
+    os.makedirs(folder, exist_ok=True)
+    train, _ = ArithmeticTask(num_train=PROMPTS_PER_STEP * args.steps, num_val=0, seed=0).splits()
+    # rllight's dataloader draws one seeded permutation per epoch; here one epoch holds every row.
+    order = list(ResumableSampler(len(train), len(train), DATA_SEED))
+    prompts = os.path.join(folder, "prompts.jsonl")
+    with open(prompts, "w") as f:
+        f.writelines(json.dumps({"prompt": [{"role": "user", "content": train[i]["prompt"]}],
+                                 "answer": train[i]["answer"]}) + "\n" for i in order)
+    settings = {
+        "model_dir": args.model_dir or SmolLM2Package().resolve(),
+        "prompts": prompts,
+        "output_dir": os.path.join(folder, "trainer"),
+        "steps": args.steps,
+        "prompts_per_step": PROMPTS_PER_STEP,
+        "group_size": GROUP_SIZE,
+        "max_new_tokens": MAX_NEW_TOKENS,
+        "temperature": TEMPERATURE,
+        "lr": LR,
+        "seed": 0,
+    }
+    path = os.path.join(folder, "settings.json")
+    with open(path, "w") as f:
+        json.dump(settings, f, indent=2)
+    return path
+
+
+def run_trl(args: argparse.Namespace) -> dict:
+    """Run tools/trl_step.py with TRL's python; return its median step (steps 2..N), peak RSS and versions."""
+    settings = trl_inputs(args)
+    cmd = [args.trl_python, os.path.join(ROOT, "tools", "trl_step.py"), settings]
+    output = run_child(cmd, os.path.join(args.out, "trl.log"), "trl")
+    lines = [line for line in output.splitlines() if line.startswith("trl_result=")]
+    if not lines:
+        raise SystemExit(f"bench_step: trl printed no trl_result= line; see {os.path.join(args.out, 'trl.log')}")
+    result = json.loads(lines[-1].split("=", 1)[1])
+    timed = result["step_s"][1:]
+    if not timed:
+        raise SystemExit(f"bench_step: trl timed {len(result['step_s'])} step(s); the medians need at least 2")
+    result["steps"] = len(timed)
+    result["step"] = statistics.median(timed)
+    result["tokens_per_step"] = statistics.median(result["completion_tokens"][1:])
+    return result
+
+
+def gib(kb: float | None) -> str:
+    return "-" if kb is None else f"{kb / 1024**2:.2f}"
+
+
+def describe(config_yaml: str) -> str:
+    """The benchmarked settings as the rllight run resolved them (its saved config.yaml, ``--set`` included)."""
+    with open(config_yaml) as f:
+        config = yaml.safe_load(f)
+    model = config["model"]
+    source = model["model"].get("init_args") or {}
+    rollout = model["rollout"]
+    sampling = rollout.get("init_args") or {}
+    engine_dtype = sampling.get("dtype") or source.get("dtype")
+    return (f"{source.get('path') or 'SmolLM2-135M-Instruct'} ({source.get('dtype')}), "
+            f"{rollout['class_path'].rsplit('.', 1)[-1]} (dtype {engine_dtype}), "
+            f"{config['data']['batch_size']} prompts x {model['sampler']['init_args']['group_size']} responses, "
+            f"max_new_tokens {sampling.get('max_new_tokens')}, temperature {sampling.get('temperature')}, "
+            f"lr {model['optimizer']['init_args']['lr']}, ppo_epochs {model['ppo_epochs']}, "
+            f"minibatch_size {model['minibatch_size']}, micro_batch_size {model['micro_batch_size']}")
+
+
+def print_rllight(r: dict) -> None:
+    print(f"\nrllight: {r['settings']}")
+    print(f"median of steps 2..{r['steps'] + 1}:")
+    print(f"  {'step s':<22}{r['step']:.4g}")
+    for name in (*PHASES, "other"):
+        print(f"  {name + ' s':<22}{r[name]:.4g}")
+    print(f"  {'generated tokens/s':<22}{r['generated_tokens_per_s']:.4g}")
+    print(f"  {'step tokens/s':<22}{r['step_tokens_per_s']:.4g}")
+    print(f"  {'tokens per step':<22}{r['tokens_per_step']:.0f}")
+    print(f"  {'peak RSS GiB':<22}{gib(r['peak_rss_kb'])}")
+    if r["peak_cuda_bytes"] is not None:
+        print(f"  {'peak CUDA GiB':<22}{r['peak_cuda_bytes'] / 1024**3:.2f}")
+
+
+def print_comparison(args: argparse.Namespace, rllight: dict, trl: dict) -> None:
+    print(f"\nTRL {trl['trl']} (transformers {trl['transformers']}, torch {trl['torch']}): GRPOTrainer, same config "
+          "and prompts")
+    rllight_only = [f"--{name.replace('_', '-')}" for name in ("overrides", "dtype") if getattr(args, name)]
+    rllight_only += ["--engine vllm"] if args.engine != "hf" else []
+    if rllight_only:
+        print(f"  note: {', '.join(rllight_only)} changed the rllight side only")
+    if rllight["peak_cuda_bytes"] is not None:
+        print("  note: rllight ran on CUDA, TRL on the CPU")
+    print(f"  {'':<22}{'rllight':>10}{'trl':>10}")
+    print(f"  {'step s':<22}{rllight['step']:>10.4g}{trl['step']:>10.4g}")
+    print(f"  {'tokens per step':<22}{rllight['tokens_per_step']:>10.0f}{trl['tokens_per_step']:>10.0f}")
+    print(f"  {'peak RSS GiB':<22}{gib(rllight['peak_rss_kb']):>10}{gib(trl['peak_rss_kb']):>10}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.setup_trl:
+        setup_trl(args.trl_python)
+        if not args.trl:
+            return 0
+    os.makedirs(args.out, exist_ok=True)
+    rllight = run_rllight(args)
+    trl = run_trl(args) if args.trl else None
+    print_rllight(rllight)
+    if trl is not None:
+        print_comparison(args, rllight, trl)
+    print(f"rllight_step_s={rllight['step']:.4g}")
+    if trl is not None:
+        print(f"rllight_over_trl={trl['step'] / rllight['step']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

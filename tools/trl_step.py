@@ -1,0 +1,163 @@
+"""TRL's GRPOTrainer on tools/bench_step.py's config: seconds per optimizer step and peak RSS.
+
+Runs with the python of TRL's own virtual environment (tools/bench_step.py --setup-trl makes it), without
+rllight, which that environment lacks: tools/bench_step.py --trl writes the inputs and runs it. Its one
+argument is the settings file (JSON): the Hugging Face model folder, a JSONL of prompts in TRL's
+conversational format with their answers (in the order rllight's dataloader draws them), the number of steps,
+prompts per step, responses per prompt, response length, temperature, learning rate, seed and an output folder.
+
+GRPOConfig, matched to rllight's GRPO recipe (recipes/grpo.yaml) under bench_step's overlay:
+- one step = ``prompts_per_step`` x ``group_size`` completions: ``per_device_train_batch_size`` = 16 completions,
+  ``num_generations`` 4, ``steps_per_generation`` 1, ``gradient_accumulation_steps`` 1 and ``num_iterations`` 1,
+  so that every optimizer step generates its own batch and makes one update on it (no old log-prob pass, as
+  rllight skips it with one update per rollout);
+- sampling at ``temperature``, ``top_k`` 0, ``top_p`` 1.0, at most ``max_new_tokens`` new tokens, with
+  Hugging Face ``generate`` (no vLLM) on the CPU (``use_cpu``; rllight's ``accelerator: auto`` is the CPU too
+  on a machine without a GPU);
+- ``beta`` 0 (no KL and no reference model, like the recipe), clip 0.2 (``epsilon``), advantages scaled by the
+  group's standard deviation (``scale_rewards="group"``, the recipe's ``scale_by_std``), ``loss_type="grpo"``
+  (per-response mean, then the mean over responses: the recipe's seq-mean-token-mean);
+- AdamW (``adamw_torch``: torch's AdamW, as rllight's optimizer) at ``lr``, weight decay 0, a constant
+  learning rate (TRL's default decays linearly), gradient clipping at 1.0 (rllight's default), float32 (model
+  loaded in float32, ``bf16`` and ``fp16`` off), no gradient checkpointing, dropout off;
+- the prompts in the file's order (``shuffle_dataset=False``), logging every step, no saving, report_to none.
+The reward is rllight's ``IntegerMatch``: 1.0 when the last integer of the completion (or of its last
+``\\boxed{}``) equals the answer, else 0.0. Differences that remain: TRL's generation and loss code are its own
+(e.g. TRL computes the per-token entropy in the loss pass, as rllight does for its metrics), and rllight scores
+rewards in worker processes while TRL scores them in the training process.
+
+Timing: a TrainerCallback takes the wall clock at ``on_step_begin`` and ``on_step_end``. TRL generates the
+completions in ``_prepare_inputs``, called by ``training_step``, so a step covers generation, reward,
+advantages, the forward/backward pass, gradient clipping and the optimizer update; it leaves out the
+dataloader's fetch of the raw prompts and the logging after the step. The last line printed is
+
+    trl_result={"step_s": [...], "completion_tokens": [...], "peak_rss_kb": ..., "trl": ..., ...}
+
+(JSON: seconds and generated tokens of each step, the process's peak RSS in KiB and the versions).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import resource
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch
+import transformers
+import trl
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+_INT = re.compile(r"-?\d[\d,]*")
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+
+
+def last_integer(text: str) -> int | None:
+    """The last integer of ``text``'s last ``\\boxed{}`` if any, else of the text (as rllight.rewards reads it)."""
+    boxed = _BOXED.findall(text)
+    candidates = _INT.findall(boxed[-1] if boxed else text)
+    if not candidates:
+        return None
+    try:
+        return int(candidates[-1].replace(",", ""))
+    except ValueError:
+        return None
+
+
+def integer_match(completions, answer, **kwargs) -> list[float]:
+    """1.0 for each completion whose last integer equals its row's answer, else 0.0."""
+    rewards = []
+    for completion, expected in zip(completions, answer):
+        text = completion[-1]["content"] if isinstance(completion, list) else completion
+        got = last_integer(text)
+        rewards.append(1.0 if got is not None and got == int(str(expected).strip().replace(",", "")) else 0.0)
+    return rewards
+
+
+class StepTimer(TrainerCallback):
+    """Wall-clock seconds of each optimizer step and the completion tokens it generated."""
+
+    def __init__(self, completions_per_step: int):
+        self.completions_per_step = completions_per_step
+        self.step_s: list[float] = []
+        self.completion_tokens: list[float] = []
+        self._start = 0.0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.step_s.append(time.perf_counter() - self._start)
+        print(f"trl_step: step {len(self.step_s)}: {self.step_s[-1]:.3f} s", flush=True)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "completions/mean_length" in logs:
+            self.completion_tokens.append(logs["completions/mean_length"] * self.completions_per_step)
+
+
+def main(settings_path: str) -> None:
+    with open(settings_path) as f:
+        s = json.load(f)
+    with open(s["prompts"]) as f:
+        rows = [json.loads(line) for line in f]
+    completions_per_step = s["prompts_per_step"] * s["group_size"]
+    # transformers 5 renamed gradient checkpointing (the old name still works, with a warning).
+    fields = {f.name for f in dataclasses.fields(trl.GRPOConfig)}
+    checkpointing = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+    config = trl.GRPOConfig(
+        output_dir=s["output_dir"],
+        max_steps=s["steps"],
+        per_device_train_batch_size=completions_per_step,
+        num_generations=s["group_size"],
+        steps_per_generation=1,
+        gradient_accumulation_steps=1,
+        num_iterations=1,
+        max_completion_length=s["max_new_tokens"],
+        temperature=s["temperature"],
+        top_k=0,
+        top_p=1.0,
+        learning_rate=s["lr"],
+        lr_scheduler_type="constant",
+        optim="adamw_torch",
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        beta=0.0,
+        epsilon=0.2,
+        scale_rewards="group",
+        loss_type="grpo",
+        bf16=False,
+        fp16=False,
+        use_cpu=True,
+        use_vllm=False,
+        **{checkpointing: False},
+        disable_dropout=True,
+        shuffle_dataset=False,
+        seed=s["seed"],
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+    )
+    model = AutoModelForCausalLM.from_pretrained(s["model_dir"], dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(s["model_dir"])
+    timer = StepTimer(completions_per_step)
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=integer_match, args=config, train_dataset=Dataset.from_list(rows),
+                              processing_class=tokenizer, callbacks=[timer])
+    trainer.train()
+    result = {"step_s": timer.step_s, "completion_tokens": timer.completion_tokens,
+              "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "trl": trl.__version__,
+              "transformers": transformers.__version__, "torch": torch.__version__,
+              "torch_threads": torch.get_num_threads()}
+    print("trl_result=" + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: trl_step.py SETTINGS.json (written by tools/bench_step.py --trl)")
+    main(sys.argv[1])
