@@ -164,3 +164,14 @@ def test_sampling_distribution_equals_the_transformers_warpers():
     token, logprob = sample_next(logits, 0.7, 10, 0.8, greedy=True)
     assert torch.equal(token, logits.argmax(-1))
     torch.testing.assert_close(logprob, torch.log_softmax(logits, -1).amax(-1))
+
+
+def test_a_low_precision_copy_on_a_cpu_without_units_for_it_warns(tiny_model_dir, monkeypatch, caplog):
+    import rllight.rollout.hf as hf
+
+    policy, tok = HFModel(tiny_model_dir).load()
+    for has_units, warned in ((False, True), (True, False)):
+        monkeypatch.setattr(hf, "_cpu_has_low_precision_units", lambda: has_units)
+        caplog.clear()
+        HFEngine(max_new_tokens=2, dtype="bfloat16").generate(policy, tok, [[5, 6]], greedy=True)
+        assert ("much slower" in caplog.text) == warned

@@ -1,7 +1,8 @@
-"""Rollouts with Hugging Face ``generate``."""
+"""Rollouts in the training process: a Hugging Face model, a KV cache and the engine's own decode loop."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -10,6 +11,8 @@ from torch.profiler import record_function
 
 from rllight.errors import RecipeError
 from rllight.rollout.base import Generation, RolloutEngine, pad_left, response_mask_from_ids
+
+log = logging.getLogger(__name__)
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
@@ -24,6 +27,11 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return sorted(ids)
+
+
+def _cpu_has_low_precision_units() -> bool:
+    """Whether PyTorch's CPU kernels here use AVX-512 (with BF16/FP16 support) or AMX."""
+    return torch.backends.cpu.get_cpu_capability().startswith(("AVX512", "AMX"))
 
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -43,7 +51,8 @@ class HFEngine(RolloutEngine):
         top_k: Keep the k most likely tokens (0 = off).
         batch_size: Prompts per ``generate`` call (bounds the KV cache memory).
         dtype: Generate with a copy of the policy in this dtype (``bfloat16``: faster on GPUs and on CPUs
-            with AMX), refreshed after every update; None = the policy itself. The engine's sampling
+            with AMX or AVX-512 BF16; on a CPU without them, e.g. AVX2 only, bfloat16 matrix products are
+            many times slower than float32 and the engine warns), refreshed after every update; None = the policy itself. The engine's sampling
             log-probs then differ from the trainer's (``train/rollout/logprob_diff_*``): the behaviour
             policy is the copy, which truncated importance sampling and VESPO correct for.
     """
@@ -74,6 +83,11 @@ class HFEngine(RolloutEngine):
         if self._copy is None or self._copy_of != id(model):
             import copy
 
+            device = next(model.parameters()).device
+            if device.type == "cpu" and self.dtype != "float32" and not _cpu_has_low_precision_units():
+                log.warning("model.rollout.init_args.dtype is %s but this CPU (%s) has no AVX-512 or AMX units for "
+                            "it: generation will be much slower than in float32; set dtype: null on this machine",
+                            self.dtype, torch.backends.cpu.get_cpu_capability())
             self._copy = copy.deepcopy(model).to(_DTYPES[self.dtype]).eval()
             self._copy.requires_grad_(False)
             self._copy_of = id(model)
