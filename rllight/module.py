@@ -728,6 +728,10 @@ class RLModule(L.LightningModule):
         finite = True
         for index, micro in enumerate(self._micro_batches(mb)):
             mask = micro.response_mask.float()
+            # The share of the forward's positions that are padding (prompt and response columns alike).
+            positions = micro.prompt_mask.numel() + micro.valid_mask.numel()
+            real = micro.prompt_mask.sum() + micro.valid_mask.sum()
+            record("perf/padding_share", 1.0 - real.float() / max(positions, 1))
             loss = torch.zeros((), device=mask.device)
             if policy:
                 with record_function("rllight.update.forward"):

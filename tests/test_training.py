@@ -105,3 +105,26 @@ def test_evaluate_before_after_with_validation_during_fit(tmp_path, tiny_model_d
     assert "greedy accuracy" in out and "pass@2" in out
     logged = (next(tmp_path.rglob("metrics.csv"))).read_text()
     assert logged.count("val/accuracy") >= 1
+
+
+def test_profile_step_names_the_phases_and_padding_is_logged(tmp_path, tiny_model_dir):
+    """``rllight.profiling.ProfileStep`` profiles one step: every phase of a GRPO step with the HF engine is
+    found (the markers exist on the code path), the update's phases fit in the step, and the share of padded
+    positions in the update is logged and within [0, 1)."""
+    from rllight.profiling import ProfileStep
+
+    cli = build(os.path.join(RECIPES, "grpo.yaml"), tiny_overrides(tmp_path, tiny_model_dir), "--trainer.max_steps", "4",
+                "--model.minibatch_size", "null")
+    profiler = ProfileStep(step=1, out=str(tmp_path / "profile"))
+    cli.trainer.callbacks.append(profiler)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    phases = profiler.summary["phases"]
+    expected = {"rllight.rollout", "rllight.generate.prefill", "rllight.generate.token", "rllight.update.forward",
+                "rllight.update.backward", "rllight.update.optimizer"}
+    assert expected <= set(phases)  # one update per rollout: no separate scoring pass
+    assert phases["rllight.generate.prefill"]["calls"] == 1
+    inside = sum(phases[k]["seconds"] for k in ("rllight.rollout", "rllight.update.forward",
+                                                "rllight.update.backward", "rllight.update.optimizer"))
+    assert inside <= profiler.summary["step_seconds"] * 1.05
+    assert (tmp_path / "profile" / "profile.md").read_text().count("| rllight.") == len(phases)
+    assert 0.0 <= float(cli.trainer.callback_metrics["train/perf/padding_share"]) < 1.0
