@@ -17,17 +17,20 @@ advantages before the update) and ``train/time/train`` (the optimizer update); "
 spends outside them (rollout metrics and callbacks). Generated tokens/s is ``train/rollout/tokens_per_s``
 (generated tokens / wall time of generation); step tokens/s is ``train/perf/tokens_per_s`` (generated
 tokens / step time). Every number is the median over steps 2..N: the first step (warm-up) is left out.
-Peak memory is the peak RSS of the training process (``ru_maxrss``; reward worker processes and a vLLM
-engine process, if any, are not in it) and, when it used CUDA, torch's peak allocated GPU memory.
+Peak memory is the peak RSS of the training process (``ru_maxrss``; rllight's vLLM engine runs inside it,
+the reward worker processes do not) and, when it used CUDA, torch's peak allocated GPU memory.
 
 TRL side (``--trl``): tools/trl_step.py runs with the python of TRL's own virtual environment
-(``--trl-python``; TRL pins a newer transformers than rllight's, so it cannot share rllight's venv;
-``--setup-trl`` creates it). It gets, in ``<out>/trl/``, the plain Hugging Face model folder, the same
-prompts as a JSONL in TRL's conversational format, in the order rllight's dataloader draws them (TRL's
-shuffling off), so that step k of both sees the same 4 prompts, and the settings; see tools/trl_step.py for
-how GRPOConfig matches rllight's GRPO and where it differs. TRL's step is timed from ``on_step_begin`` to
+(``--trl-python``; ``--setup-trl`` creates it: the CPU torch, then TRL with the newest transformers it
+accepts, which may lie outside rllight's ``transformers<5.20``, so TRL's dependencies never change rllight's).
+It gets, in ``<out>/trl/``, the plain Hugging Face model folder, the same prompts as a JSONL in TRL's
+conversational format, in the order rllight's dataloader draws them (TRL's shuffling off), so that step k of
+both sees the same 4 prompts, and the settings; see tools/trl_step.py for how GRPOConfig matches rllight's
+GRPO and where it differs. TRL's step is timed from ``on_step_begin`` to
 ``on_step_end`` of a TrainerCallback: it includes generation (TRL generates in ``_prepare_inputs`` of
-``training_step``), reward, loss and the optimizer update. Its peak RSS is that of its process.
+``training_step``), reward, loss and the optimizer update. Its peak RSS is that of its process. The two sides
+sample independently, so their responses, and the tokens each step generates, differ: the comparison table
+prints tokens per step and step tokens/s (generated tokens / step time) of both next to the seconds.
 
 The last line is ``rllight_step_s=<rllight median s/step>`` or, with ``--trl``,
 
@@ -59,7 +62,7 @@ import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRL_VENV = ".venv-trl"
-TORCH_PIN = "torch==2.13.0"  # first, so that trl's torch requirement finds it met (a bare one pulls a CUDA build)
+TORCH_PIN = "torch==2.13.0"  # first, so that TRL's dependencies find torch met (a bare one pulls a CUDA build)
 ENGINES = {"hf": "rllight.rollout.HFEngine", "vllm": "rllight.rollout.vllm.VLLMEngine"}
 
 PROMPTS_PER_STEP = 4
@@ -111,8 +114,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.steps < 2:
         p.error("--steps must be >= 2 (the first step is left out of the medians)")
-    if not os.path.isfile(os.path.join(ROOT, args.recipe)):
+    recipe = args.recipe if os.path.isfile(args.recipe) else os.path.join(ROOT, args.recipe)
+    if not os.path.isfile(recipe):
         p.error(f"--recipe '{args.recipe}': no such file")
+    args.recipe = os.path.abspath(recipe)
     if args.model_dir is not None:
         args.model_dir = os.path.abspath(args.model_dir)
         if not os.path.isfile(os.path.join(args.model_dir, "config.json")):
@@ -302,6 +307,8 @@ def run_trl(args: argparse.Namespace) -> dict:
     result["steps"] = len(timed)
     result["step"] = statistics.median(timed)
     result["tokens_per_step"] = statistics.median(result["completion_tokens"][1:])
+    result["step_tokens_per_s"] = statistics.median(
+        tokens / seconds for tokens, seconds in zip(result["completion_tokens"][1:], timed))
     return result
 
 
@@ -343,8 +350,8 @@ def print_rllight(r: dict) -> None:
 def print_comparison(args: argparse.Namespace, rllight: dict, trl: dict) -> None:
     print(f"\nTRL {trl['trl']} (transformers {trl['transformers']}, torch {trl['torch']}): GRPOTrainer, same config "
           "and prompts")
-    rllight_only = [f"--{name.replace('_', '-')}" for name in ("overrides", "dtype") if getattr(args, name)]
-    rllight_only += ["--engine vllm"] if args.engine != "hf" else []
+    rllight_only = [option for option, given in (("--set", args.overrides), ("--dtype", args.dtype),
+                                                  (f"--engine {args.engine}", args.engine != "hf")) if given]
     if rllight_only:
         print(f"  note: {', '.join(rllight_only)} changed the rllight side only")
     if rllight["peak_cuda_bytes"] is not None:
@@ -352,6 +359,7 @@ def print_comparison(args: argparse.Namespace, rllight: dict, trl: dict) -> None
     print(f"  {'':<22}{'rllight':>10}{'trl':>10}")
     print(f"  {'step s':<22}{rllight['step']:>10.4g}{trl['step']:>10.4g}")
     print(f"  {'tokens per step':<22}{rllight['tokens_per_step']:>10.0f}{trl['tokens_per_step']:>10.0f}")
+    print(f"  {'step tokens/s':<22}{rllight['step_tokens_per_s']:>10.4g}{trl['step_tokens_per_s']:>10.4g}")
     print(f"  {'peak RSS GiB':<22}{gib(rllight['peak_rss_kb']):>10}{gib(trl['peak_rss_kb']):>10}")
 
 

@@ -147,8 +147,8 @@ def main(settings_path: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(s["model_dir"], dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(s["model_dir"])
     timer = StepTimer(completions_per_step)
-    trainer = trl.GRPOTrainer(model=model, reward_funcs=integer_match, args=config, train_dataset=Dataset.from_list(rows),
-                              processing_class=tokenizer, callbacks=[timer])
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=integer_match, args=config,
+                              train_dataset=Dataset.from_list(rows), processing_class=tokenizer, callbacks=[timer])
     trainer.train()
     result = {"step_s": timer.step_s, "completion_tokens": timer.completion_tokens,
               "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "trl": trl.__version__,
