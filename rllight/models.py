@@ -173,19 +173,45 @@ class SmolLM2Package(HFModel):
         return target
 
 
-def response_hidden_states(decoder: torch.nn.Module, batch) -> torch.Tensor:
+def response_hidden_states(decoder: torch.nn.Module, batch, share_prompts: bool = True) -> torch.Tensor:
     """Last hidden state at the positions that predict each response token of ``batch`` (a Rollout).
 
     Position ids count real tokens only, as in generation with left padding.
 
+    With ``share_prompts``, rows whose prompts are the same (the G responses of a group) share one pass
+    over their prompt: the distinct prompts go through the decoder once, their key/value cache is gathered
+    to every row (so the gradient through it sums over the rows, as it would over separate passes), and the
+    responses run on top. Same function, less work: a prompt of P tokens with G responses costs P instead of
+    G x P positions, forward and backward. Without repeated prompts, or with gradient checkpointing (which
+    turns the cache off), it is the plain single pass.
+
     Returns:
         Shape (B, T, H).
     """
-    attention_mask = batch.attention_mask
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     p, t = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
-    out = decoder(input_ids=batch.input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    return out.last_hidden_state[:, p - 1 : p + t - 1]
+    # Gradient checkpointing turns the key/value cache off in training: then one plain pass.
+    share_prompts = share_prompts and not getattr(decoder, "gradient_checkpointing", False)
+    prompts = torch.cat([batch.prompt_ids, batch.prompt_mask.to(batch.prompt_ids.dtype)], dim=1)
+    distinct, row_prompt = torch.unique(prompts, dim=0, return_inverse=True) if share_prompts else (prompts, None)
+    if not share_prompts or len(distinct) == len(prompts):
+        attention_mask = batch.attention_mask
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        out = decoder(input_ids=batch.input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      use_cache=False)
+        return out.last_hidden_state[:, p - 1 : p + t - 1]
+    prompt_ids, prompt_mask = distinct[:, :p], distinct[:, p:]
+    head = decoder(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=(prompt_mask.cumsum(-1) - 1).clamp(
+        min=0), use_cache=True)
+    first = head.last_hidden_state[row_prompt, -1:]  # predicts the first response token
+    if t == 1:
+        return first
+    cache = head.past_key_values
+    cache.reorder_cache(row_prompt)  # distinct prompts -> rows (index_select: differentiable)
+    attention_mask = batch.attention_mask[:, : p + t - 1]
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, p:]
+    rest = decoder(input_ids=batch.response_ids[:, : t - 1], attention_mask=attention_mask, position_ids=position_ids,
+                   past_key_values=cache, use_cache=True)
+    return torch.cat([first, rest.last_hidden_state], dim=1)
 
 
 class LoRA:

@@ -25,7 +25,7 @@ def bench(*args: str) -> subprocess.CompletedProcess:
 def test_bench_step_prints_the_phase_medians_tokens_per_s_and_peak_memory(tmp_path, tiny_model_dir):
     out = tmp_path / "bench"
     run = bench("--model-dir", tiny_model_dir, "--steps", "3", "--set", "model.rollout.init_args.max_new_tokens=8",
-                "--out", str(out))
+                "--out", str(out), "--profile", "1")
     assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
     rows = re.findall(r"^  (\w[\w /]*?) {2,}([\d.e+-]+)$", run.stdout, re.MULTILINE)
     table = {name: float(value) for name, value in rows}
@@ -46,10 +46,13 @@ def test_bench_step_prints_the_phase_medians_tokens_per_s_and_peak_memory(tmp_pa
     with open(metrics) as f:
         steps = [r for r in csv.DictReader(f) if r["train/time/step"]]
     assert [int(r["step"]) for r in steps] == [0, 1, 2]
+    # --profile 1: step 1's phases, generation per token among them.
+    assert "| rllight.generate.token |" in (out / "profile" / "profile.md").read_text()
 
 
 @pytest.mark.parametrize("args, option", [(["--steps", "1"], "--steps"), (["--set", "novalue"], "--set"),
-                                          (["--model-dir", "/nonexistent"], "--model-dir")])
+                                          (["--model-dir", "/nonexistent"], "--model-dir"),
+                                          (["--steps", "3", "--profile", "3"], "--profile")])
 def test_bench_step_refuses_bad_options_in_one_line_naming_the_option(args, option):
     run = bench(*args)
     assert run.returncode == 2

@@ -121,10 +121,11 @@ def test_a_bfloat16_engine_copy_is_the_behaviour_policy_and_follows_updates(tiny
 
 def test_greedy_decoding_equals_model_generate_on_left_padded_prompts(tiny_model_dir):
     """The engine's own decode loop (KV cache, positions of left-padded prompts, rows that end early fed
-    the pad id) picks the same tokens as ``model.generate`` for prompts of different lengths."""
+    the pad id, one prompt pass shared by the rows of the same prompt) picks the same tokens as
+    ``model.generate`` for prompts of different lengths, some repeated."""
     policy, tok = HFModel(tiny_model_dir).load()
     policy.eval()
-    prompts = [[5, 9, 12, 7, 3, 8, 11], [4, 6], [13, 2, 9, 10]]
+    prompts = [[5, 9, 12, 7, 3, 8, 11], [4, 6], [13, 2, 9, 10], [4, 6], [5, 9, 12, 7, 3, 8, 11]]
     engine = HFEngine(max_new_tokens=10)
     out = engine.generate(policy, tok, prompts, greedy=True)
     ids, mask = pad_left(prompts, tok.pad_token_id)

@@ -42,6 +42,7 @@ Usage:
     .venv/bin/python tools/bench_step.py [--steps 6] [--engine hf|vllm] [--dtype bfloat16] [--out runs/bench_step]
     .venv/bin/python tools/bench_step.py --setup-trl        # once: TRL's environment in .venv-trl
     .venv/bin/python tools/bench_step.py --trl [--steps 6]
+    .venv/bin/python tools/bench_step.py --profile 2      # where step 2's time goes: <out>/profile/profile.md
 """
 
 from __future__ import annotations
@@ -104,6 +105,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                    help="Extra rllight CLI override, e.g. model.rollout.init_args.max_new_tokens=8 (repeatable; "
                         "rllight side only).")
+    p.add_argument("--profile", type=int, metavar="STEP",
+                   help="Also profile rollout STEP (0-based) of the rllight side with rllight.profiling.ProfileStep: "
+                        "<out>/profile/profile.md lists the time of each phase and the top operators.")
     p.add_argument("--out", default="runs/bench_step", help="Folder for the overlay, logs and TRL inputs.")
     p.add_argument("--trl", action="store_true", help="Also run TRL's GRPOTrainer on the same config and data.")
     p.add_argument("--trl-python", default=os.path.join(ROOT, TRL_VENV, "bin", "python"),
@@ -114,6 +118,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.steps < 2:
         p.error("--steps must be >= 2 (the first step is left out of the medians)")
+    if args.profile is not None and not 0 <= args.profile < args.steps:
+        p.error(f"--profile must name a step in 0..{args.steps - 1} (0-based), got {args.profile}")
     recipe = args.recipe if os.path.isfile(args.recipe) else os.path.join(ROOT, args.recipe)
     if not os.path.isfile(recipe):
         p.error(f"--recipe '{args.recipe}': no such file")
@@ -175,6 +181,9 @@ def overlay(args: argparse.Namespace) -> dict:
             "default_root_dir": os.path.join(args.out, "rllight"),
             "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
                        "init_args": {"save_dir": args.out, "name": "rllight"}},
+            **({"callbacks": [{"class_path": "rllight.profiling.ProfileStep",
+                               "init_args": {"step": args.profile, "out": os.path.join(args.out, "profile")}}]}
+               if args.profile is not None else {}),
         },
         "model": {
             "model": model,

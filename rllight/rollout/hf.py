@@ -154,31 +154,40 @@ class HFEngine(RolloutEngine):
         """Sample up to ``max_new_tokens`` per row with a KV cache; ``(response_ids, logprobs)``, both (B, T).
 
         Each step keeps only the sampled token's log-prob under the distribution it was drawn from
-        (``sampling_logprobs``), so memory does not grow with T x V. Rows that ended are fed the pad id
-        until every row has ended or the limit is reached. Positions count real tokens only (prompts are
-        left-padded), as in ``model.generate``.
+        (``sample_next``), so memory does not grow with T x V. Rows with the same prompt share one prompt
+        pass. Rows that ended are fed the pad id until every row has ended or the limit is reached.
+        Positions count real tokens only (prompts are left-padded), as in ``model.generate``.
         """
-        mask = prompt_mask
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        inputs, cache = prompt_ids, None
         eos_ids = torch.tensor(eos, device=prompt_ids.device)
         running = torch.ones(prompt_ids.shape[0], dtype=torch.bool, device=prompt_ids.device)
+        # The prompt pass runs once per distinct prompt (a group's G samples share theirs); its cache is then
+        # gathered to every row.
+        prompts = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)
+        distinct, row_prompt = torch.unique(prompts, dim=0, return_inverse=True)
+        p = prompt_ids.shape[1]
+        with record_function("rllight.generate.prefill"):
+            out = model(input_ids=distinct[:, :p], attention_mask=distinct[:, p:],
+                        position_ids=(distinct[:, p:].cumsum(-1) - 1).clamp(min=0), use_cache=True, logits_to_keep=1)
+        cache = out.past_key_values
+        cache.reorder_cache(row_prompt)
+        logits = out.logits[row_prompt, -1]
+        mask = prompt_mask
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -1:]
         tokens, logprobs = [], []
-        for _ in range(self.max_new_tokens):
-            with record_function("rllight.generate." + ("prefill" if cache is None else "token")):
-                out = model(input_ids=inputs, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                            use_cache=True, logits_to_keep=1)
-            cache = out.past_key_values
-            token, logprob = sample_next(out.logits[:, -1].float(), self.temperature, self.top_k, self.top_p, greedy)
+        for step in range(self.max_new_tokens):
+            token, logprob = sample_next(logits.float(), self.temperature, self.top_k, self.top_p, greedy)
             token = torch.where(running, token, torch.full_like(token, pad_id))
             tokens.append(token)
             logprobs.append(torch.where(running, logprob, torch.zeros_like(logprob)))
             running = running & ~torch.isin(token, eos_ids)
-            if not running.any():
+            if not running.any() or step == self.max_new_tokens - 1:
                 break
-            inputs = token[:, None]
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            positions = positions[:, -1:] + 1
+            positions = positions + 1
+            with record_function("rllight.generate.token"):
+                out = model(input_ids=token[:, None], attention_mask=mask, position_ids=positions,
+                            past_key_values=cache, use_cache=True, logits_to_keep=1)
+            cache, logits = out.past_key_values, out.logits[:, -1]
         return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)
 
 
