@@ -2,5 +2,6 @@
 
 from rllight.rollout.base import Generation, RolloutEngine
 from rllight.rollout.hf import HFEngine
+from rllight.rollout.worker import ProcessEngine
 
-__all__ = ["Generation", "HFEngine", "RolloutEngine"]
+__all__ = ["Generation", "HFEngine", "ProcessEngine", "RolloutEngine"]

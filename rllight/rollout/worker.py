@@ -1,0 +1,430 @@
+"""Rollouts in a worker process of its own, with versioned weight syncs.
+
+Select it in a recipe (or with ``--config recipes/overlays/process-worker.yaml``)::
+
+    model:
+      rollout:
+        class_path: rllight.rollout.worker.ProcessEngine
+        init_args:
+          engine: {class_path: rllight.rollout.HFEngine, init_args: {max_new_tokens: 24, temperature: 0.7}}
+          sync_every: 1
+          timeout_seconds: 600
+
+How it runs:
+- **A copy of the policy in another process**: the first ``generate`` starts a worker (``torch.multiprocessing``,
+  spawn start) and sends it the policy's class, config, generation config, dtype and device, the tokenizer and
+  the inner engine (all pickled), and the weights; the worker builds the model and runs the inner engine on it.
+- **Weights through shared memory**: the full state dict (LoRA merged, ``full_state_dict``) is copied into one
+  flat shared-memory CPU buffer per dtype, allocated at the start and overwritten at every sync; the worker maps
+  the same buffers and copies them into its model, so nothing of the weights' size goes through the pipe. The
+  buffers stay in the trainer as the last weights sent, to restart a worker that died with them (one CPU copy
+  of the policy in ``/dev/shm``; in a container give it room, e.g. ``docker run --shm-size``).
+- **Versions**: the policy version is the number of optimizer updates (``update_weights`` calls) the weights
+  include. A sync, every ``sync_every`` updates, sets it to the update count; the worker acknowledges with the
+  version it loaded. Every request to generate names the version the trainer expects (the last one sent) and
+  the worker refuses any other; the reply names the version that generated it and the trainer checks it too,
+  so a stale worker raises an error instead of sampling from the wrong policy. ``rollout/staleness`` is the
+  number of updates the worker's weights lack (0 with ``sync_every: 1``).
+- **Exactly the in-process results**: each request carries the trainer's torch RNG state (and on CUDA the
+  device's); the worker generates from it and sends its state back, which the trainer takes on. The worker
+  uses the trainer's number of torch threads. With ``HFEngine`` inside, training then gives the same numbers
+  as ``HFEngine`` in the training process.
+- **Faults never hang the trainer**: every wait for the worker lasts at most ``timeout_seconds``; past it the
+  worker is killed and the call raises. A worker that dies (its pipe closes or its process ends) is restarted
+  once with the last weights and version and the request is sent again; if the new one dies on the same
+  request too, the call raises. The worker ignores Ctrl-C (the trainer's to handle) and exits when the trainer
+  does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import multiprocessing
+import os
+import signal
+import threading
+import time
+import weakref
+from multiprocessing.connection import wait
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rllight.errors import RecipeError
+from rllight.rollout.base import Generation, RolloutEngine
+from rllight.rollout.vllm import full_state_dict
+
+log = logging.getLogger(__name__)
+
+SAMPLING_SETTINGS = ("max_new_tokens", "temperature", "top_p", "top_k")
+"""The engine attributes sent with every request (evaluation changes them for a while)."""
+
+
+def _describe(err: BaseException) -> str:
+    return " ".join(f"{type(err).__name__}: {err}".split())
+
+
+class SharedWeights:
+    """A state dict in shared memory: one flat CPU buffer per dtype, written in place at every sync.
+
+    Pickled through a ``torch.multiprocessing`` pipe, the buffers travel as handles to the same memory: the
+    worker reads what the trainer last wrote.
+    """
+
+    def __init__(self, weights: dict[str, Tensor]):
+        sizes: dict[torch.dtype, int] = {}
+        self.layout: dict[str, tuple[torch.dtype, int, torch.Size]] = {}
+        """Where each tensor lives: ``name -> (dtype, offset in that dtype's buffer, shape)``."""
+        for name, value in weights.items():
+            offset = sizes.get(value.dtype, 0)
+            self.layout[name] = (value.dtype, offset, value.shape)
+            sizes[value.dtype] = offset + value.numel()
+        self.buffers = {dtype: torch.empty(size, dtype=dtype).share_memory_() for dtype, size in sizes.items()}
+        self.write(weights)
+
+    def tensor(self, name: str) -> Tensor:
+        """A view of one weight in its buffer."""
+        dtype, offset, shape = self.layout[name]
+        return self.buffers[dtype][offset : offset + shape.numel()].view(shape)
+
+    def tensors(self) -> dict[str, Tensor]:
+        """Every weight, as views of the buffers (a state dict to load)."""
+        return {name: self.tensor(name) for name in self.layout}
+
+    @torch.no_grad()
+    def write(self, weights: dict[str, Tensor]) -> None:
+        """Overwrite the buffers with ``weights`` (the same names and shapes as at construction)."""
+        for name, value in weights.items():
+            self.tensor(name).copy_(value)
+
+
+@dataclasses.dataclass
+class _WorkerSpec:
+    """What a worker needs to build its copy of the policy and serve requests."""
+
+    engine: RolloutEngine
+    model_class: type
+    config: Any
+    generation_config: Any
+    dtype: torch.dtype
+    device: str
+    tokenizer: Any
+    threads: int
+    weights: SharedWeights
+    version: int
+
+
+# --------------------------------------------------------------------------------------------- worker side
+def _rng_states(device: torch.device) -> dict[str, Tensor]:
+    """The torch RNG states that sampling on ``device`` draws from."""
+    states = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def _set_rng_states(states: dict[str, Tensor], device: torch.device) -> None:
+    torch.set_rng_state(states["cpu"])
+    if "cuda" in states:
+        torch.cuda.set_rng_state(states["cuda"], device)
+
+
+def _exit_with_parent() -> None:
+    # A worker busy generating never reads its pipe's end: leave when the trainer is gone.
+    multiprocessing.parent_process().join()
+    os._exit(0)
+
+
+def _serve(conn, spec: _WorkerSpec) -> None:
+    """The worker's main loop: build the policy, then answer one request at a time (``sync``: load the
+    shared weights; ``generate``; ``stop``) until told to stop or the trainer's end of the pipe closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it then stops us
+    threading.Thread(target=_exit_with_parent, daemon=True).start()
+    torch.set_num_threads(spec.threads)
+    device = torch.device(spec.device)
+    try:
+        model = spec.model_class(spec.config).to(spec.dtype)
+        model.generation_config = spec.generation_config
+        model.load_state_dict(spec.weights.tensors())
+        model.requires_grad_(False).eval().to(device)
+    except Exception as err:  # noqa: BLE001 - whatever failed, the trainer raises it as one line
+        conn.send(("error", _describe(err)))
+        return
+    engine, version = spec.engine, spec.version
+    conn.send(("ready", version))
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:
+            return
+        try:
+            if message[0] == "sync":
+                model.load_state_dict(spec.weights.tensors())
+                engine.update_weights(model)  # e.g. HFEngine's copy in another dtype
+                version = message[1]
+                conn.send(("synced", version))
+            elif message[0] == "generate":
+                _, expected, prompts, greedy, settings, rng = message
+                if expected != version:
+                    conn.send(("stale", version))
+                    continue
+                for name, value in settings.items():
+                    setattr(engine, name, value)
+                _set_rng_states(rng, device)
+                out = engine.generate(model, spec.tokenizer, prompts, greedy=greedy)
+                out = Generation(**{f.name: getattr(out, f.name).cpu() for f in dataclasses.fields(Generation)})
+                conn.send(("generated", version, out, dict(engine.last_metrics), _rng_states(device)))
+            else:
+                return
+        except Exception as err:  # noqa: BLE001 - the trainer raises it as one line; the worker stays usable
+            conn.send(("error", _describe(err)))
+
+
+# --------------------------------------------------------------------------------------------- trainer side
+class _WorkerDied(Exception):
+    pass
+
+
+class _Worker:
+    """One worker process and the trainer's end of its pipe."""
+
+    def __init__(self, spec: _WorkerSpec):
+        context = torch.multiprocessing.get_context("spawn")
+        self.conn, child = context.Pipe()
+        # Daemonic: at the trainer's exit multiprocessing terminates it instead of waiting for it.
+        self.process = context.Process(target=_serve, args=(child, spec), daemon=True, name="rllight-rollout")
+        self.process.start()
+        child.close()  # so that the worker's death closes the pipe
+
+    def send(self, message: tuple) -> None:
+        try:
+            self.conn.send(message)
+        except OSError as err:  # a broken pipe: the worker is gone
+            raise _WorkerDied(self.describe_exit()) from err
+
+    def receive(self, timeout: float, what: str) -> tuple:
+        """The worker's next message; ``_WorkerDied`` if it died, ``TimeoutError`` after ``timeout`` seconds."""
+        if not wait([self.conn, self.process.sentinel], timeout):
+            raise TimeoutError(
+                f"model.rollout: the rollout worker did not {what} within timeout_seconds={timeout:g} and was "
+                "stopped; raise model.rollout.init_args.timeout_seconds if it is only slow, or check the inner "
+                "engine (model.rollout.init_args.engine)"
+            )
+        try:
+            return self.conn.recv()
+        except (EOFError, OSError) as err:  # its end closed, also mid-message
+            raise _WorkerDied(self.describe_exit()) from err
+
+    def describe_exit(self) -> str:
+        self.process.join(timeout=5)
+        return "still running" if self.process.exitcode is None else f"exit code {self.process.exitcode}"
+
+    def stop(self) -> None:
+        """Ask the worker to leave (it is between requests), then make sure it has."""
+        if self.process.is_alive():
+            try:
+                self.conn.send(("stop",))
+            except OSError:
+                pass
+            self.process.join(timeout=5)
+        self.kill()
+
+    def kill(self) -> None:
+        """End the worker at once (it hangs, died, or is busy with a request whose reply nobody will read)."""
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(timeout=5)
+        self.conn.close()
+
+
+def _forwarded(name: str) -> property:
+    """An attribute of the inner engine, read and set through the ``ProcessEngine``."""
+    return property(lambda self: getattr(self.engine, name), lambda self, value: setattr(self.engine, name, value),
+                    doc=f"The inner engine's ``{name}`` (sent to the worker with every request).")
+
+
+class ProcessEngine(RolloutEngine):
+    """Runs another rollout engine in a worker process with its own copy of the policy, synced after
+    optimizer updates with a version (see ``rllight.rollout.worker``).
+
+    The sampling settings (``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``) are the inner engine's,
+    read and set through this one, and sent with every request. ``last_metrics`` holds the inner engine's
+    metrics (e.g. ``rollout/tokens_per_s``), ``rollout/policy_version`` (optimizer updates in the weights that
+    generated), ``rollout/staleness`` (updates since then) and ``rollout/sync_time`` (seconds spent on the
+    syncs since the previous ``generate``). ``close()`` stops the worker and frees its shared weights; a later
+    ``generate`` starts a new one from the then-current policy.
+
+    Args:
+        engine: The engine the worker runs (e.g. ``rllight.rollout.HFEngine``), with its sampling settings.
+        sync_every: Send the weights every k optimizer updates (1 = always on-policy; with k > 1 the worker
+            samples from weights up to k - 1 updates old, reported as ``rollout/staleness``, and the
+            importance ratio corrects for it).
+        timeout_seconds: Longest wait for the worker to start, load weights or generate; past it the worker is
+            killed and the step fails with one line.
+    """
+
+    max_new_tokens = _forwarded("max_new_tokens")
+    temperature = _forwarded("temperature")
+    top_p = _forwarded("top_p")
+    top_k = _forwarded("top_k")
+
+    def __init__(self, engine: RolloutEngine, sync_every: int = 1, timeout_seconds: float = 600.0):
+        key = "model.rollout.init_args"
+        if isinstance(engine, ProcessEngine):
+            raise RecipeError(f"{key}.engine: a ProcessEngine inside a ProcessEngine; name the engine to run "
+                              "(e.g. rllight.rollout.HFEngine)")
+        if sync_every < 1:
+            raise RecipeError(f"{key}.sync_every must be >= 1, got {sync_every}")
+        if not (math.isfinite(timeout_seconds) and timeout_seconds > 0):
+            raise RecipeError(f"{key}.timeout_seconds must be a positive number of seconds, got {timeout_seconds}")
+        self.engine = engine
+        self.sync_every = sync_every
+        self.timeout_seconds = float(timeout_seconds)
+        super().__init__(max_new_tokens=engine.max_new_tokens, temperature=engine.temperature, top_p=engine.top_p,
+                         top_k=engine.top_k)
+        self._updates = 0  # update_weights calls so far
+        self._reset()
+
+    def _reset(self) -> None:
+        """No worker, no shared weights: the next ``generate`` starts from the policy it is given."""
+        self._worker: _Worker | None = None
+        self._stop_worker_at_exit: weakref.finalize | None = None
+        self._policy: dict[str, Any] | None = None  # what builds the worker's model, less the weights
+        self._weights: SharedWeights | None = None  # the last weights sent
+        self._version = 0  # optimizer updates included in the last weights sent
+        self._sync_time = 0.0  # seconds spent on syncs since the last generate
+
+    # Pickling or copying the engine (a checkpoint, a deep copy of the module) carries its settings only.
+    def __getstate__(self) -> dict:
+        return {"engine": self.engine, "sync_every": self.sync_every, "timeout_seconds": self.timeout_seconds,
+                "last_metrics": self.last_metrics, "_updates": self._updates}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._reset()
+
+    # ------------------------------------------------------------------------------- worker
+    def _start(self, model: torch.nn.Module, tokenizer) -> None:
+        """Take the policy as it is now (version: the updates so far); the worker starts at the next call."""
+        try:
+            from peft import PeftModel
+        except ImportError:
+            PeftModel = None
+        base = model.get_base_model() if PeftModel is not None and isinstance(model, PeftModel) else model
+        weights = full_state_dict(model)
+        self._policy = {
+            "model_class": type(base),
+            "config": base.config,
+            "generation_config": base.generation_config,
+            "dtype": next(model.parameters()).dtype,
+            "device": str(next(model.parameters()).device),
+            "tokenizer": tokenizer,
+        }
+        self._weights = SharedWeights(weights)
+        self._version = self._updates
+
+    def _launch(self) -> None:
+        """Start a worker on the last weights sent and wait until it is ready."""
+        spec = _WorkerSpec(engine=self.engine, threads=torch.get_num_threads(), weights=self._weights,
+                           version=self._version, **self._policy)
+        self._worker = _Worker(spec)
+        self._stop_worker_at_exit = weakref.finalize(self, self._worker.stop)
+        self._check(self._worker.receive(self.timeout_seconds, "start"), "start")
+
+    def _stop_worker(self, at_once: bool = False) -> None:
+        """Stop the worker: ask it to leave, or with ``at_once`` kill it."""
+        if self._worker is not None:
+            self._stop_worker_at_exit.detach()
+            self._worker.kill() if at_once else self._worker.stop()
+        self._worker = self._stop_worker_at_exit = None
+
+    def _check(self, reply: tuple, what: str) -> tuple:
+        if reply[0] == "error":
+            raise RuntimeError(f"model.rollout: the rollout worker's {type(self.engine).__name__} failed to {what}: "
+                               f"{reply[1]}")
+        return reply
+
+    def _attempt(self, message: tuple, what: str) -> tuple:
+        """Send ``message`` and return the reply, starting the worker if needed."""
+        try:
+            if self._worker is None:
+                self._launch()
+            self._worker.send(message)
+            reply = self._worker.receive(self.timeout_seconds, what)
+        except BaseException:
+            # Timed out, died, or interrupted (Ctrl-C) mid-request: a reply may still come, and no later
+            # request may read it as its own.
+            self._stop_worker(at_once=True)
+            raise
+        return self._check(reply, what)
+
+    def _call(self, message: tuple, what: str) -> tuple:
+        """``_attempt``, and once more on a new worker (the last weights and version) if the worker died."""
+        try:
+            return self._attempt(message, what)
+        except _WorkerDied as died:
+            log.warning("the rollout worker died (%s) trying to %s; restarting it with policy version %d",
+                        died, what, self._version)
+        try:
+            return self._attempt(message, what)
+        except _WorkerDied as died:
+            raise RuntimeError(
+                f"model.rollout: the rollout worker died twice in a row ({died}) trying to {what}; look for an "
+                "out-of-memory kill or a crash in the inner engine, or generate in the training process "
+                "(model.rollout.class_path: rllight.rollout.HFEngine)"
+            ) from None
+
+    def close(self) -> None:
+        """Stop the worker and free the shared weights (a later ``generate`` starts a new worker)."""
+        self._stop_worker()
+        self._reset()
+
+    # ---------------------------------------------------------------------------- generate
+    def generate(self, model, tokenizer, prompts: list[list[int]], greedy: bool = False) -> Generation:
+        if self._weights is None:
+            self._start(model, tokenizer)
+        device = next(model.parameters()).device
+        expected = self._version
+        settings = {name: getattr(self, name) for name in SAMPLING_SETTINGS}
+        reply = self._call(("generate", expected, prompts, greedy, settings, _rng_states(device)), "generate")
+        if reply[0] != "generated" or reply[1] != expected:
+            raise RuntimeError(
+                f"model.rollout: the rollout worker answered with policy version {reply[1]} where {expected} was "
+                "sent (a weight sync was lost); its samples are not used. Resume from the last checkpoint"
+            )
+        _, version, out, metrics, rng = reply
+        _set_rng_states(rng, device)
+        self.last_metrics = {**metrics, "rollout/policy_version": float(version),
+                             "rollout/staleness": float(self._updates - version), "rollout/sync_time": self._sync_time}
+        self._sync_time = 0.0
+        return Generation(**{f.name: getattr(out, f.name).to(device) for f in dataclasses.fields(Generation)})
+
+    # ------------------------------------------------------------------------- weight sync
+    @torch.no_grad()
+    def update_weights(self, model: torch.nn.Module) -> dict[str, float]:
+        """Every ``sync_every`` calls, write the policy's full weights (LoRA merged) to the shared buffers and
+        have the worker load them as version = the number of calls so far.
+
+        Returns ``{"rollout/sync_time": seconds}`` when it synced, ``{}`` otherwise (or before the worker has
+        started: it starts from the then-current policy).
+        """
+        self._updates += 1
+        if self._weights is None or self._updates % self.sync_every:
+            return {}
+        start = time.perf_counter()
+        self._weights.write(full_state_dict(model))
+        self._version = self._updates
+        if self._worker is not None:  # else the next start loads them
+            reply = self._call(("sync", self._version), "load weights")
+            if reply[1] != self._version:
+                raise RuntimeError(f"model.rollout: the rollout worker acknowledged policy version {reply[1]} "
+                                   f"where {self._version} was sent; resume from the last checkpoint")
+        seconds = time.perf_counter() - start
+        self._sync_time += seconds
+        return {"rollout/sync_time": seconds}
+
+
+__all__ = ["ProcessEngine", "SharedWeights"]
