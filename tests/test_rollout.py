@@ -126,12 +126,18 @@ def test_greedy_decoding_equals_model_generate_on_left_padded_prompts(tiny_model
     policy, tok = HFModel(tiny_model_dir).load()
     policy.eval()
     prompts = [[5, 9, 12, 7, 3, 8, 11], [4, 6], [13, 2, 9, 10], [4, 6], [5, 9, 12, 7, 3, 8, 11]]
-    engine = HFEngine(max_new_tokens=10)
-    out = engine.generate(policy, tok, prompts, greedy=True)
     ids, mask = pad_left(prompts, tok.pad_token_id)
     from rllight.rollout.hf import eos_token_ids
 
+    # A random model rarely ends: make the token the second prompt's row picks at its second step an end
+    # token too, so that some rows end early and leave the batch while others run on.
+    with torch.no_grad():
+        free = policy.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
+                               eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
+    policy.generation_config.eos_token_id = [tok.eos_token_id, int(free[1, 1])]
     eos = eos_token_ids(policy, tok)
+    out = HFEngine(max_new_tokens=10).generate(policy, tok, prompts, greedy=True)
+    assert out.response_mask.sum(-1).min() < out.response_mask.shape[1] and out.truncated.any()
     with torch.no_grad():
         reference = policy.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
                                     eos_token_id=eos, pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]

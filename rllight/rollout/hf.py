@@ -155,11 +155,14 @@ class HFEngine(RolloutEngine):
 
         Each step keeps only the sampled token's log-prob under the distribution it was drawn from
         (``sample_next``), so memory does not grow with T x V. Rows with the same prompt share one prompt
-        pass. Rows that ended are fed the pad id until every row has ended or the limit is reached.
-        Positions count real tokens only (prompts are left-padded), as in ``model.generate``.
+        pass. A row that ends leaves the batch (and its cache), so later steps compute only the rows still
+        running; its remaining columns hold the pad id. Positions count real tokens only (prompts are
+        left-padded), as in ``model.generate``.
         """
-        eos_ids = torch.tensor(eos, device=prompt_ids.device)
-        running = torch.ones(prompt_ids.shape[0], dtype=torch.bool, device=prompt_ids.device)
+        b, device = prompt_ids.shape[0], prompt_ids.device
+        eos_ids = torch.tensor(eos, device=device)
+        response_ids = torch.full((b, self.max_new_tokens), pad_id, dtype=torch.long, device=device)
+        logprobs = torch.zeros((b, self.max_new_tokens), device=device)
         # The prompt pass runs once per distinct prompt (a group's G samples share theirs); its cache is then
         # gathered to every row.
         prompts = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)
@@ -171,24 +174,28 @@ class HFEngine(RolloutEngine):
         cache = out.past_key_values
         cache.reorder_cache(row_prompt)
         logits = out.logits[row_prompt, -1]
+        rows = torch.arange(b, device=device)  # the batch row of each running sequence
         mask = prompt_mask
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -1:]
-        tokens, logprobs = [], []
+        width = 0
         for step in range(self.max_new_tokens):
             token, logprob = sample_next(logits.float(), self.temperature, self.top_k, self.top_p, greedy)
-            token = torch.where(running, token, torch.full_like(token, pad_id))
-            tokens.append(token)
-            logprobs.append(torch.where(running, logprob, torch.zeros_like(logprob)))
-            running = running & ~torch.isin(token, eos_ids)
-            if not running.any() or step == self.max_new_tokens - 1:
+            response_ids[rows, step], logprobs[rows, step] = token, logprob
+            width = step + 1
+            running = ~torch.isin(token, eos_ids)
+            if not running.any() or width == self.max_new_tokens:
                 break
+            if not running.all():  # the ended rows leave the batch
+                keep = running.nonzero().squeeze(1)
+                cache.reorder_cache(keep)
+                rows, token, mask, positions = rows[keep], token[keep], mask[keep], positions[keep]
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             positions = positions + 1
             with record_function("rllight.generate.token"):
                 out = model(input_ids=token[:, None], attention_mask=mask, position_ids=positions,
                             past_key_values=cache, use_cache=True, logits_to_keep=1)
             cache, logits = out.past_key_values, out.logits[:, -1]
-        return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)
+        return response_ids[:, :width], logprobs[:, :width]
 
 
 def sample_next(logits: Tensor, temperature: float, top_k: int, top_p: float, greedy: bool) -> tuple[Tensor, Tensor]:
