@@ -140,7 +140,8 @@ class RLModule(L.LightningModule):
         micro_batch_size: Responses per forward/backward; gradients accumulate over a minibatch, and
             the loss is normalised by the minibatch's global token (or sequence) count.
         micro_batch_tokens: Split minibatches by a token budget instead (rows x padded length per
-            micro-batch); the loss normalisation is unchanged.
+            micro-batch), rows grouped by length so that little of the budget is padding; the loss
+            normalisation is unchanged.
         max_grad_norm: Gradient-norm clipping of the policy's parameters (None = off).
         critic_max_grad_norm: Gradient-norm clipping of the critic's parameters, separate from the policy's so
             that a jointly trained critic does not scale the policy's step (None = off).
@@ -403,8 +404,9 @@ class RLModule(L.LightningModule):
             need_ref = self.kl is not None and rollout.ref_logprobs is None
         if not (need_old or need_values or need_ref):
             return
-        olds, values, refs = [], [], []
-        for micro in self._micro_batches(rollout):
+        olds, values, refs, rows = [], [], [], []
+        for index, micro in self._micro_batches(rollout):
+            rows.append(index)
             if need_old or need_values:
                 lp, _, v = self.forward_batch(micro, with_values=need_values, with_logprobs=need_old)
                 olds.append(lp)
@@ -412,12 +414,16 @@ class RLModule(L.LightningModule):
             if need_ref:
                 refs.append(self.reference_logprobs(micro))
         mask = rollout.response_mask.float()
-        width = mask.shape[1]
 
-        def full(parts: list[Tensor]) -> Tensor:  # micro-batches are trimmed: pad back to the rollout's T
-            return torch.cat(
-                [torch.nn.functional.pad(x, (0, width - x.shape[1])) if x.dim() == 2 else x for x in parts]
-            )
+        def full(parts: list[Tensor]) -> Tensor:  # each micro-batch's rows back in place, padded to the rollout's T
+            shape = (len(rollout), mask.shape[1]) if parts[0].dim() == 2 else (len(rollout),)
+            out = parts[0].new_zeros(shape)
+            for index, x in zip(rows, parts):
+                if x.dim() == 2:
+                    out[index, : x.shape[1]] = x
+                else:
+                    out[index] = x
+            return out
 
         if need_old:
             rollout.old_logprobs = full(olds) * mask
@@ -436,27 +442,31 @@ class RLModule(L.LightningModule):
         return self.forward_batch(batch, policy=self.ref_policy)[0]
 
     def _micro_batches(self, rollout: Rollout):
-        """Micro-batches of ``rollout`` in order: ``micro_batch_size`` rows each, or, with
-        ``micro_batch_tokens``, as many consecutive rows as fit the token budget (rows x padded length,
-        at least one row). Each is trimmed to its own longest prompt and response."""
+        """Micro-batches of ``rollout`` as ``(rows, micro)``, ``rows`` the indices in ``rollout``:
+        ``micro_batch_size`` consecutive rows each, or, with ``micro_batch_tokens``, rows ordered by length
+        (longest first, so that each micro-batch holds rows of similar length and pads little) taken as many
+        as fit the token budget (rows x padded length, at least one row). Each is trimmed to its own longest
+        prompt and response."""
         n = len(rollout)
         if n == 0:
             return
+        order = list(range(n))
         if not self.micro_batch_tokens:
             bounds = [(s, min(s + self.micro_batch_size, n)) for s in range(0, n, self.micro_batch_size)]
         else:
             prompt_len = rollout.prompt_mask.sum(-1).tolist()
             resp_len = rollout.span_lengths.tolist()  # observations of a multi-turn row included
+            order.sort(key=lambda i: prompt_len[i] + resp_len[i], reverse=True)
             bounds, start, width_p, width_t = [], 0, 0, 0
-            for i in range(n):
+            for k, i in enumerate(order):
                 wp, wt = max(width_p, prompt_len[i]), max(width_t, resp_len[i])
-                if i > start and (i - start + 1) * (wp + wt) > self.micro_batch_tokens:
-                    bounds.append((start, i))
-                    start, wp, wt = i, prompt_len[i], resp_len[i]
+                if k > start and (k - start + 1) * (wp + wt) > self.micro_batch_tokens:
+                    bounds.append((start, k))
+                    start, wp, wt = k, prompt_len[i], resp_len[i]
                 width_p, width_t = wp, wt
             bounds.append((start, n))
         for s, e in bounds:
-            yield rollout.select(list(range(s, e))).trim()
+            yield order[s:e], rollout.select(order[s:e]).trim()
 
     @staticmethod
     def outcome_token_rewards(rollout: Rollout) -> Tensor:
@@ -726,7 +736,7 @@ class RLModule(L.LightningModule):
 
         with_values = critic and self.critic is not None
         finite = True
-        for index, micro in enumerate(self._micro_batches(mb)):
+        for index, (_, micro) in enumerate(self._micro_batches(mb)):
             mask = micro.response_mask.float()
             # The share of the forward's positions that are padding (prompt and response columns alike).
             positions = micro.prompt_mask.numel() + micro.valid_mask.numel()

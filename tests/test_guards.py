@@ -84,7 +84,7 @@ def test_micro_batching_by_count_or_token_budget_leaves_the_update_unchanged(tmp
         torch.testing.assert_close(budget[name], whole[name], rtol=1e-5, atol=1e-6)
 
 
-def test_token_budget_packs_rows_by_padded_length(tiny_model_dir):
+def test_token_budget_groups_rows_by_length_and_packs_them(tiny_model_dir):
     from rllight.models import HFModel
     from rllight.module import RLModule
     from rllight.types import Rollout
@@ -97,9 +97,33 @@ def test_token_budget_packs_rows_by_padded_length(tiny_model_dir):
     rollout = Rollout(prompt_ids=p_mask * 7, prompt_mask=p_mask, response_ids=r_mask * 9, response_mask=r_mask,
                       sample_logprobs=torch.zeros(b, 8), truncated=torch.zeros(b, dtype=torch.bool),
                       group_ids=torch.arange(b), answers=["1"] * b, texts=[""] * b)
-    micro = list(module._micro_batches(rollout))
-    # rows 0,1: 2 x (4 + 6) = 20 fits; adding row 2 needs 3 x (4 + 8) = 36 > 20.
-    # row 2 alone 10; with row 3: 2 x (6 + 8) = 28 > 20. rows 3,4: 2 x (6 + 3) = 18 fits.
-    assert [len(m) for m in micro] == [2, 1, 2]
+    rows, micro = zip(*module._micro_batches(rollout))
+    # By length (prompt + response), longest first: rows 0 (10), 2 (10), 3 (7), 1 (6), 4 (6).
+    # row 0 alone 10; with row 2: 2 x (4 + 8) = 24 > 20. row 2 alone; with row 3: 2 x (6 + 8) = 28 > 20.
+    # rows 3, 1: 2 x (6 + 2) = 16 fits; with row 4: 3 x (6 + 3) = 27 > 20. row 4 alone.
+    assert list(rows) == [[0], [2], [3, 1], [4]]
     assert [tuple(m.prompt_ids.shape) + tuple(m.response_ids.shape) for m in micro] == [
-        (2, 4, 2, 6), (1, 2, 1, 8), (2, 6, 2, 3)]
+        (1, 4, 1, 6), (1, 2, 1, 8), (2, 6, 2, 2), (1, 3, 1, 3)]
+    for index, m in zip(rows, micro):  # each micro-batch holds its rows, trimmed
+        assert torch.equal(m.response_mask, rollout.response_mask[index][:, : m.response_mask.shape[1]])
+
+
+def test_scoring_in_length_grouped_micro_batches_puts_every_row_back_in_place(tiny_model_dir):
+    """The no-gradient scoring pass in micro-batches reordered by length fills each row's own log-probs:
+    the same as one pass over the whole rollout."""
+    from rllight.models import HFModel
+    from rllight.module import RLModule
+
+    torch.manual_seed(0)
+    whole = RLModule(HFModel(tiny_model_dir), micro_batch_size=64)
+    whole.configure_model()
+    rows = [{"messages": [{"role": "user", "content": "What is 1 + 2?" + " 3" * k}], "answer": "3"} for k in range(6)]
+    rollout = whole.producer.sample(rows, n=2)
+    assert len(set(rollout.response_mask.sum(-1).tolist())) > 1  # lengths differ, so the order changes
+    whole.score_with_models(rollout, need_old=True, need_values=False)
+    expected = rollout.old_logprobs.clone()
+    budget = RLModule(HFModel(tiny_model_dir), micro_batch_tokens=60)
+    budget.configure_model()
+    assert len(list(budget._micro_batches(rollout))) > 2
+    budget.score_with_models(rollout, need_old=True, need_values=False)
+    torch.testing.assert_close(rollout.old_logprobs, expected, rtol=1e-5, atol=1e-6)
