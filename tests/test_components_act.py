@@ -160,9 +160,12 @@ def _base_of(overlay: str) -> tuple[str, ...]:
 
 
 def _fingerprint(module, steps) -> tuple[dict[str, torch.Tensor], list[float | None]]:
-    """The trained policy's parameters and the policy loss of every step."""
+    """The trained policy's parameters, and of every step the policy loss and how far the behaviour policy's
+    log-probs were from the trainer's (an overlay that changes only the sampling engine, e.g. its precision,
+    changes the run's behaviour policy even where a tiny model happens to draw the same tokens)."""
     params = {n: p.detach().clone() for n, p in module.policy.named_parameters()}
-    return params, [s.get("train/policy/loss") for s in steps]
+    keys = ("train/policy/loss", "train/rollout/logprob_diff_mean")
+    return params, [s.get(k) for s in steps for k in keys]
 
 
 def _same(a, b, tol: float = 1e-6) -> bool:
