@@ -1,7 +1,9 @@
 """TRL's GRPOTrainer on tools/bench_step.py's config: seconds per optimizer step and peak RSS.
 
-Runs with the python of TRL's own virtual environment (tools/bench_step.py --setup-trl makes it), without
-rllight, which that environment lacks: tools/bench_step.py --trl writes the inputs and runs it. Its one
+Runs with the python of TRL's own virtual environment (tools/bench_step.py --setup-trl makes it), which
+lacks rllight's dependencies: it imports only ``rllight.rewards`` from this checkout (the standard library
+suffices for it), so that both sides score with the same code. tools/bench_step.py --trl writes the inputs
+and runs it. Its one
 argument is the settings file (JSON): the Hugging Face model folder, a JSONL of prompts in TRL's
 conversational format with their answers (in the order rllight's dataloader draws them), the number of steps,
 prompts per step, responses per prompt, response length, temperature, learning rate, seed and an output folder.
@@ -41,7 +43,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import resource
 import sys
 import time
@@ -55,30 +56,16 @@ import trl
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
-_INT = re.compile(r"-?\d[\d,]*")
-_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from rllight.rewards import IntegerMatch  # this checkout's, found through the path above
 
-
-def last_integer(text: str) -> int | None:
-    """The last integer of ``text``'s last ``\\boxed{}`` if any, else of the text (as rllight.rewards reads it)."""
-    boxed = _BOXED.findall(text)
-    candidates = _INT.findall(boxed[-1] if boxed else text)
-    if not candidates:
-        return None
-    try:
-        return int(candidates[-1].replace(",", ""))
-    except ValueError:
-        return None
+_REWARD = IntegerMatch()
 
 
 def integer_match(completions, answer, **kwargs) -> list[float]:
-    """1.0 for each completion whose last integer equals its row's answer, else 0.0."""
-    rewards = []
-    for completion, expected in zip(completions, answer):
-        text = completion[-1]["content"] if isinstance(completion, list) else completion
-        got = last_integer(text)
-        rewards.append(1.0 if got is not None and got == int(str(expected).strip().replace(",", "")) else 0.0)
-    return rewards
+    """1.0 for each completion whose last integer equals its row's answer, else 0.0 (``IntegerMatch``)."""
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return [1.0 if _REWARD.is_correct(text, expected) else 0.0 for text, expected in zip(texts, answer)]
 
 
 class StepTimer(TrainerCallback):
