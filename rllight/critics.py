@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from rllight.algorithms import masked_mean, value_loss
 from rllight.errors import RecipeError
 from rllight.models import HFModel, response_hidden_states
-from rllight.rollout.base import pad_left
+from rllight.rollout.base import distinct_prompts, pad_left, position_ids
 from rllight.types import Rollout
 
 if TYPE_CHECKING:
@@ -247,18 +247,14 @@ class PromptCritic(Critic):
         device = self.head.weight.device
         # Rows are compared with their mask: a pad id that is also a real token (pad = eos) must not
         # merge two different prompts.
-        keys = torch.cat([batch.prompt_ids, batch.prompt_mask.to(batch.prompt_ids.dtype)], dim=1)
-        unique, inverse = torch.unique(keys, dim=0, return_inverse=True)
-        width = batch.prompt_ids.shape[1]
-        ids, mask = unique[:, :width], unique[:, width:]
+        ids, mask, inverse = distinct_prompts(batch.prompt_ids, batch.prompt_mask)
         if self.retokenize:
             texts = [module.tokenizer.decode(row[m.bool()].tolist(), skip_special_tokens=False)
                      for row, m in zip(ids, mask)]
             encoded = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
             ids, mask = pad_left(encoded, self.tokenizer.pad_token_id)
         ids, mask = ids.to(device), mask.to(device)
-        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.backbone(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
+        out = self.backbone(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=False)
         last = out.last_hidden_state[:, -1]  # left padding: the last column is every prompt's last token
         return last[inverse.to(device)]
 

@@ -13,6 +13,7 @@ import re
 import torch
 
 from rllight.errors import RecipeError
+from rllight.rollout.base import distinct_prompts, position_ids
 
 log = logging.getLogger(__name__)
 
@@ -191,26 +192,23 @@ def response_hidden_states(decoder: torch.nn.Module, batch, share_prompts: bool 
     p, t = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
     # Gradient checkpointing turns the key/value cache off in training: then one plain pass.
     share_prompts = share_prompts and not getattr(decoder, "gradient_checkpointing", False)
-    prompts = torch.cat([batch.prompt_ids, batch.prompt_mask.to(batch.prompt_ids.dtype)], dim=1)
-    distinct, row_prompt = torch.unique(prompts, dim=0, return_inverse=True) if share_prompts else (prompts, None)
-    if not share_prompts or len(distinct) == len(prompts):
+    if share_prompts:
+        prompt_ids, prompt_mask, row_prompt = distinct_prompts(batch.prompt_ids, batch.prompt_mask)
+    if not share_prompts or len(prompt_ids) == len(batch.prompt_ids):
         attention_mask = batch.attention_mask
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        out = decoder(input_ids=batch.input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                      use_cache=False)
+        out = decoder(input_ids=batch.input_ids, attention_mask=attention_mask,
+                      position_ids=position_ids(attention_mask), use_cache=False)
         return out.last_hidden_state[:, p - 1 : p + t - 1]
-    prompt_ids, prompt_mask = distinct[:, :p], distinct[:, p:]
-    head = decoder(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=(prompt_mask.cumsum(-1) - 1).clamp(
-        min=0), use_cache=True)
+    head = decoder(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids(prompt_mask),
+                   use_cache=True)
     first = head.last_hidden_state[row_prompt, -1:]  # predicts the first response token
     if t == 1:
         return first
     cache = head.past_key_values
     cache.reorder_cache(row_prompt)  # distinct prompts -> rows (index_select: differentiable)
     attention_mask = batch.attention_mask[:, : p + t - 1]
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, p:]
-    rest = decoder(input_ids=batch.response_ids[:, : t - 1], attention_mask=attention_mask, position_ids=position_ids,
-                   past_key_values=cache, use_cache=True)
+    rest = decoder(input_ids=batch.response_ids[:, : t - 1], attention_mask=attention_mask,
+                   position_ids=position_ids(attention_mask)[:, p:], past_key_values=cache, use_cache=True)
     return torch.cat([first, rest.last_hidden_state], dim=1)
 
 

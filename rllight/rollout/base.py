@@ -82,6 +82,21 @@ def pad_left(sequences: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
     return ids, mask
 
 
+def position_ids(mask: Tensor) -> Tensor:
+    """Position ids of left-padded rows: real tokens count from 0, padding gets 0 (as generation uses them)."""
+    return (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def distinct_prompts(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The distinct rows of left-padded prompts (ids and mask compared together) as ``(ids, mask, row_of)``,
+    ``row_of[i]`` the distinct prompt of row i: rows with the same prompt (a group's responses) can share one
+    pass over it."""
+    rows = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)
+    distinct, row_of = torch.unique(rows, dim=0, return_inverse=True)
+    width = prompt_ids.shape[1]
+    return distinct[:, :width], distinct[:, width:], row_of
+
+
 def response_mask_from_ids(response_ids: Tensor, eos_ids: list[int]) -> tuple[Tensor, Tensor]:
     """Mask up to and including the first end token of each row, and whether a row never ended.
 

@@ -10,7 +10,14 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from rllight.errors import RecipeError
-from rllight.rollout.base import Generation, RolloutEngine, pad_left, response_mask_from_ids
+from rllight.rollout.base import (
+    Generation,
+    RolloutEngine,
+    distinct_prompts,
+    pad_left,
+    position_ids,
+    response_mask_from_ids,
+)
 
 log = logging.getLogger(__name__)
 
@@ -165,18 +172,16 @@ class HFEngine(RolloutEngine):
         logprobs = torch.zeros((b, self.max_new_tokens), device=device)
         # The prompt pass runs once per distinct prompt (a group's G samples share theirs); its cache is then
         # gathered to every row.
-        prompts = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)
-        distinct, row_prompt = torch.unique(prompts, dim=0, return_inverse=True)
-        p = prompt_ids.shape[1]
+        ids, mask, row_prompt = distinct_prompts(prompt_ids, prompt_mask)
         with record_function("rllight.generate.prefill"):
-            out = model(input_ids=distinct[:, :p], attention_mask=distinct[:, p:],
-                        position_ids=(distinct[:, p:].cumsum(-1) - 1).clamp(min=0), use_cache=True, logits_to_keep=1)
+            out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=True,
+                        logits_to_keep=1)
         cache = out.past_key_values
         cache.reorder_cache(row_prompt)
         logits = out.logits[row_prompt, -1]
         rows = torch.arange(b, device=device)  # the batch row of each running sequence
         mask = prompt_mask
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -1:]
+        positions = position_ids(mask)[:, -1:]
         width = 0
         for step in range(self.max_new_tokens):
             token, logprob = sample_next(logits.float(), self.temperature, self.top_k, self.top_p, greedy)
