@@ -886,10 +886,18 @@ class RLModule(L.LightningModule):
         )
 
     # ---------------------------------------------------------------------------- validate
+    def _evaluations(self) -> list[tuple[EvalAccumulator, int, bool, list[int], str]]:
+        """Each evaluation pass of a validation as ``(accumulator, n, greedy, ks, file suffix)``: the one
+        ``model.evaluation`` describes, and with ``also_greedy`` one greedy answer per prompt."""
+        ev = self.evaluation
+        passes = [(self.val_results, ev.n, ev.greedy, ev.ks, "")]
+        if ev.also_greedy:
+            passes.append((self.val_greedy, 1, True, [1], "_greedy"))
+        return passes
+
     def validation_step(self, rows: list[dict], batch_idx: int) -> None:
         ev = self.evaluation
-        passes = [(self.val_results, ev.n, ev.greedy)] + ([(self.val_greedy, 1, True)] if ev.also_greedy else [])
-        for results, n, greedy in passes:
+        for results, n, greedy, _, _ in self._evaluations():
             with ev.applied_to(self.rollout):
                 rollout = self.producer.sample(rows, n, greedy=greedy, training=False)
             kept = set(rollout.extras["kept_rows"])
@@ -903,9 +911,8 @@ class RLModule(L.LightningModule):
         accuracy where there is one, else the mean correctness of every sampled response. A JSON of every
         number and a per-row JSONL of the responses go to the log folder."""
         ev = self.evaluation
-        passes = [(self.val_results, ev.ks, "")] + ([(self.val_greedy, [1], "_greedy")] if ev.also_greedy else [])
         metrics = {}
-        for results, ks, suffix in passes:
+        for results, _, _, ks, suffix in self._evaluations():
             if self.trainer.world_size > 1:  # every rank evaluated its share of the rows
                 states = [None] * self.trainer.world_size
                 torch.distributed.all_gather_object(states, results.state())
@@ -923,7 +930,7 @@ class RLModule(L.LightningModule):
         self.log_dict({k: float(v) for k, v in metrics.items() if k != "val/accuracy"}, sync_dist=False)
         if "val/accuracy" in metrics:
             self.log("val/accuracy", float(metrics["val/accuracy"]), prog_bar=True)
-        for results, _, _ in passes:
+        for results, *_ in self._evaluations():
             results.reset()
 
     # ------------------------------------------------------------------------------ export

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import lightning as L
 from torch.profiler import ProfilerActivity, profile
@@ -89,8 +90,6 @@ class ProfileStep(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         if batch_idx == self.step and self._prof is None:
-            import time
-
             self._prof = profile(activities=[ProfilerActivity.CPU])
             self._prof.__enter__()
             self._start = time.perf_counter()
@@ -98,8 +97,6 @@ class ProfileStep(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if self._prof is None or self.summary is not None:
             return
-        import time
-
         seconds = time.perf_counter() - self._start
         self._prof.__exit__(None, None, None)
         self.summary = summarize(self._prof.key_averages(), seconds, self.row_limit)
