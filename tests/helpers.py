@@ -1,6 +1,7 @@
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 
 import torch
 import yaml
@@ -79,3 +80,22 @@ def recipe_configs(recipe: str) -> list[str]:
         return [recipe]
     bases = [os.path.join(os.path.dirname(RECIPES), b) for b in first[len(BASE_PREFIX):].split()]
     return [*bases, recipe]
+
+
+@contextmanager
+def recorded_samples(engine):
+    """Within the block, every ``engine.generate`` call appends one list to the yielded list: for each
+    prompt, the ids the engine sampled (padding dropped)."""
+    samples = []
+    real_generate = engine.generate
+
+    def spy(model, tokenizer, prompts, greedy=False):
+        gen = real_generate(model, tokenizer, prompts, greedy=greedy)
+        samples.append([gen.response_ids[i][gen.response_mask[i].bool()].tolist() for i in range(len(prompts))])
+        return gen
+
+    engine.generate = spy
+    try:
+        yield samples
+    finally:
+        engine.generate = real_generate

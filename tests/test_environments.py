@@ -9,7 +9,7 @@ from fractions import Fraction
 import pytest
 import torch
 from conftest import RECIPES
-from helpers import build, tiny_overrides, unchanged_parameters
+from helpers import build, recorded_samples, tiny_overrides, unchanged_parameters
 
 from rllight.envs import ArithmeticFeedback, CalcError, Calculator, Environment, StepResult, evaluate, format_number
 from rllight.errors import RecipeError
@@ -159,19 +159,11 @@ def test_sampled_ids_are_kept_turn_by_turn_and_the_trainer_reproduces_their_logp
     module = RLModule(HFModel(tiny_model_dir), rollout=HFEngine(max_new_tokens=5, temperature=0.7, batch_size=3))
     module.configure_model()
     tok = module.tokenizer
-    samples = []
-    real_generate = module.rollout.generate
-
-    def spy(model, tokenizer, prompts, greedy=False):
-        gen = real_generate(model, tokenizer, prompts, greedy=greedy)
-        samples.append([gen.response_ids[i][gen.response_mask[i].bool()].tolist() for i in range(len(prompts))])
-        return gen
-
-    module.rollout.generate = spy
     producer = RolloutProducer(module.rollout, IntegerMatch(), environment=Endless(max_turns=2, max_total_tokens=200))
     producer.bind(module.policy, tok)
     rows = [{"messages": [{"role": "user", "content": "What is 1 + 2?" + " 3" * k}], "answer": "3"} for k in range(3)]
-    rollout = producer.sample(rows, n=2)
+    with recorded_samples(module.rollout) as samples:
+        rollout = producer.sample(rows, n=2)
     assert len(samples) == 2 and len(rollout) == 6  # one generate call per turn, over all six episodes
     turns = ChatTurns(tok)
     for i in range(6):

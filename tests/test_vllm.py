@@ -22,7 +22,7 @@ from rllight.rollout.vllm import VLLMEngine, _save_policy, full_state_dict
 from rllight.testing import build_tiny_model
 
 from conftest import RECIPES
-from helpers import build, tiny_overrides
+from helpers import build, recorded_samples, tiny_overrides
 
 OVERLAY = os.path.join(RECIPES, "overlays", "vllm.yaml")
 # Small and fixed, so that the engine starts in seconds on a CPU: 64 MiB of KV cache, no torch.compile.
@@ -208,22 +208,11 @@ def test_multi_turn_episodes_keep_the_engines_ids_and_log_probs(vllm_module):
             return StepResult("go on", 1.0, done=False)
 
     module, _ = vllm_module
-    samples = []
-    real_generate = module.rollout.generate
-
-    def spy(model, tokenizer, prompts, greedy=False):
-        gen = real_generate(model, tokenizer, prompts, greedy=greedy)
-        samples.append([gen.response_ids[i][gen.response_mask[i].bool()].tolist() for i in range(len(prompts))])
-        return gen
-
     producer = RolloutProducer(module.rollout, IntegerMatch(), environment=GoOn(max_turns=2, max_total_tokens=200))
     producer.bind(module.policy, module.tokenizer)
-    module.rollout.generate = spy
-    try:
-        torch.manual_seed(0)
+    torch.manual_seed(0)
+    with recorded_samples(module.rollout) as samples:
         rollout = producer.sample(ROWS[:3], n=2)
-    finally:
-        module.rollout.generate = real_generate
     assert len(samples) == 2 and len(rollout) == 6
     for i in range(6):
         model_ids = rollout.response_ids[i][rollout.response_mask[i].bool()].tolist()
