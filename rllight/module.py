@@ -24,7 +24,7 @@ from rllight.data.prompt_stream import PromptStream
 from rllight.rewards import IntegerMatch, Reward, RewardRunner, by_source, check_rows
 from rllight.envs import Environment
 from rllight.rollout import HFEngine, RolloutEngine
-from rllight.rollout.producer import RolloutProducer
+from rllight.rollout.producer import SAMPLE_STALENESS, RolloutProducer
 from rllight.rollout.metrics import logprob_mismatch
 from rllight.strategies import (
     AdvantageEstimator,
@@ -270,6 +270,7 @@ class RLModule(L.LightningModule):
         self.reward_preflight = reward_preflight
         self.prompt_stream: PromptStream | None = None  # extra training prompts (set up with the data)
         self._extra_cursor = 0
+        self._prefetched_through = -1  # the last training batch whose rollout the engine was asked for ahead
 
     # ----------------------------------------------------------------------------------- set-up
     def setup(self, stage: str) -> None:
@@ -340,6 +341,8 @@ class RLModule(L.LightningModule):
         checkpoint["rllight"] = {
             "extra_prompt_cursor": self.prompt_stream.cursor if self.prompt_stream is not None else 0,
             "consecutive_skips": self.consecutive_skips,
+            "prefetched_through": self._prefetched_through,
+            "rollout_engine": self.rollout.state_dict(),
             **self.producer.state_dict(),
         }
 
@@ -351,6 +354,8 @@ class RLModule(L.LightningModule):
         if self.prompt_stream is not None:
             self.prompt_stream.cursor = self._extra_cursor
         self.consecutive_skips = state.get("consecutive_skips", 0)
+        self._prefetched_through = state.get("prefetched_through", -1)
+        self.rollout.load_state_dict(state.get("rollout_engine", {}))
         self.producer.load_state_dict(state)
 
     # ------------------------------------------------------------------------------- forward
@@ -539,6 +544,7 @@ class RLModule(L.LightningModule):
         # With a single update per rollout the live log-probs equal the old ones, so the extra forward
         # is skipped (unless a KL penalty in the reward needs them before the update).
         need_old = updates_per_step > 1 or (self.kl is not None and self.kl.in_reward)
+        self._prefetch(updates_per_step)  # the next steps' generation overlaps this step's update
         t_score = time.perf_counter()
         if not empty:
             with record_function("rllight.score"):
@@ -583,6 +589,25 @@ class RLModule(L.LightningModule):
         metrics["time/step"] = time.perf_counter() - t_start
         metrics["perf/tokens_per_s"] = rollout.response_mask.sum().float() / metrics["time/step"]
         self._log(metrics)
+
+    def _prefetch(self, updates_per_step: int) -> None:
+        """Asynchronous rollouts (an engine with ``max_staleness`` k > 0): ask the engine now for the rollouts
+        of the next ``k // updates_per_step`` training batches, generated with the weights as they are before
+        this step's update, so that no response is more than k updates old when its step trains on it. Not
+        past the run's ``max_steps``; not under several processes (each rank then generates its own share when
+        its step comes)."""
+        ahead = getattr(self.rollout, "max_staleness", 0) // max(updates_per_step, 1)
+        datamodule = self.trainer.datamodule
+        if ahead < 1 or self.trainer.world_size > 1 or not hasattr(datamodule, "upcoming_batches"):
+            return
+        current = datamodule.batches_trained  # this step's batch
+        max_steps = self.trainer.max_steps
+        if max_steps is not None and max_steps >= 0:  # batches still trained on after this one
+            ahead = min(ahead, max(0, math.ceil((max_steps - self.global_step) / max(updates_per_step, 1)) - 1))
+        first = max(current + 1, self._prefetched_through + 1)
+        for index, rows in enumerate(datamodule.upcoming_batches(first, current + ahead + 1 - first), start=first):
+            self.sampler.prefetch(self.producer, rows)
+            self._prefetched_through = index
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         forget_step_metrics(self.trainer)  # a metric of some steps only must not repeat on later steps
@@ -866,6 +891,10 @@ class RLModule(L.LightningModule):
             "response/truncated_ratio": rollout.truncated.float().mean(),
             "response/tokens": lengths.sum(),
         }
+        staleness = rollout.extras.get(SAMPLE_STALENESS)
+        if staleness is not None:
+            metrics["rollout/staleness_mean"] = staleness.float().mean()
+            metrics["rollout/staleness_max"] = staleness.float().max()
         metrics.update({k: v for k, v in rollout.extras.items() if _is_scalar(v)})
         return metrics
 

@@ -60,16 +60,24 @@ def _metrics(path):
                 and k.startswith("train/")
                 and "/time/" not in k
                 and "/perf/" not in k
-                and not k.endswith(("tokens_per_s", "sync_time"))
+                and not k.endswith(("tokens_per_s", "sync_time", "wait_time"))
             }
             if kept:
                 out.setdefault(int(row["step"]), {}).update(kept)
     return out
 
 
+ASYNC_ENGINE = {"class_path": "rllight.rollout.worker.ProcessEngine",
+                "init_args": {"engine": {"class_path": "rllight.rollout.HFEngine", "init_args": {"max_new_tokens": 6}},
+                              "max_staleness": 2}}
+"""Asynchronous rollouts two steps ahead (one update per step here): at the kill, rollouts of later steps are in
+flight; the checkpoint before it holds the ones generated ahead of it and the worker's RNG."""
+
+
 @pytest.mark.slow
-def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path, tiny_model_dir):
-    overlay = tiny_overrides(tmp_path, tiny_model_dir, micro_batch_size=4)
+@pytest.mark.parametrize("engine", [None, ASYNC_ENGINE], ids=["in-process", "asynchronous-worker"])
+def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path, tiny_model_dir, engine):
+    overlay = tiny_overrides(tmp_path, tiny_model_dir, micro_batch_size=4, **({"rollout": engine} if engine else {}))
     kill_cb = ["--trainer.callbacks+", "user_strategies.KillAt", "--trainer.callbacks.step"]
 
     full = _fit(tmp_path, "full", overlay, *kill_cb, "-1")
@@ -94,6 +102,8 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path, tiny_model_d
     # Metrics are logged under the step count at the start of their RL step: 3 is the first after resume.
     assert sorted(c) == [s for s in sorted(a) if s >= 3] and len(c) == 3
     assert sorted(b) == [0, 1, 2]
+    if engine:  # from the third step on, each rollout was generated two versions before its step
+        assert [a[step]["train/rollout/staleness_max"] for step in sorted(a)] == ["0.0", "1.0"] + ["2.0"] * 4
     for step in sorted(b):  # before the kill: the same run
         assert b[step] == a[step], step
     for step in sorted(c):  # after the resume: the same numbers as never stopping

@@ -18,6 +18,7 @@ from rllight.models import HFModel
 from rllight.module import RLModule
 from rllight.rollout import HFEngine, ProcessEngine
 from rllight.rollout import worker as worker_module
+from rllight.rollout.producer import SAMPLE_STALENESS
 
 ROWS = [{"messages": [{"role": "user", "content": "What is 1 + 2?" + " 3" * k}], "answer": "3"} for k in range(3)]
 
@@ -275,3 +276,95 @@ def test_the_overlay_runs_grpo_in_a_worker_that_close_stops(tmp_path, tiny_model
     recorder.worker_process.join(timeout=10)
     assert not recorder.worker_process.is_alive()
     assert engine._worker is None
+
+
+# ------------------------------------------------------------------------------------- asynchronous rollouts
+def test_a_rollout_generated_ahead_is_the_old_policys_tagged_and_never_older_than_max_staleness(tiny_model_dir):
+    engine = ProcessEngine(HFEngine(max_new_tokens=8, temperature=0.7), max_staleness=1)
+    module = _module(tiny_model_dir, engine)
+    try:
+        torch.manual_seed(0)
+        rollout = module.producer.sample(ROWS, n=2)  # nothing sent ahead: generated now
+        assert (engine.last_metrics["rollout/generated_ahead"], engine.last_metrics["rollout/staleness"]) == (0, 0)
+        _assert_sampled_under(module, rollout)
+
+        # Sent ahead, then the trainer updates: the rollout collected is the old policy's, one version old.
+        module.producer.prefetch(ROWS, 2)
+        before = copy.deepcopy(module.policy)
+        _optimizer_step(module.policy)
+        engine.update_weights(module.policy)
+        rollout = module.producer.sample(ROWS, n=2)
+        assert engine.last_metrics["rollout/generated_ahead"] == 1
+        assert (engine.last_metrics["rollout/policy_version"], engine.last_metrics["rollout/staleness"]) == (0, 1)
+        assert rollout.extras[SAMPLE_STALENESS].tolist() == [1.0] * len(rollout)
+        assert module.rollout_metrics(rollout)["rollout/staleness_max"] == 1
+        _assert_sampled_under(module, rollout, policy=before)  # the behaviour log-probs are the worker's own
+        with pytest.raises(AssertionError):
+            _assert_sampled_under(module, rollout)
+
+        # Two updates while it waited: older than max_staleness=1, so it is dropped and generated again.
+        module.producer.prefetch(ROWS, 2)
+        for _ in range(2):
+            _optimizer_step(module.policy)
+            engine.update_weights(module.policy)
+        rollout = module.producer.sample(ROWS, n=2)
+        metrics = engine.last_metrics
+        assert (metrics["rollout/generated_ahead"], metrics["rollout/stale_discarded"]) == (0, 1)
+        assert (metrics["rollout/policy_version"], metrics["rollout/staleness"]) == (3, 0)
+        _assert_sampled_under(module, rollout)
+
+        # Asked for other prompts than those sent ahead: generated now; the one sent ahead stays for later.
+        module.producer.prefetch(ROWS[:1], 2)
+        module.producer.sample(ROWS[1:], n=1)
+        assert engine.last_metrics["rollout/generated_ahead"] == 0
+        module.producer.sample(ROWS[:1], n=2)
+        assert engine.last_metrics["rollout/generated_ahead"] == 1
+    finally:
+        engine.close()
+
+
+def test_asynchronous_settings_are_checked():
+    with pytest.raises(RecipeError, match=r"model\.rollout\.init_args\.max_staleness must be >= 0"):
+        ProcessEngine(HFEngine(), max_staleness=-1)
+    with pytest.raises(RecipeError, match=r"max_staleness=2 with sync_every=3"):
+        ProcessEngine(HFEngine(), max_staleness=2, sync_every=3)
+
+
+def test_a_worker_killed_with_rollouts_sent_ahead_is_restarted_and_they_are_generated_again(tiny_model_dir,
+                                                                                            caplog):
+    engine = ProcessEngine(HFEngine(max_new_tokens=8), max_staleness=2)
+    module = _module(tiny_model_dir, engine)
+    try:
+        module.producer.sample(ROWS, n=1)
+        _optimizer_step(module.policy)
+        engine.update_weights(module.policy)
+        module.producer.prefetch(ROWS, 2)
+        killed = engine._worker.process
+        os.kill(killed.pid, signal.SIGKILL)
+        killed.join(timeout=10)
+        rollout = module.producer.sample(ROWS, n=2)
+        assert "1 generation(s) sent ahead are lost" in caplog.text
+        assert engine._worker.process.pid != killed.pid
+        assert (engine.last_metrics["rollout/generated_ahead"], engine.last_metrics["rollout/staleness"]) == (0, 0)
+        _assert_sampled_under(module, rollout)
+    finally:
+        engine.close()
+
+
+def test_asynchronous_training_overlaps_generation_and_bounds_staleness(tmp_path, tiny_model_dir):
+    """Tiny recipe: 1 optimizer update per step, so max_staleness=2 runs two steps ahead: from the third step
+    on, every rollout was sent two steps before and is exactly two versions old; none is older."""
+    inner = {"class_path": "rllight.rollout.HFEngine", "init_args": {"max_new_tokens": 6, "temperature": 1.0}}
+    cli, run = _fit(tmp_path, tiny_model_dir, "--trainer.max_steps", "5", rollout={
+        "class_path": "rllight.rollout.worker.ProcessEngine", "init_args": {"engine": inner, "max_staleness": 2}})
+    try:
+        assert cli.trainer.global_step == 5
+        ahead = [step["train/rollout/generated_ahead"] for step in run.steps]
+        staleness = [(step["train/rollout/staleness_mean"], step["train/rollout/staleness_max"]) for step in run.steps]
+        assert ahead == [0, 1, 1, 1, 1]
+        assert staleness == [(0, 0), (1, 1), (2, 2), (2, 2), (2, 2)]
+        assert all(step["train/rollout/stale_discarded"] == 0 for step in run.steps)
+        assert cli.model._prefetched_through == 4  # nothing asked for past the run's last step
+        assert unchanged_parameters(cli.model.policy, tiny_model_dir) == []
+    finally:
+        cli.model.rollout.close()

@@ -345,10 +345,14 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
     def start_at(self, rows_consumed: int) -> None:
         self.skip = rows_consumed
 
+    def order(self, epoch: int) -> list[int]:
+        """The row indices epoch ``epoch`` yields."""
+        g = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(self.num_rows, generator=g)[: self.epoch_rows].tolist()
+
     def __iter__(self):
         epoch, offset = divmod(self.skip, self.epoch_rows)
-        g = torch.Generator().manual_seed(self.seed + epoch)
-        order = torch.randperm(self.num_rows, generator=g)[: self.epoch_rows].tolist()
+        order = self.order(epoch)
         self.skip = (epoch + 1) * self.epoch_rows  # the next iterator starts the next epoch
         yield from order[offset:]
 
@@ -459,13 +463,27 @@ class RLDataModule(L.LightningDataModule):
             msgs.insert(0, {"role": "system", "content": self.system_prompt})
         return msgs
 
-    def train_dataloader(self) -> DataLoader:
+    def _sampler(self) -> ResumableSampler:
         per_epoch = len(self.train_rows) // self.batch_size
         if per_epoch == 0:
             raise RecipeError(
                 f"data.batch_size={self.batch_size} is larger than the {len(self.train_rows)} training rows"
             )
-        sampler = ResumableSampler(len(self.train_rows), per_epoch * self.batch_size, self.seed)
+        return ResumableSampler(len(self.train_rows), per_epoch * self.batch_size, self.seed)
+
+    def upcoming_batches(self, first: int, count: int) -> list[list[dict]]:
+        """The rows of training batches ``first .. first + count - 1`` (counted from the run's first batch) as
+        the training loader of one process yields them: asynchronous rollouts generate them ahead."""
+        sampler = self._sampler()
+        batches, orders = [], {}
+        for index in range(first, first + max(count, 0)):
+            epoch, offset = divmod(index * self.batch_size, sampler.epoch_rows)
+            order = orders.setdefault(epoch, sampler.order(epoch))
+            batches.append([self.train_rows[i] for i in order[offset : offset + self.batch_size]])
+        return batches
+
+    def train_dataloader(self) -> DataLoader:
+        sampler = self._sampler()
         # Whole batches: resuming after k trained batches skips k * batch_size rows of the stream.
         sampler.start_at(self.batches_trained * self.batch_size)
         # The loader's own generator keeps iterator creation from drawing on the global RNG, which the

@@ -69,6 +69,18 @@ class RolloutEngine:
         Engines that generate with ``model`` itself need nothing."""
         return {}
 
+    def prefetch(self, model: torch.nn.Module, tokenizer, prompts: list[list[int]], greedy: bool = False) -> None:
+        """Start generating for ``prompts`` now, with the current weights, to be collected by a later
+        ``generate`` call with the same prompts (an engine that generates in another process overlaps it with
+        training). Engines that generate in the training process do nothing here."""
+
+    def state_dict(self) -> dict:
+        """What a checkpoint must hold to resume the engine exactly (e.g. rollouts generated ahead)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict()``."""
+
 
 def pad_left(sequences: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
     """Token id lists as a left-padded (B, P) tensor and its mask."""

@@ -25,6 +25,10 @@ from rllight.types import Rollout
 
 log = logging.getLogger(__name__)
 
+SAMPLE_STALENESS = "rollout/sample_staleness"
+"""Rollout extra, one value per response: how many optimizer updates the trainer's policy has had since the
+weights that generated the response (0 when sampling is on-policy; asynchronous rollouts make it larger)."""
+
 
 def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
     """Token ids of a chat prompt with the tokenizer's template and the generation prompt."""
@@ -105,20 +109,21 @@ class RolloutProducer:
         or validation) leaves the run's counters of dropped prompts and failed reward batches alone."""
         if self.environment is not None:
             return self.sample_episodes(rows, n, greedy=greedy, training=training)
-        prompts = self.encode(rows)
-        keep = [i for i, p in enumerate(prompts) if self.max_prompt_tokens is None or len(p) <= self.max_prompt_tokens]
+        keep, prompts = self._fitting_prompts(rows)
         dropped = len(rows) - len(keep)
         if dropped:
             log.warning("dropped %d prompt(s) longer than max_prompt_tokens=%d", dropped, self.max_prompt_tokens)
             if training:
                 self.dropped_prompts += dropped
-        rows, prompts = [rows[i] for i in keep], [prompts[i] for i in keep]
+        rows = [rows[i] for i in keep]
         # "kept_rows": which of the given rows the rollout answers (its groups, in order).
         if not prompts:
             return Rollout.empty(extras={"data/dropped_long_prompts": float(dropped), "kept_rows": tuple(keep)})
         t0 = time.perf_counter()
         gen = self.engine.generate(self.policy, self.tokenizer, [p for p in prompts for _ in range(n)], greedy=greedy)
         t1 = time.perf_counter()
+        engine_metrics = dict(self.engine.last_metrics)
+        staleness = engine_metrics.get("rollout/staleness")
         texts = self.tokenizer.batch_decode(gen.response_ids, skip_special_tokens=True)
         answers = [r["answer"] for r in rows for _ in range(n)]
         sources = [r.get("data_source") for r in rows for _ in range(n)]
@@ -147,9 +152,28 @@ class RolloutProducer:
                 **reward_metrics,
                 "data/dropped_long_prompts": float(dropped),
                 "kept_rows": tuple(keep),  # a tuple: per prompt row, not per response (select leaves it)
-                **self.engine.last_metrics,
+                **engine_metrics,
+                # Per response: policy versions between the weights that generated it and the trainer's now.
+                **({SAMPLE_STALENESS: torch.full((len(texts),), float(staleness), device=device)}
+                   if staleness is not None else {}),
             },
         )
+
+    def _fitting_prompts(self, rows: list[dict]) -> tuple[list[int], list[list[int]]]:
+        """``(keep, prompts)``: the indices of the rows whose prompt fits ``max_prompt_tokens`` and their ids."""
+        prompts = self.encode(rows)
+        keep = [i for i, p in enumerate(prompts) if self.max_prompt_tokens is None or len(p) <= self.max_prompt_tokens]
+        return keep, [prompts[i] for i in keep]
+
+    def prefetch(self, rows: list[dict], n: int) -> None:
+        """Have the engine start on ``n`` responses per row now (see ``RolloutEngine.prefetch``); a later
+        ``sample(rows, n)`` collects them. Multi-turn episodes are not prefetched (each turn waits for the
+        environment)."""
+        if self.environment is not None:
+            return
+        _, prompts = self._fitting_prompts(rows)
+        if prompts:
+            self.engine.prefetch(self.policy, self.tokenizer, [p for p in prompts for _ in range(n)])
 
     def sample_episodes(self, rows: list[dict], n: int, greedy: bool = False, training: bool = True) -> Rollout:
         """``n`` episodes of the environment for each prompt row, as one multi-turn ``Rollout`` (see

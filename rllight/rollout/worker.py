@@ -38,6 +38,7 @@ How it runs:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import math
@@ -115,6 +116,8 @@ class _WorkerSpec:
     threads: int
     weights: SharedWeights
     version: int
+    rng: Any = None
+    """Asynchronous mode: the worker's own RNG, a seed (a new stream) or the states a previous worker left."""
 
 
 # --------------------------------------------------------------------------------------------- worker side
@@ -154,6 +157,10 @@ def _serve(conn, spec: _WorkerSpec) -> None:
         conn.send(("error", _describe(err)))
         return
     engine, version = spec.engine, spec.version
+    if isinstance(spec.rng, int):
+        torch.manual_seed(spec.rng)
+    elif spec.rng is not None:
+        _set_rng_states(spec.rng, device)
     conn.send(("ready", version))
     while True:
         try:
@@ -173,7 +180,8 @@ def _serve(conn, spec: _WorkerSpec) -> None:
                     continue
                 for name, value in settings.items():
                     setattr(engine, name, value)
-                _set_rng_states(rng, device)
+                if rng is not None:  # synchronous mode: the trainer's stream; else the worker's own
+                    _set_rng_states(rng, device)
                 out = engine.generate(model, spec.tokenizer, prompts, greedy=greedy)
                 out = Generation(**{f.name: getattr(out, f.name).cpu() for f in dataclasses.fields(Generation)})
                 conn.send(("generated", version, out, dict(engine.last_metrics), _rng_states(device)))
@@ -246,6 +254,17 @@ def _forwarded(name: str) -> property:
                     doc=f"The inner engine's ``{name}`` (sent to the worker with every request).")
 
 
+@dataclasses.dataclass
+class _Request:
+    """A request sent to the worker in asynchronous mode, and its reply once read."""
+
+    kind: str  # "sync" or "generate"
+    version: int  # the policy version it was sent with (a sync: the version it loads)
+    key: tuple = ()  # a generation: (prompts, greedy, sampling settings), what a later generate call matches
+    seq: int = 0  # order of sending
+    result: tuple | None = None  # a generation's (Generation as a dict of tensors, the inner engine's metrics)
+
+
 class ProcessEngine(RolloutEngine):
     """Runs another rollout engine in a worker process with its own copy of the policy, synced after
     optimizer updates with a version (see ``rllight.rollout.worker``).
@@ -264,6 +283,12 @@ class ProcessEngine(RolloutEngine):
             importance ratio corrects for it).
         timeout_seconds: Longest wait for the worker to start, load weights or generate; past it the worker is
             killed and the step fails with one line.
+        max_staleness: Asynchronous rollouts (0 = synchronous). With k > 0 the trainer asks the worker for the
+            next steps' rollouts before it updates, so generation overlaps training, and no response is trained
+            on more than k policy versions (optimizer updates) after the weights that generated it: the trainer
+            runs ``k // (updates per step)`` steps ahead, and a response older than that when its step comes
+            (e.g. after a larger step) is dropped and generated again. The worker then samples from its own
+            random stream. See "Asynchronous rollouts" in ``rllight.rollout.worker``.
     """
 
     max_new_tokens = _forwarded("max_new_tokens")
@@ -271,7 +296,8 @@ class ProcessEngine(RolloutEngine):
     top_p = _forwarded("top_p")
     top_k = _forwarded("top_k")
 
-    def __init__(self, engine: RolloutEngine, sync_every: int = 1, timeout_seconds: float = 600.0):
+    def __init__(self, engine: RolloutEngine, sync_every: int = 1, timeout_seconds: float = 600.0,
+                 max_staleness: int = 0):
         key = "model.rollout.init_args"
         if isinstance(engine, ProcessEngine):
             raise RecipeError(f"{key}.engine: a ProcessEngine inside a ProcessEngine; name the engine to run "
@@ -280,6 +306,13 @@ class ProcessEngine(RolloutEngine):
             raise RecipeError(f"{key}.sync_every must be >= 1, got {sync_every}")
         if not (math.isfinite(timeout_seconds) and timeout_seconds > 0):
             raise RecipeError(f"{key}.timeout_seconds must be a positive number of seconds, got {timeout_seconds}")
+        if max_staleness < 0:
+            raise RecipeError(f"{key}.max_staleness must be >= 0 (0 = synchronous), got {max_staleness}")
+        if max_staleness and sync_every != 1:
+            raise RecipeError(f"{key}: max_staleness={max_staleness} with sync_every={sync_every}; asynchronous "
+                              "rollouts send the weights with every request, so leave sync_every at 1 and bound "
+                              "the lag with max_staleness")
+        self.max_staleness = max_staleness
         self.engine = engine
         self.sync_every = sync_every
         self.timeout_seconds = float(timeout_seconds)
@@ -296,11 +329,17 @@ class ProcessEngine(RolloutEngine):
         self._weights: SharedWeights | None = None  # the last weights sent
         self._version = 0  # optimizer updates included in the last weights sent
         self._sync_time = 0.0  # seconds spent on syncs since the last generate
+        # Asynchronous mode
+        self._outstanding: collections.deque[_Request] = collections.deque()  # sent, reply not read yet
+        self._ready: list[_Request] = []  # generations read and not yet collected, in order of sending
+        self._sent = 0  # requests sent so far (their seq)
+        self._worker_rng: int | dict | None = None  # the worker's RNG: a seed, or its states after the last reply
+        self._discarded = 0  # generations dropped as too stale since the last generate
 
     # Pickling or copying the engine (a checkpoint, a deep copy of the module) carries its settings only.
     def __getstate__(self) -> dict:
         return {"engine": self.engine, "sync_every": self.sync_every, "timeout_seconds": self.timeout_seconds,
-                "last_metrics": self.last_metrics, "_updates": self._updates}
+                "max_staleness": self.max_staleness, "last_metrics": self.last_metrics, "_updates": self._updates}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -325,11 +364,13 @@ class ProcessEngine(RolloutEngine):
         }
         self._weights = SharedWeights(weights)
         self._version = self._updates
+        if self.asynchronous and self._worker_rng is None:  # a stream of its own, seeded from the trainer's
+            self._worker_rng = int(torch.randint(2**62, ()).item())
 
     def _launch(self) -> None:
         """Start a worker on the last weights sent and wait until it is ready."""
         spec = _WorkerSpec(engine=self.engine, threads=torch.get_num_threads(), weights=self._weights,
-                           version=self._version, **self._policy)
+                           version=self._version, rng=self._worker_rng, **self._policy)
         self._worker = _Worker(spec)
         self._stop_worker_at_exit = weakref.finalize(self, self._worker.stop)
         self._check(self._worker.receive(self.timeout_seconds, "start"), "start")
@@ -386,6 +427,8 @@ class ProcessEngine(RolloutEngine):
     def generate(self, model, tokenizer, prompts: list[list[int]], greedy: bool = False) -> Generation:
         if self._weights is None:
             self._start(model, tokenizer)
+        if self.asynchronous:
+            return self._collect(model, prompts, greedy)
         device = next(model.parameters()).device
         expected = self._version
         settings = {name: getattr(self, name) for name in SAMPLING_SETTINGS}
@@ -411,8 +454,10 @@ class ProcessEngine(RolloutEngine):
         Returns ``{"rollout/sync_time": seconds}`` when it synced, ``{}`` otherwise (or before the worker has
         started: it starts from the then-current policy).
         """
+        if self._weights is None:  # nothing sent yet: the worker starts from the then-current policy
+            return {}
         self._updates += 1
-        if self._weights is None or self._updates % self.sync_every:
+        if self.asynchronous or self._updates % self.sync_every:  # asynchronous: sent with the next request
             return {}
         start = time.perf_counter()
         self._weights.write(full_state_dict(model))
@@ -425,6 +470,178 @@ class ProcessEngine(RolloutEngine):
         seconds = time.perf_counter() - start
         self._sync_time += seconds
         return {"rollout/sync_time": seconds}
+
+    # ------------------------------------------------------------------------- asynchronous
+    @property
+    def asynchronous(self) -> bool:
+        return self.max_staleness > 0
+
+    def _key(self, prompts: list[list[int]], greedy: bool) -> tuple:
+        return (tuple(tuple(p) for p in prompts), bool(greedy), tuple(getattr(self, n) for n in SAMPLING_SETTINGS))
+
+    def _send(self, kind: str, message: tuple, key: tuple = ()) -> _Request:
+        if self._worker is None:
+            self._launch()
+        request = _Request(kind, self._version, key, seq=self._sent)
+        self._worker.send(message)
+        self._sent += 1
+        self._outstanding.append(request)
+        return request
+
+    def _read_reply(self) -> None:
+        """Read the worker's reply to the oldest outstanding request (replies come in the order sent)."""
+        request = self._outstanding[0]
+        what = "load weights" if request.kind == "sync" else "generate"
+        reply = self._check(self._worker.receive(self.timeout_seconds, what), what)
+        self._outstanding.popleft()
+        if request.kind == "sync":
+            if reply[0] != "synced" or reply[1] != request.version:
+                raise RuntimeError(f"model.rollout: the rollout worker acknowledged policy version {reply[1]} "
+                                   f"where {request.version} was sent; resume from the last checkpoint")
+            return
+        if reply[0] != "generated" or reply[1] != request.version:
+            raise RuntimeError(
+                f"model.rollout: the rollout worker answered with policy version {reply[1]} where "
+                f"{request.version} was sent (a weight sync was lost); its samples are not used. Resume from the "
+                "last checkpoint"
+            )
+        _, _, out, metrics, self._worker_rng = reply
+        request.result = ({f.name: getattr(out, f.name) for f in dataclasses.fields(Generation)}, metrics)
+        self._ready.append(request)
+
+    def _wait_for(self, request: _Request) -> None:
+        while request.result is None:
+            self._read_reply()
+
+    def _sync_if_behind(self, model: torch.nn.Module) -> None:
+        """Send the trainer's weights if the worker's are older (after it has read the last ones sent)."""
+        if self._version == self._updates:
+            return
+        start = time.perf_counter()
+        while any(r.kind == "sync" for r in self._outstanding):  # it may still be reading the buffers
+            self._read_reply()
+        self._weights.write(full_state_dict(model))
+        self._version = self._updates
+        if self._worker is not None:  # else the next start loads them
+            self._send("sync", ("sync", self._version))
+        self._sync_time += time.perf_counter() - start
+
+    def _abandon_worker(self) -> int:
+        """Kill the worker; the requests it had not answered are lost. Returns how many generations that was."""
+        lost = sum(r.kind == "generate" for r in self._outstanding)
+        self._outstanding.clear()
+        self._stop_worker(at_once=True)
+        return lost
+
+    def _resilient(self, action, what: str):
+        """Run ``action``; if the worker died, once more on a new one (the last weights, version and RNG)."""
+        for attempt in (1, 2):
+            try:
+                return action()
+            except _WorkerDied as died:
+                lost = self._abandon_worker()
+                if attempt == 2:
+                    raise RuntimeError(
+                        f"model.rollout: the rollout worker died twice in a row ({died}) trying to {what}; look "
+                        "for an out-of-memory kill or a crash in the inner engine, or generate in the training "
+                        "process (model.rollout.class_path: rllight.rollout.HFEngine)"
+                    ) from None
+                log.warning("the rollout worker died (%s) trying to %s; restarting it with policy version %d (%d "
+                            "generation(s) sent ahead are lost and are generated again when needed)", died, what,
+                            self._version, lost)
+            except BaseException:  # timed out or interrupted: a reply may still come that no request may read
+                self._abandon_worker()
+                raise
+
+    def prefetch(self, model, tokenizer, prompts: list[list[int]], greedy: bool = False) -> None:
+        """Asynchronous mode: send the trainer's current weights if the worker's are older and ask it to
+        generate for ``prompts``, without waiting; a later ``generate`` with the same prompts and settings
+        collects the result. Synchronous mode: nothing."""
+        if not self.asynchronous:
+            return
+        if self._weights is None:
+            self._start(model, tokenizer)
+        settings = {name: getattr(self, name) for name in SAMPLING_SETTINGS}
+        key = self._key(prompts, greedy)
+
+        def send() -> None:
+            self._sync_if_behind(model)
+            self._send("generate", ("generate", self._version, prompts, greedy, settings, None), key)
+
+        self._resilient(send, "generate")
+
+    def _claim(self, key: tuple) -> _Request | None:
+        """The oldest generation sent for ``key`` that nobody has collected, waiting for its reply; older
+        uncollected generations are dropped (they were for steps already past)."""
+        request = next((r for r in [*self._ready, *self._outstanding] if r.kind == "generate" and r.key == key), None)
+        if request is None:
+            return None
+        self._wait_for(request)
+        self._ready = [r for r in self._ready if r.seq > request.seq]
+        return request
+
+    def _collect(self, model, prompts: list[list[int]], greedy: bool) -> Generation:
+        """Asynchronous ``generate``: the generation sent ahead for these prompts if there is one and it is at
+        most ``max_staleness`` versions old, else a new one from the current weights."""
+        device = next(model.parameters()).device
+        settings = {name: getattr(self, name) for name in SAMPLING_SETTINGS}
+        key = self._key(prompts, greedy)
+        start = time.perf_counter()
+
+        def collect() -> tuple[_Request, bool]:
+            request = self._claim(key)
+            if request is not None:
+                if self._updates - request.version <= self.max_staleness:
+                    return request, True
+                self._discarded += 1
+                log.warning("a rollout generated ahead with policy version %d is %d versions old, more than "
+                            "max_staleness=%d; it is generated again", request.version,
+                            self._updates - request.version, self.max_staleness)
+            self._sync_if_behind(model)
+            request = self._send("generate", ("generate", self._version, prompts, greedy, settings, None), key)
+            self._wait_for(request)
+            self._ready.remove(request)
+            return request, False
+
+        request, ahead = self._resilient(collect, "generate")
+        out, metrics = request.result
+        self.last_metrics = {
+            **metrics,
+            "rollout/policy_version": float(request.version),
+            "rollout/staleness": float(self._updates - request.version),
+            "rollout/sync_time": self._sync_time,
+            "rollout/wait_time": time.perf_counter() - start,
+            "rollout/generated_ahead": float(ahead),
+            "rollout/stale_discarded": float(self._discarded),
+        }
+        self._sync_time, self._discarded = 0.0, 0
+        return Generation(**{name: value.to(device) for name, value in out.items()})
+
+    # ---------------------------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict:
+        """The update count and, in asynchronous mode, the generations sent ahead (waited for: a resumed run
+        trains on exactly these) and the worker's RNG, so that a resumed run continues the same streams."""
+        state: dict[str, Any] = {"updates": self._updates}
+        if not self.asynchronous:
+            return state
+        try:
+            while self._outstanding:
+                self._read_reply()
+        except Exception as err:  # noqa: BLE001 - the checkpoint still saves; these are generated again
+            lost = self._abandon_worker()
+            log.warning("the rollout worker failed while a checkpoint waited for its %d generation(s) sent ahead "
+                        "(%s); a run resumed from it generates them again", lost, _describe(err))
+        state["ready"] = [(r.key, r.version, r.result) for r in self._ready]
+        state["rng"] = self._worker_rng
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self._updates = state.get("updates", self._updates)
+        if "rng" in state:
+            self._worker_rng = state["rng"]
+        for key, version, result in state.get("ready", []):
+            self._ready.append(_Request("generate", version, tuple(key), seq=self._sent, result=result))
+            self._sent += 1
 
 
 __all__ = ["ProcessEngine", "SharedWeights"]

@@ -21,6 +21,15 @@ class Sampler:
     def __call__(self, producer: RolloutProducer, rows: list[dict]) -> Rollout:
         raise NotImplementedError
 
+    def prefetch(self, producer: RolloutProducer, rows: list[dict]) -> None:
+        """Ask the engine to start on a later step's ``rows`` now (asynchronous rollouts, see
+        ``rllight.rollout.worker``): the first ``producer.sample`` that step makes then finds its responses
+        ready. The default asks for ``group_size`` responses per row, which is the first call of every sampler
+        here; a sampler whose first call differs overrides it (a request nobody collects is dropped)."""
+        n = getattr(self, "group_size", None)
+        if n:
+            producer.prefetch(rows, n)
+
 
 class GroupSampler(Sampler):
     """``group_size`` responses per prompt (GRPO's G), tied by ``group_ids``.
