@@ -50,7 +50,32 @@ def test_bench_step_prints_the_phase_medians_tokens_per_s_and_peak_memory(tmp_pa
     assert "| rllight.generate.token |" in (out / "profile" / "profile.md").read_text()
 
 
+@pytest.mark.slow
+def test_bench_step_async_runs_both_ways_and_prints_async_over_sync(tmp_path, tiny_model_dir):
+    out = tmp_path / "bench"
+    run = bench("--model-dir", tiny_model_dir, "--steps", "3", "--set", "model.rollout.init_args.max_new_tokens=8",
+                "--out", str(out), "--async", "1")
+    assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
+    rows = re.findall(r"^  (step s|tokens per step) +([\d.e+-]+) +([\d.e+-]+)", run.stdout, re.MULTILINE)
+    table = {name: (float(sync), float(asynchronous)) for name, sync, asynchronous in rows}
+    assert min(table["step s"]) > 0 and 0 < max(table["tokens per step"]) <= 16 * 8
+    last = run.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(r"async_over_sync=[\d.]+", last), last
+    assert float(last.split("=")[1]) == pytest.approx(table["step s"][0] / table["step s"][1], rel=0.01, abs=0.01)
+    # The second run really was asynchronous: each step after the first trained on a rollout generated during
+    # the previous step's update, one version old; the first run generated in the training process.
+    (metrics,) = glob.glob(str(out / "rllight-async" / "version_*" / "metrics.csv"))
+    with open(metrics) as f:
+        steps = [r for r in csv.DictReader(f) if r["train/time/step"]]
+    assert [float(r["train/rollout/generated_ahead"]) for r in steps] == [0, 1, 1]
+    assert [float(r["train/rollout/staleness_max"]) for r in steps] == [0, 1, 1]
+    (metrics,) = glob.glob(str(out / "rllight" / "version_*" / "metrics.csv"))
+    with open(metrics) as f:
+        assert "train/rollout/generated_ahead" not in next(csv.DictReader(f))
+
+
 @pytest.mark.parametrize("args, option", [(["--steps", "1"], "--steps"), (["--set", "novalue"], "--set"),
+                                          (["--async", "0"], "--async"),
                                           (["--model-dir", "/nonexistent"], "--model-dir"),
                                           (["--steps", "3", "--profile", "3"], "--profile")])
 def test_bench_step_refuses_bad_options_in_one_line_naming_the_option(args, option):

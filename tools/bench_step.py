@@ -32,6 +32,19 @@ GRPO and where it differs. TRL's step is timed from ``on_step_begin`` to
 sample independently, so their responses, and the tokens each step generates, differ: the comparison table
 prints tokens per step and step tokens/s (generated tokens / step time) of both next to the seconds.
 
+Asynchronous rollouts (``--async K``): the rllight side runs twice on the same config, data and seed. First
+synchronously, the engine in the training process with every core (the default set-up). Then with
+``rllight.rollout.worker.ProcessEngine(max_staleness=K)``: the engine in a worker process that generates the
+next ``K`` steps' rollouts (one update per step here) while the trainer updates, the cores split between them
+(``OMP_NUM_THREADS`` = half the cores each; the worker takes the trainer's thread count; on CUDA both share the
+device); ``--set model.rollout.init_args.X=V`` then sets the worker's engine's X. The per-step time of the asynchronous run is what the trainer waits: for its rollout (often already
+generated), its scoring and its update. It prints both and ends with
+
+    async_over_sync=<synchronous median s/step / asynchronous median s/step>
+
+(training steps per second, asynchronous over synchronous). The two runs train on different samples (the
+asynchronous one on responses up to K versions old), so their tokens per step differ and are printed too.
+
 The last line is ``rllight_step_s=<rllight median s/step>`` or, with ``--trl``,
 
     rllight_over_trl=<TRL median s/step / rllight median s/step>
@@ -43,6 +56,7 @@ Usage:
     .venv/bin/python tools/bench_step.py --setup-trl        # once: TRL's environment in .venv-trl
     .venv/bin/python tools/bench_step.py --trl [--steps 6]
     .venv/bin/python tools/bench_step.py --profile 2      # where step 2's time goes: <out>/profile/profile.md
+    .venv/bin/python tools/bench_step.py --async 1 [--steps 8]   # async_over_sync
 """
 
 from __future__ import annotations
@@ -65,6 +79,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRL_VENV = ".venv-trl"
 TORCH_PIN = "torch==2.13.0"  # first, so that TRL's dependencies find torch met (a bare one pulls a CUDA build)
 ENGINES = {"hf": "rllight.rollout.HFEngine", "vllm": "rllight.rollout.vllm.VLLMEngine"}
+ENGINE_ARGS = "model.rollout.init_args."
 
 PROMPTS_PER_STEP = 4
 GROUP_SIZE = 4
@@ -109,6 +124,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Also profile rollout STEP (0-based) of the rllight side with rllight.profiling.ProfileStep: "
                         "<out>/profile/profile.md lists the time of each phase and the top operators.")
     p.add_argument("--out", default="runs/bench_step", help="Folder for the overlay, logs and TRL inputs.")
+    p.add_argument("--async", type=int, metavar="K", dest="staleness",
+                   help="Also run the rllight side with asynchronous rollouts (a worker process, max_staleness K, "
+                        "the cores split) and print async_over_sync.")
     p.add_argument("--trl", action="store_true", help="Also run TRL's GRPOTrainer on the same config and data.")
     p.add_argument("--trl-python", default=os.path.join(ROOT, TRL_VENV, "bin", "python"),
                    help="Python of TRL's virtual environment.")
@@ -132,6 +150,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         key, sep, _ = item.partition("=")
         if not sep or not key.strip() or key.startswith("-"):
             p.error(f"--set expects KEY=VALUE (e.g. model.micro_batch_size=8), got '{item}'")
+    if args.staleness is not None and args.staleness < 1:
+        p.error(f"--async must be >= 1 (policy versions a rollout may lag), got {args.staleness}")
+    if args.staleness is not None and args.engine != "hf":
+        p.error("--async runs the Hugging Face engine in the worker; leave --engine at hf")
     args.trl_python = os.path.abspath(args.trl_python)
     if args.trl and not args.setup_trl and not os.path.isfile(args.trl_python):
         p.error(f"--trl-python '{args.trl_python}': no such file; create TRL's environment with --setup-trl")
@@ -158,8 +180,9 @@ def setup_trl(python: str) -> None:
     print(f"bench_step: {venv}: {versions.stdout.strip()}", flush=True)
 
 
-def overlay(args: argparse.Namespace) -> dict:
-    """The benchmark's config on top of the recipe."""
+def overlay(args: argparse.Namespace, name: str = "rllight", staleness: int | None = None) -> dict:
+    """The benchmark's config on top of the recipe (logs in ``<out>/<name>``; with ``staleness``, rollouts from
+    a worker process up to that many versions ahead)."""
     if args.model_dir is None:
         model = {"class_path": "rllight.models.SmolLM2Package"}
     else:
@@ -167,6 +190,10 @@ def overlay(args: argparse.Namespace) -> dict:
     rollout_args = {"max_new_tokens": MAX_NEW_TOKENS, "temperature": TEMPERATURE}
     if args.dtype is not None:
         rollout_args["dtype"] = args.dtype
+    rollout = {"class_path": ENGINES[args.engine], "init_args": rollout_args}
+    if staleness is not None:
+        rollout = {"class_path": "rllight.rollout.worker.ProcessEngine",
+                   "init_args": {"engine": rollout, "max_staleness": staleness}}
     return {
         "seed_everything": 0,
         "evaluate_before_after": False,
@@ -178,16 +205,16 @@ def overlay(args: argparse.Namespace) -> dict:
             "enable_checkpointing": False,
             "enable_progress_bar": False,
             "enable_model_summary": False,
-            "default_root_dir": os.path.join(args.out, "rllight"),
+            "default_root_dir": os.path.join(args.out, name),
             "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
-                       "init_args": {"save_dir": args.out, "name": "rllight"}},
+                       "init_args": {"save_dir": args.out, "name": name}},
             **({"callbacks": [{"class_path": "rllight.profiling.ProfileStep",
                                "init_args": {"step": args.profile, "out": os.path.join(args.out, "profile")}}]}
                if args.profile is not None else {}),
         },
         "model": {
             "model": model,
-            "rollout": {"class_path": ENGINES[args.engine], "init_args": rollout_args},
+            "rollout": rollout,
             "sampler": {"class_path": "rllight.strategies.GroupSampler", "init_args": {"group_size": GROUP_SIZE}},
             "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": LR}},
             "ppo_epochs": 1,
@@ -205,12 +232,13 @@ def overlay(args: argparse.Namespace) -> dict:
     }
 
 
-def run_child(cmd: list[str], log_path: str, what: str) -> str:
-    """Run ``cmd`` from the repository root with its output in ``log_path``; return the output, or exit with
-    one line (the output's last line) when it fails."""
+def run_child(cmd: list[str], log_path: str, what: str, env: dict[str, str] | None = None) -> str:
+    """Run ``cmd`` from the repository root (``env`` added to the environment) with its output in ``log_path``;
+    return the output, or exit with one line (the output's last line) when it fails."""
     print(f"bench_step: {what}: running (log: {log_path})", flush=True)
     with open(log_path, "w") as log_file:
-        proc = subprocess.run(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, check=False)
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, check=False,
+                              env={**os.environ, **(env or {})})
     with open(log_path) as f:
         output = f.read()
     if proc.returncode != 0:
@@ -233,21 +261,25 @@ def step_rows(metrics_csv: str) -> list[dict[str, float]]:
     return [{k: float(v) for k, v in r.items() if v not in ("", None)} for r in rows]
 
 
-def run_rllight(args: argparse.Namespace) -> dict:
-    """Run the rllight side; return its per-step medians (steps 2..N) and peak memory."""
-    path = os.path.join(args.out, "overlay.yaml")
+def run_rllight(args: argparse.Namespace, name: str = "rllight", staleness: int | None = None,
+                env: dict[str, str] | None = None) -> dict:
+    """Run the rllight side (see ``overlay``); return its per-step medians (steps 2..N) and peak memory."""
+    path = os.path.join(args.out, f"{name}-overlay.yaml" if name != "rllight" else "overlay.yaml")
     with open(path, "w") as f:
-        yaml.safe_dump(overlay(args), f, sort_keys=False)
+        yaml.safe_dump(overlay(args, name, staleness), f, sort_keys=False)
     cmd = [sys.executable, "-c", RLLIGHT_CHILD, "fit", "--config", args.recipe, "--config", path]
     for item in args.overrides:
         key, _, value = item.partition("=")
-        cmd += [f"--{key.strip()}", value]
-    before = set(glob.glob(os.path.join(args.out, "rllight", "version_*")))
-    output = run_child(cmd, os.path.join(args.out, "rllight.log"), "rllight")
-    new = sorted(set(glob.glob(os.path.join(args.out, "rllight", "version_*"))) - before,
+        key = key.strip()
+        if staleness is not None and key.startswith(ENGINE_ARGS):  # the engine's settings: the worker's engine's
+            key = ENGINE_ARGS + "engine.init_args." + key[len(ENGINE_ARGS):]
+        cmd += [f"--{key}", value]
+    before = set(glob.glob(os.path.join(args.out, name, "version_*")))
+    output = run_child(cmd, os.path.join(args.out, f"{name}.log"), name, env)
+    new = sorted(set(glob.glob(os.path.join(args.out, name, "version_*"))) - before,
                  key=lambda p: int(p.rsplit("_", 1)[-1]))
     if not new:
-        raise SystemExit(f"bench_step: rllight wrote no metrics.csv under {os.path.join(args.out, 'rllight')}")
+        raise SystemExit(f"bench_step: {name} wrote no metrics.csv under {os.path.join(args.out, name)}")
     steps = step_rows(os.path.join(new[-1], "metrics.csv"))
     if len(steps) < 2:
         raise SystemExit(f"bench_step: rllight logged {len(steps)} step(s); the medians need at least 2 (--steps)")
@@ -372,6 +404,26 @@ def print_comparison(args: argparse.Namespace, rllight: dict, trl: dict) -> None
     print(f"  {'peak RSS GiB':<22}{gib(rllight['peak_rss_kb']):>10}{gib(trl['peak_rss_kb']):>10}")
 
 
+def run_async(args: argparse.Namespace) -> dict:
+    """The rllight side again with asynchronous rollouts, the cores split between trainer and worker."""
+    threads = str(max(1, (os.cpu_count() or 2) // 2))
+    result = run_rllight(args, "rllight-async", args.staleness, env={"OMP_NUM_THREADS": threads})
+    result["threads"] = threads
+    return result
+
+
+def print_async(args: argparse.Namespace, sync: dict, asynchronous: dict) -> None:
+    print(f"\nasynchronous rollouts (worker process, max_staleness {args.staleness}; {asynchronous['threads']} "
+          f"thread(s) each for trainer and worker) against synchronous (in-process engine, every core):")
+    print(f"  {'':<22}{'sync':>10}{'async':>10}")
+    for label, key, spec in (("step s", "step", ".4g"), ("rollout wait s", "rollout", ".4g"),
+                             ("update s", "update", ".4g"), ("tokens per step", "tokens_per_step", ".0f"),
+                             ("step tokens/s", "step_tokens_per_s", ".4g")):
+        print(f"  {label:<22}{sync[key]:>10{spec}}{asynchronous[key]:>10{spec}}")
+    print(f"  {'peak RSS GiB':<22}{gib(sync['peak_rss_kb']):>10}{gib(asynchronous['peak_rss_kb']):>10}"
+          "  (the trainer's process; the worker holds another copy of the policy)")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.setup_trl:
@@ -380,11 +432,16 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     os.makedirs(args.out, exist_ok=True)
     rllight = run_rllight(args)
+    asynchronous = run_async(args) if args.staleness is not None else None
     trl = run_trl(args) if args.trl else None
     print_rllight(rllight)
+    if asynchronous is not None:
+        print_async(args, rllight, asynchronous)
     if trl is not None:
         print_comparison(args, rllight, trl)
     print(f"rllight_step_s={rllight['step']:.4g}")
+    if asynchronous is not None:
+        print(f"async_over_sync={rllight['step'] / asynchronous['step']:.2f}")
     if trl is not None:
         print(f"rllight_over_trl={trl['step'] / rllight['step']:.2f}")
     return 0
