@@ -2,6 +2,7 @@
 
 from rllight.rollout.base import Generation, RolloutEngine
 from rllight.rollout.hf import HFEngine
+from rllight.rollout.remote import VLLMServerEngine
 from rllight.rollout.worker import ProcessEngine
 
-__all__ = ["Generation", "HFEngine", "ProcessEngine", "RolloutEngine"]
+__all__ = ["Generation", "HFEngine", "ProcessEngine", "RolloutEngine", "VLLMServerEngine"]

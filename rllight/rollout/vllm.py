@@ -114,6 +114,24 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
     return weights
 
 
+def generation_from_samples(prompts: list[list[int]], responses: list[list[int]], logprobs: list[list[float]],
+                            truncated: list[bool], pad_id: int, device: torch.device) -> Generation:
+    """A ``Generation`` from an engine's per-prompt outputs: the sampled token ids (the end token kept), the
+    sampled tokens' log-probs and whether each response hit the length limit."""
+    width = max(1, max(len(ids) for ids in responses))
+    response_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    response_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    sampled = torch.zeros((len(prompts), width), dtype=torch.float32)
+    for i, (ids, values) in enumerate(zip(responses, logprobs)):
+        if ids:
+            response_ids[i, : len(ids)] = torch.tensor(ids)
+            response_mask[i, : len(ids)] = 1
+            sampled[i, : len(ids)] = torch.tensor(values, dtype=torch.float32)
+    prompt_ids, prompt_mask = pad_left(prompts, pad_id)
+    return Generation(prompt_ids.to(device), prompt_mask.to(device), response_ids.to(device), response_mask.to(device),
+                      sampled.to(device), torch.tensor(truncated, dtype=torch.bool).to(device))
+
+
 def _save_policy(model: torch.nn.Module, tokenizer, path: str) -> None:
     """The policy (LoRA merged) and tokenizer as a Hugging Face folder that vLLM can load."""
     try:
@@ -305,25 +323,14 @@ class VLLMEngine(RolloutEngine):
         elapsed = time.perf_counter() - t0
 
         completions = [o.outputs[0] for o in outputs]
-        width = max(1, max(len(c.token_ids) for c in completions))
-        response_ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
-        response_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        logprobs = torch.zeros((len(prompts), width), dtype=torch.float32)
-        for i, c in enumerate(completions):
-            ids = list(c.token_ids)
-            if not ids:
-                continue
-            response_ids[i, : len(ids)] = torch.tensor(ids)
-            response_mask[i, : len(ids)] = 1
-            # logprobs=0: each position holds the sampled token's log-prob only.
-            logprobs[i, : len(ids)] = torch.tensor([position[t].logprob for t, position in zip(ids, c.logprobs)])
-        truncated = torch.tensor([c.finish_reason == "length" for c in completions], dtype=torch.bool)
-        self.last_metrics = {"rollout/tokens_per_s": float(response_mask.sum()) / max(elapsed, 1e-9)}
-
-        device = next(model.parameters()).device
-        prompt_ids, prompt_mask = pad_left(prompts, tokenizer.pad_token_id)
-        return Generation(prompt_ids.to(device), prompt_mask.to(device), response_ids.to(device),
-                          response_mask.to(device), logprobs.to(device), truncated.to(device))
+        # logprobs=0: each position holds the sampled token's log-prob only.
+        gen = generation_from_samples(
+            prompts, [list(c.token_ids) for c in completions],
+            [[position[t].logprob for t, position in zip(c.token_ids, c.logprobs)] for c in completions],
+            [c.finish_reason == "length" for c in completions], tokenizer.pad_token_id,
+            next(model.parameters()).device)
+        self.last_metrics = {"rollout/tokens_per_s": float(gen.response_mask.sum()) / max(elapsed, 1e-9)}
+        return gen
 
     # ------------------------------------------------------------------------- weight sync
     @torch.no_grad()
@@ -343,4 +350,4 @@ class VLLMEngine(RolloutEngine):
         return {"rollout/sync_time": time.perf_counter() - t0}
 
 
-__all__ = ["INSTALL_HINT", "VLLMEngine", "full_state_dict", "import_vllm"]
+__all__ = ["INSTALL_HINT", "VLLMEngine", "full_state_dict", "generation_from_samples", "import_vllm"]

@@ -1,0 +1,227 @@
+"""Rollouts from a vLLM server addressed by URL, with versioned weight pushes.
+
+Start the server where generation should run (another machine, or this one), on a copy of the policy's
+folder and with the log-probs of the distribution it samples from::
+
+    VLLM_SERVER_DEV_MODE=1 vllm serve /shared/policy --logprobs-mode processed_logprobs --port 8000
+
+and select it in a recipe::
+
+    model:
+      rollout:
+        class_path: rllight.rollout.remote.VLLMServerEngine
+        init_args: {url: "http://gen-node:8000", weights_dir: /shared/rllight-weights, max_new_tokens: 256}
+
+How it runs:
+- **Generation** is vLLM's OpenAI-compatible ``POST /v1/completions`` with the prompts as token ids,
+  ``logprobs: 0`` and ``return_token_ids: true``: the response ids are the server's samples (the end token kept,
+  nothing re-tokenised) and the log-probs those of the sampled tokens. With ``--logprobs-mode
+  processed_logprobs`` they are taken after temperature (and top-k / top-p), the distribution the trainer
+  divides its logits for; vLLM's default (raw) would make every ratio wrong, so the first sampled generation
+  at a temperature other than 1 is checked against one forward pass of the trainer's policy, and a server that
+  returns raw log-probs stops the run with one line.
+- **Weight push** (every ``sync_every`` optimizer updates, and once before the first generation, so that the
+  server never samples from weights the trainer does not have): the trainer writes its full weights (LoRA
+  merged) as ``model.safetensors`` into ``weights_dir`` (written to a temporary name, then renamed), and asks the
+  server to load them in place (``POST /collective_rpc`` with ``reload_weights(weights_path=weights_dir)``, the
+  path that re-runs vLLM's per-layer weight processing), to drop its prefix cache (``POST /reset_prefix_cache``)
+  and to record the version (``POST /update_weight_version``). ``weights_dir`` must be readable by the server
+  under the same path (a shared filesystem). ``VLLM_SERVER_DEV_MODE=1`` is what exposes the first two routes.
+- **Versions**: the version is the number of optimizer updates the pushed weights include. The trainer reads
+  ``GET /weight_info`` before and after each generation: a server on any other version (restarted, or pushed to
+  by another trainer) is an error, never trusted. ``rollout/policy_version`` and ``rollout/staleness`` are
+  logged as with the worker process.
+- **Faults never hang the trainer**: every request waits at most ``timeout_seconds``; a server that does not
+  answer, or answers with an error, stops the step with one line naming the URL and the route.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+
+import torch
+
+from rllight.errors import RecipeError
+from rllight.rollout.base import Generation, RolloutEngine
+from rllight.rollout.hf import eos_token_ids
+from rllight.rollout.vllm import full_state_dict, generation_from_samples
+
+
+class VLLMServerEngine(RolloutEngine):
+    """Generates with a vLLM server addressed by URL and pushes the trainer's weights to it (see
+    ``rllight.rollout.remote``).
+
+    Args:
+        url: The server's base URL, e.g. ``http://gen-node:8000``.
+        weights_dir: A folder the trainer writes the weights to and the server reads them from (the same path
+            on both machines). Needed to train; None only for evaluation of the weights the server holds.
+        max_new_tokens, temperature, top_p, top_k: Sampling settings, sent with every request.
+        sync_every: Push the weights every k optimizer updates (1 = always on-policy).
+        timeout_seconds: Longest wait for one request (a generation or a push).
+        model: The served model name (None = the first of ``GET /v1/models``).
+    """
+
+    def __init__(self, url: str, weights_dir: str | None = None, max_new_tokens: int = 64, temperature: float = 1.0,
+                 top_p: float = 1.0, top_k: int = 0, sync_every: int = 1, timeout_seconds: float = 600.0,
+                 model: str | None = None):
+        super().__init__(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
+        key = "model.rollout.init_args"
+        if not url.startswith(("http://", "https://")):
+            raise RecipeError(f"{key}.url must start with http:// or https://, got {url!r}")
+        if sync_every < 1:
+            raise RecipeError(f"{key}.sync_every must be >= 1, got {sync_every}")
+        if not timeout_seconds > 0:
+            raise RecipeError(f"{key}.timeout_seconds must be > 0, got {timeout_seconds}")
+        if weights_dir is not None and os.path.exists(weights_dir) and not os.path.isdir(weights_dir):
+            raise RecipeError(f"{key}.weights_dir {weights_dir!r} is a file; name a folder the server can read")
+        self.url = url.rstrip("/")
+        self.weights_dir = weights_dir
+        self.sync_every = sync_every
+        self.timeout_seconds = float(timeout_seconds)
+        self.model = model
+        self._updates = 0  # optimizer updates so far
+        self._version: int | None = None  # the version last pushed (None: nothing pushed yet)
+        self._checked_logprobs = False
+        self._sync_time = 0.0
+
+    # ------------------------------------------------------------------------------- HTTP
+    def _request(self, route: str, body: dict | None = None) -> dict:
+        """``GET`` (no body) or ``POST`` a JSON body to the server; the decoded JSON answer ({} if none)."""
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(f"{self.url}{route}", data=data,
+                                         headers={"Content-Type": "application/json"} if data else {})
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_seconds) as response:
+                text = response.read().decode()
+        except urllib.error.HTTPError as err:
+            detail = " ".join(err.read().decode(errors="replace").split())[:300]
+            hint = (" (start the server with VLLM_SERVER_DEV_MODE=1)" if err.code == 404 and route in
+                    ("/collective_rpc", "/reset_prefix_cache") else "")
+            raise RuntimeError(f"model.rollout: the vLLM server at {self.url} answered {route} with HTTP "
+                               f"{err.code}{hint}: {detail}") from None
+        except (urllib.error.URLError, TimeoutError, OSError) as err:
+            reason = getattr(err, "reason", err)
+            raise RuntimeError(f"model.rollout: no answer from the vLLM server at {self.url} to {route} within "
+                               f"timeout_seconds={self.timeout_seconds:g} ({reason}); check that it runs and the "
+                               "URL (model.rollout.init_args.url)") from None
+        return json.loads(text) if text.strip() else {}
+
+    def _served_model(self) -> str:
+        if self.model is None:
+            models = self._request("/v1/models").get("data") or []
+            if not models:
+                raise RuntimeError(f"model.rollout: the vLLM server at {self.url} serves no model")
+            self.model = models[0]["id"]
+        return self.model
+
+    def _server_version(self) -> str | None:
+        return self._request("/weight_info").get("weight_version")
+
+    # ---------------------------------------------------------------------------- weights
+    @torch.no_grad()
+    def _push(self, model: torch.nn.Module) -> None:
+        """Write the weights to ``weights_dir`` and have the server load them as version ``self._updates``."""
+        if self.weights_dir is None:
+            raise RecipeError("model.rollout.init_args.weights_dir is not set: the trainer cannot send its weights "
+                              "to the vLLM server; name a folder both can read (a shared filesystem)")
+        from safetensors.torch import save_file
+
+        start = time.perf_counter()
+        os.makedirs(self.weights_dir, exist_ok=True)
+        # Copies: tied weights (the embedding and the output layer) share memory, which safetensors refuses.
+        weights = {name: value.detach().to("cpu", copy=True).contiguous() for name, value in
+                   full_state_dict(model).items()}
+        path = os.path.join(self.weights_dir, "model.safetensors")
+        save_file(weights, f"{path}.tmp{os.getpid()}")  # the server never reads a half-written file
+        os.replace(f"{path}.tmp{os.getpid()}", path)
+        self._request("/collective_rpc", {"method": "reload_weights",
+                                          "kwargs": {"weights_path": os.path.abspath(self.weights_dir)}})
+        self._request("/reset_prefix_cache", {})
+        self._request("/update_weight_version", {"new_version": str(self._updates)})
+        self._version = self._updates
+        self._sync_time += time.perf_counter() - start
+
+    def update_weights(self, model: torch.nn.Module) -> dict[str, float]:
+        """Every ``sync_every`` calls, push the weights (see the module's docstring); ``{}`` before the first
+        generation (which pushes the then-current weights) and between pushes."""
+        if self._version is None:
+            return {}
+        self._updates += 1
+        if self._updates % self.sync_every:
+            return {}
+        before = self._sync_time
+        self._push(model)
+        return {"rollout/sync_time": self._sync_time - before}
+
+    # ---------------------------------------------------------------------------- generate
+    def _check_version(self, when: str) -> None:
+        version = self._server_version()
+        if version != str(self._version):
+            raise RuntimeError(
+                f"model.rollout: the vLLM server at {self.url} holds weight version {version!r} {when} generating "
+                f"where {self._version} was pushed (restarted, or pushed to by another trainer); its samples are "
+                "not used. Resume from the last checkpoint"
+            )
+
+    def _complete(self, prompts: list[list[int]], greedy: bool, eos: list[int]) -> list[dict]:
+        sampling = ({"temperature": 0.0} if greedy else
+                    {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k or -1})
+        answer = self._request("/v1/completions", {
+            "model": self._served_model(), "prompt": prompts, "max_tokens": self.max_new_tokens, "logprobs": 0,
+            "return_token_ids": True, "stop_token_ids": eos, "skip_special_tokens": False, **sampling})
+        choices = sorted(answer.get("choices") or [], key=lambda c: c["index"])
+        if len(choices) != len(prompts) or any(c.get("token_ids") is None for c in choices):
+            raise RuntimeError(f"model.rollout: the vLLM server at {self.url} answered {len(choices)} completions "
+                               f"with token ids for {len(prompts)} prompts; it needs vLLM >= 0.10 "
+                               "(return_token_ids)")
+        return choices
+
+    @torch.no_grad()
+    def _check_processed_logprobs(self, model: torch.nn.Module, prompt: list[int], gen: Generation) -> None:
+        """The server's log-probs of the first response must be the trainer's after temperature, not before
+        (a server started without ``--logprobs-mode processed_logprobs``): one forward pass over it."""
+        response = gen.response_ids[0][gen.response_mask[0].bool()]
+        if len(response) == 0:
+            return
+        device = next(model.parameters()).device
+        ids = torch.cat([torch.tensor(prompt, device=device), response.to(device)])[None]
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+        server = gen.logprobs[0, : len(response)].to(device)
+
+        def gap(scaled: torch.Tensor) -> float:
+            return float((scaled.log_softmax(-1).gather(-1, response[:, None].to(device))[:, 0] - server).abs().mean())
+
+        if gap(logits) < gap(logits / self.temperature):
+            raise RuntimeError(f"model.rollout: the vLLM server at {self.url} returns raw log-probs; start it with "
+                               "--logprobs-mode processed_logprobs (the trainer's ratios need the log-probs of the "
+                               "distribution sampled from)")
+        self._checked_logprobs = True
+
+    def generate(self, model, tokenizer, prompts: list[list[int]], greedy: bool = False) -> Generation:
+        if self._version is None:
+            self._push(model)
+        eos = eos_token_ids(model, tokenizer)
+        self._check_version("before")
+        start = time.perf_counter()
+        choices = self._complete(prompts, greedy, eos)
+        elapsed = time.perf_counter() - start
+        self._check_version("after")
+        gen = generation_from_samples(
+            prompts, [c["token_ids"] for c in choices], [c["logprobs"]["token_logprobs"] for c in choices],
+            [c["finish_reason"] == "length" for c in choices], tokenizer.pad_token_id,
+            next(model.parameters()).device)
+        if not self._checked_logprobs and not greedy and self.temperature != 1.0:
+            self._check_processed_logprobs(model, prompts[0], gen)
+        self.last_metrics = {"rollout/tokens_per_s": float(gen.response_mask.sum()) / max(elapsed, 1e-9),
+                             "rollout/policy_version": float(self._version),
+                             "rollout/staleness": float(self._updates - self._version),
+                             "rollout/sync_time": self._sync_time}
+        self._sync_time = 0.0
+        return gen
+
+
+__all__ = ["VLLMServerEngine"]

@@ -1,0 +1,164 @@
+"""VLLMServerEngine: generation from a vLLM server process addressed by URL (its OpenAI-compatible API), weight
+pushes through a shared folder with a version the server reports back, and faults as one line.
+
+The server runs on this machine (``python -m vllm.entrypoints.openai.api_server`` on the tiny model, CPU) and
+the tests skip when vLLM is not installed; the option checks need no server."""
+
+import copy
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch
+
+from rllight.errors import RecipeError
+from rllight.models import HFModel
+from rllight.module import RLModule
+from rllight.rollout.metrics import logprob_mismatch
+from rllight.rollout.remote import VLLMServerEngine
+from rllight.testing import build_tiny_model
+
+ROWS = [{"messages": [{"role": "user", "content": "What is 1 + 2?" + " 3" * k}], "answer": "3"} for k in range(4)]
+
+
+def test_bad_options_are_one_line_errors(tmp_path):
+    (tmp_path / "file").write_text("x")
+    for kwargs, needle in [({"url": "gen-node:8000"}, "url must start with http"),
+                           ({"url": "http://x", "sync_every": 0}, "sync_every"),
+                           ({"url": "http://x", "weights_dir": str(tmp_path / "file")}, "weights_dir")]:
+        with pytest.raises(RecipeError, match=needle):
+            VLLMServerEngine(**kwargs)
+
+
+def test_a_server_that_does_not_answer_is_one_line_naming_the_url(tiny_model_dir):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    module = RLModule(HFModel(tiny_model_dir),
+                      rollout=VLLMServerEngine(f"http://127.0.0.1:{port}", weights_dir=None, timeout_seconds=5,
+                                               model="served"))
+    module.configure_model()
+    with pytest.raises(RecipeError, match="weights_dir is not set"):
+        module.producer.sample(ROWS[:1], n=1)
+    module.rollout.weights_dir = "unused"
+    module.rollout._version = 0  # as if pushed: the first request then is the generation itself
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=rf"^model\.rollout: no answer from the vLLM server at http://127\.0\.0\.1:"
+                                           rf"{port} to /weight_info") as err:
+        module.producer.sample(ROWS[:1], n=1)
+    assert "\n" not in str(err.value) and time.monotonic() - start < 10
+
+
+# ------------------------------------------------------------------------------ with a vLLM server
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A vLLM OpenAI-compatible server on the tiny model (head size 32, as vLLM's CPU attention needs), float32,
+    processed log-probs, the development routes on; its URL."""
+    pytest.importorskip("vllm")
+    model_dir = build_tiny_model(str(tmp_path_factory.mktemp("tiny_server") / "model"), hidden_size=64)
+    port = _free_port()
+    log = open(tmp_path_factory.mktemp("server_log") / "server.log", "w")
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--port", str(port),
+         "--host", "127.0.0.1", "--dtype", "float32", "--logprobs-mode", "processed_logprobs", "--enforce-eager",
+         "--max-model-len", "256", "--seed", "0"],
+        env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 420
+    try:
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/v1/models", timeout=5) as r:
+                    json.loads(r.read())
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    log.flush()
+                    raise RuntimeError(f"the vLLM server did not start; see {log.name}")
+                time.sleep(2)
+        yield url, model_dir
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def _trainer_logprobs(module, rollout, policy=None):
+    with torch.no_grad():
+        logprobs, _, _ = module.forward_batch(rollout, policy=policy)
+    return logprob_mismatch(logprobs, rollout.sample_logprobs, rollout.response_mask)["rollout/logprob_diff_max"]
+
+
+@pytest.mark.vllm
+def test_the_servers_samples_are_the_trainers_policy_before_and_after_a_push(server, tmp_path):
+    url, model_dir = server
+    engine = VLLMServerEngine(url, weights_dir=str(tmp_path / "weights"), max_new_tokens=8, temperature=0.7)
+    module = RLModule(HFModel(model_dir), rollout=engine)
+    module.configure_model()
+    rollout = module.producer.sample(ROWS, n=2)
+    assert (rollout.prompt_mask == 0).any()  # left-padded prompts of several lengths
+    assert engine.last_metrics["rollout/policy_version"] == 0 and engine.last_metrics["rollout/tokens_per_s"] > 0
+    # The first generation pushed the trainer's weights; the server's log-probs are the trainer's.
+    assert _trainer_logprobs(module, rollout) < 1e-4
+
+    before = copy.deepcopy(module.policy)
+    optimizer = torch.optim.AdamW(module.policy.parameters(), lr=1e-2)
+    ids = torch.arange(3, 19)[None]
+    loss = -module.policy(input_ids=ids).logits.log_softmax(-1)[0, :-1].gather(-1, ids[0, 1:, None]).mean()
+    loss.backward()
+    optimizer.step()
+    assert "rollout/sync_time" in engine.update_weights(module.policy)
+    rollout = module.producer.sample(ROWS, n=2)
+    assert engine.last_metrics["rollout/policy_version"] == 1 and engine.last_metrics["rollout/staleness"] == 0
+    assert _trainer_logprobs(module, rollout) < 1e-4
+    assert _trainer_logprobs(module, rollout, policy=before) > 1e-2  # the push really moved the server
+
+    # Another trainer (here: a direct request) changes the server's version: detected, not trusted.
+    request = urllib.request.Request(f"{url}/update_weight_version", data=json.dumps({"new_version": "99"}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    urllib.request.urlopen(request, timeout=30).read()
+    with pytest.raises(RuntimeError, match=r"^model\.rollout: the vLLM server at .* holds weight version '99' "
+                                           r"before generating where 1 was pushed") as err:
+        module.producer.sample(ROWS, n=1)
+    assert "\n" not in str(err.value)
+
+
+def test_raw_log_probs_from_a_server_are_detected(tiny_model_dir):
+    """A server started without --logprobs-mode processed_logprobs returns log-probs before temperature: the
+    first sampled generation is checked against the trainer's forward pass (here with log-probs computed both
+    ways by the trainer itself, as the two kinds of server would send them)."""
+    from rllight.rollout.base import Generation
+
+    module = RLModule(HFModel(tiny_model_dir),
+                      rollout=VLLMServerEngine("http://127.0.0.1:1", weights_dir=None, temperature=0.5))
+    module.configure_model()
+    engine, policy = module.rollout, module.policy
+    prompt, response = [1, 5, 6, 7], torch.tensor([9, 12, 4])
+    with torch.no_grad():
+        logits = policy(input_ids=torch.tensor([prompt + response.tolist()])).logits[0, len(prompt) - 1 : -1]
+
+    def generation(scale: float) -> Generation:
+        logprobs = (logits / scale).log_softmax(-1).gather(-1, response[:, None])[:, 0]
+        return Generation(torch.tensor([prompt]), torch.ones(1, 4, dtype=torch.long), response[None],
+                          torch.ones(1, 3, dtype=torch.long), logprobs[None], torch.tensor([True]))
+
+    with pytest.raises(RuntimeError, match="returns raw log-probs; start it with --logprobs-mode processed_logprobs"):
+        engine._check_processed_logprobs(policy, prompt, generation(1.0))
+    assert not engine._checked_logprobs
+    engine._check_processed_logprobs(policy, prompt, generation(0.5))
+    assert engine._checked_logprobs
