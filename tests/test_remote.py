@@ -162,3 +162,27 @@ def test_raw_log_probs_from_a_server_are_detected(tiny_model_dir):
     assert not engine._checked_logprobs
     engine._check_processed_logprobs(policy, prompt, generation(0.5))
     assert engine._checked_logprobs
+
+
+@pytest.mark.vllm
+def test_asynchronous_generation_from_the_server_is_the_old_policys_and_tagged(server, tmp_path):
+    url, model_dir = server
+    engine = VLLMServerEngine(url, weights_dir=str(tmp_path / "weights"), max_new_tokens=8, temperature=0.7,
+                              max_staleness=1)
+    module = RLModule(HFModel(model_dir), rollout=engine)
+    module.configure_model()
+    module.producer.prefetch(ROWS, 2)  # sent now, with the trainer's weights (pushed first)
+    before = copy.deepcopy(module.policy)
+    optimizer = torch.optim.AdamW(module.policy.parameters(), lr=1e-2)
+    ids = torch.arange(3, 19)[None]
+    (-module.policy(input_ids=ids).logits.log_softmax(-1)[0, :-1].gather(-1, ids[0, 1:, None]).mean()).backward()
+    optimizer.step()
+    assert engine.update_weights(module.policy) == {}  # pushed with the next request
+    rollout = module.producer.sample(ROWS, n=2)
+    metrics = engine.last_metrics
+    assert (metrics["rollout/generated_ahead"], metrics["rollout/policy_version"], metrics["rollout/staleness"]) \
+        == (1, 0, 1)
+    assert _trainer_logprobs(module, rollout, policy=before) < 1e-4  # the behaviour log-probs are the server's
+    rollout = module.producer.sample(ROWS, n=2)  # nothing ahead: the update is pushed, then it generates
+    assert (engine.last_metrics["rollout/generated_ahead"], engine.last_metrics["rollout/policy_version"]) == (0, 1)
+    assert _trainer_logprobs(module, rollout) < 1e-4

@@ -31,6 +31,11 @@ How it runs:
   ``GET /weight_info`` before and after each generation: a server on any other version (restarted, or pushed to
   by another trainer) is an error, never trusted. ``rollout/policy_version`` and ``rollout/staleness`` are
   logged as with the worker process.
+- **Asynchronous** (``max_staleness`` k > 0, as with the worker process): the trainer sends the next steps'
+  prompts before it updates (a background thread waits for the server's answers), and a response more than k
+  versions old when its step comes is generated again. Weights are pushed with the next request after an
+  update, and only when no request is in flight, so no response mixes two versions. A checkpoint waits for the
+  responses in flight and saves them (exact resume of what the next steps train on).
 - **Faults never hang the trainer**: every request waits at most ``timeout_seconds``; a server that does not
   answer, or answers with an error, stops the step with one line naming the URL and the route.
 """
@@ -42,6 +47,7 @@ import os
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -63,11 +69,13 @@ class VLLMServerEngine(RolloutEngine):
         sync_every: Push the weights every k optimizer updates (1 = always on-policy).
         timeout_seconds: Longest wait for one request (a generation or a push).
         model: The served model name (None = the first of ``GET /v1/models``).
+        max_staleness: Asynchronous rollouts: the next steps' generations run while the trainer updates, no
+            response older than this many optimizer updates is trained on (0 = synchronous).
     """
 
     def __init__(self, url: str, weights_dir: str | None = None, max_new_tokens: int = 64, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, sync_every: int = 1, timeout_seconds: float = 600.0,
-                 model: str | None = None):
+                 model: str | None = None, max_staleness: int = 0):
         super().__init__(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
         key = "model.rollout.init_args"
         if not url.startswith(("http://", "https://")):
@@ -78,6 +86,12 @@ class VLLMServerEngine(RolloutEngine):
             raise RecipeError(f"{key}.timeout_seconds must be > 0, got {timeout_seconds}")
         if weights_dir is not None and os.path.exists(weights_dir) and not os.path.isdir(weights_dir):
             raise RecipeError(f"{key}.weights_dir {weights_dir!r} is a file; name a folder the server can read")
+        if max_staleness < 0:
+            raise RecipeError(f"{key}.max_staleness must be >= 0 (0 = synchronous), got {max_staleness}")
+        if max_staleness and sync_every != 1:
+            raise RecipeError(f"{key}: max_staleness={max_staleness} with sync_every={sync_every}; asynchronous "
+                              "rollouts push the weights with the next request, so leave sync_every at 1")
+        self.max_staleness = max_staleness
         self.url = url.rstrip("/")
         self.weights_dir = weights_dir
         self.sync_every = sync_every
@@ -87,6 +101,14 @@ class VLLMServerEngine(RolloutEngine):
         self._version: int | None = None  # the version last pushed (None: nothing pushed yet)
         self._checked_logprobs = False
         self._sync_time = 0.0
+        self._pool: ThreadPoolExecutor | None = None
+        self._ahead: list[tuple[tuple, int, Future]] = []  # (request key, version, answer), oldest first
+        self._discarded = 0
+
+    def __getstate__(self) -> dict:  # copies (checkpoints, deep copies) carry the settings, not the threads
+        state = dict(self.__dict__)
+        state.update(_pool=None, _ahead=[])
+        return state
 
     # ------------------------------------------------------------------------------- HTTP
     def _request(self, route: str, body: dict | None = None) -> dict:
@@ -147,11 +169,12 @@ class VLLMServerEngine(RolloutEngine):
 
     def update_weights(self, model: torch.nn.Module) -> dict[str, float]:
         """Every ``sync_every`` calls, push the weights (see the module's docstring); ``{}`` before the first
-        generation (which pushes the then-current weights) and between pushes."""
+        generation (which pushes the then-current weights), between pushes, and when asynchronous (the next
+        request pushes them)."""
         if self._version is None:
             return {}
         self._updates += 1
-        if self._updates % self.sync_every:
+        if self.max_staleness or self._updates % self.sync_every:
             return {}
         before = self._sync_time
         self._push(model)
@@ -201,15 +224,72 @@ class VLLMServerEngine(RolloutEngine):
                                "distribution sampled from)")
         self._checked_logprobs = True
 
-    def generate(self, model, tokenizer, prompts: list[list[int]], greedy: bool = False) -> Generation:
-        if self._version is None:
-            self._push(model)
-        eos = eos_token_ids(model, tokenizer)
+    # ------------------------------------------------------------------------- asynchronous
+    def _key(self, prompts: list[list[int]], greedy: bool) -> tuple:
+        return (tuple(tuple(p) for p in prompts), bool(greedy),
+                (self.max_new_tokens, self.temperature, self.top_p, self.top_k))
+
+    def _answer(self, prompts: list[list[int]], greedy: bool, eos: list[int]) -> tuple[list[dict], float]:
+        """One generation with the version checked before and after it; ``(choices, seconds)``."""
         self._check_version("before")
         start = time.perf_counter()
         choices = self._complete(prompts, greedy, eos)
         elapsed = time.perf_counter() - start
         self._check_version("after")
+        return choices, elapsed
+
+    def _current(self, model: torch.nn.Module) -> None:
+        """Push the trainer's weights if the server's are older, once no request is in flight."""
+        if self._version is None or self._version != self._updates:
+            for _, _, future in self._ahead:
+                future.exception(timeout=self.timeout_seconds)  # done, one way or the other
+            self._push(model)
+
+    def prefetch(self, model, tokenizer, prompts: list[list[int]], greedy: bool = False) -> None:
+        """Asynchronous mode: send ``prompts`` now (with the current weights); a later ``generate`` with the same
+        prompts and settings collects the answer. Synchronous mode: nothing."""
+        if not self.max_staleness:
+            return
+        self._current(model)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rllight-vllm-server")
+        future = self._pool.submit(self._answer, prompts, greedy, eos_token_ids(model, tokenizer))
+        self._ahead.append((self._key(prompts, greedy), self._version, future))
+
+    def _collect(self, key: tuple) -> tuple[tuple[list[dict], float], int] | None:
+        """The oldest answer sent ahead for ``key`` if it is at most ``max_staleness`` versions old (older
+        entries, for steps already past, are dropped)."""
+        index = next((i for i, (k, _, _) in enumerate(self._ahead) if k == key), None)
+        if index is None:
+            return None
+        _, version, future = self._ahead[index]
+        del self._ahead[: index + 1]
+        answer = future.result(timeout=self.timeout_seconds)
+        if self._updates - version > self.max_staleness:
+            self._discarded += 1
+            return None
+        return answer, version
+
+    def state_dict(self) -> dict:
+        """The update count and, when asynchronous, the answers sent ahead (waited for)."""
+        ahead = [(key, version, future.result(timeout=self.timeout_seconds)) for key, version, future in self._ahead]
+        return {"updates": self._updates, "ahead": ahead}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._updates = state.get("updates", self._updates)
+        for key, version, answer in state.get("ahead", []):
+            future: Future = Future()
+            future.set_result(tuple(answer))
+            self._ahead.append((tuple(key), version, future))
+
+    def generate(self, model, tokenizer, prompts: list[list[int]], greedy: bool = False) -> Generation:
+        found = self._collect(self._key(prompts, greedy)) if self.max_staleness else None
+        if found is None:
+            if self._version is None or self.max_staleness:  # synchronous: pushes come with update_weights
+                self._current(model)
+            (choices, elapsed), version = self._answer(prompts, greedy, eos_token_ids(model, tokenizer)), self._version
+        else:
+            (choices, elapsed), version = found
         gen = generation_from_samples(
             prompts, [c["token_ids"] for c in choices], [c["logprobs"]["token_logprobs"] for c in choices],
             [c["finish_reason"] == "length" for c in choices], tokenizer.pad_token_id,
@@ -217,10 +297,13 @@ class VLLMServerEngine(RolloutEngine):
         if not self._checked_logprobs and not greedy and self.temperature != 1.0:
             self._check_processed_logprobs(model, prompts[0], gen)
         self.last_metrics = {"rollout/tokens_per_s": float(gen.response_mask.sum()) / max(elapsed, 1e-9),
-                             "rollout/policy_version": float(self._version),
-                             "rollout/staleness": float(self._updates - self._version),
+                             "rollout/policy_version": float(version),
+                             "rollout/staleness": float(self._updates - version),
                              "rollout/sync_time": self._sync_time}
-        self._sync_time = 0.0
+        if self.max_staleness:
+            self.last_metrics.update({"rollout/generated_ahead": float(found is not None),
+                                      "rollout/stale_discarded": float(self._discarded)})
+        self._sync_time, self._discarded = 0.0, 0
         return gen
 
 
