@@ -9,6 +9,7 @@ import time
 
 import lightning as L
 import torch
+from torch.utils.data import DistributedSampler
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from jsonargparse import lazy_instance
 from torch import Tensor
@@ -594,18 +595,22 @@ class RLModule(L.LightningModule):
         """Asynchronous rollouts (an engine with ``max_staleness`` k > 0): ask the engine now for the rollouts
         of the next ``k // updates_per_step`` training batches, generated with the weights as they are before
         this step's update, so that no response is more than k updates old when its step trains on it. Not
-        past the run's ``max_steps``; not under several processes (each rank then generates its own share when
-        its step comes)."""
+        past the run's ``max_steps``. Under DDP each rank asks its own engine for its own share of the batches."""
         ahead = getattr(self.rollout, "max_staleness", 0) // max(updates_per_step, 1)
         datamodule = self.trainer.datamodule
-        if ahead < 1 or self.trainer.world_size > 1 or not hasattr(datamodule, "upcoming_batches"):
+        if ahead < 1 or not hasattr(datamodule, "upcoming_batches"):
             return
         current = datamodule.batches_trained  # this step's batch
         max_steps = self.trainer.max_steps
         if max_steps is not None and max_steps >= 0:  # batches still trained on after this one
             ahead = min(ahead, max(0, math.ceil((max_steps - self.global_step) / max(updates_per_step, 1)) - 1))
         first = max(current + 1, self._prefetched_through + 1)
-        for index, rows in enumerate(datamodule.upcoming_batches(first, current + ahead + 1 - first), start=first):
+        # Under DDP, Lightning's DistributedSamplerWrapper shards (and by default shuffles) each epoch's order.
+        sampler = getattr(self.trainer.train_dataloader, "sampler", None)
+        shuffle_seed = sampler.seed if isinstance(sampler, DistributedSampler) and sampler.shuffle else None
+        upcoming = datamodule.upcoming_batches(first, current + ahead + 1 - first, rank=self.trainer.global_rank,
+                                               world=self.trainer.world_size, shuffle_seed=shuffle_seed)
+        for index, rows in enumerate(upcoming, start=first):
             self.sampler.prefetch(self.producer, rows)
             self._prefetched_through = index
 

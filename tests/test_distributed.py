@@ -124,3 +124,24 @@ def test_ddp_sppo_with_its_separate_prompt_critic(tmp_path, tiny_model_dir):
     assert run.returncode == 0, run.stderr[-4000:]
     r0, _ = _same_weights_on_both_ranks(tmp_path)
     assert any(k.startswith("critic.") for k in r0["params"])
+
+
+@pytest.mark.slow
+def test_ddp_ranks_each_generate_their_own_share_ahead(tmp_path, tiny_model_dir):
+    """Two DDP ranks, each with its own rollout worker and max_staleness 1 (one update per step here): from the
+    second step on, every rank trains on a rollout its worker generated during the previous update, for the
+    rows its own loader then hands it (the prefetch computed the rank's share of the batches correctly; a wrong
+    guess would be generated again, not ahead), and both ranks end with the same weights."""
+    engine = {"class_path": "rllight.rollout.worker.ProcessEngine",
+              "init_args": {"engine": {"class_path": "rllight.rollout.HFEngine", "init_args": {"max_new_tokens": 6}},
+                            "max_staleness": 1}}
+    (tmp_path / "async").mkdir()
+    overlay = _ddp_overlay(tmp_path, tiny_model_dir, "async", rollout=engine)
+    run = fit_in_child("grpo.yaml", "--config", overlay, *DDP, "--trainer.max_steps", "3", timeout=900,
+                       RLLIGHT_TEST_DUMP=str(tmp_path / "rank{rank}.pt"))
+    assert run.returncode == 0, run.stderr[-4000:]
+    r0, r1 = _same_weights_on_both_ranks(tmp_path)
+    for record in (r0, r1):
+        assert record["generated_ahead"] == [0.0, 1.0, 1.0]
+        assert record["staleness"] == [0.0, 1.0, 1.0]
+    assert r0["prompts"] != r1["prompts"]

@@ -95,6 +95,9 @@ class DumpState(RolloutCallback):
         self.record["global_tokens"] = module._global(local.clone()).item()
         self.record["prompts"] = sorted(rollout.answers)
         self.record.setdefault("rollout_sizes", []).append(len(rollout))
+        # Asynchronous rollouts: whether the step's rollout was generated ahead, and its staleness.
+        self.record.setdefault("generated_ahead", []).append(float(rollout.extras.get("rollout/generated_ahead", -1)))
+        self.record.setdefault("staleness", []).append(float(rollout.extras.get("rollout/staleness", -1)))
         return rollout
 
     def on_train_end(self, trainer, module):

@@ -9,6 +9,7 @@ verl's parquet (``answer_key: reward_model.ground_truth``), TRL's JSONL, OpenRLH
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import warnings
@@ -471,15 +472,31 @@ class RLDataModule(L.LightningDataModule):
             )
         return ResumableSampler(len(self.train_rows), per_epoch * self.batch_size, self.seed)
 
-    def upcoming_batches(self, first: int, count: int) -> list[list[dict]]:
+    def upcoming_batches(self, first: int, count: int, rank: int = 0, world: int = 1,
+                         shuffle_seed: int | None = None) -> list[list[dict]]:
         """The rows of training batches ``first .. first + count - 1`` (counted from the run's first batch) as
-        the training loader of one process yields them: asynchronous rollouts generate them ahead."""
+        the training loader of process ``rank`` of ``world`` yields them: asynchronous rollouts generate them
+        ahead. Under several processes Lightning's ``DistributedSamplerWrapper`` takes the epoch's order,
+        permutes its positions with ``randperm`` seeded ``shuffle_seed + epoch`` (None: it does not shuffle),
+        pads them with the first ones to a multiple of ``world`` and gives each rank every ``world``-th; the
+        rank's loader drops its last incomplete batch."""
         sampler = self._sampler()
-        batches, orders = [], {}
+        shares: dict[int, list[int]] = {}
+        per_rank = math.ceil(sampler.epoch_rows / world)
+        batches_per_epoch = per_rank // self.batch_size
+        batches = []
         for index in range(first, first + max(count, 0)):
-            epoch, offset = divmod(index * self.batch_size, sampler.epoch_rows)
-            order = orders.setdefault(epoch, sampler.order(epoch))
-            batches.append([self.train_rows[i] for i in order[offset : offset + self.batch_size]])
+            epoch, batch = divmod(index, batches_per_epoch)
+            if epoch not in shares:
+                order = sampler.order(epoch)
+                positions = list(range(len(order)))
+                if shuffle_seed is not None:
+                    positions = torch.randperm(len(order), generator=torch.Generator().manual_seed(
+                        shuffle_seed + epoch)).tolist()
+                positions += positions[: per_rank * world - len(positions)]
+                shares[epoch] = [order[p] for p in positions[rank::world]]
+            offset = batch * self.batch_size
+            batches.append([self.train_rows[i] for i in shares[epoch][offset : offset + self.batch_size]])
         return batches
 
     def train_dataloader(self) -> DataLoader:
