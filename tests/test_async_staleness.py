@@ -39,5 +39,11 @@ def test_async_staleness_runs_each_loss_and_staleness_and_reports_what_it_measur
         assert config["model"]["minibatch_size"] == 32  # one update per step
     table = (out / "async_staleness.md").read_text()
     assert "| grpo-tis | 2 |" in table and "| 1.00 / 2 |" in table
+    # --skip-done resumes an interrupted table: runs that finished with the same settings are not run again.
+    again = subprocess.run([*run.args, "--skip-done"], env=env, capture_output=True, text=True, timeout=300,
+                           check=False)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count("finished before with the same settings, reused") == 2
+    assert (out / "async_staleness.md").read_text() == table
     with pytest.raises(subprocess.CalledProcessError):
         subprocess.run([sys.executable, TOOL, "--algos", "nope"], capture_output=True, check=True)

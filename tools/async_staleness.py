@@ -25,7 +25,7 @@ its rollout waited), the largest gradient norm, and whether every logged number 
 Usage (on 2 CPU cores each run takes about as long as the quickstart, plus the worker's start):
 
     .venv/bin/python tools/async_staleness.py [--steps 40] [--staleness 0,1,4] [--algos grpo,grpo-tis,vespo]
-        [--parallel 1] [--out runs/async-staleness] [--config extra.yaml ...]
+        [--parallel 1] [--out runs/async-staleness] [--config extra.yaml ...] [--skip-done]
 
 Smoke test (a tiny model folder, seconds of training; proves the pipeline, not the methods):
 
@@ -82,6 +82,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--parallel", type=int, default=1, help="Runs at once (each is a trainer and a worker).")
     p.add_argument("--config", action="append", default=[], help="Extra overlay for every run (repeatable).")
     p.add_argument("--out", default="runs/async-staleness")
+    p.add_argument("--skip-done", action="store_true",
+                   help="Reuse the runs in --out that finished with the same settings (resume an interrupted table).")
     args = p.parse_args(argv)
     try:
         args.staleness = [int(k) for k in args.staleness.split(",")]
@@ -138,15 +140,23 @@ def start_run(args: argparse.Namespace, algo: str, staleness: int) -> dict:
     run_dir = os.path.join(args.out, name)
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, "overlay.yaml")
-    with open(path, "w") as f:
-        yaml.safe_dump(overlay(args, algo, staleness, run_dir), f, sort_keys=False)
+    text = yaml.safe_dump(overlay(args, algo, staleness, run_dir), sort_keys=False)
     cmd = [sys.executable, "-m", "rllight.cli", "fit", "--config", os.path.join(ROOT, "recipes", "quickstart.yaml"),
            "--config", path, *[a for c in args.config for a in ("--config", c)]]
+    done = os.path.join(run_dir, "finished.json")
+    if args.skip_done and os.path.isfile(done) and os.path.isfile(path):
+        with open(path) as f, open(done) as g:
+            if f.read() == text and json.load(g).get("cmd") == cmd:  # the same run finished before: reuse it
+                print(f"async_staleness: {name}: finished before with the same settings, reused", flush=True)
+                return {"name": name, "algo": algo, "staleness": staleness, "run_dir": run_dir, "proc": None,
+                        "log": None, "start": time.perf_counter(), "cmd": cmd}
+    with open(path, "w") as f:
+        f.write(text)
     print(f"async_staleness: {name}: {' '.join(cmd)}", flush=True)
     log_file = open(os.path.join(run_dir, "stdout.log"), "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)
     return {"name": name, "algo": algo, "staleness": staleness, "run_dir": run_dir, "proc": proc, "log": log_file,
-            "start": time.perf_counter()}
+            "start": time.perf_counter(), "cmd": cmd}
 
 
 def _finite(values: list[float]) -> bool:
@@ -158,8 +168,13 @@ def _mean(values: list[float]) -> float | None:
 
 
 def finish_run(run: dict) -> dict:
-    code = run["proc"].wait()
-    run["log"].close()
+    reused = run["proc"] is None
+    code = 0 if reused else run["proc"].wait()
+    if not reused:
+        run["log"].close()
+        if code == 0:
+            with open(os.path.join(run["run_dir"], "finished.json"), "w") as f:
+                json.dump({"cmd": run["cmd"], "wall_s": time.perf_counter() - run["start"]}, f)
     result = {k: run[k] for k in ("name", "algo", "staleness", "run_dir")}
     result.update(returncode=code, wall_s=time.perf_counter() - run["start"])
     versions = sorted((d for d in os.listdir(os.path.join(run["run_dir"], "lightning_logs"))
