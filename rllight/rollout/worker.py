@@ -29,6 +29,15 @@ How it runs:
   device's); the worker generates from it and sends its state back, which the trainer takes on. The worker
   uses the trainer's number of torch threads. With ``HFEngine`` inside, training then gives the same numbers
   as ``HFEngine`` in the training process.
+- **Asynchronous rollouts** (``max_staleness`` k > 0): ``prefetch`` sends a generation request without waiting
+  for it (the module sends the next training batches' prompts before each update), and ``generate`` collects the
+  one sent for the same prompts and settings, or generates anew if there is none or it is more than k versions
+  old. Replies come in the order sent; the trainer reads them as it needs them. Weights go with the next request
+  after an update (a "sync" queued before it; the buffers are rewritten only once the worker has read the last
+  ones), so requests already queued keep the version they were sent with, and each reply names it. The worker
+  samples from its own RNG stream, seeded from the trainer's; ``state_dict`` (saved in checkpoints) waits for the
+  requests in flight and keeps their results and the worker's RNG state, so a resumed run continues exactly. A
+  worker that dies loses the requests in flight: they are generated again when asked for.
 - **Faults never hang the trainer**: every wait for the worker lasts at most ``timeout_seconds``; past it the
   worker is killed and the call raises. A worker that dies (its pipe closes or its process ends) is restarted
   once with the last weights and version and the request is sent again; if the new one dies on the same
