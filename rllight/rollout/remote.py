@@ -294,7 +294,9 @@ class VLLMServerEngine(RolloutEngine):
             prompts, [c["token_ids"] for c in choices], [c["logprobs"]["token_logprobs"] for c in choices],
             [c["finish_reason"] == "length" for c in choices], tokenizer.pad_token_id,
             next(model.parameters()).device)
-        if not self._checked_logprobs and not greedy and self.temperature != 1.0:
+        # Against the trainer's weights only when they are the ones that generated (a rollout sent ahead of an
+        # update is another policy's, whatever kind of log-probs the server returns).
+        if not self._checked_logprobs and not greedy and self.temperature != 1.0 and version == self._updates:
             self._check_processed_logprobs(model, prompts[0], gen)
         self.last_metrics = {"rollout/tokens_per_s": float(gen.response_mask.sum()) / max(elapsed, 1e-9),
                              "rollout/policy_version": float(version),
