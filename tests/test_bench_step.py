@@ -21,6 +21,13 @@ def bench(*args: str) -> subprocess.CompletedProcess:
                           check=False)
 
 
+def logged_steps(run_dir) -> list[dict[str, str]]:
+    """The rows of the one CSV log under ``run_dir`` that carry an RL step's time."""
+    (metrics,) = glob.glob(str(run_dir / "version_*" / "metrics.csv"))
+    with open(metrics) as f:
+        return [r for r in csv.DictReader(f) if r["train/time/step"]]
+
+
 @pytest.mark.slow
 def test_bench_step_prints_the_phase_medians_tokens_per_s_and_peak_memory(tmp_path, tiny_model_dir):
     out = tmp_path / "bench"
@@ -42,10 +49,7 @@ def test_bench_step_prints_the_phase_medians_tokens_per_s_and_peak_memory(tmp_pa
     assert re.fullmatch(r"rllight_step_s=[\d.e+-]+", last), last
     assert float(last.split("=")[1]) == table["step s"]
     # --steps RL steps ran, each one rollout with one optimizer update.
-    (metrics,) = glob.glob(str(out / "rllight" / "version_*" / "metrics.csv"))
-    with open(metrics) as f:
-        steps = [r for r in csv.DictReader(f) if r["train/time/step"]]
-    assert [int(r["step"]) for r in steps] == [0, 1, 2]
+    assert [int(r["step"]) for r in logged_steps(out / "rllight")] == [0, 1, 2]
     # --profile 1: step 1's phases, generation per token among them.
     assert "| rllight.generate.token |" in (out / "profile" / "profile.md").read_text()
 
@@ -64,14 +68,10 @@ def test_bench_step_async_runs_both_ways_and_prints_async_over_sync(tmp_path, ti
     assert float(last.split("=")[1]) == pytest.approx(table["step s"][0] / table["step s"][1], rel=0.01, abs=0.01)
     # The second run really was asynchronous: each step after the first trained on a rollout generated during
     # the previous step's update, one version old; the first run generated in the training process.
-    (metrics,) = glob.glob(str(out / "rllight-async" / "version_*" / "metrics.csv"))
-    with open(metrics) as f:
-        steps = [r for r in csv.DictReader(f) if r["train/time/step"]]
+    steps = logged_steps(out / "rllight-async")
     assert [float(r["train/rollout/generated_ahead"]) for r in steps] == [0, 1, 1]
     assert [float(r["train/rollout/staleness_max"]) for r in steps] == [0, 1, 1]
-    (metrics,) = glob.glob(str(out / "rllight" / "version_*" / "metrics.csv"))
-    with open(metrics) as f:
-        assert "train/rollout/generated_ahead" not in next(csv.DictReader(f))
+    assert "train/rollout/generated_ahead" not in logged_steps(out / "rllight")[0]
 
 
 @pytest.mark.parametrize("args, option", [(["--steps", "1"], "--steps"), (["--set", "novalue"], "--set"),

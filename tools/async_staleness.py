@@ -56,7 +56,8 @@ def _tool(name: str):
     return module
 
 
-compare = _tool("compare")  # its TensorBoard reader and figures
+compare = _tool("compare")  # its TensorBoard reader and report
+plot = _tool("plot")  # where a run's logs are
 
 CLIP = {"class_path": "rllight.strategies.ClippedSurrogate", "init_args": {"clip_low": 0.2, "clip_high": 0.2}}
 LOSSES = {
@@ -177,13 +178,13 @@ def finish_run(run: dict) -> dict:
                 json.dump({"cmd": run["cmd"], "wall_s": time.perf_counter() - run["start"]}, f)
     result = {k: run[k] for k in ("name", "algo", "staleness", "run_dir")}
     result.update(returncode=code, wall_s=time.perf_counter() - run["start"])
-    versions = sorted((d for d in os.listdir(os.path.join(run["run_dir"], "lightning_logs"))
-                       if d.startswith("version_")), key=lambda d: int(d.split("_")[1])) \
-        if os.path.isdir(os.path.join(run["run_dir"], "lightning_logs")) else []
-    if code != 0 or not versions:
+    try:
+        log_dir = plot.event_dir(run["run_dir"])  # the run's newest lightning_logs/version_N
+    except plot.NoEventsError:
+        log_dir = None
+    if code != 0 or log_dir is None:
         print(f"async_staleness: {run['name']} failed (exit {code}); see {run['run_dir']}/stdout.log", file=sys.stderr)
         return result
-    log_dir = os.path.join(run["run_dir"], "lightning_logs", versions[-1])
     with open(os.path.join(log_dir, "eval_summary.json")) as f:
         result.update(json.load(f))
     scalars = compare.read_scalars(log_dir)
@@ -235,13 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     setup = (f"{args.steps} steps x {args.batch_size} prompts x {args.group_size} responses, one update per step, "
              f"max_new_tokens {args.max_new_tokens}, temperature {args.temperature}, lr {args.lr}, seed {args.seed}, "
              f"{args.val_size} held-out problems")
-    text = f"Setup: {setup}\n\n{table(results)}\n"
-    print("\n" + text)
-    with open(os.path.join(args.out, "async_staleness.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(args.out, "async_staleness.json"), "w") as f:
-        json.dump({"setup": {k: v for k, v in vars(args).items()}, "results": results}, f, indent=2)
-    compare.write_figures([{**r, "method": r["name"]} for r in results], os.path.join(args.out, "figures"))
+    compare.write_report(args.out, "async_staleness", f"Setup: {setup}\n\n{table(results)}\n",
+                         {"setup": vars(args), "results": results}, [{**r, "method": r["name"]} for r in results])
     return 0 if all(r["returncode"] == 0 for r in results) else 1
 
 

@@ -252,6 +252,17 @@ def write_figures(results: list[dict], out_dir: str) -> list[str]:
     return paths
 
 
+def write_report(out_dir: str, stem: str, text: str, payload: dict, runs: list[dict]) -> None:
+    """Print ``text`` and save it as ``<out_dir>/<stem>.md``, ``payload`` as ``<stem>.json``, and the curves of
+    ``runs`` (each with ``log_dir`` and ``method``, its label) in ``<out_dir>/figures``."""
+    print("\n" + text)
+    with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
+        json.dump(payload, f, indent=2)
+    write_figures(runs, os.path.join(out_dir, "figures"))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     recipes = method_recipes(args.methods)
@@ -261,13 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     budget = (f"{args.steps} rollouts with a policy update x {args.batch_size} prompts x {args.group_size} "
               f"responses, max_new_tokens {args.max_new_tokens}, temperature {args.temperature}, lr {args.lr}, "
               f"greedy accuracy on {args.val_size} held-out problems")
-    text = f"Budget: {budget}\n\n{table(results)}\n"
-    print("\n" + text)
-    with open(os.path.join(args.out, "compare.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(args.out, "compare.json"), "w") as f:
-        json.dump({"budget": vars(args), "results": results}, f, indent=2)
-    write_figures(results, os.path.join(args.out, "figures"))
+    write_report(args.out, "compare", f"Budget: {budget}\n\n{table(results)}\n",
+                 {"budget": vars(args), "results": results}, results)
     return 0 if all(r["returncode"] == 0 for r in results) else 1
 
 

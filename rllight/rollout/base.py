@@ -28,6 +28,16 @@ class Generation:
     """Shape (B,), bool: the response reached ``max_new_tokens`` without an end token."""
 
 
+SAMPLING_SETTINGS = ("max_new_tokens", "temperature", "top_p", "top_k")
+"""The engine attributes that decide how a request samples (evaluation changes them for a while)."""
+
+
+def request_key(engine: "RolloutEngine", prompts: list[list[int]], greedy: bool) -> tuple:
+    """What identifies a generation request sent ahead (asynchronous rollouts): the prompts, greedy or not, and
+    the engine's sampling settings; a later ``generate`` collects it only when all of these are equal."""
+    return (tuple(tuple(p) for p in prompts), bool(greedy), tuple(getattr(engine, n) for n in SAMPLING_SETTINGS))
+
+
 class RolloutEngine:
     """Generates responses with the current policy.
 

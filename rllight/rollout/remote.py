@@ -52,7 +52,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from rllight.errors import RecipeError
-from rllight.rollout.base import Generation, RolloutEngine
+from rllight.rollout.base import Generation, RolloutEngine, request_key
 from rllight.rollout.hf import eos_token_ids
 from rllight.rollout.vllm import full_state_dict, generation_from_samples
 
@@ -225,10 +225,6 @@ class VLLMServerEngine(RolloutEngine):
         self._checked_logprobs = True
 
     # ------------------------------------------------------------------------- asynchronous
-    def _key(self, prompts: list[list[int]], greedy: bool) -> tuple:
-        return (tuple(tuple(p) for p in prompts), bool(greedy),
-                (self.max_new_tokens, self.temperature, self.top_p, self.top_k))
-
     def _answer(self, prompts: list[list[int]], greedy: bool, eos: list[int]) -> tuple[list[dict], float]:
         """One generation with the version checked before and after it; ``(choices, seconds)``."""
         self._check_version("before")
@@ -254,7 +250,7 @@ class VLLMServerEngine(RolloutEngine):
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rllight-vllm-server")
         future = self._pool.submit(self._answer, prompts, greedy, eos_token_ids(model, tokenizer))
-        self._ahead.append((self._key(prompts, greedy), self._version, future))
+        self._ahead.append((request_key(self, prompts, greedy), self._version, future))
 
     def _collect(self, key: tuple) -> tuple[tuple[list[dict], float], int] | None:
         """The oldest answer sent ahead for ``key`` if it is at most ``max_staleness`` versions old (older
@@ -283,7 +279,7 @@ class VLLMServerEngine(RolloutEngine):
             self._ahead.append((tuple(key), version, future))
 
     def generate(self, model, tokenizer, prompts: list[list[int]], greedy: bool = False) -> Generation:
-        found = self._collect(self._key(prompts, greedy)) if self.max_staleness else None
+        found = self._collect(request_key(self, prompts, greedy)) if self.max_staleness else None
         if found is None:
             if self._version is None or self.max_staleness:  # synchronous: pushes come with update_weights
                 self._current(model)

@@ -64,13 +64,11 @@ import torch
 from torch import Tensor
 
 from rllight.errors import RecipeError
-from rllight.rollout.base import Generation, RolloutEngine
+from rllight.rollout.base import SAMPLING_SETTINGS, Generation, RolloutEngine, request_key
 from rllight.rollout.vllm import full_state_dict
 
 log = logging.getLogger(__name__)
 
-SAMPLING_SETTINGS = ("max_new_tokens", "temperature", "top_p", "top_k")
-"""The engine attributes sent with every request (evaluation changes them for a while)."""
 
 
 def _describe(err: BaseException) -> str:
@@ -485,9 +483,6 @@ class ProcessEngine(RolloutEngine):
     def asynchronous(self) -> bool:
         return self.max_staleness > 0
 
-    def _key(self, prompts: list[list[int]], greedy: bool) -> tuple:
-        return (tuple(tuple(p) for p in prompts), bool(greedy), tuple(getattr(self, n) for n in SAMPLING_SETTINGS))
-
     def _send(self, kind: str, message: tuple, key: tuple = ()) -> _Request:
         if self._worker is None:
             self._launch()
@@ -571,7 +566,7 @@ class ProcessEngine(RolloutEngine):
         if self._weights is None:
             self._start(model, tokenizer)
         settings = {name: getattr(self, name) for name in SAMPLING_SETTINGS}
-        key = self._key(prompts, greedy)
+        key = request_key(self, prompts, greedy)
 
         def send() -> None:
             self._sync_if_behind(model)
@@ -594,7 +589,7 @@ class ProcessEngine(RolloutEngine):
         most ``max_staleness`` versions old, else a new one from the current weights."""
         device = next(model.parameters()).device
         settings = {name: getattr(self, name) for name in SAMPLING_SETTINGS}
-        key = self._key(prompts, greedy)
+        key = request_key(self, prompts, greedy)
         start = time.perf_counter()
 
         def collect() -> tuple[_Request, bool]:
