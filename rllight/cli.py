@@ -189,6 +189,7 @@ class RLLightCLI(LightningCLI):
         self._check_outputs()
         self._check_resume()
         self._before = self._evaluate() if self.config.fit.evaluate_before_after else None
+        self._before_per_prompt = dict(getattr(self.model, "last_val_per_prompt", {}))
 
     def after_fit(self) -> None:
         if not self.config.fit.evaluate_before_after:
@@ -197,19 +198,28 @@ class RLLightCLI(LightningCLI):
         acc_before, acc_after = before.get("val/accuracy"), after.get("val/accuracy")
         n = len(self.datamodule.val_rows)
         summary = {"accuracy_before": acc_before, "accuracy_after": acc_after, "num_val": n}
+        table, lines = before_after(before, after, self._before_per_prompt,
+                                    getattr(self.model, "last_val_per_prompt", {}))
         if acc_before is not None and acc_after is not None and n:
-            # Standard error of the difference of two accuracies on the same n problems (upper bound,
-            # treating them as independent).
-            se = ((acc_before * (1 - acc_before) + acc_after * (1 - acc_after)) / n) ** 0.5
+            # val/accuracy is the greedy accuracy where there is one, else avg@n: its row's standard error of
+            # the difference (paired where the per-prompt values are known); else the binomial one of two
+            # independent accuracies on the same n problems (an upper bound).
+            label = "greedy accuracy" if "val/greedy/avg@1" in after else f"avg@{self.model.evaluation.n}"
+            se = table.get(label, {}).get("difference_se")
+            if se is None:
+                se = ((acc_before * (1 - acc_before) + acc_after * (1 - acc_after)) / n) ** 0.5
             summary["difference"] = acc_after - acc_before
             summary["stderr_of_difference"] = se
-        table, lines = before_after(before, after)
         if self.trainer.is_global_zero:
             log_dir = self.trainer.log_dir or "."
             os.makedirs(log_dir, exist_ok=True)
             with open(os.path.join(log_dir, "eval_summary.json"), "w") as f:
                 json.dump({**summary, "metrics": table}, f, indent=2)
-            print(f"rllight: before and after training, {n} held-out prompts (± standard error):", flush=True)
+            paired = all(row.get("paired", True) for row in table.values())
+            kind = ("paired over the same prompts" if paired
+                    else "as if the two evaluations were independent, an upper bound")
+            print(f"rllight: before and after training, {n} held-out prompts (± standard error; the difference's "
+                  f"{kind}):", flush=True)
             for line in lines:
                 print("  " + line, flush=True)
             print("rllight: " + " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"

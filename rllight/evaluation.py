@@ -27,7 +27,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
-from rllight.algorithms.evaluation import avg_at_k, bootstrap_interval, maj_at_k, pass_at_k_over_prompts
+from rllight.algorithms.evaluation import Estimate, avg_at_k, bootstrap_interval, maj_at_k, pass_at_k_over_prompts
 from rllight.errors import RecipeError
 
 _NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?|[-+]?\.\d+")
@@ -306,6 +306,24 @@ class EvalAccumulator:
             by_source.setdefault(record["data_source"], []).append(record)
         return [(f"{self.key}/", self.records)] + [(f"{self.key}/{s}/", by_source[s]) for s in sorted(by_source)]
 
+    def _estimates(self, records: list[dict], k: int) -> dict[str, Estimate]:
+        """avg@k, pass@k and (when every response has an extracted answer) maj@k of ``records``."""
+        correct = torch.tensor([r["correct"] for r in records], dtype=torch.bool).reshape(len(records), self.n)
+        estimates = {"avg": avg_at_k(correct, k), "pass": pass_at_k_over_prompts(correct, k)}
+        if all(r["extracted"] is not None for r in records):
+            estimates["maj"] = maj_at_k([r["extracted"] for r in records], correct, k)
+        return estimates
+
+    def per_prompt(self, ks: Sequence[int]) -> dict[str, dict[str, float]]:
+        """The overall metrics prompt by prompt, for a paired comparison of two evaluations of the same rows:
+        ``{"<key>/avg@k": {source: value, ...}, "<key>/pass@k": ..., "<key>/maj@k": ...}`` for each k, keyed
+        by each row's ``source``. Empty when a record has no ``source`` or two records share one."""
+        sources = [r.get("source") for r in self.records]
+        if not self.records or None in sources or len(set(sources)) != len(sources):
+            return {}
+        return {f"{self.key}/{name}@{k}": dict(zip(sources, est.per_prompt.tolist()))
+                for k in ks for name, est in self._estimates(self.records, k).items()}
+
     def compute(
         self, ks: Sequence[int], bootstrap: int = 0, confidence: float = 0.95, seed: int = 0
     ) -> dict[str, float]:
@@ -326,15 +344,9 @@ class EvalAccumulator:
             if not 1 <= k <= n:
                 raise ValueError(f"k = {k} needs at least k responses per prompt; this evaluation sampled n = {n}")
         for prefix, records in self._groups():
-            correct = torch.tensor([r["correct"] for r in records], dtype=torch.bool).reshape(len(records), n)
-            with_answers = all(r["extracted"] is not None for r in records)
-            answers = [r["extracted"] for r in records]
             out[f"{prefix}prompts"] = float(len(records))
             for k in ks:
-                estimates = {"avg": avg_at_k(correct, k), "pass": pass_at_k_over_prompts(correct, k)}
-                if with_answers:
-                    estimates["maj"] = maj_at_k(answers, correct, k)
-                for name, est in estimates.items():
+                for name, est in self._estimates(records, k).items():
                     out[f"{prefix}{name}@{k}"] = est.mean
                     out[f"{prefix}{name}@{k}_se"] = est.se
                     if bootstrap:
@@ -375,14 +387,24 @@ _HEADLINE = re.compile(r"val/(greedy/)?(avg|pass|maj)@(\d+)")
 _PLAIN = ("response_length", "truncated_ratio", "turns_mean")
 
 
-def before_after(before: dict[str, float], after: dict[str, float]) -> tuple[dict, list[str]]:
+def before_after(
+    before: dict[str, float], after: dict[str, float],
+    before_per_prompt: dict[str, dict[str, float]] | None = None,
+    after_per_prompt: dict[str, dict[str, float]] | None = None,
+) -> tuple[dict, list[str]]:
     """The overall metrics of two validations of the same rows (``val/...`` as logged), as a summary dict
     and the lines of a printed table.
 
     Rows: the greedy accuracy (``also_greedy``), avg@k for every k, pass@k and maj@k for k > 1 (at k = 1
-    both equal avg@1), each ``before ± se``, ``after ± se`` and the difference with the standard error
-    ``sqrt(se_before^2 + se_after^2)`` (an upper bound: it treats the two evaluations as independent, while
-    they ask the same prompts); then response length, truncation and turns without errors.
+    both equal avg@1), each ``before ± se``, ``after ± se`` and the difference with its standard error;
+    then response length, truncation and turns without errors.
+
+    The difference's standard error is paired where both evaluations give a metric prompt by prompt
+    (``EvalAccumulator.per_prompt``) on the same prompts: the standard error of the mean per-prompt
+    difference, ``std(after_i - before_i) / sqrt(P)``, which is what a comparison of two evaluations of the
+    same prompts calls for. Otherwise it is ``sqrt(se_before^2 + se_after^2)``, which treats the two as
+    independent (an upper bound when the per-prompt values correlate positively, as they do). The summary
+    says which (``paired``).
     """
     rows = []
     for key in after:
@@ -397,10 +419,13 @@ def before_after(before: dict[str, float], after: dict[str, float]) -> tuple[dic
     for _, label, key in rows:
         b, a = float(before[key]), float(after[key])
         se_b, se_a = float(before.get(key + "_se", math.nan)), float(after.get(key + "_se", math.nan))
-        se_d = math.sqrt(se_b**2 + se_a**2)
+        se_d = _paired_se((before_per_prompt or {}).get(key), (after_per_prompt or {}).get(key))
+        paired = se_d is not None
+        if not paired:
+            se_d = math.sqrt(se_b**2 + se_a**2)
         summary[label] = {"before": b, "after": a, "before_se": _finite_or_none(se_b),
                           "after_se": _finite_or_none(se_a), "difference": a - b,
-                          "difference_se": _finite_or_none(se_d)}
+                          "difference_se": _finite_or_none(se_d), "paired": paired}
         lines.append(f"{label:<16} {b:>7.3f} ± {se_b:<5.3f} {a:>7.3f} ± {se_a:<5.3f} {a - b:>+8.3f} ± {se_d:<5.3f}")
     for name in _PLAIN:
         key = f"val/{name}"
@@ -409,3 +434,12 @@ def before_after(before: dict[str, float], after: dict[str, float]) -> tuple[dic
             summary[name] = {"before": b, "after": a, "difference": a - b}
             lines.append(f"{name:<16} {b:>15.3f} {a:>15.3f} {a - b:>+16.3f}")
     return summary, lines
+
+
+def _paired_se(before: dict[str, float] | None, after: dict[str, float] | None) -> float | None:
+    """Standard error of the mean of ``after[s] - before[s]`` over the prompts ``s`` (Bessel-corrected); None
+    unless both cover the same prompts, at least two."""
+    if not before or not after or before.keys() != after.keys() or len(before) < 2:
+        return None
+    diffs = torch.tensor([after[s] - before[s] for s in before], dtype=torch.float64)
+    return float(diffs.std(unbiased=True) / math.sqrt(len(diffs)))

@@ -263,6 +263,9 @@ class RLModule(L.LightningModule):
         self.evaluation = evaluation
         self.val_results = EvalAccumulator("val")
         self.val_greedy = EvalAccumulator("val/greedy")  # model.evaluation.also_greedy
+        self.last_val_per_prompt: dict[str, dict[str, float]] = {}
+        """The last validation's overall metrics prompt by prompt (``EvalAccumulator.per_prompt``), for the
+        paired before/after comparison of ``evaluate_before_after``."""
         # Rollout production (prompts -> generation -> reward) is its own layer; samplers compose it.
         self.producer = RolloutProducer(rollout, reward, max_prompt_tokens, max_failed_reward_steps, reward_runner,
                                         environment=environment)
@@ -946,12 +949,14 @@ class RLModule(L.LightningModule):
         number and a per-row JSONL of the responses go to the log folder."""
         ev = self.evaluation
         metrics = {}
+        self.last_val_per_prompt = {}
         for results, _, _, ks, suffix in self._evaluations():
             if self.trainer.world_size > 1:  # every rank evaluated its share of the rows
                 states = [None] * self.trainer.world_size
                 torch.distributed.all_gather_object(states, results.state())
                 results.merge(states)
             metrics.update(results.compute(ks, ev.bootstrap, ev.confidence, ev.seed))
+            self.last_val_per_prompt.update(results.per_prompt(ks))
             if self.trainer.is_global_zero and results.records and not self.trainer.sanity_checking:
                 folder = os.path.join(self.trainer.log_dir or self.trainer.default_root_dir, "evaluation")
                 results.write(folder, ks, name=f"val_step{self.global_step}{suffix}", bootstrap=ev.bootstrap,

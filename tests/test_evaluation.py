@@ -330,6 +330,41 @@ def test_before_after_table_hand_computed():
     assert len(lines) == 6 and lines[4].split()[:2] == ["pass@4", "0.400"] and "+0.100 ± 0.050" in lines[4]
 
 
+def test_before_after_difference_is_paired_over_the_same_prompts():
+    """Two evaluations of the same four prompts: the difference's standard error is the standard error of the
+    per-prompt differences (hand-computed), not sqrt(se_b^2 + se_a^2); per-prompt values from
+    ``EvalAccumulator.per_prompt`` are keyed by source and agree with ``compute``'s means."""
+    from rllight.evaluation import before_after
+
+    rows = [{"source": f"t.jsonl row {i}", "prompt": f"p{i}", "answer": "1"} for i in range(4)]
+    accs = []
+    for correct in ([0, 1, 0, 1], [1, 1, 1, 0]):
+        acc = EvalAccumulator("val/greedy")
+        acc.update(rows, 1, correct, texts=["1" if c else "2" for c in correct])
+        accs.append(acc)
+    before_pp, after_pp = (acc.per_prompt([1]) for acc in accs)
+    assert before_pp["val/greedy/avg@1"] == {"t.jsonl row 0": 0.0, "t.jsonl row 1": 1.0, "t.jsonl row 2": 0.0,
+                                              "t.jsonl row 3": 1.0}
+    before, after = (acc.compute([1]) for acc in accs)
+    assert sum(after_pp["val/greedy/avg@1"].values()) / 4 == pytest.approx(after["val/greedy/avg@1"])
+    summary, _ = before_after(before, after, before_pp, after_pp)
+    row = summary["greedy accuracy"]
+    # differences 1, 0, 1, -1: mean 0.25, sample variance 2.75 / 3, se = sqrt(2.75 / 3) / 2
+    assert row["paired"] and row["difference"] == pytest.approx(0.25)
+    assert row["difference_se"] == pytest.approx(math.sqrt(2.75 / 3) / 2)
+    independent = math.sqrt(before["val/greedy/avg@1_se"] ** 2 + after["val/greedy/avg@1_se"] ** 2)
+    assert abs(row["difference_se"] - independent) > 0.01
+    # different prompts (or none known): the independent formula
+    other = {"val/greedy/avg@1": {f"x{i}": 0.0 for i in range(4)}}
+    for b_pp, a_pp in ((other, after_pp), (None, None)):
+        row = before_after(before, after, b_pp, a_pp)[0]["greedy accuracy"]
+        assert not row["paired"] and row["difference_se"] == pytest.approx(independent)
+    # a record without a source cannot be paired
+    acc = EvalAccumulator()
+    acc.update([{"prompt": "p", "answer": "1"}] * 2, 1, [1, 0])
+    assert acc.per_prompt([1]) == {}
+
+
 def test_also_greedy_needs_sampling():
     with pytest.raises(RecipeError, match="also_greedy"):
         EvalSettings(also_greedy=True)

@@ -103,6 +103,8 @@ def test_evaluate_before_after_with_validation_during_fit(tmp_path, tiny_model_d
     assert set(table) >= {"greedy accuracy", "avg@1", "avg@2", "pass@2", "response_length"}
     assert table["greedy accuracy"]["after"] == summary["accuracy_after"]  # val/accuracy is the greedy one
     assert "greedy accuracy" in out and "pass@2" in out
+    assert "paired over the same prompts" in out  # both evaluations asked the same rows
+    assert all(table[label]["paired"] for label in ("greedy accuracy", "avg@2", "pass@2"))
     logged = (next(tmp_path.rglob("metrics.csv"))).read_text()
     assert logged.count("val/accuracy") >= 1
 
