@@ -65,7 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--group-size", type=int, default=8, help="Responses per prompt (model.sampler group_size).")
     p.add_argument("--max-new-tokens", type=int, default=24, help="Longest response in tokens.")
     p.add_argument("--temperature", type=float, default=0.7, help="Sampling temperature of the rollouts.")
-    p.add_argument("--lr", type=float, default=2e-5, help="Policy learning rate (the quickstart's).")
+    p.add_argument("--lr", type=float, default=2e-5,
+                   help="Policy learning rate, the same for every method (the README's comparison ran at 2e-5).")
     p.add_argument("--val-size", type=int, default=200, help="Held-out problems for greedy accuracy.")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/compare", help="Folder for the runs, compare.json and compare.md.")
