@@ -76,9 +76,33 @@ def test_bench_step_async_runs_both_ways_and_prints_async_over_sync(tmp_path, ti
 
 @pytest.mark.parametrize("args, option", [(["--steps", "1"], "--steps"), (["--set", "novalue"], "--set"),
                                           (["--async", "0"], "--async"),
+                                          (["--fixed-length", "--engine", "vllm"], "--fixed-length"),
                                           (["--model-dir", "/nonexistent"], "--model-dir"),
                                           (["--steps", "3", "--profile", "3"], "--profile")])
 def test_bench_step_refuses_bad_options_in_one_line_naming_the_option(args, option):
     run = bench(*args)
     assert run.returncode == 2
     assert option in run.stderr.strip().splitlines()[-1]
+
+
+def test_fixed_length_asks_both_sides_for_responses_of_the_longest_length(tmp_path, tiny_model_dir, monkeypatch):
+    """``--fixed-length``: rllight's HF engine gets ``min_new_tokens`` equal to its ``max_new_tokens`` (also when
+    ``--set`` changes it) and TRL's settings the same for its own length; without it, neither side gets one."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("bench_step", BENCH)
+    bench_step = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_step)
+    monkeypatch.chdir(tmp_path)
+    base = ["--model-dir", tiny_model_dir, "--out", str(tmp_path / "bench")]
+    for extra, rllight_min, trl_min in (
+        ([], None, 0),
+        (["--fixed-length"], bench_step.MAX_NEW_TOKENS, bench_step.MAX_NEW_TOKENS),
+        (["--fixed-length", "--set", "model.rollout.init_args.max_new_tokens=8"], 8, bench_step.MAX_NEW_TOKENS),
+    ):
+        args = bench_step.parse_args(base + extra)
+        assert bench_step.overlay(args)["model"]["rollout"]["init_args"].get("min_new_tokens") == rllight_min
+        with open(bench_step.trl_inputs(args)) as f:
+            settings = json.load(f)
+        assert settings["min_new_tokens"] == trl_min and settings["max_new_tokens"] == bench_step.MAX_NEW_TOKENS

@@ -147,6 +147,42 @@ def test_greedy_decoding_equals_model_generate_on_left_padded_prompts(tiny_model
     assert torch.equal(out.response_ids[out.response_mask.bool()], reference[:, :width][ref_mask[:, :width].bool()])
 
 
+def test_min_new_tokens_forbids_the_end_tokens_as_model_generate_does(tiny_model_dir):
+    """With an end token the rows pick early, ``min_new_tokens`` keeps them running: greedy decoding equals
+    ``model.generate(min_new_tokens=...)``, and at ``min_new_tokens == max_new_tokens`` every sampled
+    response has exactly that many tokens with no end token among them."""
+    import pytest
+
+    from rllight.errors import RecipeError
+    from rllight.rollout.hf import eos_token_ids
+
+    policy, tok = HFModel(tiny_model_dir).load()
+    policy.eval()
+    prompts = [[5, 9, 12, 7], [4, 6], [13, 2, 9, 10]]
+    ids, mask = pad_left(prompts, tok.pad_token_id)
+    with torch.no_grad():
+        free = policy.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                               eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
+    policy.generation_config.eos_token_id = [tok.eos_token_id, int(free[1, 0]), int(free[0, 1])]
+    eos = eos_token_ids(policy, tok)
+    assert HFEngine(max_new_tokens=8).generate(policy, tok, prompts, greedy=True).response_mask.sum(-1).min() <= 2
+    out = HFEngine(max_new_tokens=8, min_new_tokens=5).generate(policy, tok, prompts, greedy=True)
+    with torch.no_grad():
+        reference = policy.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=5,
+                                    do_sample=False, eos_token_id=eos, pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
+    ref_mask, _ = response_mask_from_ids(reference, eos)
+    assert out.response_mask.sum(-1).min() >= 5
+    width = out.response_ids.shape[1]
+    assert torch.equal(out.response_mask, ref_mask[:, :width])
+    assert torch.equal(out.response_ids[out.response_mask.bool()], reference[:, :width][ref_mask[:, :width].bool()])
+    torch.manual_seed(0)
+    sampled = HFEngine(max_new_tokens=8, min_new_tokens=8, temperature=1.0).generate(policy, tok, prompts * 4)
+    assert sampled.response_mask.shape == (12, 8) and bool(sampled.response_mask.all())
+    assert not torch.isin(sampled.response_ids, torch.tensor(eos)).any() and sampled.truncated.all()
+    with pytest.raises(RecipeError, match="min_new_tokens"):
+        HFEngine(max_new_tokens=8, min_new_tokens=9)
+
+
 def test_sampling_distribution_equals_the_transformers_warpers():
     """``sample_next`` draws from, and reports the log-prob of, the distribution ``model.generate`` samples
     from after temperature, top-k and top-p (in that order): every drawn token is one the warpers keep, and

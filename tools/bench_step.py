@@ -127,6 +127,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--async", type=int, metavar="K", dest="staleness",
                    help="Also run the rllight side with asynchronous rollouts (a worker process, max_staleness K, "
                         "the cores split) and print async_over_sync.")
+    p.add_argument("--fixed-length", action="store_true",
+                   help="Every response exactly max_new_tokens long on both sides (the end tokens cannot be drawn: "
+                        "the HF engine's min_new_tokens, TRL's generation_kwargs min_new_tokens), so that the two "
+                        "sides time the same work.")
     p.add_argument("--trl", action="store_true", help="Also run TRL's GRPOTrainer on the same config and data.")
     p.add_argument("--trl-python", default=os.path.join(ROOT, TRL_VENV, "bin", "python"),
                    help="Python of TRL's virtual environment.")
@@ -152,6 +156,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--set expects KEY=VALUE (e.g. model.micro_batch_size=8), got '{item}'")
     if args.staleness is not None and args.staleness < 1:
         p.error(f"--async must be >= 1 (policy versions a rollout may lag), got {args.staleness}")
+    if args.fixed_length and args.engine != "hf":
+        p.error("--fixed-length uses the HF engine's min_new_tokens; leave --engine at hf")
     if args.staleness is not None and args.engine != "hf":
         p.error("--async runs the Hugging Face engine in the worker; leave --engine at hf")
     args.trl_python = os.path.abspath(args.trl_python)
@@ -190,6 +196,10 @@ def overlay(args: argparse.Namespace, name: str = "rllight", staleness: int | No
     rollout_args = {"max_new_tokens": MAX_NEW_TOKENS, "temperature": TEMPERATURE}
     if args.dtype is not None:
         rollout_args["dtype"] = args.dtype
+    if args.fixed_length:  # as long as the longest response, also when --set changes that
+        longest = [v for k, _, v in (o.partition("=") for o in args.overrides)
+                   if k.strip() == "model.rollout.init_args.max_new_tokens"]
+        rollout_args["min_new_tokens"] = int(longest[-1]) if longest else MAX_NEW_TOKENS
     rollout = {"class_path": ENGINES[args.engine], "init_args": rollout_args}
     if staleness is not None:
         rollout = {"class_path": "rllight.rollout.worker.ProcessEngine",
@@ -323,6 +333,7 @@ def trl_inputs(args: argparse.Namespace) -> str:
         "prompts_per_step": PROMPTS_PER_STEP,
         "group_size": GROUP_SIZE,
         "max_new_tokens": MAX_NEW_TOKENS,
+        "min_new_tokens": MAX_NEW_TOKENS if args.fixed_length else 0,
         "temperature": TEMPERATURE,
         "lr": LR,
         "seed": 0,

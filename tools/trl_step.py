@@ -6,7 +6,8 @@ suffices for it), so that both sides score with the same code. tools/bench_step.
 and runs it. Its one
 argument is the settings file (JSON): the Hugging Face model folder, a JSONL of prompts in TRL's
 conversational format with their answers (in the order rllight's dataloader draws them), the number of steps,
-prompts per step, responses per prompt, response length, temperature, learning rate, seed and an output folder.
+prompts per step, responses per prompt, response length (with ``--fixed-length`` also its least length),
+temperature, learning rate, seed and an output folder.
 
 GRPOConfig, matched to rllight's GRPO recipe (recipes/grpo.yaml) under bench_step's overlay:
 - one step = ``prompts_per_step`` x ``group_size`` completions: ``per_device_train_batch_size`` = 16 completions,
@@ -107,6 +108,8 @@ def main(settings_path: str) -> None:
         gradient_accumulation_steps=1,
         num_iterations=1,
         max_completion_length=s["max_new_tokens"],
+        # bench_step --fixed-length: no end token before max_new_tokens, as rllight's HF engine's min_new_tokens
+        **({"generation_kwargs": {"min_new_tokens": s["min_new_tokens"]}} if s.get("min_new_tokens") else {}),
         temperature=s["temperature"],
         top_k=0,
         top_p=1.0,

@@ -62,6 +62,11 @@ class HFEngine(RolloutEngine):
             many times slower than float32 and the engine warns), refreshed after every update; None = the policy itself. The engine's sampling
             log-probs then differ from the trainer's (``train/rollout/logprob_diff_*``): the behaviour
             policy is the copy, which truncated importance sampling and VESPO correct for.
+        min_new_tokens: The end tokens cannot be drawn before this many response tokens (as ``generate``'s
+            ``min_new_tokens``; 0 = off). For benchmarks that need responses of equal length
+            (``max_new_tokens`` here gives exactly that many): the behaviour log-probs are then under the
+            distribution without the end tokens, which the trainer's log-probs do not know, so the two differ
+            (``train/rollout/logprob_diff_*``) and an off-policy correction would count it as staleness.
     """
 
     def __init__(
@@ -72,10 +77,15 @@ class HFEngine(RolloutEngine):
         top_k: int = 0,
         batch_size: int = 64,
         dtype: str | None = None,
+        min_new_tokens: int = 0,
     ):
         super().__init__(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
         if batch_size < 1:
             raise RecipeError(f"model.rollout.init_args.batch_size must be >= 1, got {batch_size}")
+        if not 0 <= min_new_tokens <= max_new_tokens:
+            raise RecipeError(f"model.rollout.init_args.min_new_tokens must be in 0..max_new_tokens "
+                              f"({max_new_tokens}), got {min_new_tokens}")
+        self.min_new_tokens = min_new_tokens
         if dtype is not None and dtype not in _DTYPES:
             raise RecipeError(f"model.rollout.init_args.dtype: '{dtype}' is not one of {', '.join(_DTYPES)} or null")
         self.batch_size = batch_size
@@ -184,6 +194,8 @@ class HFEngine(RolloutEngine):
         positions = position_ids(mask)[:, -1:]
         width = 0
         for step in range(self.max_new_tokens):
+            if step < self.min_new_tokens:
+                logits = logits.index_fill(-1, eos_ids, float("-inf"))
             token, logprob = sample_next(logits.float(), self.temperature, self.top_k, self.top_p, greedy)
             response_ids[rows, step], logprobs[rows, step] = token, logprob
             width = step + 1
