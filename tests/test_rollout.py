@@ -1,5 +1,6 @@
 """The HF engine, the Rollout batch, and the trainer's log-probs agree with the sampler's."""
 
+import pytest
 import torch
 
 from rllight.models import HFModel
@@ -151,8 +152,6 @@ def test_min_new_tokens_forbids_the_end_tokens_as_model_generate_does(tiny_model
     """With an end token the rows pick early, ``min_new_tokens`` keeps them running: greedy decoding equals
     ``model.generate(min_new_tokens=...)``, and at ``min_new_tokens == max_new_tokens`` every sampled
     response has exactly that many tokens with no end token among them."""
-    import pytest
-
     from rllight.errors import RecipeError
     from rllight.rollout.hf import eos_token_ids
 
