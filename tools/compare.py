@@ -24,7 +24,7 @@ the last pretraining rollout, and how many rollouts it took) and over the last h
 The runs' curves, overlaid, go to ``<out>/figures/`` (one PNG per metric group, see tools/plot.py).
 
 Full run (SmolLM2-135M-Instruct, arithmetic, CPU; the quickstart's budget of 40 steps x 4 prompts x 8
-responses per method; GRPO takes about as long as the quickstart, about 15 minutes on 2 free cores, DAPO and
+responses per method; GRPO takes about 15 minutes on 2 free cores, DAPO and
 VAPO longer: extra sampling rounds, value pretraining, K_v = 4 critic passes; plan on about an hour in all):
 
     .venv/bin/python tools/compare.py
