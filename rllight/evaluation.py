@@ -419,7 +419,7 @@ def before_after(
     for _, label, key in rows:
         b, a = float(before[key]), float(after[key])
         se_b, se_a = float(before.get(key + "_se", math.nan)), float(after.get(key + "_se", math.nan))
-        se_d = _paired_se((before_per_prompt or {}).get(key), (after_per_prompt or {}).get(key))
+        se_d = paired_se((before_per_prompt or {}).get(key), (after_per_prompt or {}).get(key))
         paired = se_d is not None
         if not paired:
             se_d = math.sqrt(se_b**2 + se_a**2)
@@ -436,7 +436,7 @@ def before_after(
     return summary, lines
 
 
-def _paired_se(before: dict[str, float] | None, after: dict[str, float] | None) -> float | None:
+def paired_se(before: dict[str, float] | None, after: dict[str, float] | None) -> float | None:
     """Standard error of the mean of ``after[s] - before[s]`` over the prompts ``s`` (Bessel-corrected); None
     unless both cover the same prompts, at least two."""
     if not before or not after or before.keys() != after.keys() or len(before) < 2:

@@ -106,3 +106,64 @@ def test_fixed_length_asks_both_sides_for_responses_of_the_longest_length(tmp_pa
         with open(bench_step.trl_inputs(args)) as f:
             settings = json.load(f)
         assert settings["min_new_tokens"] == trl_min and settings["max_new_tokens"] == bench_step.MAX_NEW_TOKENS
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_trl_gets_the_prompts_in_the_order_rllight_trains_on_them_over_epochs(tmp_path, tiny_model_dir, seed):
+    """``--train-prompts`` fewer than the steps need: TRL's prompt file (read in order, unshuffled) repeats them
+    in exactly the batches rllight's dataloader yields, epoch after epoch, for ``--seed``'s order; the held-out
+    problems are none of them."""
+    import importlib.util
+    import json
+
+    from rllight.data import ArithmeticTask, RLDataModule
+
+    spec = importlib.util.spec_from_file_location("bench_step", BENCH)
+    bench_step = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_step)
+    args = bench_step.parse_args(["--model-dir", tiny_model_dir, "--out", str(tmp_path / "bench"), "--steps", "7",
+                                  "--train-prompts", "10", "--heldout", "5", "--seed", str(seed)])
+    with open(bench_step.trl_inputs(args)) as f:
+        settings = json.load(f)
+    with open(settings["prompts"]) as f:
+        trl_prompts = [json.loads(line)["prompt"][0]["content"] for line in f]
+    data = RLDataModule(task=ArithmeticTask(num_train=10, num_val=5, seed=0), batch_size=4, seed=seed)
+    data.setup()
+    trained = [row["prompt"] for batch in data.upcoming_batches(0, 7) for row in batch]
+    assert trl_prompts == trained and len(trained) == 28
+    assert len(set(trained)) > 4  # more than one batch's problems, drawn again in later epochs
+    assert not set(trained) & {row["prompt"] for row in data.val_rows}
+    assert settings["seed"] == seed and settings["final_dir"] and settings["loss_type"] == "grpo"
+
+
+@pytest.mark.slow
+def test_heldout_evaluates_the_start_and_the_trained_model_and_summarize_averages_runs(tmp_path, tiny_model_dir):
+    """``--heldout``: the starting model and rllight's exported final model are evaluated greedily on the held-out
+    problems; learning.json holds the per-step reward, entropy and length rllight logged; ``--summarize`` prints
+    each run and the mean over runs."""
+    import json
+
+    out = tmp_path / "bench"
+    run = bench("--model-dir", tiny_model_dir, "--steps", "3", "--train-prompts", "4", "--heldout", "6",
+                "--seed", "2", "--set", "model.rollout.init_args.max_new_tokens=8", "--out", str(out))
+    assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
+    learned = json.loads((out / "learning.json").read_text())
+    steps = logged_steps(out / "rllight")
+    side = learned["sides"]["rllight"]
+    assert side["reward"] == [float(r["train/reward/mean"]) for r in steps]
+    assert side["entropy"] == [float(r["train/policy/entropy"]) for r in steps]
+    assert len(side["length"]) == 3 and (out / "rllight" / "final" / "config.json").is_file()
+    for name in ("eval-start", "eval-rllight"):
+        (rows,) = glob.glob(str(out / name / "**" / "val_step0_rows.jsonl"), recursive=True)
+        records = [json.loads(line) for line in open(rows)]
+        assert len(records) == 6 and all(len(r["correct"]) == 1 for r in records)
+        accuracy = sum(r["correct"][0] for r in records) / 6
+        assert (learned["start"] if name == "eval-start" else side["accuracy"]) == pytest.approx(accuracy)
+    assert re.search(r"^  rllight +2  [\d.]+ -> [\d.]+", run.stdout, re.MULTILINE), run.stdout[-2000:]
+    outs = [out, out]
+    summary = bench("--summarize", *map(str, outs))
+    assert summary.returncode == 0, summary.stderr[-3000:]
+    assert "mean over 2 runs" in summary.stdout
+    assert len(re.findall(r"^  rllight +2  ", summary.stdout, re.MULTILINE)) == 2
+    missing = bench("--summarize", str(tmp_path / "nothing"))
+    assert missing.returncode == 2 and "--summarize" in missing.stderr.strip().splitlines()[-1]

@@ -86,7 +86,8 @@ GROUP_SIZE = 4
 MAX_NEW_TOKENS = 64
 TEMPERATURE = 1.0
 LR = 1e-5
-DATA_SEED = 0
+LEARNING = "learning.json"
+EVAL_BATCH = 100
 
 PHASES = {"rollout": "train/time/rollout", "reward": "train/time/reward", "score": "train/time/score",
           "update": "train/time/train"}
@@ -94,6 +95,10 @@ STEP = "train/time/step"
 GENERATED_TOKENS_PER_S = "train/rollout/tokens_per_s"
 STEP_TOKENS_PER_S = "train/perf/tokens_per_s"
 TOKENS = "train/response/tokens"
+# Per-step learning signals (--heldout) and the names TRL logs them under: the mean reward of the step's
+# responses, the policy's mean per-token entropy on them (at the sampling temperature) and their mean length.
+CURVE = {"reward": "train/reward/mean", "entropy": "train/policy/entropy", "length": "train/response/length_mean"}
+TRL_CURVE = {"reward": "reward", "entropy": "entropy", "length": "completions/mean_length"}
 
 # Runs ``rllight fit`` in the child and reports the child's own peak memory, also when the run fails.
 RLLIGHT_CHILD = """\
@@ -131,6 +136,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Every response exactly max_new_tokens long on both sides (the end tokens cannot be drawn: "
                         "the HF engine's min_new_tokens, TRL's generation_kwargs min_new_tokens), so that the two "
                         "sides time the same work.")
+    p.add_argument("--seed", type=int, default=0,
+                   help="Seed of both sides: sampling, initial state and the order of the training prompts.")
+    p.add_argument("--train-prompts", type=int, metavar="N",
+                   help="Training problems (default 4 x --steps: each drawn once); fewer are drawn again in later "
+                        "epochs, each epoch in its own seeded order, the same on both sides.")
+    p.add_argument("--heldout", type=int, default=0, metavar="N",
+                   help="Also measure learning: N held-out problems (never trained on), each side's greedy accuracy "
+                        "on them before and after training, and its reward and entropy per step "
+                        "(<out>/learning.json; --summarize averages several seeds).")
+    p.add_argument("--trl-loss-type", default="grpo",
+                   help="TRL's GRPOConfig.loss_type (default grpo: per-response mean, as recipes/grpo.yaml; TRL's "
+                        "own default is dapo, token-level).")
+    p.add_argument("--summarize", nargs="+", metavar="OUT",
+                   help="Only print the learning table of earlier --heldout runs (their --out folders), one row "
+                        "per run and the mean over them, then exit.")
     p.add_argument("--trl", action="store_true", help="Also run TRL's GRPOTrainer on the same config and data.")
     p.add_argument("--trl-python", default=os.path.join(ROOT, TRL_VENV, "bin", "python"),
                    help="Python of TRL's virtual environment.")
@@ -138,6 +158,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Create TRL's virtual environment (the folder above --trl-python's bin/) and install TRL; "
                         "without --trl, only that.")
     args = p.parse_args(argv)
+    if args.summarize:
+        for folder in args.summarize:
+            if not os.path.isfile(os.path.join(folder, LEARNING)):
+                p.error(f"--summarize '{folder}': no {LEARNING} (run bench_step with --heldout and --out there)")
+        return args
     if args.steps < 2:
         p.error("--steps must be >= 2 (the first step is left out of the medians)")
     if args.profile is not None and not 0 <= args.profile < args.steps:
@@ -154,6 +179,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         key, sep, _ = item.partition("=")
         if not sep or not key.strip() or key.startswith("-"):
             p.error(f"--set expects KEY=VALUE (e.g. model.micro_batch_size=8), got '{item}'")
+    if args.train_prompts is None:
+        args.train_prompts = PROMPTS_PER_STEP * args.steps
+    if args.train_prompts < PROMPTS_PER_STEP:
+        p.error(f"--train-prompts must be >= {PROMPTS_PER_STEP} (one step's prompts), got {args.train_prompts}")
+    if args.heldout < 0:
+        p.error(f"--heldout must be >= 0 (held-out problems), got {args.heldout}")
     if args.staleness is not None and args.staleness < 1:
         p.error(f"--async must be >= 1 (policy versions a rollout may lag), got {args.staleness}")
     if args.fixed_length and args.engine != "hf":
@@ -205,7 +236,7 @@ def overlay(args: argparse.Namespace, name: str = "rllight", staleness: int | No
         rollout = {"class_path": "rllight.rollout.worker.ProcessEngine",
                    "init_args": {"engine": rollout, "max_staleness": staleness}}
     return {
-        "seed_everything": 0,
+        "seed_everything": args.seed,
         "evaluate_before_after": False,
         "trainer": {
             "max_steps": args.steps,
@@ -230,16 +261,20 @@ def overlay(args: argparse.Namespace, name: str = "rllight", staleness: int | No
             "ppo_epochs": 1,
             "minibatch_size": None,
             "micro_batch_size": PROMPTS_PER_STEP * GROUP_SIZE,
-            "export_dir": None,
+            # --heldout: the trained policy, for the evaluation of both sides' final models by the same code
+            "export_dir": os.path.join(args.out, name, "final") if args.heldout and staleness is None else None,
         },
-        "data": {
-            "batch_size": PROMPTS_PER_STEP,
-            "val_size": 0,
-            "seed": DATA_SEED,
-            "task": {"class_path": "rllight.data.ArithmeticTask",
-                     "init_args": {"num_train": PROMPTS_PER_STEP * args.steps, "num_val": 0, "seed": 0}},
-        },
+        "data": data_config(args, val_size=0),
     }
+
+
+def data_config(args: argparse.Namespace, val_size: int) -> dict:
+    """The data section: ``--train-prompts`` training problems in ``--seed``'s order and ``--heldout`` held-out
+    ones (drawn first from the same stream, so no training question is among them), of which ``val_size`` are
+    evaluated."""
+    return {"batch_size": PROMPTS_PER_STEP, "val_size": val_size, "val_batch_size": EVAL_BATCH, "seed": args.seed,
+            "task": {"class_path": "rllight.data.ArithmeticTask",
+                     "init_args": {"num_train": args.train_prompts, "num_val": args.heldout, "seed": 0}}}
 
 
 def run_child(cmd: list[str], log_path: str, what: str, env: dict[str, str] | None = None) -> str:
@@ -306,6 +341,7 @@ def run_rllight(args: argparse.Namespace, name: str = "rllight", staleness: int 
     result["peak_rss_kb"] = reported(output, "peak_rss_kb")
     result["peak_cuda_bytes"] = reported(output, "peak_cuda_bytes")
     result["settings"] = describe(os.path.join(new[-1], "config.yaml"))
+    result["curve"] = {name: [r.get(key) for r in steps] for name, key in CURVE.items()}
     return result
 
 
@@ -318,9 +354,13 @@ def trl_inputs(args: argparse.Namespace) -> str:
 
     folder = os.path.join(args.out, "trl")
     os.makedirs(folder, exist_ok=True)
-    train, _ = ArithmeticTask(num_train=PROMPTS_PER_STEP * args.steps, num_val=0, seed=0).splits()
-    # rllight's dataloader draws one seeded permutation per epoch; here one epoch holds every row.
-    order = list(ResumableSampler(len(train), len(train), DATA_SEED))
+    train, _ = ArithmeticTask(num_train=args.train_prompts, num_val=args.heldout, seed=0).splits()
+    # rllight's dataloader draws a seeded permutation of the whole batches of rows per epoch (as
+    # RLDataModule._sampler): the rows of --steps steps, over as many epochs as they take.
+    epoch_rows = len(train) // PROMPTS_PER_STEP * PROMPTS_PER_STEP
+    sampler = ResumableSampler(len(train), epoch_rows, args.seed)
+    needed = PROMPTS_PER_STEP * args.steps
+    order = [i for epoch in range(-(-needed // epoch_rows)) for i in sampler.order(epoch)][:needed]
     prompts = os.path.join(folder, "prompts.jsonl")
     with open(prompts, "w") as f:
         f.writelines(json.dumps({"prompt": [{"role": "user", "content": train[i]["prompt"]}],
@@ -336,7 +376,10 @@ def trl_inputs(args: argparse.Namespace) -> str:
         "min_new_tokens": MAX_NEW_TOKENS if args.fixed_length else 0,
         "temperature": TEMPERATURE,
         "lr": LR,
-        "seed": 0,
+        "seed": args.seed,
+        "loss_type": args.trl_loss_type,
+        # --heldout: where TRL saves its trained model, for the evaluation both sides share
+        "final_dir": os.path.join(folder, "final") if args.heldout else None,
     }
     path = os.path.join(folder, "settings.json")
     with open(path, "w") as f:
@@ -362,6 +405,106 @@ def run_trl(args: argparse.Namespace) -> dict:
     result["step_tokens_per_s"] = statistics.median(
         tokens / seconds for tokens, seconds in zip(result["completion_tokens"][1:], timed))
     return result
+
+
+def evaluate(args: argparse.Namespace, name: str, model_dir: str) -> dict[str, float]:
+    """Greedy correctness (0/1) of the model folder on each of the ``--heldout`` problems, by ``rllight
+    validate`` (the recipe with the HF engine at ``MAX_NEW_TOKENS``, one greedy response per problem), keyed by
+    the problem's source row. Every side's final model and the starting model go through this same code."""
+    config = {
+        "seed_everything": args.seed,
+        "trainer": {"limit_val_batches": 1.0, "enable_progress_bar": False, "enable_model_summary": False,
+                    "default_root_dir": os.path.join(args.out, name),
+                    "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
+                               "init_args": {"save_dir": args.out, "name": name}}},
+        "model": {"model": {"class_path": "rllight.models.HFModel", "init_args": {"path": model_dir}},
+                  "rollout": {"class_path": ENGINES["hf"],
+                              "init_args": {"max_new_tokens": MAX_NEW_TOKENS, "temperature": TEMPERATURE}},
+                  "evaluation": {"n": 1, "temperature": 0.0, "ks": [1]},
+                  "export_dir": None},
+        "data": data_config(args, val_size=args.heldout),
+    }
+    path = os.path.join(args.out, f"{name}.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(config, f, sort_keys=False)
+    before = set(glob.glob(os.path.join(args.out, name, "version_*")))
+    run_child([sys.executable, "-c", RLLIGHT_CHILD, "validate", "--config", args.recipe, "--config", path],
+              os.path.join(args.out, f"{name}.log"), name)
+    new = sorted(set(glob.glob(os.path.join(args.out, name, "version_*"))) - before,
+                 key=lambda p: int(p.rsplit("_", 1)[-1]))
+    rows = glob.glob(os.path.join(new[-1], "**", "val_step0_rows.jsonl"), recursive=True) if new else []
+    if not rows:
+        raise SystemExit(f"bench_step: {name} wrote no val_step0_rows.jsonl under {os.path.join(args.out, name)}")
+    with open(rows[0]) as f:
+        records = [json.loads(line) for line in f]
+    if len(records) != args.heldout:
+        raise SystemExit(f"bench_step: {name} evaluated {len(records)} of the {args.heldout} held-out problems; "
+                         f"see {rows[0]}")
+    return {r["source"]: float(r["correct"][0]) for r in records}
+
+
+def learning(args: argparse.Namespace, rllight: dict, trl: dict | None) -> dict:
+    """Held-out greedy accuracy of the starting model and of each side's final model (the gain's standard error
+    paired over the problems), and each side's per-step reward, entropy and length; written to
+    ``<out>/learning.json``."""
+    from rllight.evaluation import paired_se
+    from rllight.models import SmolLM2Package
+
+    base = evaluate(args, "eval-start", args.model_dir or SmolLM2Package().resolve())
+    out = {"seed": args.seed, "steps": args.steps, "train_prompts": args.train_prompts, "heldout": args.heldout,
+           "recipe": os.path.relpath(args.recipe, ROOT), "overrides": args.overrides,
+           "trl_loss_type": args.trl_loss_type if trl is not None else None,
+           "start": statistics.fmean(base.values()), "sides": {}}
+    sides = [("rllight", os.path.join(args.out, "rllight", "final"), rllight["curve"])]
+    if trl is not None:
+        sides.append(("trl", os.path.join(args.out, "trl", "final"),
+                      {name: trl["logs"][key] for name, key in TRL_CURVE.items()}))
+    for name, folder, curve in sides:
+        after = evaluate(args, f"eval-{name}", folder)
+        out["sides"][name] = {"accuracy": statistics.fmean(after.values()),
+                              "gain_se": paired_se(base, after), **curve}
+    with open(os.path.join(args.out, LEARNING), "w") as f:
+        json.dump(out, f, indent=2)
+    return out
+
+
+def thirds(values: list[float | None]) -> tuple[float, float]:
+    """Mean of the first and of the last third of the steps (missing values left out)."""
+    k = max(1, len(values) // 3)
+    first, last = [v for v in values[:k] if v is not None], [v for v in values[-k:] if v is not None]
+    return (statistics.fmean(first) if first else float("nan"), statistics.fmean(last) if last else float("nan"))
+
+
+def print_learning(runs: list[dict]) -> None:
+    """One row per run and side: held-out greedy accuracy before -> after (± paired standard error of the gain),
+    and the first -> last third of the steps' reward, entropy and response length; with several runs, the mean
+    over them (± standard error over the runs) for each side."""
+    first = runs[0]
+    print(f"\nlearning: {first['steps']} steps on {first['train_prompts']} training problems, greedy accuracy on "
+          f"{first['heldout']} held-out ones; reward, entropy and length: first -> last third of the steps")
+    print(f"  {'side':<8}{'seed':>5}  {'held-out accuracy':<26}{'reward':<15}{'entropy':<15}{'length':<13}")
+    by_side: dict[str, list[dict]] = {}
+    for run in runs:
+        for side, r in run["sides"].items():
+            row = {"start": run["start"], "accuracy": r["accuracy"]}
+            for key in CURVE:
+                row[key] = thirds(r[key])
+            by_side.setdefault(side, []).append(row)
+            se = f" ± {r['gain_se']:.3f}" if r.get("gain_se") is not None else ""
+            label = side if side == "rllight" else f"trl/{run['trl_loss_type']}"
+            print(f"  {label:<8}{run['seed']:>5}  {run['start']:.3f} -> {r['accuracy']:.3f}{se:<10}"
+                  + "".join(f"{row[key][0]:.2f} -> {row[key][1]:<7.2f}" for key in ("reward", "entropy"))
+                  + f"{row['length'][0]:.0f} -> {row['length'][1]:.0f}")
+    if len(runs) < 2:
+        return
+    print(f"  mean over {len(runs)} runs (± standard error over the runs):")
+    for side, rows in by_side.items():
+        def mean(values: list[float]) -> str:
+            se = statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else float("nan")
+            return f"{statistics.fmean(values):.3f} ± {se:.3f}"
+        gains = [r["accuracy"] - r["start"] for r in rows]
+        print(f"  {side:<8} held-out gain {mean(gains)}; last-third reward {mean([r['reward'][1] for r in rows])}; "
+              f"last-third entropy {mean([r['entropy'][1] for r in rows])}")
 
 
 def gib(kb: float | None) -> str:
@@ -437,6 +580,13 @@ def print_async(args: argparse.Namespace, sync: dict, asynchronous: dict) -> Non
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.summarize:
+        runs = []
+        for folder in args.summarize:
+            with open(os.path.join(folder, LEARNING)) as f:
+                runs.append(json.load(f))
+        print_learning(runs)
+        return 0
     if args.setup_trl:
         setup_trl(args.trl_python)
         if not args.trl:
@@ -445,11 +595,14 @@ def main(argv: list[str] | None = None) -> int:
     rllight = run_rllight(args)
     asynchronous = run_async(args) if args.staleness is not None else None
     trl = run_trl(args) if args.trl else None
+    learned = learning(args, rllight, trl) if args.heldout else None
     print_rllight(rllight)
     if asynchronous is not None:
         print_async(args, rllight, asynchronous)
     if trl is not None:
         print_comparison(args, rllight, trl)
+    if learned is not None:
+        print_learning([learned])
     print(f"rllight_step_s={rllight['step']:.4g}")
     if asynchronous is not None:
         print(f"async_over_sync={rllight['step'] / asynchronous['step']:.2f}")

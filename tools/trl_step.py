@@ -7,7 +7,8 @@ and runs it. Its one
 argument is the settings file (JSON): the Hugging Face model folder, a JSONL of prompts in TRL's
 conversational format with their answers (in the order rllight's dataloader draws them), the number of steps,
 prompts per step, responses per prompt, response length (with ``--fixed-length`` also its least length),
-temperature, learning rate, seed and an output folder.
+temperature, learning rate, seed, TRL's loss type and an output folder (and, for bench_step's held-out
+evaluation, ``final_dir``: the trained model and tokenizer are saved there).
 
 GRPOConfig, matched to rllight's GRPO recipe (recipes/grpo.yaml) under bench_step's overlay:
 - one step = ``prompts_per_step`` x ``group_size`` completions: ``per_device_train_batch_size`` = 16 completions,
@@ -34,9 +35,10 @@ completions in ``_prepare_inputs``, called by ``training_step``, so a step cover
 advantages, the forward/backward pass, gradient clipping and the optimizer update; it leaves out the
 dataloader's fetch of the raw prompts and the logging after the step. The last line printed is
 
-    trl_result={"step_s": [...], "completion_tokens": [...], "peak_rss_kb": ..., "trl": ..., ...}
+    trl_result={"step_s": [...], "completion_tokens": [...], "logs": {...}, "peak_rss_kb": ..., "trl": ..., ...}
 
-(JSON: seconds and generated tokens of each step, the process's peak RSS in KiB and the versions).
+(JSON: seconds and generated tokens of each step, the per-step reward, entropy and completion length TRL
+logged, the process's peak RSS in KiB and the versions).
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from rllight.rewards import IntegerMatch  # this checkout's, found through the path above
 
 _REWARD = IntegerMatch()
+LOGGED = ("reward", "entropy", "completions/mean_length")
+"""TRL's per-step metrics returned in ``logs``: mean reward, mean per-token entropy and mean completion length."""
 
 
 def integer_match(completions, answer, **kwargs) -> list[float]:
@@ -76,6 +80,7 @@ class StepTimer(TrainerCallback):
         self.completions_per_step = completions_per_step
         self.step_s: list[float] = []
         self.completion_tokens: list[float] = []
+        self.logs: dict[str, list[float]] = {key: [] for key in LOGGED}
         self._start = 0.0
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -88,6 +93,8 @@ class StepTimer(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "completions/mean_length" in logs:
             self.completion_tokens.append(logs["completions/mean_length"] * self.completions_per_step)
+            for key, values in self.logs.items():
+                values.append(logs.get(key))
 
 
 def main(settings_path: str) -> None:
@@ -121,7 +128,7 @@ def main(settings_path: str) -> None:
         beta=0.0,
         epsilon=0.2,
         scale_rewards="group",
-        loss_type="grpo",
+        loss_type=s.get("loss_type", "grpo"),
         bf16=False,
         fp16=False,
         use_cpu=True,
@@ -140,7 +147,10 @@ def main(settings_path: str) -> None:
     trainer = trl.GRPOTrainer(model=model, reward_funcs=integer_match, args=config,
                               train_dataset=Dataset.from_list(rows), processing_class=tokenizer, callbacks=[timer])
     trainer.train()
-    result = {"step_s": timer.step_s, "completion_tokens": timer.completion_tokens,
+    if s.get("final_dir"):  # the trained model, for bench_step's held-out evaluation
+        trainer.save_model(s["final_dir"])
+        tokenizer.save_pretrained(s["final_dir"])
+    result = {"step_s": timer.step_s, "completion_tokens": timer.completion_tokens, "logs": timer.logs,
               "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "trl": trl.__version__,
               "transformers": transformers.__version__, "torch": torch.__version__,
               "torch_threads": torch.get_num_threads()}
