@@ -155,7 +155,8 @@ def test_heldout_evaluates_the_start_and_the_trained_model_and_summarize_average
     assert len(side["length"]) == 3 and (out / "rllight" / "final" / "config.json").is_file()
     for name in ("eval-start", "eval-rllight"):
         (rows,) = glob.glob(str(out / name / "**" / "val_step0_rows.jsonl"), recursive=True)
-        records = [json.loads(line) for line in open(rows)]
+        with open(rows) as f:
+            records = [json.loads(line) for line in f]
         assert len(records) == 6 and all(len(r["correct"]) == 1 for r in records)
         accuracy = sum(r["correct"][0] for r in records) / 6
         assert (learned["start"] if name == "eval-start" else side["accuracy"]) == pytest.approx(accuracy)
