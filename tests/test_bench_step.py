@@ -160,11 +160,12 @@ def test_heldout_evaluates_the_start_and_the_trained_model_and_summarize_average
         assert len(records) == 6 and all(len(r["correct"]) == 1 for r in records)
         accuracy = sum(r["correct"][0] for r in records) / 6
         assert (learned["start"] if name == "eval-start" else side["accuracy"]) == pytest.approx(accuracy)
-    assert re.search(r"^  rllight +2  [\d.]+ -> [\d.]+", run.stdout, re.MULTILINE), run.stdout[-2000:]
+    # The row names the recipe's loss aggregation (recipes/grpo.yaml's), read from the config the run saved.
+    assert re.search(r"^  rllight/SeqMeanTokenMean +2  [\d.]+ -> [\d.]+", run.stdout, re.MULTILINE), run.stdout[-2000:]
     outs = [out, out]
     summary = bench("--summarize", *map(str, outs))
     assert summary.returncode == 0, summary.stderr[-3000:]
-    assert "mean over 2 runs" in summary.stdout
-    assert len(re.findall(r"^  rllight +2  ", summary.stdout, re.MULTILINE)) == 2
+    assert re.search(r"^  rllight/SeqMeanTokenMean +2 runs: held-out gain", summary.stdout, re.MULTILINE)
+    assert len(re.findall(r"^  rllight/SeqMeanTokenMean +2  ", summary.stdout, re.MULTILINE)) == 2
     missing = bench("--summarize", str(tmp_path / "nothing"))
     assert missing.returncode == 2 and "--summarize" in missing.stderr.strip().splitlines()[-1]

@@ -475,36 +475,48 @@ def thirds(values: list[float | None]) -> tuple[float, float]:
     return (statistics.fmean(first) if first else float("nan"), statistics.fmean(last) if last else float("nan"))
 
 
-def print_learning(runs: list[dict]) -> None:
-    """One row per run and side: held-out greedy accuracy before -> after (± paired standard error of the gain),
-    and the first -> last third of the steps' reward, entropy and response length; with several runs, the mean
-    over them (± standard error over the runs) for each side."""
+def rllight_loss(out: str) -> str:
+    """``rllight/<aggregation>`` of the rllight run in ``out`` (from the config it saved), e.g.
+    ``rllight/SeqMeanTokenMean``: the loss aggregation is what the learning comparison varies."""
+    configs = sorted(glob.glob(os.path.join(out, "rllight", "version_*", "config.yaml")),
+                     key=lambda p: int(p.split("version_")[-1].split(os.sep)[0]))
+    if not configs:
+        return "rllight"
+    with open(configs[-1]) as f:
+        aggregation = (yaml.safe_load(f)["model"].get("aggregation") or {}).get("class_path", "")
+    return f"rllight/{aggregation.rsplit('.', 1)[-1]}" if aggregation else "rllight"
+
+
+def print_learning(runs: list[dict], folders: list[str]) -> None:
+    """One row per run (its ``--out`` folder) and side: held-out greedy accuracy before -> after (± paired
+    standard error of the gain), and the first -> last third of the steps' reward, entropy and response length;
+    with several runs, the mean over the runs of each side and loss (± standard error over the runs)."""
     first = runs[0]
     print(f"\nlearning: {first['steps']} steps on {first['train_prompts']} training problems, greedy accuracy on "
           f"{first['heldout']} held-out ones; reward, entropy and length: first -> last third of the steps")
-    print(f"  {'side':<8}{'seed':>5}  {'held-out accuracy':<26}{'reward':<15}{'entropy':<15}{'length':<13}")
+    print(f"  {'side/loss':<26}{'seed':>5}  {'held-out accuracy':<26}{'reward':<15}{'entropy':<15}{'length':<13}")
     by_side: dict[str, list[dict]] = {}
-    for run in runs:
+    for run, folder in zip(runs, folders):
         for side, r in run["sides"].items():
             row = {"start": run["start"], "accuracy": r["accuracy"]}
             for key in CURVE:
                 row[key] = thirds(r[key])
-            by_side.setdefault(side, []).append(row)
+            label = rllight_loss(folder) if side == "rllight" else f"trl/{run['trl_loss_type']}"
+            by_side.setdefault(label, []).append(row)
             se = f" ± {r['gain_se']:.3f}" if r.get("gain_se") is not None else ""
-            label = side if side == "rllight" else f"trl/{run['trl_loss_type']}"
-            print(f"  {label:<8}{run['seed']:>5}  {run['start']:.3f} -> {r['accuracy']:.3f}{se:<10}"
+            print(f"  {label:<26}{run['seed']:>5}  {run['start']:.3f} -> {r['accuracy']:.3f}{se:<10}"
                   + "".join(f"{row[key][0]:.2f} -> {row[key][1]:<7.2f}" for key in ("reward", "entropy"))
                   + f"{row['length'][0]:.0f} -> {row['length'][1]:.0f}")
     if len(runs) < 2:
         return
-    print(f"  mean over {len(runs)} runs (± standard error over the runs):")
+    print("  mean over the runs of each (± standard error over the runs):")
     for side, rows in by_side.items():
         def mean(values: list[float]) -> str:
             se = statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else float("nan")
             return f"{statistics.fmean(values):.3f} ± {se:.3f}"
         gains = [r["accuracy"] - r["start"] for r in rows]
-        print(f"  {side:<8} held-out gain {mean(gains)}; last-third reward {mean([r['reward'][1] for r in rows])}; "
-              f"last-third entropy {mean([r['entropy'][1] for r in rows])}")
+        print(f"  {side:<26}{len(rows)} runs: held-out gain {mean(gains)}; last-third reward "
+              f"{mean([r['reward'][1] for r in rows])}; last-third entropy {mean([r['entropy'][1] for r in rows])}")
 
 
 def gib(kb: float | None) -> str:
@@ -585,7 +597,7 @@ def main(argv: list[str] | None = None) -> int:
         for folder in args.summarize:
             with open(os.path.join(folder, LEARNING)) as f:
                 runs.append(json.load(f))
-        print_learning(runs)
+        print_learning(runs, args.summarize)
         return 0
     if args.setup_trl:
         setup_trl(args.trl_python)
@@ -602,7 +614,7 @@ def main(argv: list[str] | None = None) -> int:
     if trl is not None:
         print_comparison(args, rllight, trl)
     if learned is not None:
-        print_learning([learned])
+        print_learning([learned], [args.out])
     print(f"rllight_step_s={rllight['step']:.4g}")
     if asynchronous is not None:
         print(f"async_over_sync={rllight['step'] / asynchronous['step']:.2f}")
