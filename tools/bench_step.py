@@ -45,6 +45,20 @@ generated), its scoring and its update. It prints both and ends with
 (training steps per second, asynchronous over synchronous). The two runs train on different samples (the
 asynchronous one on responses up to K versions old), so their tokens per step differ and are printed too.
 
+Learning per step (``--heldout N``): besides the timing, each side's per-step mean reward, policy entropy and
+response length, and the greedy accuracy on N held-out problems (drawn first from the task's stream, so no
+training question is among them) of the starting model and of each side's final model (rllight's exported
+with ``model.export_dir``, TRL's saved by trl_step.py), all evaluated by the same code: ``rllight validate`` on
+the model folder, one greedy response of at most 64 tokens per problem. The gain's standard error is paired
+over the problems. ``--train-prompts`` fewer than 4 x ``--steps`` makes later epochs repeat them, each epoch in
+its own ``--seed``-ed order, the same on both sides; ``--seed`` also seeds both sides' sampling. The numbers go
+to ``<out>/learning.json``; ``--summarize OUT...`` prints several runs (e.g. seeds) and the mean of each side
+and loss over them. The comparison in the README:
+
+    for seed in 0 1 2; do .venv/bin/python tools/bench_step.py --trl --trl-loss-type dapo --steps 36 \
+        --train-prompts 64 --heldout 200 --seed $seed --set model.micro_batch_tokens=400 --out runs/learn/s$seed; done
+    .venv/bin/python tools/bench_step.py --summarize runs/learn/s0 runs/learn/s1 runs/learn/s2
+
 The last line is ``rllight_step_s=<rllight median s/step>`` or, with ``--trl``,
 
     rllight_over_trl=<TRL median s/step / rllight median s/step>
