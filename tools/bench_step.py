@@ -307,6 +307,21 @@ def run_child(cmd: list[str], log_path: str, what: str, env: dict[str, str] | No
     return output
 
 
+def versions(folder: str) -> list[str]:
+    """The CSVLogger's ``version_N`` folders in ``folder``, oldest first."""
+    return sorted(glob.glob(os.path.join(folder, "version_*")), key=lambda p: int(p.rsplit("_", 1)[-1]))
+
+
+def run_logged(args: argparse.Namespace, name: str, cmd: list[str],
+               env: dict[str, str] | None = None) -> tuple[str, str | None]:
+    """Run an ``rllight`` child whose CSVLogger writes into ``<out>/<name>`` (output in ``<out>/<name>.log``);
+    return its output and the log folder it created (None when it created none)."""
+    before = set(versions(os.path.join(args.out, name)))
+    output = run_child(cmd, os.path.join(args.out, f"{name}.log"), name, env)
+    new = [v for v in versions(os.path.join(args.out, name)) if v not in before]
+    return output, new[-1] if new else None
+
+
 def reported(output: str, key: str) -> float | None:
     """The value of the child's last ``bench_step: key=value`` line (None when absent)."""
     values = [line.split("=", 1)[1] for line in output.splitlines() if line.startswith(f"bench_step: {key}=")]
@@ -333,19 +348,16 @@ def run_rllight(args: argparse.Namespace, name: str = "rllight", staleness: int 
         if staleness is not None and key.startswith(ENGINE_ARGS):  # the engine's settings: the worker's engine's
             key = ENGINE_ARGS + "engine.init_args." + key[len(ENGINE_ARGS):]
         cmd += [f"--{key}", value]
-    before = set(glob.glob(os.path.join(args.out, name, "version_*")))
-    output = run_child(cmd, os.path.join(args.out, f"{name}.log"), name, env)
-    new = sorted(set(glob.glob(os.path.join(args.out, name, "version_*"))) - before,
-                 key=lambda p: int(p.rsplit("_", 1)[-1]))
-    if not new:
+    output, logs = run_logged(args, name, cmd, env)
+    if logs is None:
         raise SystemExit(f"bench_step: {name} wrote no metrics.csv under {os.path.join(args.out, name)}")
-    steps = step_rows(os.path.join(new[-1], "metrics.csv"))
+    steps = step_rows(os.path.join(logs, "metrics.csv"))
     if len(steps) < 2:
         raise SystemExit(f"bench_step: rllight logged {len(steps)} step(s); the medians need at least 2 (--steps)")
     timed = steps[1:]
     for key in (STEP, *PHASES.values(), GENERATED_TOKENS_PER_S, STEP_TOKENS_PER_S, TOKENS):
         if any(key not in r for r in timed):
-            raise SystemExit(f"bench_step: {os.path.join(new[-1], 'metrics.csv')} lacks '{key}' on some steps")
+            raise SystemExit(f"bench_step: {os.path.join(logs, 'metrics.csv')} lacks '{key}' on some steps")
     result = {"steps": len(timed), "step": statistics.median(r[STEP] for r in timed)}
     result.update({name: statistics.median(r[key] for r in timed) for name, key in PHASES.items()})
     result["other"] = statistics.median(r[STEP] - sum(r[k] for k in PHASES.values()) for r in timed)
@@ -354,7 +366,7 @@ def run_rllight(args: argparse.Namespace, name: str = "rllight", staleness: int 
     result["tokens_per_step"] = statistics.median(r[TOKENS] for r in timed)
     result["peak_rss_kb"] = reported(output, "peak_rss_kb")
     result["peak_cuda_bytes"] = reported(output, "peak_cuda_bytes")
-    result["settings"] = describe(os.path.join(new[-1], "config.yaml"))
+    result["settings"] = describe(os.path.join(logs, "config.yaml"))
     result["curve"] = {name: [r.get(key) for r in steps] for name, key in CURVE.items()}
     return result
 
@@ -362,23 +374,19 @@ def run_rllight(args: argparse.Namespace, name: str = "rllight", staleness: int 
 def trl_inputs(args: argparse.Namespace) -> str:
     """Write what tools/trl_step.py reads into ``<out>/trl/`` and return the settings file: the model folder, the
     prompts in rllight's order (conversational format) and the config."""
-    from rllight.data import ArithmeticTask
-    from rllight.data.module import ResumableSampler
+    from rllight.data import ArithmeticTask, RLDataModule
     from rllight.models import SmolLM2Package
 
     folder = os.path.join(args.out, "trl")
     os.makedirs(folder, exist_ok=True)
-    train, _ = ArithmeticTask(num_train=args.train_prompts, num_val=args.heldout, seed=0).splits()
-    # rllight's dataloader draws a seeded permutation of the whole batches of rows per epoch (as
-    # RLDataModule._sampler): the rows of --steps steps, over as many epochs as they take.
-    epoch_rows = len(train) // PROMPTS_PER_STEP * PROMPTS_PER_STEP
-    sampler = ResumableSampler(len(train), epoch_rows, args.seed)
-    needed = PROMPTS_PER_STEP * args.steps
-    order = [i for epoch in range(-(-needed // epoch_rows)) for i in sampler.order(epoch)][:needed]
+    # The batches rllight's dataloader yields for --steps steps (its data section, epoch after epoch).
+    data = RLDataModule(task=ArithmeticTask(num_train=args.train_prompts, num_val=args.heldout, seed=0),
+                        batch_size=PROMPTS_PER_STEP, seed=args.seed)
+    data.setup()
     prompts = os.path.join(folder, "prompts.jsonl")
     with open(prompts, "w") as f:
-        f.writelines(json.dumps({"prompt": [{"role": "user", "content": train[i]["prompt"]}],
-                                 "answer": train[i]["answer"]}) + "\n" for i in order)
+        f.writelines(json.dumps({"prompt": row["messages"], "answer": row["answer"]}) + "\n"
+                     for batch in data.upcoming_batches(0, args.steps) for row in batch)
     settings = {
         "model_dir": args.model_dir or SmolLM2Package().resolve(),
         "prompts": prompts,
@@ -441,12 +449,9 @@ def evaluate(args: argparse.Namespace, name: str, model_dir: str) -> dict[str, f
     path = os.path.join(args.out, f"{name}.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(config, f, sort_keys=False)
-    before = set(glob.glob(os.path.join(args.out, name, "version_*")))
-    run_child([sys.executable, "-c", RLLIGHT_CHILD, "validate", "--config", args.recipe, "--config", path],
-              os.path.join(args.out, f"{name}.log"), name)
-    new = sorted(set(glob.glob(os.path.join(args.out, name, "version_*"))) - before,
-                 key=lambda p: int(p.rsplit("_", 1)[-1]))
-    rows = glob.glob(os.path.join(new[-1], "**", "val_step0_rows.jsonl"), recursive=True) if new else []
+    _, logs = run_logged(args, name, [sys.executable, "-c", RLLIGHT_CHILD, "validate", "--config", args.recipe,
+                                      "--config", path])
+    rows = glob.glob(os.path.join(logs, "**", "val_step0_rows.jsonl"), recursive=True) if logs else []
     if not rows:
         raise SystemExit(f"bench_step: {name} wrote no val_step0_rows.jsonl under {os.path.join(args.out, name)}")
     with open(rows[0]) as f:
@@ -492,8 +497,8 @@ def thirds(values: list[float | None]) -> tuple[float, float]:
 def rllight_loss(out: str) -> str:
     """``rllight/<aggregation>`` of the rllight run in ``out`` (from the config it saved), e.g.
     ``rllight/SeqMeanTokenMean``: the loss aggregation is what the learning comparison varies."""
-    configs = sorted(glob.glob(os.path.join(out, "rllight", "version_*", "config.yaml")),
-                     key=lambda p: int(p.split("version_")[-1].split(os.sep)[0]))
+    configs = [c for c in (os.path.join(v, "config.yaml") for v in versions(os.path.join(out, "rllight")))
+               if os.path.isfile(c)]
     if not configs:
         return "rllight"
     with open(configs[-1]) as f:
