@@ -18,7 +18,7 @@ import math
 import re
 
 from rllight.errors import RecipeError
-from rllight.rewards import Reward
+from rllight.rewards.base import Reward
 
 
 class FormatReward(Reward):

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from rllight.errors import RecipeError
-from rllight.rewards import Reward, check_answers, score_batch
+from rllight.rewards.base import Reward, check_answers, score_batch
 
 
 class PerSource(Reward):

@@ -39,7 +39,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Self
 
 from rllight.errors import RecipeError
-from rllight.rewards import Reward, _finite_in_float32, _quote
+from rllight.rewards.base import Reward, _finite_in_float32, _quote
 from rllight.rewards.combine import Weighted
 
 log = logging.getLogger(__name__)
