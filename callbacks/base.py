@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import lightning as L
 
 from rllight.types import Rollout
-
-if TYPE_CHECKING:
-    from rllight.module import RLModule
 
 
 class RolloutCallback(L.Callback):
@@ -25,7 +20,7 @@ class RolloutCallback(L.Callback):
 
     rollout_order: int = 100
 
-    def on_rollout(self, trainer: L.Trainer, module: RLModule, rollout: Rollout) -> Rollout | None:
+    def on_rollout(self, trainer: L.Trainer, module: L.LightningModule, rollout: Rollout) -> Rollout | None:
         """Return the rollout to train on (the same object, changed, or a new one), or None when the
         callback has used it itself and this step makes no policy update (e.g. value pretraining).
 
@@ -33,3 +28,9 @@ class RolloutCallback(L.Callback):
         ``rollout.select(index)``, and tokens kept out of the loss by zeroing ``response_mask``.
         """
         return rollout
+
+
+def in_rollout_order(callbacks: list) -> list[RolloutCallback]:
+    """The rollout callbacks among ``callbacks`` (those with ``on_rollout``) in ``rollout_order``; equal orders
+    keep the recipe's order."""
+    return sorted((cb for cb in callbacks if hasattr(cb, "on_rollout")), key=lambda cb: getattr(cb, "rollout_order", 100))

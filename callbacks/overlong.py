@@ -11,17 +11,12 @@ lengths from that mask.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import lightning as L
 
 from rllight.algorithms.shaping import soft_overlong_punishment
 from rllight.callbacks.base import RolloutCallback
 from rllight.errors import RecipeError
 from rllight.types import Rollout
-
-if TYPE_CHECKING:
-    from rllight.module import RLModule
 
 
 class OverlongFilter(RolloutCallback):
@@ -36,7 +31,7 @@ class OverlongFilter(RolloutCallback):
 
     rollout_order = 20
 
-    def on_rollout(self, trainer: L.Trainer | None, module: RLModule, rollout: Rollout) -> Rollout:
+    def on_rollout(self, trainer: L.Trainer | None, module: L.LightningModule, rollout: Rollout) -> Rollout:
         truncated = rollout.truncated.bool().to(rollout.response_mask.device)
         masked_tokens = (rollout.response_mask * truncated.unsqueeze(-1)).sum()
         rollout.response_mask = rollout.response_mask * (~truncated).unsqueeze(-1).to(rollout.response_mask.dtype)
@@ -73,7 +68,7 @@ class SoftOverlongPunishment(RolloutCallback):
         self.max_len = max_len
         self.coef = coef
 
-    def on_rollout(self, trainer: L.Trainer | None, module: RLModule, rollout: Rollout) -> Rollout:
+    def on_rollout(self, trainer: L.Trainer | None, module: L.LightningModule, rollout: Rollout) -> Rollout:
         max_len = self.max_len if self.max_len is not None else module.rollout.max_new_tokens
         if max_len < self.cache_len:
             raise RecipeError(f"trainer.callbacks: SoftOverlongPunishment.cache_len ({self.cache_len}) exceeds "

@@ -3,7 +3,7 @@ arXiv:1806.05635), as a rollout callback."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import lightning as L
 import torch
@@ -12,9 +12,6 @@ from rllight.callbacks.base import RolloutCallback
 from rllight.errors import RecipeError
 from rllight.rollout.base import pad_left
 from rllight.types import Rollout
-
-if TYPE_CHECKING:
-    from rllight.module import RLModule
 
 POLICIES = ("fifo", "highest_reward", "reservoir")
 
@@ -54,7 +51,7 @@ def build_rollout(entries: list[dict], pad_id: int, device: torch.device | str =
 class SelfImitation(RolloutCallback):
     """Keep successful responses in a replay buffer and, every ``every_n_steps`` RL steps, take one
     supervised update on a sample of them: ``coef * -log pi(y* | x)``, aggregated like the policy loss
-    (``module.nll_update``; VAPO note 000 step 5, eq. 11).
+    (``module.updater.nll_update``; VAPO note 000 step 5, eq. 11).
 
     A response is a success when ``rollout.correct`` is set (or, with ``min_reward``, when its reward is at
     least ``min_reward``). Each entry stores on CPU what rebuilds a Rollout: the prompt's and the
@@ -156,7 +153,7 @@ class SelfImitation(RolloutCallback):
         return [self.entries[i] for i in order.tolist()]
 
     # -------------------------------------------------------------------------------- hooks
-    def on_rollout(self, trainer: L.Trainer | None, module: RLModule, rollout: Rollout) -> Rollout:
+    def on_rollout(self, trainer: L.Trainer | None, module: L.LightningModule, rollout: Rollout) -> Rollout:
         self.steps_seen += 1
         self._pending = True
         if self.min_reward is not None:
@@ -184,7 +181,7 @@ class SelfImitation(RolloutCallback):
         rollout.extras["sil/added"] = float(added)
         return rollout
 
-    def on_train_batch_end(self, trainer: L.Trainer | None, pl_module: RLModule, outputs: Any, batch: Any,
+    def on_train_batch_end(self, trainer: L.Trainer | None, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if not self._pending:
             return
@@ -193,13 +190,13 @@ class SelfImitation(RolloutCallback):
             return
         # Under DDP every rank replays together (the update is a collective): a rank whose own buffer is
         # still empty takes part with no rows; nobody replays until some rank has an entry.
-        if not pl_module.any_rank(bool(self.entries)):
+        if not pl_module.ranks.any(bool(self.entries)):
             return
         if self.entries:
             replayed = build_rollout(self.sample(self.batch_size), pl_module.tokenizer.pad_token_id, pl_module.device)
         else:
             replayed = Rollout.empty().to(pl_module.device)
-        stats = pl_module.nll_update(replayed, self.coef)
+        stats = pl_module.updater.nll_update(replayed, self.coef)
         metrics = {"train/sil/replayed": float(len(replayed))}
         if "nll/loss" in stats:
             metrics["train/sil/nll"] = float(stats["nll/loss"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import lightning as L
 import torch
@@ -14,9 +14,6 @@ from rllight.algorithms import explained_variance, gae, masked_mean, value_loss
 from rllight.callbacks.base import RolloutCallback
 from rllight.errors import RecipeError
 from rllight.types import Rollout
-
-if TYPE_CHECKING:
-    from rllight.module import RLModule
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +24,7 @@ class ValuePretraining(RolloutCallback):
     While pretraining, every rollout is consumed here (``on_rollout`` returns None, so the step makes no
     policy update and ``trainer.global_step`` does not advance): the critic scores it, the targets are
     the Monte-Carlo returns (GAE with lambda = 1, ``gamma`` of the module's advantage estimator, outcome
-    reward on the last token; a KL penalty is not part of them), and ``module.critic_update`` fits the
+    reward on the last token; a KL penalty is not part of them), and ``module.updater.critic_update`` fits the
     critic for ``epochs`` passes. With a value head on the shared backbone and ``train_backbone``
     False only the head trains, as note 000 describes; a separate critic trains whole.
 
@@ -107,7 +104,7 @@ class ValuePretraining(RolloutCallback):
         self.finished = reason is not None
         return reason
 
-    def on_rollout(self, trainer: L.Trainer | None, module: RLModule, rollout: Rollout) -> Rollout | None:
+    def on_rollout(self, trainer: L.Trainer | None, module: L.LightningModule, rollout: Rollout) -> Rollout | None:
         if self.finished:
             return rollout
         if module.critic is None:
@@ -117,7 +114,7 @@ class ValuePretraining(RolloutCallback):
         # nothing to fit joins the others' updates with no rows, and the stopping criterion reads the
         # ranks' mean loss and explained variance.
         empty = len(rollout) == 0 or rollout.response_mask.sum() == 0
-        if not module.any_rank(not empty):
+        if not module.ranks.any(not empty):
             return None  # nothing to fit anywhere; the step is still not a policy step
         local = torch.zeros(3)  # loss, explained variance, weight
         if empty:
@@ -130,9 +127,9 @@ class ValuePretraining(RolloutCallback):
             local[0] = masked_mean(value_loss(rollout.values, rollout.values, rollout.returns), mask).detach().cpu()
             local[1] = explained_variance(rollout.values, rollout.returns, mask).detach().cpu()
             local[2] = 1.0
-        stats = module.critic_update(rollout, epochs=self.epochs, minibatch_size=self.minibatch_size,
+        stats = module.updater.critic_update(rollout, epochs=self.epochs, minibatch_size=self.minibatch_size,
                                      train_backbone=self.train_backbone)
-        total = module.sum_over_ranks(local)
+        total = module.ranks.sum(local)
         loss, ev = float(total[0] / total[2]), float(total[1] / total[2])
         reason = self.observe(loss, ev)
         if reason:
@@ -147,14 +144,14 @@ class ValuePretraining(RolloutCallback):
         module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
         return None
 
-    def _monte_carlo_targets(self, module: RLModule, rollout: Rollout) -> None:
+    def _monte_carlo_targets(self, module: L.LightningModule, rollout: Rollout) -> None:
         """Fill ``values`` (the critic's, without gradients), ``token_rewards`` and ``returns`` (B, T)."""
-        module.score_with_models(rollout, need_old=False, need_values=True, need_ref=False)
+        module.scoring.score(rollout, need_old=False, need_values=True, need_ref=False)
         if rollout.values.dim() != 2:
             raise RecipeError("trainer.callbacks: ValuePretraining fits token-level critics (values (B, T)); "
                               f"{type(module.critic).__name__} gives one value per prompt")
         gamma = float(getattr(module.advantage, "gamma", 1.0))
-        rollout.token_rewards = module.outcome_token_rewards(rollout)
+        rollout.token_rewards = rollout.outcome_token_rewards()
         # lam = 1: returns are the (discounted) Monte-Carlo returns G_t, independent of the critic.
         _, rollout.returns = gae(rollout.token_rewards, rollout.values, rollout.response_mask, gamma, 1.0)
 

@@ -21,7 +21,7 @@ def forget_step_metrics(trainer: L.Trainer) -> None:
 def no_gradient_sync(trainer: L.Trainer | None):
     """A context in which backward passes leave DDP's reducer out (``DistributedDataParallel.no_sync``).
 
-    rllight sums gradients over ranks itself, once per optimizer update (``RLModule._sync_gradients``):
+    rllight sums gradients over ranks itself, once per optimizer update (``rllight.distributed.Ranks.sum_gradients``):
     updates that train only part of the model (the critic alone, a replay NLL) or ranks with no rows in a
     minibatch would otherwise leave DDP waiting for gradients that never come. Elsewhere: no effect."""
     model = getattr(getattr(trainer, "strategy", None), "model", None) if trainer is not None else None

@@ -15,8 +15,6 @@ like the policy loss.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -26,9 +24,6 @@ from rllight.errors import RecipeError
 from rllight.models import HFModel, response_hidden_states
 from rllight.rollout.base import distinct_prompts, pad_left, position_ids
 from rllight.types import Rollout
-
-if TYPE_CHECKING:
-    from rllight.module import RLModule
 
 
 class Critic(nn.Module):
@@ -47,11 +42,13 @@ class Critic(nn.Module):
         self.loss_coef = loss_coef
         self.lr = lr
 
-    def setup(self, module: RLModule) -> None:
-        """Build parameters once the policy is loaded (``module.policy``, ``module.tokenizer``)."""
+    def setup(self, policy: nn.Module, tokenizer, source: HFModel) -> None:
+        """Build parameters once the policy is loaded: ``policy`` (the causal LM being trained), its
+        ``tokenizer``, and ``source``, where the policy's weights came from (e.g. for a critic that starts as a
+        copy of it)."""
         raise NotImplementedError
 
-    def values(self, module: RLModule, batch: Rollout, hidden: Tensor | None) -> Tensor:
+    def values(self, batch: Rollout, hidden: Tensor | None) -> Tensor:
         """Values for ``batch``; ``hidden`` (B, T, H) is the policy's last hidden state at the positions
         that predict each response token (None when the policy did not run, for non-shared critics)."""
         raise NotImplementedError
@@ -101,11 +98,11 @@ class ValueHead(_TokenValueLoss, Critic):
         self.clip = clip
         self.head: nn.Linear | None = None
 
-    def setup(self, module: RLModule) -> None:
+    def setup(self, policy: nn.Module, tokenizer, source: HFModel) -> None:
         if self.head is None:
-            self.head = _zero_linear(module.policy.config.hidden_size)
+            self.head = _zero_linear(policy.config.hidden_size)
 
-    def values(self, module: RLModule, batch: Rollout, hidden: Tensor | None) -> Tensor:
+    def values(self, batch: Rollout, hidden: Tensor | None) -> Tensor:
         return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).float()
 
 
@@ -143,17 +140,17 @@ class SeparateCritic(_TokenValueLoss, Critic):
         self.backbone: nn.Module | None = None
         self.head: nn.Linear | None = None
 
-    def setup(self, module: RLModule) -> None:
+    def setup(self, policy: nn.Module, tokenizer, source: HFModel) -> None:
         if self.backbone is not None:
             return
-        lm, tokenizer = (self.source if self.source is not None else module.source).load()
-        if tokenizer.get_vocab() != module.tokenizer.get_vocab():
+        lm, own_tokenizer = (self.source if self.source is not None else source).load()
+        if own_tokenizer.get_vocab() != tokenizer.get_vocab():
             raise RecipeError("model.critic: SeparateCritic needs the policy's tokenizer for token-level values; "
                               "use a critic model of the same family")
         self.backbone = lm.get_decoder()  # the LM head is not needed: a value, not a next token, is read out
         self.head = _zero_linear(lm.config.hidden_size)
 
-    def values(self, module: RLModule, batch: Rollout, hidden: Tensor | None) -> Tensor:
+    def values(self, batch: Rollout, hidden: Tensor | None) -> Tensor:
         h = response_hidden_states(self.backbone, batch)
         return self.head(h.to(self.head.weight.dtype)).squeeze(-1).float()
 
@@ -216,32 +213,33 @@ class PromptCritic(Critic):
         self.backbone: nn.Module | None = None
         self.head: nn.Linear | None = None
         self.tokenizer = None
+        self.policy_tokenizer = None
         self.retokenize = False
 
-    def setup(self, module: RLModule) -> None:
+    def setup(self, policy: nn.Module, tokenizer, source: HFModel) -> None:
         if self.head is not None:
             return
         if self.source is None:
-            self.head = _zero_linear(module.policy.config.hidden_size)
+            self.head = _zero_linear(policy.config.hidden_size)
             return
-        lm, tokenizer = self.source.load()
+        lm, own_tokenizer = self.source.load()
         self.backbone = lm.get_decoder()  # the LM head is not needed: a value, not a next token, is read out
         self.head = _zero_linear(lm.config.hidden_size)
-        self.tokenizer = tokenizer
-        self.retokenize = tokenizer.get_vocab() != module.tokenizer.get_vocab()
+        self.tokenizer, self.policy_tokenizer = own_tokenizer, tokenizer
+        self.retokenize = own_tokenizer.get_vocab() != tokenizer.get_vocab()
 
     # ------------------------------------------------------------------------------- values
-    def values(self, module: RLModule, batch: Rollout, hidden: Tensor | None) -> Tensor:
+    def values(self, batch: Rollout, hidden: Tensor | None) -> Tensor:
         """Shape (B,): V(prompt) in (0, 1) for each row of ``batch``."""
         if self.shared:
             if hidden is None:
                 raise RuntimeError("PromptCritic on the policy's backbone needs the policy's hidden states")
             h = hidden[:, 0]
         else:
-            h = self._prompt_states(module, batch)
+            h = self._prompt_states(batch)
         return torch.sigmoid(self.head(h.to(self.head.weight.dtype)).squeeze(-1).float())
 
-    def _prompt_states(self, module: RLModule, batch: Rollout) -> Tensor:
+    def _prompt_states(self, batch: Rollout) -> Tensor:
         """The critic backbone's last hidden state at the last prompt token, (B, H). Each distinct prompt
         runs once: the G responses to a prompt share its value."""
         device = self.head.weight.device
@@ -249,7 +247,7 @@ class PromptCritic(Critic):
         # merge two different prompts.
         ids, mask, inverse = distinct_prompts(batch.prompt_ids, batch.prompt_mask)
         if self.retokenize:
-            texts = [module.tokenizer.decode(row[m.bool()].tolist(), skip_special_tokens=False)
+            texts = [self.policy_tokenizer.decode(row[m.bool()].tolist(), skip_special_tokens=False)
                      for row, m in zip(ids, mask)]
             encoded = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
             ids, mask = pad_left(encoded, self.tokenizer.pad_token_id)

@@ -6,13 +6,13 @@ epoch and computes avg@k, pass@k and maj@k with standard errors, overall and per
 the estimators of ``rllight.algorithms.evaluation``; ``write`` saves every number and every response, so
 that two runs can be compared prompt by prompt (join the row files on ``source``).
 
-In the module::
+``Evaluator`` runs a validation's passes with them (the module's ``validation_step`` and
+``on_validation_epoch_end`` call ``Evaluator.run`` and ``Evaluator.finish``)::
 
-    validation_step:          acc.update_rollout(rows, settings.n, rollout)     # rows kept, in order
-                              acc.drop(dropped_rows)                           # prompts too long to ask
-    on_validation_epoch_end:  acc.merge(all_gather_object(acc.state()))      # under DDP only
-                              self.log_dict(acc.compute(settings.ks)); acc.write(log_dir, settings.ks)
-                              acc.reset()
+    run:     acc.update_rollout(rows, settings.n, rollout)     # rows kept, in order
+             acc.drop(dropped_rows)                           # prompts too long to ask
+    finish:  acc.merge(all_gather_object(acc.state()))      # under DDP only
+             acc.compute(settings.ks); acc.write(log_dir, settings.ks); acc.reset()
 """
 
 from __future__ import annotations
@@ -374,6 +374,71 @@ class EvalAccumulator:
         _write_atomic(json_path, json.dumps(summary, indent=2, allow_nan=False) + "\n")
         _write_atomic(rows_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in self.records))
         return json_path, rows_path
+
+
+class Evaluator:
+    """A validation's evaluation passes: the one ``settings`` describes (n responses per prompt, sampled or
+    greedy), and with ``settings.also_greedy`` one greedy answer per prompt (``val/greedy/...``).
+
+    Args:
+        settings: ``model.evaluation``.
+    """
+
+    def __init__(self, settings: EvalSettings):
+        self.settings = settings
+        self.results = EvalAccumulator("val")
+        self.greedy = EvalAccumulator("val/greedy")
+        self.last_per_prompt: dict[str, dict[str, float]] = {}
+        """The last validation's overall metrics prompt by prompt (``EvalAccumulator.per_prompt``), for the paired
+        before/after comparison of ``evaluate_before_after``."""
+
+    def passes(self) -> list[tuple[EvalAccumulator, int, bool, list[int], str]]:
+        """Each pass as ``(accumulator, n, greedy, ks, file suffix)``."""
+        ev = self.settings
+        passes = [(self.results, ev.n, ev.greedy, ev.ks, "")]
+        if ev.also_greedy:
+            passes.append((self.greedy, 1, True, [1], "_greedy"))
+        return passes
+
+    def run(self, producer, engine, rows: list[dict]) -> None:
+        """Sample and score every pass on ``rows`` with ``producer`` (its engine ``engine`` set to the
+        evaluation's sampling settings meanwhile) and keep the results."""
+        for results, n, greedy, _, _ in self.passes():
+            with self.settings.applied_to(engine):
+                rollout = producer.sample(rows, n, greedy=greedy, training=False)
+            kept = set(rollout.extras["kept_rows"])
+            if kept:
+                results.update_rollout([rows[i] for i in sorted(kept)], n, rollout)
+            results.drop([row for i, row in enumerate(rows) if i not in kept])
+
+    def finish(self, trainer, global_step: int) -> dict[str, float]:
+        """avg@k, pass@k (unbiased) and maj@k with standard errors, overall and per data source (``val/...``,
+        and ``val/greedy/...`` at k = 1 with ``also_greedy``); ``val/accuracy`` is the greedy accuracy where
+        there is one, else the mean correctness of every sampled response. Under DDP the ranks' results are
+        gathered first. Outside a sanity check, global rank 0 writes a JSON of every number and a per-row JSONL
+        of the responses to ``<log dir>/evaluation``. The results are reset for the next validation."""
+        ev = self.settings
+        metrics = {}
+        self.last_per_prompt = {}
+        for results, _, _, ks, suffix in self.passes():
+            if trainer.world_size > 1:  # every rank evaluated its share of the rows
+                states = [None] * trainer.world_size
+                torch.distributed.all_gather_object(states, results.state())
+                results.merge(states)
+            metrics.update(results.compute(ks, ev.bootstrap, ev.confidence, ev.seed))
+            self.last_per_prompt.update(results.per_prompt(ks))
+            if trainer.is_global_zero and results.records and not trainer.sanity_checking:
+                folder = os.path.join(trainer.log_dir or trainer.default_root_dir, "evaluation")
+                results.write(folder, ks, name=f"val_step{global_step}{suffix}", bootstrap=ev.bootstrap,
+                              confidence=ev.confidence, seed=ev.seed,
+                              extra={"settings": vars(ev), "global_step": int(global_step)})
+        if self.results.records:
+            greedy = ev.also_greedy and self.greedy.records
+            metrics["val/accuracy"] = metrics["val/greedy/avg@1" if greedy else f"val/avg@{ev.n}"]
+            metrics["val/truncated_ratio"] = metrics.get("val/truncated_ratio", 0.0)
+        for results, *_ in self.passes():
+            results.reset()
+        return metrics
 
 
 def _write_atomic(path: str, text: str) -> None:

@@ -244,3 +244,16 @@ class LoRA:
             task_type="CAUSAL_LM",
         )
         return get_peft_model(model, config)
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Dropout off everywhere: the importance ratio must compare one deterministic function at two
+    parameter values, and generation must sample from the policy being trained."""
+    for name in dir(model.config):
+        if name.endswith("dropout") and isinstance(getattr(model.config, name, None), float):
+            setattr(model.config, name, 0.0)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if hasattr(module, "attention_dropout") and isinstance(module.attention_dropout, float):
+            module.attention_dropout = 0.0

@@ -116,6 +116,16 @@ class Rollout:
         positions = torch.arange(t, device=self.response_mask.device).expand_as(self.response_mask)
         return torch.where(self.response_mask.bool(), positions, torch.full_like(positions, -1)).amax(-1).clamp(min=0)
 
+    def outcome_token_rewards(self) -> Tensor:
+        """Shape (B, T): each response's outcome reward on its last model token, zero elsewhere (and for empty
+        ones). In a multi-turn episode that is the model's last token, not an observation's."""
+        mask = self.response_mask.float()
+        token_rewards = torch.zeros_like(mask)
+        token_rewards[torch.arange(len(self), device=mask.device), self.last_action_index] = self.rewards.to(mask) * (
+            self.response_lengths > 0
+        )
+        return token_rewards
+
     def select(self, index: Tensor | list[int]) -> Rollout:
         """The rows ``index`` as a new Rollout (tensors sliced along B, lists picked)."""
         idx = torch.as_tensor(index, dtype=torch.long)

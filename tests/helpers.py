@@ -5,6 +5,7 @@ from contextlib import contextmanager
 
 import torch
 import yaml
+from lightning.pytorch.loggers import Logger
 from transformers import AutoModelForCausalLM
 
 from conftest import RECIPES
@@ -99,3 +100,35 @@ def recorded_samples(engine):
         yield samples
     finally:
         engine.generate = real_generate
+
+
+class CaptureLogger(Logger):
+    """A logger that keeps every ``log_metrics`` call (what each step sends to the loggers:
+    ``trainer.callback_metrics`` keeps every key ever logged, so it cannot tell which step logged what)."""
+
+    def __init__(self, save_dir):
+        super().__init__()
+        self.calls = []
+        self._save_dir = str(save_dir)
+
+    @property
+    def save_dir(self):
+        return self._save_dir
+
+    @property
+    def log_dir(self):
+        return self._save_dir
+
+    @property
+    def name(self):
+        return "capture"
+
+    @property
+    def version(self):
+        return 0
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+    def log_metrics(self, metrics, step=None):
+        self.calls.append(dict(metrics))

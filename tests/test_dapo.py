@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from rllight.algorithms import group_retention_probability, mixed_groups, soft_overlong_punishment
 from rllight.callbacks import OverlongFilter, SoftOverlongPunishment
+from rllight.callbacks.base import in_rollout_order
 from rllight.errors import RecipeError
 from rllight.strategies import DynamicSampling, SeqMeanTokenMean, TokenMean
 from rllight.types import Rollout
@@ -370,11 +371,10 @@ def test_overlong_callbacks_listed_in_the_other_order_still_punish_then_filter()
     for args in ((), (reversed_cfg,)):
         cli = build(f"{RECIPES}/dapo.yaml", *args, "--model.rollout.init_args.max_new_tokens", "10")
         module = cli.model
-        module._trainer = cli.trainer  # attached as fit would, to read trainer.callbacks
         # max_len 10, cache 4 (dapo.yaml's cache_len is 6: E = 4, so both truncated rows of length 10 get -1;
         # the reversed overlay's cache 4: E = 6, also -1 at length 10).
         rollout = make_rollout([1.0, -1.0, 1.0], lengths=[3, 10, 10], truncated=[False, True, True])
-        for cb in module._rollout_callbacks():
+        for cb in in_rollout_order(cli.trainer.callbacks):
             rollout = cb.on_rollout(cli.trainer, module, rollout)
         outcomes.append((rollout.rewards.tolist(), rollout.response_mask.sum(-1).tolist(),
                          rollout.extras["overlong/penalized_ratio"]))

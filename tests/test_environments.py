@@ -178,7 +178,7 @@ def test_sampled_ids_are_kept_turn_by_turn_and_the_trainer_reproduces_their_logp
         assert ids[rest : rest + len(second)] == second and mask[rest : rest + len(second)] == [1] * len(second)
         assert sum(mask) == a + len(second) and rollout.context_mask[i].sum() == rest + len(second)
     assert rollout.rewards.tolist() == [2.0] * 6 and rollout.truncated.all()  # out of turns, never done
-    module.score_with_models(rollout, need_old=True, need_values=False)
+    module.scoring.score(rollout, need_old=True, need_values=False)
     mask = rollout.response_mask.bool()
     torch.testing.assert_close(rollout.old_logprobs[mask], rollout.sample_logprobs[mask], atol=1e-4, rtol=1e-4)
     assert (rollout.sample_logprobs[~mask] == 0).all()

@@ -97,7 +97,7 @@ def test_token_budget_groups_rows_by_length_and_packs_them(tiny_model_dir):
     rollout = Rollout(prompt_ids=p_mask * 7, prompt_mask=p_mask, response_ids=r_mask * 9, response_mask=r_mask,
                       sample_logprobs=torch.zeros(b, 8), truncated=torch.zeros(b, dtype=torch.bool),
                       group_ids=torch.arange(b), answers=["1"] * b, texts=[""] * b)
-    rows, micro = zip(*module._micro_batches(rollout))
+    rows, micro = zip(*module.scoring.micro_batches(rollout))
     # By length (prompt + response), longest first: rows 0 (10), 2 (10), 3 (7), 1 (6), 4 (6).
     # row 0 alone 10; with row 2: 2 x (4 + 8) = 24 > 20. row 2 alone; with row 3: 2 x (6 + 8) = 28 > 20.
     # rows 3, 1: 2 x (6 + 2) = 16 fits; with row 4: 3 x (6 + 3) = 27 > 20. row 4 alone.
@@ -120,10 +120,10 @@ def test_scoring_in_length_grouped_micro_batches_puts_every_row_back_in_place(ti
     rows = [{"messages": [{"role": "user", "content": "What is 1 + 2?" + " 3" * k}], "answer": "3"} for k in range(6)]
     rollout = whole.producer.sample(rows, n=2)
     assert len(set(rollout.response_mask.sum(-1).tolist())) > 1  # lengths differ, so the order changes
-    whole.score_with_models(rollout, need_old=True, need_values=False)
+    whole.scoring.score(rollout, need_old=True, need_values=False)
     expected = rollout.old_logprobs.clone()
     budget = RLModule(HFModel(tiny_model_dir), micro_batch_tokens=60)
     budget.configure_model()
-    assert len(list(budget._micro_batches(rollout))) > 2
-    budget.score_with_models(rollout, need_old=True, need_values=False)
+    assert len(list(budget.scoring.micro_batches(rollout))) > 2
+    budget.scoring.score(rollout, need_old=True, need_values=False)
     torch.testing.assert_close(rollout.old_logprobs, expected, rtol=1e-5, atol=1e-6)

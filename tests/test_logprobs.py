@@ -61,7 +61,7 @@ def test_module_paths_agree(tiny_model_dir):
         if not outs:
             rows = [{"messages": [{"role": "user", "content": "What is 3 + 4?"}], "answer": "7"}]
             rollout = module.producer.sample(rows, n=3)
-        lp, ent, _ = module.forward_batch(rollout)
+        lp, ent, _ = module.scoring.forward(rollout)
         (lp.sum() + ent.sum()).backward()
         outs.append((lp.detach(), ent.detach()))
         grads.append({n: p.grad.clone() for n, p in module.policy.named_parameters()})

@@ -44,9 +44,9 @@ def test_lora_trains_only_adapters_and_exports_merged(tmp_path, tiny_model_dir):
     rollout = module.producer.sample(rows, n=2)
     initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     with torch.no_grad():
-        ref = module.reference_logprobs(rollout)
-        expected = module.forward_batch(rollout, policy=initial)[0]
-        live = module.forward_batch(rollout)[0]
+        ref = module.scoring.reference_logprobs(rollout)
+        expected = module.scoring.forward(rollout, policy=initial)[0]
+        live = module.scoring.forward(rollout)[0]
     mask = rollout.response_mask.bool()
     torch.testing.assert_close(ref[mask], expected[mask])
     assert (live[mask] - ref[mask]).abs().max() > 1e-4  # the adapters changed the policy
@@ -56,7 +56,7 @@ def test_lora_trains_only_adapters_and_exports_merged(tmp_path, tiny_model_dir):
     assert not any("lora" in k for k in merged.state_dict())
     with torch.no_grad():
         torch.testing.assert_close(
-            module.forward_batch(rollout, policy=merged)[0][mask], live[mask], rtol=1e-4, atol=1e-4
+            module.scoring.forward(rollout, policy=merged)[0][mask], live[mask], rtol=1e-4, atol=1e-4
         )
     assert (
         merged.generate(rollout.prompt_ids[:1], max_new_tokens=3, do_sample=False).shape[1]
@@ -76,7 +76,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_model_dir):
         if not grads:
             rows = [{"messages": [{"role": "user", "content": "What is 5 + 5?"}], "answer": "10"}]
             rollout = module.producer.sample(rows, n=2)
-        module.forward_batch(rollout)[0].sum().backward()
+        module.scoring.forward(rollout)[0].sum().backward()
         grads.append({n: p.grad for n, p in module.policy.named_parameters()})
     for name, g in grads[0].items():
         torch.testing.assert_close(grads[1][name], g)

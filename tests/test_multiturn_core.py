@@ -24,9 +24,7 @@ def test_observations_are_attended_to_and_the_reward_sits_on_the_last_model_toke
     assert r.attention_mask.tolist() == [[1, 1, 1, 1, 1, 1, 1, 0]]  # prompt, both turns and the observation
     assert r.last_action_index.tolist() == [4]  # not response_lengths - 1 = 2
     assert r.response_lengths.tolist() == [3]  # the model's tokens
-    from rllight.module import RLModule
-
-    assert RLModule.outcome_token_rewards(r).tolist() == [[0.0, 0.0, 0.0, 0.0, 1.0, 0.0]]
+    assert r.outcome_token_rewards().tolist() == [[0.0, 0.0, 0.0, 0.0, 1.0, 0.0]]
     # trim keeps the columns up to the last real token (4), observation included.
     assert r.trim().response_ids.shape[1] == 5
 

@@ -44,7 +44,7 @@ def test_engine_and_trainer_logprobs_agree_on_the_real_model(smollm2_dir):
             for q, a in [("What is 2 + 3? Answer with just the number.", "5"), ("What is 12 * 4?", "48")]]
     rollout = module.producer.sample(rows, n=2)
     with torch.no_grad():
-        logprobs, _, _ = module.forward_batch(rollout)
+        logprobs, _, _ = module.scoring.forward(rollout)
     mask = rollout.response_mask.bool()
     delta = (logprobs[mask] - rollout.sample_logprobs[mask]).abs().max().item()
     assert delta < 2e-3, delta

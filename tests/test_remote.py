@@ -100,7 +100,7 @@ def server(tmp_path_factory):
 
 def _trainer_logprobs(module, rollout, policy=None):
     with torch.no_grad():
-        logprobs, _, _ = module.forward_batch(rollout, policy=policy)
+        logprobs, _, _ = module.scoring.forward(rollout, policy=policy)
     return logprob_mismatch(logprobs, rollout.sample_logprobs, rollout.response_mask)["rollout/logprob_diff_max"]
 
 

@@ -42,7 +42,7 @@ def test_engine_logprobs_match_trainer_logprobs(tiny_model_dir):
     assert (rollout.prompt_mask == 0).any()
     assert rollout.response_ids.shape == rollout.sample_logprobs.shape == rollout.response_mask.shape
     with torch.no_grad():
-        logprobs, entropy, _ = module.forward_batch(rollout)
+        logprobs, entropy, _ = module.scoring.forward(rollout)
     mask = rollout.response_mask.bool()
     torch.testing.assert_close(logprobs[mask], rollout.sample_logprobs[mask], atol=1e-4, rtol=1e-4)
     assert (rollout.sample_logprobs[~mask] == 0).all()
@@ -105,7 +105,7 @@ def test_a_bfloat16_engine_copy_is_the_behaviour_policy_and_follows_updates(tiny
     module.configure_model()
     rows = [{"messages": [{"role": "user", "content": "What is 1 + 2?"}], "answer": "3"}] * 2
     rollout = module.producer.sample(rows, n=2)
-    module.score_with_models(rollout, need_old=True, need_values=False, need_ref=False)
+    module.scoring.score(rollout, need_old=True, need_values=False, need_ref=False)
     mask = rollout.response_mask.bool()
     gap = (rollout.old_logprobs - rollout.sample_logprobs)[mask].abs()
     assert gap.max() > 1e-4  # bfloat16 against float32: not equal...

@@ -49,10 +49,9 @@ import lightning
 import pytest
 import torch
 import yaml
-from lightning.pytorch.loggers import Logger
 
 from conftest import RECIPES
-from helpers import build, tiny_overrides
+from helpers import CaptureLogger, build, tiny_overrides
 from rllight.testing import build_tiny_model
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -105,38 +104,10 @@ def _clock_dependent(key: str) -> bool:
     return name.startswith("time/") or name.endswith(("_time", "per_s")) or "/time/" in name
 
 
-class StepMetrics(Logger):
-    """What each training step sends to the loggers (``trainer.callback_metrics`` keeps every key ever
-    logged, so it cannot tell which step logged what); the clock-dependent metrics are left out."""
-
-    def __init__(self, save_dir: str):
-        super().__init__()
-        self.steps: list[dict[str, float]] = []
-        self._save_dir = save_dir
-
-    @property
-    def name(self):
-        return "same_run"
-
-    @property
-    def version(self):
-        return 0
-
-    @property
-    def save_dir(self):
-        return self._save_dir
-
-    @property
-    def log_dir(self):
-        return self._save_dir
-
-    def log_hyperparams(self, params, *args, **kwargs):
-        pass
-
-    def log_metrics(self, metrics, step=None):
-        kept = {k: float(v) for k, v in metrics.items() if not _clock_dependent(k)}
-        if set(kept) - {"epoch"}:
-            self.steps.append(dict(sorted(kept.items())))
+def _step_metrics(calls: list[dict]) -> list[dict[str, float]]:
+    """The metrics of each logging call that carries more than the epoch, clock-dependent ones left out."""
+    steps = [{k: float(v) for k, v in call.items() if not _clock_dependent(k)} for call in calls]
+    return [dict(sorted(step.items())) for step in steps if set(step) - {"epoch"}]
 
 
 def _callbacks_overlay(recipe_path: str, changes: dict, path: str) -> str | None:
@@ -203,7 +174,7 @@ def run_recipe(name: str, model_dir: str, folder: str) -> dict:
     torch.set_num_threads(THREADS)
     try:
         cli = build(recipe, *overlays, "--trainer.max_steps", "3", "--seed_everything", str(SEED))
-        recorder = StepMetrics(folder)
+        recorder = CaptureLogger(folder)
         cli.trainer.loggers = [recorder]
         lightning.seed_everything(SEED, verbose=False)
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
@@ -213,7 +184,7 @@ def run_recipe(name: str, model_dir: str, folder: str) -> dict:
     weights = {f"policy.{k}": v for k, v in _float32_cpu(cli.model.policy.state_dict()).items()}
     if cli.model.critic is not None:
         weights.update({f"critic.{k}": v for k, v in _float32_cpu(cli.model.critic.state_dict()).items()})
-    return {"global_step": cli.trainer.global_step, "metrics": recorder.steps, "weights": weights}
+    return {"global_step": cli.trainer.global_step, "metrics": _step_metrics(recorder.calls), "weights": weights}
 
 
 def _commit() -> str:

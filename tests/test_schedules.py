@@ -82,7 +82,7 @@ def test_policy_and_critic_gradients_are_clipped_separately(tmp_path, tiny_model
                 "--model.ppo_epochs", "1", "--model.max_grad_norm", "1e9", "--model.critic_max_grad_norm", "1e-3")
     module = cli.model
     after = {}
-    real = module._clip_gradients
+    real = module.updater.clip_gradients
 
     def spy(optimizer, policy_key):
         norms = real(optimizer, policy_key)
@@ -92,7 +92,7 @@ def test_policy_and_critic_gradients_are_clipped_separately(tmp_path, tiny_model
         after["before"] = {k: float(v) for k, v in norms.items()}
         return norms
 
-    module._clip_gradients = spy
+    module.updater.clip_gradients = spy
     cli.trainer.fit(module, datamodule=cli.datamodule)
     assert after["before"]["value/grad_norm"] > 1e-3  # the clip binds on the critic...
     assert after["critic"] == pytest.approx(1e-3, rel=1e-3)

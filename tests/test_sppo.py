@@ -165,12 +165,12 @@ def _toy_prompts(tokenizer, n=8):
 
 
 def _fit_critic(critic, module, batch, hidden_fn, steps=40):
-    critic.setup(module)
+    critic.setup(module.policy, module.tokenizer, None)
     params = list(critic.parameters()) + ([] if hidden_fn is None else list(module.policy.parameters()))
     opt = torch.optim.Adam(params, lr=1e-2)
     losses, corrs = [], []
     for _ in range(steps):
-        values = critic.values(module, batch, None if hidden_fn is None else hidden_fn())
+        values = critic.values(batch, None if hidden_fn is None else hidden_fn())
         loss, stats = critic.loss(values, batch)
         opt.zero_grad()
         loss.mean().backward()
@@ -207,7 +207,7 @@ def test_shared_critic_reads_the_last_prompt_token_and_learns(tiny_model_dir):
     assert losses[-1] < 0.1 < losses[0]
     # hidden[:, 0] is the state at position P - 1, the last prompt token: the same as a prompt-only forward.
     with torch.no_grad():
-        full = critic.values(module, batch, response_hidden_states(decoder, batch))
+        full = critic.values(batch, response_hidden_states(decoder, batch))
         mask = batch.prompt_mask
         alone = decoder(input_ids=batch.prompt_ids, attention_mask=mask,
                         position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).last_hidden_state[:, -1]
@@ -226,13 +226,13 @@ def test_critic_with_another_tokenizer_retokenises_the_prompt(tmp_path, tiny_mod
     module = _module(tiny_model_dir)
     batch = _toy_prompts(module.tokenizer)
     critic = PromptCritic(model=HFModel(critic_dir))
-    critic.setup(module)
+    critic.setup(module.policy, module.tokenizer, None)
     assert critic.retokenize
     torch.nn.init.normal_(critic.head.weight)  # away from the zero init, so that the values differ by prompt
     with torch.no_grad():
-        retokenised = critic.values(module, batch, None)
+        retokenised = critic.values(batch, None)
         critic.retokenize = False
-        direct = critic.values(module, batch, None)
+        direct = critic.values(batch, None)
     assert_close(retokenised, direct)
     assert retokenised.unique().numel() > 1
 
@@ -242,13 +242,13 @@ def test_repeated_prompts_run_once_and_share_their_value(tiny_model_dir):
     toy = _toy_prompts(module.tokenizer, n=3)
     batch = toy.select([0, 1, 1, 2, 0])
     critic = PromptCritic(model=HFModel(tiny_model_dir))
-    critic.setup(module)
+    critic.setup(module.policy, module.tokenizer, None)
     torch.nn.init.normal_(critic.head.weight)
     calls = []
     critic.backbone.register_forward_hook(lambda mod, args, kwargs_out: calls.append(1))
     with torch.no_grad():
-        v = critic.values(module, batch, None)
-        alone = critic.values(module, toy, None)
+        v = critic.values(batch, None)
+        alone = critic.values(toy, None)
     assert len(calls) == 2  # one forward per call, over the distinct prompts only
     assert_close(v, alone[[0, 1, 1, 2, 0]])
 

@@ -11,13 +11,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
-from lightning.pytorch.loggers import Logger
 from torch.testing import assert_close
 
 from rllight.algorithms import adaptive_lambda, gae, vapo_lambda
 from rllight.callbacks import SelfImitation, ValuePretraining
 from rllight.callbacks.replay import build_rollout
-from rllight.module import RLModule
 from rllight.errors import RecipeError
 from rllight.strategies import (
     AdaptiveLambda,
@@ -30,7 +28,7 @@ from rllight.strategies import (
 )
 
 from conftest import RECIPES
-from helpers import build, tiny_overrides, unchanged_parameters
+from helpers import CaptureLogger, build, tiny_overrides, unchanged_parameters
 from test_dapo import make_rollout
 
 ABLATIONS = os.path.join(RECIPES, "ablations")
@@ -183,11 +181,9 @@ def test_bad_values_are_one_line_recipe_errors_naming_the_field(make, field):
 
 
 class FakeCriticModule:
-    """What ValuePretraining uses of RLModule: a critic, the estimator's gamma, ``score_with_models`` (values
-    0.3 on every token), ``outcome_token_rewards``, ``critic_update`` (records its call, returns the next
-    scripted loss), ``log_dict``."""
-
-    outcome_token_rewards = staticmethod(RLModule.outcome_token_rewards)
+    """What ValuePretraining uses of RLModule: a critic, the estimator's gamma, ``scoring.score`` (values 0.3 on
+    every token), ``updater.critic_update`` (records its call, returns the next scripted loss), ``ranks`` (one
+    process), ``log_dict``."""
 
     def __init__(self, losses, gamma=1.0):
         self.critic = object()
@@ -196,16 +192,11 @@ class FakeCriticModule:
         self.losses = list(losses)
         self.updates = []
         self.logged = []
+        self.scoring = SimpleNamespace(score=self.score)
+        self.updater = SimpleNamespace(critic_update=self.critic_update)
+        self.ranks = SimpleNamespace(any=lambda flag: flag, sum=lambda value: value)
 
-    @staticmethod
-    def any_rank(flag):  # one process
-        return flag
-
-    @staticmethod
-    def sum_over_ranks(value):
-        return value
-
-    def score_with_models(self, rollout, need_old, need_values=None, need_ref=None):
+    def score(self, rollout, need_old, need_values=None, need_ref=None):
         assert need_values and not need_old and need_ref is False
         rollout.values = 0.3 * rollout.response_mask.float()
 
@@ -349,17 +340,16 @@ def test_value_pretraining_without_a_critic_is_a_recipe_error():
 
 
 class FakeNLLModule:
-    """What SelfImitation uses of RLModule: ``tokenizer``, ``device``, ``nll_update`` (records), ``log_dict``."""
+    """What SelfImitation uses of RLModule: ``tokenizer``, ``device``, ``updater.nll_update`` (records), ``ranks``
+    (one process), ``log_dict``."""
 
     def __init__(self):
         self.tokenizer = SimpleNamespace(pad_token_id=0)
         self.device = torch.device("cpu")
         self.replayed = []
         self.logged = []
-
-    @staticmethod
-    def any_rank(flag):  # one process
-        return flag
+        self.updater = SimpleNamespace(nll_update=self.nll_update)
+        self.ranks = SimpleNamespace(any=lambda flag: flag)
 
     def nll_update(self, rollout, coef=1.0, minibatch_size=None):
         self.replayed.append((rollout, coef))
@@ -599,13 +589,13 @@ def test_critic_updates_first_recompute_advantages_with_the_updated_critic(criti
     module.advantage = SpyGAE(policy_lambda=AdaptiveLambda(), value_lam=1.0)
     module.policy_loss = SpyLoss(clip_low=0.2, clip_high=0.28)
     critic_calls = []
-    original = module.critic_update
+    original = module.updater.critic_update
 
     def critic_update(rollout, epochs=1, **kwargs):
         critic_calls.append(epochs)
         return original(rollout, epochs=epochs, **kwargs)
 
-    module.critic_update = critic_update
+    module.updater.critic_update = critic_update
     cli.trainer.fit(module, datamodule=cli.datamodule)
     assert len(module.policy_loss.seen) == 1
     if critic_first:
@@ -630,7 +620,7 @@ def test_critic_first_updates_of_a_shared_value_head_leave_the_policy_where_it_s
                 "--model.critic.init_args.lr", "0.1")
     module = cli.model
     snapshots = []
-    original = module.critic_update
+    original = module.updater.critic_update
 
     def critic_update(rollout, **kwargs):
         before = {n: p.detach().clone() for n, p in module.policy.named_parameters()}
@@ -639,7 +629,7 @@ def test_critic_first_updates_of_a_shared_value_head_leave_the_policy_where_it_s
         snapshots.append((before, head))
         return out
 
-    module.critic_update = critic_update
+    module.updater.critic_update = critic_update
     cli.trainer.fit(module, datamodule=cli.datamodule)
     ((before, head),) = snapshots
     moved = [n for n, p in before.items() if not torch.equal(p, dict(module.policy.named_parameters())[n])]
@@ -659,29 +649,29 @@ def _vapo_module_and_scored_rollout(tmp_path, tiny_model_dir):
     module = cli.model
     cli.trainer.fit(module, datamodule=cli.datamodule)
     rollout = module.sampler(module.producer, cli.datamodule.train_rows[:2])
-    module.score_with_models(rollout, need_old=False, need_values=True)
-    module._estimate_advantages(rollout)
+    module.scoring.score(rollout, need_old=False, need_values=True)
+    module.estimate_advantages(rollout)
     rollout.returns = rollout.returns + 1.0  # a target the critic cannot already meet
     return module, rollout
 
 
 def test_head_only_critic_epochs_reuse_the_backbone_hidden_states(tmp_path, tiny_model_dir, monkeypatch):
-    import rllight.module
+    import rllight.terms
 
     module, rollout = _vapo_module_and_scored_rollout(tmp_path, tiny_model_dir)
     start = {k: v.clone() for k, v in module.critic.state_dict().items()}
     optimizer_state = copy.deepcopy(module.optimizers().optimizer.state_dict())
     # Reference: three one-epoch calls, each computing the hidden states afresh.
     for _ in range(3):
-        module.critic_update(rollout, epochs=1, train_backbone=False)
+        module.updater.critic_update(rollout, epochs=1, train_backbone=False)
     expected = module.critic.head.weight.detach().clone()
     module.critic.load_state_dict(start)
     module.optimizers().optimizer.load_state_dict(optimizer_state)
 
     calls = []
-    original = rllight.module.response_hidden_states
-    monkeypatch.setattr(rllight.module, "response_hidden_states", lambda *a: calls.append(1) or original(*a))
-    module.critic_update(rollout, epochs=3, train_backbone=False)
+    original = rllight.terms.response_hidden_states
+    monkeypatch.setattr(rllight.terms, "response_hidden_states", lambda *a: calls.append(1) or original(*a))
+    module.updater.critic_update(rollout, epochs=3, train_backbone=False)
     assert len(calls) == 4  # 16 responses in micro-batches of 4: one backbone pass each, not three
     assert not torch.equal(expected, start["head.weight"])
     assert_close(module.critic.head.weight.detach(), expected)
@@ -694,41 +684,10 @@ def test_critic_update_of_the_shared_backbone_moves_the_policy_and_syncs_the_eng
     embed = module.policy.get_input_embeddings().weight
 
     before = embed.detach().clone()
-    module.critic_update(rollout, train_backbone=False)
+    module.updater.critic_update(rollout, train_backbone=False)
     assert torch.equal(embed, before) and synced == []  # head only: the policy stays, nothing to sync
-    module.critic_update(rollout, train_backbone=True)
+    module.updater.critic_update(rollout, train_backbone=True)
     assert not torch.equal(embed, before) and synced == [module.policy]
-
-
-class CaptureLogger(Logger):
-    """Keeps every ``log_metrics`` call."""
-
-    def __init__(self, save_dir):
-        super().__init__()
-        self.calls = []
-        self._save_dir = str(save_dir)
-
-    @property
-    def save_dir(self):
-        return self._save_dir
-
-    @property
-    def log_dir(self):
-        return self._save_dir
-
-    @property
-    def name(self):
-        return "capture"
-
-    @property
-    def version(self):
-        return 0
-
-    def log_hyperparams(self, params, *args, **kwargs):
-        pass
-
-    def log_metrics(self, metrics, step=None):
-        self.calls.append(dict(metrics))
 
 
 def test_metrics_of_some_steps_only_are_logged_on_those_steps_not_repeated(tmp_path, tiny_model_dir):

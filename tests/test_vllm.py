@@ -184,7 +184,7 @@ def test_engine_logprobs_match_trainer_logprobs(vllm_module):
     assert (rollout.prompt_mask == 0).any()
     assert module.rollout.last_metrics["rollout/tokens_per_s"] > 0
     with torch.no_grad():
-        logprobs, _, _ = module.forward_batch(rollout)
+        logprobs, _, _ = module.scoring.forward(rollout)
     mismatch = logprob_mismatch(logprobs, rollout.sample_logprobs, rollout.response_mask)
     print(f"engine vs trainer: max |delta logp| = {mismatch['rollout/logprob_diff_max']:.3g}, "
           f"mean = {mismatch['rollout/logprob_diff_mean']:.3g}, KL = {mismatch['rollout/kl_engine_trainer']:.3g}")
@@ -218,7 +218,7 @@ def test_multi_turn_episodes_keep_the_engines_ids_and_log_probs(vllm_module):
         model_ids = rollout.response_ids[i][rollout.response_mask[i].bool()].tolist()
         assert model_ids == samples[0][i] + samples[1][i]
     assert (rollout.context_mask.sum(-1) > rollout.response_mask.sum(-1)).all()  # observations are context
-    module.score_with_models(rollout, need_old=True, need_values=False)
+    module.scoring.score(rollout, need_old=True, need_values=False)
     mismatch = logprob_mismatch(rollout.old_logprobs, rollout.sample_logprobs, rollout.response_mask)
     assert mismatch["rollout/logprob_diff_max"] < 1e-5
 
@@ -277,8 +277,8 @@ def test_update_weights_moves_the_engine_to_the_new_policy(trained):
     rollout = module.producer.sample(TRAINED_ROWS + ROWS[:2], n=2)
     mask = rollout.response_mask
     with torch.no_grad():
-        new, _, _ = module.forward_batch(rollout)
-        old, _, _ = module.forward_batch(rollout, policy=original)
+        new, _, _ = module.scoring.forward(rollout)
+        old, _, _ = module.scoring.forward(rollout, policy=original)
     now = logprob_mismatch(new, rollout.sample_logprobs, mask)
     before = logprob_mismatch(old, rollout.sample_logprobs, mask)
     print(f"after sync: max |delta logp| engine vs new policy = {now['rollout/logprob_diff_max']:.3g}, "
@@ -342,8 +342,8 @@ def test_two_training_steps_through_the_overlay(recipe, lora, tmp_path, vllm_mod
         rollout = module.producer.sample(ROWS, n=2)
         initial = AutoModelForCausalLM.from_pretrained(vllm_model_dir)
         with torch.no_grad():
-            trained_lp = module.forward_batch(rollout)[0]
-            initial_lp = module.forward_batch(rollout, policy=initial)[0]
+            trained_lp = module.scoring.forward(rollout)[0]
+            initial_lp = module.scoring.forward(rollout, policy=initial)[0]
         now = logprob_mismatch(trained_lp, rollout.sample_logprobs, rollout.response_mask)
         before = logprob_mismatch(initial_lp, rollout.sample_logprobs, rollout.response_mask)
         assert now["rollout/logprob_diff_max"] < 1e-5
@@ -373,7 +373,7 @@ def test_vllm_engine_in_a_worker_process_samples_the_trainers_policy_and_follows
     try:
         def gap(rollout, policy=None):
             with torch.no_grad():
-                logprobs, _, _ = module.forward_batch(rollout, policy=policy)
+                logprobs, _, _ = module.scoring.forward(rollout, policy=policy)
             return logprob_mismatch(logprobs, rollout.sample_logprobs, rollout.response_mask)["rollout/logprob_diff_max"]
 
         rollout = module.producer.sample(ROWS, n=2)

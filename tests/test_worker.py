@@ -18,6 +18,7 @@ from rllight.models import HFModel
 from rllight.module import RLModule
 from rllight.rollout import HFEngine, ProcessEngine
 from rllight.rollout import worker as worker_module
+from rllight.rollout.metrics import rollout_metrics
 from rllight.rollout.producer import SAMPLE_STALENESS
 
 ROWS = [{"messages": [{"role": "user", "content": "What is 1 + 2?" + " 3" * k}], "answer": "3"} for k in range(3)]
@@ -63,7 +64,7 @@ def _assert_sampled_under(module: RLModule, rollout, policy=None) -> None:
     Tolerance as in test_rollout.py: the engine decodes token by token with a KV cache, the trainer runs one
     forward over the whole sequence, so float32 sums are ordered differently."""
     with torch.no_grad():
-        logprobs, _, _ = module.forward_batch(rollout, policy=policy)
+        logprobs, _, _ = module.scoring.forward(rollout, policy=policy)
     mask = rollout.response_mask.bool()
     torch.testing.assert_close(logprobs[mask], rollout.sample_logprobs[mask], atol=1e-4, rtol=1e-4)
 
@@ -297,7 +298,7 @@ def test_a_rollout_generated_ahead_is_the_old_policys_tagged_and_never_older_tha
         assert engine.last_metrics["rollout/generated_ahead"] == 1
         assert (engine.last_metrics["rollout/policy_version"], engine.last_metrics["rollout/staleness"]) == (0, 1)
         assert rollout.extras[SAMPLE_STALENESS].tolist() == [1.0] * len(rollout)
-        assert module.rollout_metrics(rollout)["rollout/staleness_max"] == 1
+        assert rollout_metrics(rollout)["rollout/staleness_max"] == 1
         _assert_sampled_under(module, rollout, policy=before)  # the behaviour log-probs are the worker's own
         with pytest.raises(AssertionError):
             _assert_sampled_under(module, rollout)
@@ -364,7 +365,7 @@ def test_asynchronous_training_overlaps_generation_and_bounds_staleness(tmp_path
         assert ahead == [0, 1, 1, 1, 1]
         assert staleness == [(0, 0), (1, 1), (2, 2), (2, 2), (2, 2)]
         assert all(step["train/rollout/stale_discarded"] == 0 for step in run.steps)
-        assert cli.model._prefetched_through == 4  # nothing asked for past the run's last step
+        assert cli.model.prefetched_through == 4  # nothing asked for past the run's last step
         assert unchanged_parameters(cli.model.policy, tiny_model_dir) == []
     finally:
         cli.model.rollout.close()

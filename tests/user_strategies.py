@@ -92,7 +92,7 @@ class DumpState(RolloutCallback):
     def on_rollout(self, trainer, module, rollout):
         local = rollout.response_mask.sum().float()
         self.record["local_tokens"] = local.item()
-        self.record["global_tokens"] = module._global(local.clone()).item()
+        self.record["global_tokens"] = module.ranks.reduce(local.clone()).item()
         self.record["prompts"] = sorted(rollout.answers)
         self.record.setdefault("rollout_sizes", []).append(len(rollout))
         # Asynchronous rollouts: whether the step's rollout was generated ahead, and its staleness.

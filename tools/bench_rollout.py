@@ -34,7 +34,7 @@ from rllight.rollout.vllm import VLLMEngine  # noqa: E402
 
 def timed_run(module, engine, rows, totals):
     """One rollout of ``rows`` with ``engine``; adds its generated tokens and seconds to ``totals``."""
-    module.rollout = engine
+    module.producer.engine = engine
     rollout = module.producer.sample(rows, n=1)
     tokens, seconds = float(rollout.response_mask.sum()), rollout.extras["time/rollout"]
     totals[0] += tokens
@@ -68,7 +68,7 @@ def main():
 
     torch.manual_seed(0)
     module.producer.sample(warmup, n=1)
-    module.rollout = vllm
+    module.producer.engine = vllm
     start = time.perf_counter()
     module.producer.sample(warmup, n=1)  # starts the engine
     print(f"vllm: started in {time.perf_counter() - start:.1f} s (save policy + build engine + 8 prompts)", flush=True)
@@ -83,7 +83,7 @@ def main():
     print(f"vllm: weight sync {sync['rollout/sync_time']:.3f} s")
 
     with torch.no_grad():
-        trainer = torch.cat([module.forward_batch(rollout.select(list(range(i, min(i + 16, len(rollout))))))[0]
+        trainer = torch.cat([module.scoring.forward(rollout.select(list(range(i, min(i + 16, len(rollout))))))[0]
                              for i in range(0, len(rollout), 16)])
     mismatch = logprob_mismatch(trainer, rollout.sample_logprobs, rollout.response_mask)
     print("vllm vs trainer log-probs: " + " ".join(f"{k.split('/')[-1]}={v.item():.3g}" for k, v in mismatch.items()))

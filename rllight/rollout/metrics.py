@@ -1,9 +1,12 @@
-"""How far the engine's sampling log-probs are from the trainer's, for the same tokens."""
+"""Metrics of a rollout and of the updates on it, among them how far the engine's sampling log-probs are from
+the trainer's for the same tokens."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from rllight.rollout.producer import SAMPLE_STALENESS
 
 
 def logprob_mismatch(trainer_logprobs: Tensor, engine_logprobs: Tensor, mask: Tensor) -> dict[str, Tensor]:
@@ -38,3 +41,51 @@ def logprob_mismatch(trainer_logprobs: Tensor, engine_logprobs: Tensor, mask: Te
         "rollout/logprob_diff_max": delta.abs().max(),
         "rollout/kl_engine_trainer": k3.mean(),
     }
+
+
+def is_scalar(value) -> bool:
+    return isinstance(value, (int, float)) or (isinstance(value, Tensor) and value.dim() == 0)
+
+
+def scalar_extras(rollout) -> dict:
+    """The scalars that samplers, estimators and callbacks put in ``rollout.extras`` (logged as they are)."""
+    return {k: v for k, v in rollout.extras.items() if is_scalar(v)}
+
+
+def reduce_stats(stats: dict[str, list[Tensor]], micro_batches: bool = False) -> dict[str, Tensor]:
+    """One number per key from per-micro-batch (or per-update) values: the loss of an update is the sum of its
+    micro-batches' shares, a ``*_max`` metric is a maximum, everything else a mean."""
+    out = {}
+    for key, values in stats.items():
+        stacked = torch.stack(values).float()
+        if micro_batches and key in ("policy/loss", "value/total_loss"):
+            out[key] = stacked.sum()
+        else:
+            out[key] = stacked.max() if key.endswith("_max") else stacked.mean()
+    return out
+
+
+def rollout_metrics(rollout) -> dict[str, Tensor | float]:
+    """The per-step ledger of a rollout (reward, accuracy, lengths, truncation, groups, staleness, and the
+    scalars of its extras)."""
+    if len(rollout) == 0:
+        return scalar_extras(rollout)
+    lengths = rollout.response_lengths.float()
+    groups = torch.unique(rollout.group_ids)
+    mixed = sum(int(rollout.rewards[rollout.group_ids == g].unique().numel() > 1) for g in groups.tolist())
+    metrics: dict[str, Tensor | float] = {
+        "reward/mean": rollout.rewards.mean(),
+        "reward/std": rollout.rewards.std() if len(rollout) > 1 else torch.tensor(0.0),
+        "reward/accuracy": rollout.correct.mean(),
+        "reward/valid_group_ratio": mixed / max(len(groups), 1),
+        "response/length_mean": lengths.mean(),
+        "response/length_max": lengths.max(),
+        "response/truncated_ratio": rollout.truncated.float().mean(),
+        "response/tokens": lengths.sum(),
+    }
+    staleness = rollout.extras.get(SAMPLE_STALENESS)
+    if staleness is not None:
+        metrics["rollout/staleness_mean"] = staleness.float().mean()
+        metrics["rollout/staleness_max"] = staleness.float().max()
+    metrics.update(scalar_extras(rollout))
+    return metrics

@@ -10,11 +10,13 @@ stream for extra draws (the datamodule's order).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils.data import DistributedSampler
 
 from rllight.envs.base import Environment
 from rllight.errors import RecipeError
@@ -286,3 +288,29 @@ class RolloutProducer:
         self.reward_failures = state.get("reward_failures", 0)
         self.dropped_prompts = state.get("dropped_prompts", 0)
         self.failed_reward_steps = state.get("failed_reward_steps", 0)
+
+
+def prefetch_ahead(trainer, sampler, producer: RolloutProducer, updates_per_step: int, prefetched_through: int) -> int:
+    """Asynchronous rollouts (an engine with ``max_staleness`` k > 0): ask the engine now for the rollouts of the
+    next ``k // updates_per_step`` training batches, generated with the weights as they are before this step's
+    update, so that no response is more than k updates old when its step trains on it; not past the run's
+    ``max_steps``, nor again for a batch asked for before (through ``prefetched_through``). Under DDP each rank
+    asks its own engine for its own share of the batches. Returns the last batch asked for."""
+    ahead = getattr(producer.engine, "max_staleness", 0) // max(updates_per_step, 1)
+    datamodule = trainer.datamodule
+    if ahead < 1 or not hasattr(datamodule, "upcoming_batches"):
+        return prefetched_through
+    current = datamodule.batches_trained  # this step's batch
+    max_steps = trainer.max_steps
+    if max_steps is not None and max_steps >= 0:  # batches still trained on after this one
+        ahead = min(ahead, max(0, math.ceil((max_steps - trainer.global_step) / max(updates_per_step, 1)) - 1))
+    first = max(current + 1, prefetched_through + 1)
+    # Under DDP, Lightning's DistributedSamplerWrapper shards (and by default shuffles) each epoch's order.
+    order = getattr(trainer.train_dataloader, "sampler", None)
+    shuffle_seed = order.seed if isinstance(order, DistributedSampler) and order.shuffle else None
+    upcoming = datamodule.upcoming_batches(first, current + ahead + 1 - first, rank=trainer.global_rank,
+                                           world=trainer.world_size, shuffle_seed=shuffle_seed)
+    for index, rows in enumerate(upcoming, start=first):
+        sampler.prefetch(producer, rows)
+        prefetched_through = index
+    return prefetched_through

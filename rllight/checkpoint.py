@@ -1,0 +1,63 @@
+"""What a checkpoint holds besides the weights and the optimizer: every random stream, and the run's own
+counters, so that a resumed run continues exactly where the checkpoint was taken."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+REFERENCE_PREFIX = "ref_policy."
+"""State-dict keys of the frozen reference policy: reloaded from its source, never saved."""
+
+
+def rng_state() -> dict:
+    """Every random stream a step draws from, as tensors and ints (loadable with weights_only)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": (kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what ``rng_state`` saved."""
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_run_state(checkpoint: dict, module) -> None:
+    """Add the random streams (``rng``) and the run's counters (``rllight``) of an ``RLModule`` to a Lightning
+    checkpoint: the cursor of extra training prompts, the count of skipped updates in a row, the last batch
+    generated ahead, the rollout engine's and the rollout producer's own state."""
+    checkpoint["rng"] = rng_state()
+    checkpoint["rllight"] = {
+        "extra_prompt_cursor": module.prompt_stream.cursor if module.prompt_stream is not None else 0,
+        "consecutive_skips": module.updater.consecutive_skips,
+        "prefetched_through": module.prefetched_through,
+        "rollout_engine": module.rollout.state_dict(),
+        **module.producer.state_dict(),
+    }
+
+
+def load_run_state(checkpoint: dict, module) -> None:
+    """Restore what ``save_run_state`` added (a checkpoint without it leaves the fresh state)."""
+    if "rng" in checkpoint:
+        set_rng_state(checkpoint["rng"])
+    state = checkpoint.get("rllight", {})
+    module.extra_prompt_cursor = state.get("extra_prompt_cursor", 0)  # applied when the stream is built (setup)
+    if module.prompt_stream is not None:
+        module.prompt_stream.cursor = module.extra_prompt_cursor
+    module.updater.consecutive_skips = state.get("consecutive_skips", 0)
+    module.prefetched_through = state.get("prefetched_through", -1)
+    module.rollout.load_state_dict(state.get("rollout_engine", {}))
+    module.producer.load_state_dict(state)

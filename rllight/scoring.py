@@ -1,0 +1,156 @@
+"""Scoring passes: the policy's log-probs and entropy, the critic's values and the reference's log-probs of a
+rollout's response tokens, with gradients (inside an update) or without (before it), in micro-batches."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from rllight.algorithms import chunked_logprobs_and_entropy, logprobs_and_entropy
+from rllight.models import response_hidden_states
+from rllight.types import Rollout
+
+
+class Outputs(NamedTuple):
+    """What one forward pass computed for a batch of B rows and T response columns (None where not asked)."""
+
+    logprobs: Tensor | None
+    """Shape (B, T): log pi(y_t) of the response tokens."""
+    entropy: Tensor | None
+    """Shape (B, T): entropy of the policy's distribution at each response position."""
+    values: Tensor | None
+    """Shape (B, T) from a token-level critic, (B,) from a prompt-level one."""
+
+
+def micro_batches(rollout: Rollout, size: int, tokens: int | None = None) -> Iterator[tuple[list[int], Rollout]]:
+    """Micro-batches of ``rollout`` as ``(rows, micro)``, ``rows`` the indices in ``rollout``: ``size``
+    consecutive rows each, or, with a token budget ``tokens``, rows ordered by length (longest first, so that
+    each micro-batch holds rows of similar length and pads little) taken as many as fit the budget (rows x
+    padded length, at least one row). Each is trimmed to its own longest prompt and response."""
+    n = len(rollout)
+    if n == 0:
+        return
+    order = list(range(n))
+    if not tokens:
+        bounds = [(s, min(s + size, n)) for s in range(0, n, size)]
+    else:
+        prompt_len = rollout.prompt_mask.sum(-1).tolist()
+        resp_len = rollout.span_lengths.tolist()  # observations of a multi-turn row included
+        order.sort(key=lambda i: prompt_len[i] + resp_len[i], reverse=True)
+        bounds, start, width_p, width_t = [], 0, 0, 0
+        for k, i in enumerate(order):
+            wp, wt = max(width_p, prompt_len[i]), max(width_t, resp_len[i])
+            if k > start and (k - start + 1) * (wp + wt) > tokens:
+                bounds.append((start, k))
+                start, wp, wt = k, prompt_len[i], resp_len[i]
+            width_p, width_t = wp, wt
+        bounds.append((start, n))
+    for s, e in bounds:
+        yield order[s:e], rollout.select(order[s:e]).trim()
+
+
+class Scoring:
+    """The passes of the policy, its critic and its reference over response tokens.
+
+    Only the response positions go through the output layer, so the (B, P + T, V) logits of the prompt are
+    never built; with ``chunk_size`` the (B, T, V) float32 logits never exist either.
+
+    Args:
+        engine: The rollout engine; its ``temperature`` is the sampling distribution the log-probs are of.
+        critic: The value model (None = no values).
+        with_reference: A KL term needs reference log-probs.
+        micro_batch_size: Rows per forward.
+        micro_batch_tokens: A token budget per forward instead (see ``micro_batches``).
+        chunk_size: Positions per chunk of the log-prob computation (None = the full logits at once).
+
+    ``policy``, ``ref_policy`` and ``adapters`` are set once the weights load: the reference is the frozen
+    ``ref_policy``, or with LoRA (``adapters`` True) the policy with its adapters disabled.
+    """
+
+    def __init__(self, engine, critic=None, with_reference: bool = False, micro_batch_size: int = 8,
+                 micro_batch_tokens: int | None = None, chunk_size: int | None = 1024):
+        self.engine = engine
+        self.critic = critic
+        self.with_reference = with_reference
+        self.micro_batch_size = micro_batch_size
+        self.micro_batch_tokens = micro_batch_tokens
+        self.chunk_size = chunk_size
+        self.policy: torch.nn.Module | None = None
+        self.ref_policy: torch.nn.Module | None = None
+        self.adapters = False
+
+    def micro_batches(self, rollout: Rollout) -> Iterator[tuple[list[int], Rollout]]:
+        """``micro_batches`` with this scoring's size or token budget."""
+        return micro_batches(rollout, self.micro_batch_size, self.micro_batch_tokens)
+
+    def forward(self, batch: Rollout, policy: torch.nn.Module | None = None, with_values: bool = False,
+                with_logprobs: bool = True) -> Outputs:
+        """Log-probs and entropy of the response tokens under ``policy`` (default: the policy being trained),
+        and the critic's values when asked; log-probs and entropy are None when ``with_logprobs`` is False
+        (and a separate critic then runs alone)."""
+        policy = self.policy if policy is None else policy
+        critic = self.critic if with_values else None
+        hidden = logprobs = entropy = values = None
+        if with_logprobs or (critic is not None and critic.shared):
+            hidden = response_hidden_states(policy.get_decoder(), batch)
+        if with_logprobs:
+            head = policy.get_output_embeddings()
+            if self.chunk_size and type(head) is torch.nn.Linear:
+                logprobs, entropy = chunked_logprobs_and_entropy(hidden, head.weight, batch.response_ids,
+                                                                 self.engine.temperature, bias=head.bias,
+                                                                 chunk_size=self.chunk_size)
+            else:  # e.g. an adapter-wrapped output layer: the direct path through its forward
+                logprobs, entropy = logprobs_and_entropy(head(hidden), batch.response_ids, self.engine.temperature)
+        if critic is not None:
+            values = critic.values(batch, hidden)
+        return Outputs(logprobs, entropy, values)
+
+    def reference_logprobs(self, batch: Rollout) -> Tensor:
+        """Shape (B, T): log-probs under the reference policy."""
+        if self.adapters:
+            with self.policy.disable_adapter():
+                return self.forward(batch).logprobs
+        return self.forward(batch, policy=self.ref_policy).logprobs
+
+    @torch.no_grad()
+    def score(self, rollout: Rollout, need_old: bool, need_values: bool | None = None,
+              need_ref: bool | None = None) -> None:
+        """Fill ``rollout``'s old log-probs, values and reference log-probs in micro-batches, without gradients.
+        ``need_values`` / ``need_ref`` None: whenever there is a critic / a reference (and the rollout has no
+        reference log-probs yet)."""
+        need_values = self.critic is not None if need_values is None else need_values
+        if need_ref is None:
+            need_ref = self.with_reference and rollout.ref_logprobs is None
+        if not (need_old or need_values or need_ref):
+            return
+        olds, values, refs, rows = [], [], [], []
+        for index, micro in self.micro_batches(rollout):
+            rows.append(index)
+            if need_old or need_values:
+                out = self.forward(micro, with_values=need_values, with_logprobs=need_old)
+                olds.append(out.logprobs)
+                values.append(out.values)
+            if need_ref:
+                refs.append(self.reference_logprobs(micro))
+        mask = rollout.response_mask.float()
+
+        def full(parts: list[Tensor]) -> Tensor:  # each micro-batch's rows back in place, padded to the rollout's T
+            shape = (len(rollout), mask.shape[1]) if parts[0].dim() == 2 else (len(rollout),)
+            out = parts[0].new_zeros(shape)
+            for index, x in zip(rows, parts):
+                if x.dim() == 2:
+                    out[index, : x.shape[1]] = x
+                else:
+                    out[index] = x
+            return out
+
+        if need_old:
+            rollout.old_logprobs = full(olds) * mask
+        if need_values:
+            v = full(values)
+            rollout.values = v * mask if v.dim() == 2 else v
+        if need_ref:
+            rollout.ref_logprobs = full(refs) * mask

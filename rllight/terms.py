@@ -1,0 +1,148 @@
+"""Loss terms: what one optimizer update minimises, one small object per term.
+
+An update (``rllight.update.Updater.update``) adds the terms it is given on each micro-batch, so the policy's
+update, a critic-only fit and a self-imitation NLL update are the same routine with other terms. A term says
+what the forward pass must compute for it (``needs_logprobs``, ``needs_values``), which parameters its
+gradient reaches (``trains``) and what it logs (the metrics it returns).
+
+A term of your own goes in a recipe under ``model.loss_terms`` (added to every policy update)::
+
+    model:
+      loss_terms:
+        - class_path: my_lab.LengthPenalty
+          init_args: {coef: 0.01}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from rllight.algorithms import masked_mean
+from rllight.models import response_hidden_states
+from rllight.rollout.metrics import logprob_mismatch
+from rllight.scoring import Outputs
+from rllight.strategies import Aggregation, KLPenalty, PolicyLoss
+from rllight.types import Rollout
+
+Aggregate = Callable[[Tensor, Tensor], Tensor]
+"""``aggregate(loss, response_mask)``: a per-token (B, T) or per-sequence (B,) loss averaged as the recipe's
+``model.aggregation`` says, with the update's global token and sequence counts (all micro-batches, all ranks)."""
+
+
+class LossTerm:
+    """Base class of a loss term; subclass it and name the subclass in ``model.loss_terms``."""
+
+    needs_logprobs: bool = True
+    """The forward pass must compute the policy's log-probs and entropy (with gradients) for this term."""
+    needs_values: bool = False
+    """The forward pass must compute the critic's values (with gradients) for this term."""
+    trains: tuple[str, ...] = ("policy",)
+    """The parameters this term's gradient reaches: ``"policy"`` (the policy's weights: the rollout engine is
+    synced after the update) and/or ``"critic"``."""
+
+    def begin(self, minibatch: Rollout, aggregation: Aggregation, global_sum: Callable[[Tensor], Tensor]) -> None:
+        """Called once per optimizer update, on every rank, before its micro-batches (``global_sum`` sums a
+        tensor over ranks). Nothing by default."""
+
+    def __call__(self, batch: Rollout, out: Outputs, aggregate: Aggregate) -> tuple[Tensor, dict[str, Tensor]]:
+        """The term's scalar loss on the micro-batch ``batch`` (its share of the update's loss: ``aggregate``
+        divides by the update's global counts) and its metrics, e.g. ``{"mine/penalty": ...}`` (logged as
+        ``train/mine/penalty``, averaged over the step's micro-batches)."""
+        raise NotImplementedError
+
+
+class PolicyObjective(LossTerm):
+    """The policy's objective ``policy_loss``, with a KL penalty to the reference (when it is in the loss) and
+    an entropy bonus.
+
+    On a rollout without old log-probs (one update per rollout: the policy has not moved since sampling) the
+    live log-probs, detached, are the ratio's base.
+    """
+
+    def __init__(self, policy_loss: PolicyLoss, kl: KLPenalty | None = None, entropy_coef: float = 0.0):
+        self.policy_loss = policy_loss
+        self.kl = kl if kl is not None and not kl.in_reward else None
+        self.entropy_coef = entropy_coef
+
+    def begin(self, minibatch: Rollout, aggregation: Aggregation, global_sum: Callable[[Tensor], Tensor]) -> None:
+        self.policy_loss.begin_update(minibatch, aggregation, global_sum)
+
+    def __call__(self, batch: Rollout, out: Outputs, aggregate: Aggregate) -> tuple[Tensor, dict[str, Tensor]]:
+        mask = batch.response_mask.float()
+        stats = {}
+        if batch.old_logprobs is None:
+            batch.old_logprobs = out.logprobs.detach() * mask
+            stats.update(logprob_mismatch(batch.old_logprobs, batch.sample_logprobs, mask))
+        per_token, loss_stats = self.policy_loss(out.logprobs, batch)
+        loss = aggregate(per_token, mask)
+        if self.kl is not None:
+            kl = self.kl(out.logprobs, batch.ref_logprobs)
+            loss = loss + self.kl.coef * aggregate(kl, mask)
+            stats["policy/kl_ref"] = masked_mean(kl, mask)
+        if self.entropy_coef:
+            loss = loss - self.entropy_coef * aggregate(out.entropy, mask)
+        log_ratio = (out.logprobs.detach() - batch.old_logprobs) * mask
+        stats["policy/approx_kl"] = masked_mean(0.5 * log_ratio**2, mask)
+        stats["policy/entropy"] = masked_mean(out.entropy, mask)
+        return loss, {**stats, **loss_stats}
+
+
+class CriticLoss(LossTerm):
+    """The critic's own loss (``critic.loss``) weighted by ``critic.loss_coef``. A critic on the policy's
+    backbone trains the backbone too (``trains`` includes ``"policy"``)."""
+
+    needs_logprobs = False
+    needs_values = True
+
+    def __init__(self, critic, train_backbone: bool = True):
+        self.critic = critic
+        self.trains = ("critic", "policy") if critic.shared and train_backbone else ("critic",)
+
+    def __call__(self, batch: Rollout, out: Outputs, aggregate: Aggregate) -> tuple[Tensor, dict[str, Tensor]]:
+        per_token, stats = self.critic.loss(out.values, batch)
+        return self.critic.loss_coef * aggregate(per_token, batch.response_mask.float()), stats
+
+
+class HeadOnlyCriticFit(CriticLoss):
+    """The critic loss of a value head on the policy's backbone, training the head alone: the backbone runs
+    without gradients and gives fixed features (VAPO's value pretraining; critic updates between sampling and
+    the policy's update). The backbone does not move, so the hidden states of each micro-batch are computed
+    once and reused by every later update of the same minibatch with this term.
+
+    Args:
+        critic: The shared critic.
+        policy: The causal LM whose backbone the head reads.
+    """
+
+    needs_values = False
+
+    def __init__(self, critic, policy: torch.nn.Module):
+        super().__init__(critic, train_backbone=False)
+        self.policy = policy
+        self.hidden: list[Tensor] = []
+        self._next = 0
+
+    def begin(self, minibatch: Rollout, aggregation: Aggregation, global_sum: Callable[[Tensor], Tensor]) -> None:
+        self._next = 0
+
+    def __call__(self, batch: Rollout, out: Outputs, aggregate: Aggregate) -> tuple[Tensor, dict[str, Tensor]]:
+        if self._next == len(self.hidden):
+            with torch.no_grad():
+                self.hidden.append(response_hidden_states(self.policy.get_decoder(), batch))
+        hidden, self._next = self.hidden[self._next], self._next + 1
+        return super().__call__(batch, out._replace(values=self.critic.values(batch, hidden)), aggregate)
+
+
+class ResponseNLL(LossTerm):
+    """``coef * -log pi(response)``, aggregated like the policy loss: supervised learning on given responses
+    (VAPO's self-imitation on replayed successes, note 000 eq. 11). Logs the NLL itself as ``nll/loss``."""
+
+    def __init__(self, coef: float = 1.0):
+        self.coef = coef
+
+    def __call__(self, batch: Rollout, out: Outputs, aggregate: Aggregate) -> tuple[Tensor, dict[str, Tensor]]:
+        nll = aggregate(-out.logprobs, batch.response_mask.float())
+        return self.coef * nll, {"nll/loss": nll}

@@ -1,0 +1,232 @@
+"""The optimizer update: any set of loss terms, accumulated over micro-batches, and the schedules of updates
+an RL step runs (the policy's epochs over minibatches, critic-only fits, NLL updates)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+from torch.profiler import record_function
+
+from rllight._compat import no_gradient_sync
+from rllight.algorithms import explained_variance
+from rllight.distributed import Ranks
+from rllight.rollout.metrics import reduce_stats
+from rllight.scoring import Outputs, Scoring
+from rllight.strategies import Aggregation
+from rllight.terms import CriticLoss, HeadOnlyCriticFit, LossTerm, ResponseNLL
+from rllight.types import Rollout
+
+log = logging.getLogger(__name__)
+
+
+class Updater:
+    """Runs optimizer updates for a LightningModule with manual optimisation.
+
+    One update (``update``) over a minibatch: the forward pass computes what the terms need, each micro-batch's
+    terms are summed and back-propagated (the loss is normalised by the minibatch's global token or sequence
+    count, so the micro-batches' gradients add up to the minibatch's), gradients are summed over ranks, the
+    policy's and the critic's parameters are clipped each to its own norm, a non-finite update is skipped, and
+    the optimizer steps; the rollout engine gets the new weights when a term trained the policy.
+
+    Args:
+        lightning: The LightningModule whose optimizer, schedule and backward this drives.
+        scoring: The forward passes.
+        aggregation: How per-token losses are averaged.
+        max_grad_norm: Gradient-norm clipping of the policy's parameters (None = off).
+        critic_max_grad_norm: The critic's, separately (None = off).
+        max_consecutive_skips: This many non-finite updates in a row stop the run.
+        minibatch_size: Responses per update of a critic-only or NLL schedule when the caller names none (None =
+            the whole rollout in one update).
+    """
+
+    def __init__(self, lightning, scoring: Scoring, aggregation: Aggregation, max_grad_norm: float | None,
+                 critic_max_grad_norm: float | None, max_consecutive_skips: int, minibatch_size: int | None = None):
+        self.lightning = lightning
+        self.minibatch_size = minibatch_size
+        self.scoring = scoring
+        self.aggregation = aggregation
+        self.max_grad_norm = max_grad_norm
+        self.critic_max_grad_norm = critic_max_grad_norm
+        self.max_consecutive_skips = max_consecutive_skips
+        self.consecutive_skips = 0
+
+    @property
+    def ranks(self) -> Ranks:
+        return Ranks(self.lightning._trainer)
+
+    # ------------------------------------------------------------------------------------- schedules
+    def policy_updates(self, rollout: Rollout, terms: Sequence[LossTerm], epochs: int, minibatch_size: int | None,
+                       seed: int) -> dict[str, Tensor]:
+        """``epochs`` passes over ``rollout`` in minibatches of ``minibatch_size`` rows (None = one), shuffled
+        by ``seed`` when there are several, each update minimising the sum of ``terms``. Each update is a policy
+        step (``trainer.global_step``, the learning-rate schedule)."""
+        size = minibatch_size or len(rollout)
+        generator = torch.Generator().manual_seed(seed)
+        stats: dict[str, list[Tensor]] = {}
+        for _ in range(epochs):
+            order = torch.randperm(len(rollout), generator=generator) if size < len(rollout) else None
+            for index in self.minibatches(len(rollout), size, order):
+                for k, v in self.update(rollout.select(index), terms, "policy", "policy/loss", policy_step=True).items():
+                    stats.setdefault(k, []).append(v)
+        return reduce_stats(stats)
+
+    def critic_update(self, rollout: Rollout, epochs: int = 1, minibatch_size: int | None = None,
+                      train_backbone: bool = True) -> dict[str, Tensor]:
+        """Critic-only updates on ``rollout`` (which has ``values`` and ``returns``), logged as
+        ``critic_only/...``. A separate critic trains whole and the policy does not move. A value head on the
+        shared backbone trains alone with ``train_backbone`` False (``HeadOnlyCriticFit``); with True the value
+        loss also trains the backbone, which is the policy's, so the policy moves (and the engine is synced).
+        These updates do not advance ``trainer.global_step``, which counts policy updates."""
+        critic = self.scoring.critic
+        stats: dict[str, list[Tensor]] = {}
+        if len(rollout) and rollout.values is not None and rollout.returns is not None and rollout.values.dim() == 2:
+            stats["critic_only/explained_variance"] = [explained_variance(rollout.values, rollout.returns,
+                                                                          rollout.response_mask)]
+        head_only = critic.shared and not train_backbone
+        parts = self.minibatches(len(rollout), minibatch_size or self.minibatch_size)
+        terms = [HeadOnlyCriticFit(critic, self.scoring.policy) if head_only else CriticLoss(critic) for _ in parts]
+        for _ in range(epochs):
+            for index, term in zip(parts, terms):
+                out = self.update(rollout.select(index), [term], "value", total_key="value/total_loss")
+                for k, v in out.items():
+                    stats.setdefault(f"critic_only/{k.split('/')[-1]}" if k.startswith("value/") else k, []).append(v)
+        return {k: torch.stack(v).float().mean() for k, v in stats.items()}
+
+    def nll_update(self, rollout: Rollout, coef: float = 1.0, minibatch_size: int | None = None) -> dict[str, Tensor]:
+        """Supervised updates on the responses of ``rollout`` (``ResponseNLL``); like ``critic_update`` they do
+        not advance ``trainer.global_step``."""
+        stats: dict[str, list[Tensor]] = {}
+        for index in self.minibatches(len(rollout), minibatch_size or self.minibatch_size):
+            for k, v in self.update(rollout.select(index), [ResponseNLL(coef)], "nll").items():
+                stats.setdefault(k, []).append(v)
+        return {k: torch.stack(v).float().mean() for k, v in stats.items()}
+
+    def minibatches(self, n: int, size: int | None, order: Tensor | None = None) -> list[Tensor]:
+        """Row indices of the minibatches over ``n`` rows (``size`` rows each; None = one minibatch), in
+        ``order`` when given. Under DDP every rank must make the same number of optimizer updates: the count
+        is the largest over ranks, and a rank with fewer rows adds empty minibatches (it contributes no
+        gradient to those updates but takes part in them)."""
+        order = torch.arange(n) if order is None else order
+        size = size or max(n, 1)
+        parts = [order[s : s + size] for s in range(0, n, size)]
+        count = int(self.ranks.reduce(torch.tensor(float(len(parts))), op="max").item())
+        return parts + [order[:0]] * (count - len(parts))
+
+    # ----------------------------------------------------------------------------------- one update
+    def update(self, mb: Rollout, terms: Sequence[LossTerm], name: str, total_key: str | None = None,
+               policy_step: bool = False) -> dict[str, Tensor]:
+        """One optimizer update over the minibatch ``mb`` with the sum of ``terms``. Logs the terms' metrics,
+        ``<name>/grad_norm`` (the policy's parameters) and ``value/grad_norm`` (the critic's), the summed loss as
+        ``total_key``, and the guards. ``policy_step``: a policy update (steps Lightning's optimizer, which
+        counts ``trainer.global_step``, and the learning-rate schedule); else the raw optimizer steps."""
+        ranks = self.ranks
+        num_tokens = ranks.reduce(mb.response_mask.sum().float())
+        num_seqs = ranks.reduce(torch.tensor(float(len(mb)), device=mb.response_mask.device))
+        for term in terms:
+            term.begin(mb, self.aggregation, ranks.reduce)
+        if num_tokens.item() == 0:
+            # Every response of this minibatch, on every rank, is masked (e.g. all truncated under the overlong
+            # filter): nothing to learn from, and a token mean would divide by zero. No update, not a failure.
+            return {"guard/empty_updates": torch.tensor(1.0)}
+
+        def aggregate(per_token: Tensor, mask: Tensor) -> Tensor:
+            return self.aggregation(per_token, mask, num_tokens=num_tokens, num_seqs=num_seqs)
+
+        optimizer = self.lightning.optimizers()
+        optimizer.zero_grad(set_to_none=True)
+        stats, finite = self._accumulate(mb, terms, aggregate, total_key, ranks.world_size)
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        ranks.sum_gradients(params)
+        out = reduce_stats(stats, micro_batches=True)
+        norms = self.clip_gradients(optimizer, name)
+        out.update(norms)
+        grad_norm = torch.stack(list(norms.values())).sum() if norms else torch.zeros(())
+        if ranks.world_size > 1:  # every rank must take the same decision
+            finite = bool(ranks.reduce(torch.tensor(float(not finite), device=grad_norm.device)).item() == 0)
+        if not finite or not torch.isfinite(grad_norm):
+            out["guard/skipped_updates"] = self._skip(optimizer)
+            return out
+        self.consecutive_skips = 0
+        out["guard/skipped_updates"] = torch.tensor(0.0)
+        if policy_step:
+            with record_function("rllight.update.optimizer"):
+                optimizer.step()
+            scheduler = self.lightning.lr_schedulers()
+            if scheduler is not None:
+                scheduler.step()
+        else:
+            optimizer.optimizer.step()  # the raw optimizer: these steps do not count as global steps
+        if any("policy" in term.trains for term in terms):  # the policy moved
+            synced = self.scoring.engine.update_weights(self.scoring.policy)
+            out.update({k: torch.tensor(float(v)) for k, v in synced.items()})
+        return out
+
+    def _accumulate(self, mb: Rollout, terms: Sequence[LossTerm], aggregate, total_key: str | None,
+                    world_size: int) -> tuple[dict[str, list[Tensor]], bool]:
+        """Forward and backward of each micro-batch of ``mb``: the per-micro-batch metrics, and whether every
+        loss was finite (a micro-batch with a non-finite loss skips its backward)."""
+        with_logprobs = any(t.needs_logprobs for t in terms)
+        with_values = any(t.needs_values for t in terms)
+        stats: dict[str, list[Tensor]] = {}
+
+        def record(key: str, value: Tensor) -> None:
+            stats.setdefault(key, []).append(value.detach())
+
+        finite = True
+        for _, micro in self.scoring.micro_batches(mb):
+            mask = micro.response_mask.float()
+            # The share of the forward's positions that are padding (prompt and response columns alike).
+            positions = micro.prompt_mask.numel() + micro.valid_mask.numel()
+            real = micro.prompt_mask.sum() + micro.valid_mask.sum()
+            record("perf/padding_share", 1.0 - real.float() / max(positions, 1))
+            out = Outputs(None, None, None)
+            if with_logprobs or with_values:
+                with record_function("rllight.update.forward"):
+                    out = self.scoring.forward(micro, with_values=with_values, with_logprobs=with_logprobs)
+            loss = torch.zeros((), device=mask.device)
+            for term in terms:
+                term_loss, term_stats = term(micro, out, aggregate)
+                loss = loss + term_loss
+                for k, v in term_stats.items():
+                    record(k, v)
+            if not torch.isfinite(loss):
+                finite = False  # skip the backward; the whole update is skipped
+                continue
+            # The denominators are global (all ranks), so the ranks' gradients are summed, not averaged.
+            with no_gradient_sync(self.lightning._trainer), record_function("rllight.update.backward"):
+                self.lightning.manual_backward(loss)
+            if total_key is not None:
+                record(total_key, loss * world_size)
+        return stats, finite
+
+    def _skip(self, optimizer) -> Tensor:
+        """Drop a non-finite update's gradients; stop the run after ``max_consecutive_skips`` in a row."""
+        self.consecutive_skips += 1
+        step = self.lightning.global_step
+        log.warning("step %d: non-finite loss or gradient; update skipped (%d in a row)", step, self.consecutive_skips)
+        optimizer.zero_grad(set_to_none=True)
+        if self.consecutive_skips >= self.max_consecutive_skips:
+            raise FloatingPointError(
+                f"stopping at step {step}: {self.consecutive_skips} consecutive updates had a non-finite loss or "
+                "gradient; lower the learning rate or check the reward, then resume from the last checkpoint"
+            )
+        return torch.tensor(1.0)
+
+    def clip_gradients(self, optimizer, name: str) -> dict[str, Tensor]:
+        """Clip the policy's and the critic's gradients each to its own norm (``max_grad_norm``,
+        ``critic_max_grad_norm``; the critic's groups, e.g. backbone and head, together) and return the norms
+        before clipping, as ``<name>/grad_norm`` and ``value/grad_norm`` (parts without gradients are left out)."""
+        families: dict[bool, list[Tensor]] = {False: [], True: []}
+        for group in optimizer.param_groups:
+            critic = str(group.get("name", "policy")).startswith("critic")
+            families[critic] += [p for p in group["params"] if p.grad is not None]
+        norms = {}
+        for critic, params in families.items():
+            if params:
+                limit = self.critic_max_grad_norm if critic else self.max_grad_norm
+                norm = torch.nn.utils.clip_grad_norm_(params, limit if limit else float("inf"))
+                norms["value/grad_norm" if critic else f"{name}/grad_norm"] = norm.detach()
+        return norms
