@@ -1,0 +1,72 @@
+"""The shape the code keeps: a module that reads like the algorithm, short functions, and layers that import
+downwards only (no import circle; nothing below the CLI imports the module)."""
+
+import ast
+import os
+
+from conftest import RECIPES
+
+ROOT = os.path.dirname(RECIPES)
+PACKAGES = {"rllight": "rllight", "callbacks": "rllight.callbacks"}  # folder -> import name
+
+
+def _modules() -> dict[str, str]:
+    """Import name -> file, for every module of rllight (callbacks/ is rllight.callbacks)."""
+    found = {}
+    for folder, package in PACKAGES.items():
+        for path, _, files in os.walk(os.path.join(ROOT, folder)):
+            for f in files:
+                if f.endswith(".py"):
+                    rel = os.path.relpath(os.path.join(path, f), os.path.join(ROOT, folder))[:-3]
+                    parts = [p for p in rel.split(os.sep) if p != "__init__"]
+                    found[".".join([package, *parts])] = os.path.join(path, f)
+    return found
+
+
+def _imports(path: str, known: dict[str, str]) -> set[str]:
+    """The rllight modules a file imports anywhere in it (top level, TYPE_CHECKING blocks, function bodies)."""
+    out = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("rllight"):
+            for alias in node.names:
+                name = f"{node.module}.{alias.name}"
+                out.add(name if name in known else node.module)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("rllight"))
+    return {m for m in out if m in known}
+
+
+def test_the_module_stays_short_and_no_function_is_long():
+    with open(os.path.join(ROOT, "rllight", "module.py")) as f:
+        assert len(f.readlines()) <= 450
+    long = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 70:
+                long.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert long == []
+
+
+def test_no_import_circle_and_only_the_cli_imports_the_module():
+    modules = _modules()
+    graph = {name: _imports(path, modules) - {name} for name, path in modules.items()}
+    assert sorted(m for m, deps in graph.items() if "rllight.module" in deps) == ["rllight.cli"]
+    # Depth-first search for a cycle; on finding one, report it.
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                return path[path.index(dep):] + [dep]
+            if dep not in state and (cycle := visit(dep)):
+                return cycle
+        state[node] = 2
+        path.pop()
+        return None
+
+    for start in sorted(graph):
+        if start not in state:
+            assert visit(start) is None, " -> ".join(path)
