@@ -9,6 +9,7 @@ import lightning as L
 import torch
 
 from rllight.callbacks.base import RolloutCallback
+from rllight.distributed import share
 from rllight.errors import RecipeError
 from rllight.rollout.base import pad_left
 from rllight.types import Rollout
@@ -73,7 +74,8 @@ class SelfImitation(RolloutCallback):
     Args:
         capacity: Most entries kept.
         every_n_steps: Replay on every n-th RL step that reaches this callback (N_sil).
-        batch_size: Entries per replay update (drawn without replacement; fewer while the buffer is small).
+        batch_size: Entries per replay update over all processes, each drawing an equal share from its own buffer
+            (without replacement; fewer while the buffer is small).
         coef: Weight of the NLL loss.
         policy: Replacement policy: fifo, highest_reward or reservoir.
         min_reward: Success threshold on the reward (None = use ``rollout.correct``).
@@ -153,6 +155,9 @@ class SelfImitation(RolloutCallback):
         return [self.entries[i] for i in order.tolist()]
 
     # -------------------------------------------------------------------------------- hooks
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        share(self.batch_size, trainer.world_size, "trainer.callbacks: SelfImitation.batch_size")  # refused at the start
+
     def on_rollout(self, trainer: L.Trainer | None, module: L.LightningModule, rollout: Rollout) -> Rollout:
         self.steps_seen += 1
         self._pending = True
@@ -193,7 +198,8 @@ class SelfImitation(RolloutCallback):
         if not pl_module.ranks.any(bool(self.entries)):
             return
         if self.entries:
-            replayed = build_rollout(self.sample(self.batch_size), pl_module.tokenizer.pad_token_id, pl_module.device)
+            size = share(self.batch_size, pl_module.ranks.world_size, "trainer.callbacks: SelfImitation.batch_size")
+            replayed = build_rollout(self.sample(size), pl_module.tokenizer.pad_token_id, pl_module.device)
         else:
             replayed = Rollout.empty().to(pl_module.device)
         stats = pl_module.updater.nll_update(replayed, self.coef)

@@ -12,6 +12,7 @@ import torch
 
 from rllight.algorithms import explained_variance, gae, masked_mean, value_loss
 from rllight.callbacks.base import RolloutCallback
+from rllight.distributed import share
 from rllight.errors import RecipeError
 from rllight.types import Rollout
 
@@ -51,7 +52,8 @@ class ValuePretraining(RolloutCallback):
         min_delta_explained_variance: Increase of the explained variance above its best that counts as an
             improvement.
         epochs: Passes of critic updates over each rollout.
-        minibatch_size: Responses per critic update (None = ``model.minibatch_size``, or the whole rollout).
+        minibatch_size: Responses per critic update over all processes, each taking an equal share (None =
+            ``model.minibatch_size``, or the whole rollout).
         train_backbone: Also train the shared backbone of a ``ValueHead`` (False = head only, as note 000; the
             policy would move before RL starts). A ``SeparateCritic`` trains whole either way.
     """
@@ -103,6 +105,10 @@ class ValuePretraining(RolloutCallback):
                   else "settled" if self.patience is not None and self.bad_steps >= self.patience else None)
         self.finished = reason is not None
         return reason
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self.minibatch_size is not None:  # a total that must divide among the processes: refused at the start
+            share(self.minibatch_size, trainer.world_size, "trainer.callbacks: ValuePretraining.minibatch_size")
 
     def on_rollout(self, trainer: L.Trainer | None, module: L.LightningModule, rollout: Rollout) -> Rollout | None:
         if self.finished:

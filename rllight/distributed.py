@@ -5,6 +5,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from rllight.errors import RecipeError
+
+
+def share(total: int, world: int, name: str) -> int:
+    """Each process's share of a size given for all ``world`` processes together (``name`` is the recipe key,
+    for the error when it does not divide)."""
+    if total % world:
+        raise RecipeError(f"{name}={total} is a total over all {world} training processes (trainer.devices x "
+                          f"trainer.num_nodes) and must divide among them; use a multiple of {world}")
+    return total // world
+
 
 class Ranks:
     """Sums and maxima over the ranks of a run (the identity on one process). Every method is a collective
@@ -17,6 +28,7 @@ class Ranks:
 
     def __init__(self, trainer=None):
         self.world_size = trainer.world_size if trainer is not None else 1
+        self.rank = trainer.global_rank if trainer is not None else 0
         self._strategy = trainer.strategy if trainer is not None else None
 
     def reduce(self, value: Tensor, op: str = "sum") -> Tensor:
@@ -33,6 +45,12 @@ class Ranks:
         """The sum of a tensor or number over ranks, as a float32 CPU tensor (e.g. for a decision that all ranks
         must take alike)."""
         return self.reduce(torch.as_tensor(value, dtype=torch.float32).detach().cpu())
+
+    def gather(self, value: float) -> list[float]:
+        """Every rank's ``value``, in rank order."""
+        slots = torch.zeros(self.world_size, dtype=torch.float64)
+        slots[self.rank] = value
+        return self.reduce(slots).tolist()
 
     def sum_gradients(self, params: list[torch.nn.Parameter]) -> None:
         """Sum the gradients of ``params`` over ranks (a rank without one adds zeros); a parameter that no rank

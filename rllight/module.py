@@ -105,7 +105,8 @@ class RLModule(L.LightningModule):
         kl: KL to a frozen copy of the initial policy (None = no reference model).
         entropy_coef: Weight of an entropy bonus (0 = off).
         ppo_epochs: Passes over each rollout.
-        minibatch_size: Responses per optimizer update (None = the whole rollout in one update).
+        minibatch_size: Responses per optimizer update over all processes, each taking an equal share (None = the
+            whole rollout in one update).
         micro_batch_size: Responses per forward/backward; gradients accumulate over a minibatch, and
             the loss is normalised by the minibatch's global token (or sequence) count.
         micro_batch_tokens: Split minibatches by a token budget instead (rows x padded length per
@@ -221,7 +222,9 @@ class RLModule(L.LightningModule):
         if train_rows:
             self.prompt_stream = PromptStream(train_rows, world=self.trainer.world_size, rank=self.trainer.global_rank)
             self.prompt_stream.cursor = self.extra_prompt_cursor
-            self.producer.bind(self.policy, self.tokenizer, draw=self.prompt_stream.draw)
+            self.producer.bind(self.policy, self.tokenizer, draw=self.prompt_stream.draw, ranks=self.ranks)
+        if stage == "fit":  # a total over the processes that must divide among them, refused before the model loads
+            self.updater.local_size(self.minibatch_size)
 
     def teardown(self, stage: str) -> None:
         if self.reward_runner is not None:
@@ -296,7 +299,7 @@ class RLModule(L.LightningModule):
         rollout = self._after_rollout_callbacks(rollout, metrics, start)  # 2. shape, filter, store, or consume it
         if rollout is None:
             return
-        minibatch = self.minibatch_size or len(rollout)
+        minibatch = self.updater.local_size(self.minibatch_size) or len(rollout)
         updates_per_step = self.ppo_epochs * math.ceil(len(rollout) / max(minibatch, 1))
         # With a single update per rollout the live log-probs equal the old ones, so the extra forward
         # is skipped (unless a KL penalty in the reward needs them before the update).

@@ -12,7 +12,7 @@ from torch.profiler import record_function
 
 from rllight._compat import no_gradient_sync
 from rllight.algorithms import explained_variance
-from rllight.distributed import Ranks
+from rllight.distributed import Ranks, share
 from rllight.rollout.metrics import reduce_stats
 from rllight.scoring import Outputs, Scoring
 from rllight.strategies import Aggregation
@@ -39,7 +39,8 @@ class Updater:
         critic_max_grad_norm: The critic's, separately (None = off).
         max_consecutive_skips: This many non-finite updates in a row stop the run.
         minibatch_size: Responses per update of a critic-only or NLL schedule when the caller names none (None =
-            the whole rollout in one update).
+            the whole rollout in one update). Every minibatch size given here is a total over the training
+            processes: each takes an equal share of the rows.
     """
 
     def __init__(self, lightning, scoring: Scoring, aggregation: Aggregation, max_grad_norm: float | None,
@@ -57,13 +58,17 @@ class Updater:
     def ranks(self) -> Ranks:
         return Ranks(self.lightning._trainer)
 
+    def local_size(self, size: int | None, name: str = "model.minibatch_size") -> int | None:
+        """This process's share of a minibatch size given for all processes (None stays None)."""
+        return None if size is None else share(size, self.ranks.world_size, name)
+
     # ------------------------------------------------------------------------------------- schedules
     def policy_updates(self, rollout: Rollout, terms: Sequence[LossTerm], epochs: int, minibatch_size: int | None,
                        seed: int) -> dict[str, Tensor]:
         """``epochs`` passes over ``rollout`` in minibatches of ``minibatch_size`` rows (None = one), shuffled
         by ``seed`` when there are several, each update minimising the sum of ``terms``. Each update is a policy
         step (``trainer.global_step``, the learning-rate schedule)."""
-        size = minibatch_size or len(rollout)
+        size = self.local_size(minibatch_size) or len(rollout)
         generator = torch.Generator().manual_seed(seed)
         stats: dict[str, list[Tensor]] = {}
         for _ in range(epochs):
@@ -86,7 +91,7 @@ class Updater:
             stats["critic_only/explained_variance"] = [explained_variance(rollout.values, rollout.returns,
                                                                           rollout.response_mask)]
         head_only = critic.shared and not train_backbone
-        parts = self.minibatches(len(rollout), minibatch_size or self.minibatch_size)
+        parts = self.minibatches(len(rollout), self.local_size(minibatch_size or self.minibatch_size))
         terms = [HeadOnlyCriticFit(critic, self.scoring.policy) if head_only else CriticLoss(critic) for _ in parts]
         for _ in range(epochs):
             for index, term in zip(parts, terms):
@@ -99,13 +104,14 @@ class Updater:
         """Supervised updates on the responses of ``rollout`` (``ResponseNLL``); like ``critic_update`` they do
         not advance ``trainer.global_step``."""
         stats: dict[str, list[Tensor]] = {}
-        for index in self.minibatches(len(rollout), minibatch_size or self.minibatch_size):
+        for index in self.minibatches(len(rollout), self.local_size(minibatch_size or self.minibatch_size)):
             for k, v in self.update(rollout.select(index), [ResponseNLL(coef)], "nll").items():
                 stats.setdefault(k, []).append(v)
         return {k: torch.stack(v).float().mean() for k, v in stats.items()}
 
     def minibatches(self, n: int, size: int | None, order: Tensor | None = None) -> list[Tensor]:
-        """Row indices of the minibatches over ``n`` rows (``size`` rows each; None = one minibatch), in
+        """Row indices of this process's minibatches over its ``n`` rows (``size`` rows each, this process's
+        share; None = one minibatch), in
         ``order`` when given. Under DDP every rank must make the same number of optimizer updates: the count
         is the largest over ranks, and a rank with fewer rows adds empty minibatches (it contributes no
         gradient to those updates but takes part in them)."""

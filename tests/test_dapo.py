@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from rllight.algorithms import group_retention_probability, mixed_groups, soft_overlong_punishment
 from rllight.callbacks import OverlongFilter, SoftOverlongPunishment
 from rllight.callbacks.base import in_rollout_order
+from rllight.distributed import Ranks
 from rllight.errors import RecipeError
 from rllight.strategies import DynamicSampling, SeqMeanTokenMean, TokenMean
 from rllight.types import Rollout
@@ -131,14 +132,15 @@ def test_token_mean_weighs_every_token_1_over_1100_also_across_micro_batches():
 
 
 class FakeSamplerModule:
-    """What DynamicSampling uses of the rollout producer: ``sample``, ``more_prompts``, ``pad_id``.
-    Each call to ``sample`` takes the next rewards (and response lengths) of the script."""
+    """What DynamicSampling uses of the rollout producer: ``sample``, ``more_prompts``, ``pad_id``, ``ranks`` (one
+    process). Each call to ``sample`` takes the next rewards (and response lengths) of the script."""
 
     def __init__(self, rewards, lengths=None, correct=None):
         self.rewards = list(rewards)
         self.lengths = list(lengths) if lengths is not None else None
         self.correct = list(correct) if correct is not None else None
         self.pad_id = 0
+        self.ranks = Ranks()
         self.generated_for: list[list[str]] = []
         self.drawn = 0
 

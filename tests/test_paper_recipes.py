@@ -12,10 +12,13 @@ import os
 import re
 import sys
 
+from types import SimpleNamespace
+
 import pytest
 import yaml
 
-from rllight.data import RLDataModule
+from rllight.data import ArithmeticTask, RLDataModule
+from rllight.distributed import share
 from rllight.models import HFModel
 from rllight.module import RLModule
 
@@ -33,6 +36,15 @@ UPDATES_PER_ROLLOUT = {
     "sppo.yaml": 16,  # authors' 7B script: 512 prompts, N = 1, mini-batch 32
     "vespo.yaml": 8,  # note 002 / authors' script: N = gbs / mbs = 8
     "grpo.yaml": 1,  # arXiv:2402.03300 §4.2: "a single update following each exploration stage"
+}
+# What each source gives for one rollout over the whole cluster: (prompts, responses per optimizer update).
+PAPER_TOTALS = {
+    "dapo.yaml": (512, 512),  # §4.1: 512 prompts x 16 responses, mini-batches of 512
+    "vapo.yaml": (512, 512),  # §5.1 item 7
+    "ppo.yaml": (8192, 512),  # VAPO §5.1: 8192 prompts sampled once, mini-batch 512
+    "sppo.yaml": (512, 32),  # the authors' 7B script: global batch 512, ppo_mini_batch_size 32
+    "vespo.yaml": (2048, 2048),  # the authors' script: train_batch_size 2048, 256 prompts x 8 per update
+    "grpo.yaml": (16, 1024),  # arXiv:2402.03300 §4.2: 1024 responses (16 x 64) in one update
 }
 # The one paper that makes a single update per rollout; every other recipe must split its rollout.
 SINGLE_UPDATE = {"grpo.yaml"}
@@ -61,7 +73,7 @@ def header(recipe: str) -> str:
 
 
 def test_one_recipe_per_method():
-    assert {os.path.basename(r) for r in PAPER_RECIPES} == set(UPDATES_PER_ROLLOUT)
+    assert {os.path.basename(r) for r in PAPER_RECIPES} == set(UPDATES_PER_ROLLOUT) == set(PAPER_TOTALS)
 
 
 @needs_vllm
@@ -98,6 +110,23 @@ def test_paper_recipe_updates_per_rollout(recipe):
     assert model.get("ppo_epochs", 1) * rollout // minibatch == UPDATES_PER_ROLLOUT[name]
     if name not in SINGLE_UPDATE:
         assert minibatch < rollout  # several updates per rollout
+
+
+@pytest.mark.parametrize("recipe", PAPER_RECIPES, ids=os.path.basename)
+def test_paper_recipe_per_process_shares_times_its_world_are_the_papers_totals(recipe):
+    """Batch sizes are totals over the processes: on the cluster the recipe declares, each process takes its
+    share (as the trainer computes it), and the shares add up to the paper's numbers, not world x them."""
+    config = raw(recipe)
+    trainer = config["trainer"]
+    world = trainer["devices"] * trainer["num_nodes"]
+    data = RLDataModule(task=ArithmeticTask(num_train=4 * config["data"]["batch_size"], num_val=0),
+                        batch_size=config["data"]["batch_size"])
+    data.trainer = SimpleNamespace(global_rank=world - 1, world_size=world)
+    data.setup("fit")
+    prompts = data.local_batch_size  # what each process's training loader hands it per step
+    minibatch = share(config["model"]["minibatch_size"], world, "model.minibatch_size")  # the updater's share
+    assert (prompts * world, minibatch * world) == PAPER_TOTALS[os.path.basename(recipe)]
+    assert len(next(iter(data.train_dataloader()))) == prompts
 
 
 @pytest.mark.parametrize("recipe", PAPER_RECIPES, ids=os.path.basename)

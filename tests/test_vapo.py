@@ -349,7 +349,7 @@ class FakeNLLModule:
         self.replayed = []
         self.logged = []
         self.updater = SimpleNamespace(nll_update=self.nll_update)
-        self.ranks = SimpleNamespace(any=lambda flag: flag)
+        self.ranks = SimpleNamespace(any=lambda flag: flag, world_size=1)
 
     def nll_update(self, rollout, coef=1.0, minibatch_size=None):
         self.replayed.append((rollout, coef))

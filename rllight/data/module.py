@@ -9,7 +9,6 @@ verl's parquet (``answer_key: reward_model.ground_truth``), TRL's JSONL, OpenRLH
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import warnings
@@ -20,6 +19,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from rllight.data.arithmetic import ArithmeticTask
+from rllight.distributed import share
 from rllight.errors import RecipeError
 
 # ResumableSampler restarts the data stream at the trained-batch count saved in checkpoints, so
@@ -328,39 +328,51 @@ def _load_rows(paths: Sequence[str], field: str, fields: _Fields | None = None) 
     return rows
 
 
-class ResumableSampler(torch.utils.data.Sampler[int]):
-    """A fresh seeded permutation of the training rows each epoch, able to start mid-epoch.
+class ResumableSampler(torch.utils.data.DistributedSampler):
+    """A fresh seeded permutation of the training rows each epoch, dealt out to the training processes, able to
+    start mid-epoch.
 
-    Each epoch yields the first ``epoch_rows`` indices of a permutation of ``num_rows`` that depends only
-    on ``(seed, epoch)``; ``start_at(n)`` skips the first ``n`` rows of that stream. A run resumed after
-    ``k`` trained batches therefore sees exactly the rows an uninterrupted run would: the trained-batch
+    Each epoch takes the first ``epoch_rows`` indices of a permutation of ``num_rows`` that depends only on
+    ``(seed, epoch)``; process ``rank`` of ``world`` gets every ``world``-th of them, from its ``rank``-th on (so
+    consecutive batches of ``b`` rows on each process together make consecutive global batches of ``b x world``
+    rows, with no row twice). ``start_at(n)`` skips the first ``n`` rows of this process's stream. A run resumed
+    after ``k`` trained batches therefore sees exactly the rows an uninterrupted run would: the trained-batch
     count decides where it resumes, not the dataloader's prefetching.
+
+    It is a ``DistributedSampler`` so that Lightning uses it as it is under several processes (it would wrap
+    any other sampler in one that splits its stream again); the split is its own.
     """
 
-    def __init__(self, num_rows: int, epoch_rows: int, seed: int):
+    def __init__(self, num_rows: int, epoch_rows: int, seed: int, rank: int = 0, world: int = 1):
         self.num_rows = num_rows
-        self.epoch_rows = epoch_rows
+        self.epoch_rows = epoch_rows  # over all processes; a multiple of world
         self.seed = seed
-        self.skip = 0  # rows of the stream already consumed by training
+        self.rank = rank
+        self.world = self.num_replicas = world  # num_replicas: the name DistributedSampler's readers know
+        self.shuffle = False  # the order is this class's own; nothing is to shuffle it again
+        self.skip = 0  # rows of this process's stream already consumed by training
 
     def start_at(self, rows_consumed: int) -> None:
         self.skip = rows_consumed
 
+    def set_epoch(self, epoch: int) -> None:
+        """Lightning's per-epoch call: nothing to do, the stream counts its own epochs."""
+
     def order(self, epoch: int) -> list[int]:
-        """The row indices epoch ``epoch`` yields."""
+        """The row indices this process gets in epoch ``epoch``."""
         g = torch.Generator().manual_seed(self.seed + epoch)
-        return torch.randperm(self.num_rows, generator=g)[: self.epoch_rows].tolist()
+        return torch.randperm(self.num_rows, generator=g)[: self.epoch_rows][self.rank :: self.world].tolist()
 
     def __iter__(self):
-        epoch, offset = divmod(self.skip, self.epoch_rows)
+        epoch, offset = divmod(self.skip, len(self))
         order = self.order(epoch)
-        self.skip = (epoch + 1) * self.epoch_rows  # the next iterator starts the next epoch
+        self.skip = (epoch + 1) * len(self)  # the next iterator starts the next epoch
         yield from order[offset:]
 
     def __len__(self) -> int:
         # A full epoch, also when resuming mid-epoch: Lightning's restored batch counter then reaches the
         # epoch's end exactly when this iterator runs out.
-        return self.epoch_rows
+        return self.epoch_rows // self.world
 
 
 def collate(rows: list[dict]) -> list[dict]:
@@ -382,7 +394,8 @@ class RLDataModule(L.LightningDataModule):
         val_files: Held-out prompts for the validation loop (default: the task's held-out split, or
             none when ``train_files`` is set).
         task: The embedded task, used when ``train_files`` is not given.
-        batch_size: Prompts per training step (each is sampled ``group_size`` times by the sampler).
+        batch_size: Prompts per training step over all processes (each is sampled ``group_size`` times by the
+            sampler); each of the ``trainer.devices x trainer.num_nodes`` processes takes an equal share.
         val_batch_size: Prompts per validation batch.
         val_size: Use only the first ``val_size`` held-out prompts (None = all).
         system_prompt: A system message put before each string prompt (None = the template's default).
@@ -427,6 +440,7 @@ class RLDataModule(L.LightningDataModule):
         self.val_files = val_files
         self.task = task if task is not None or train_files else ArithmeticTask()
         self.batch_size = batch_size
+        self.rank, self.world = 0, 1  # this process among the training processes (set up with the trainer)
         self.val_batch_size = val_batch_size
         self.val_size = val_size
         self.system_prompt = system_prompt
@@ -436,7 +450,15 @@ class RLDataModule(L.LightningDataModule):
         self.batches_trained = 0
         """Training batches completed (advanced by the module after each RL step; saved in checkpoints)."""
 
+    @property
+    def local_batch_size(self) -> int:
+        """This process's share of ``batch_size``."""
+        return share(self.batch_size, self.world, "data.batch_size")
+
     def setup(self, stage: str | None = None) -> None:
+        if self.trainer is not None:
+            self.rank, self.world = self.trainer.global_rank, self.trainer.world_size
+            self.local_batch_size  # noqa: B018  (a size that does not divide is refused before the model loads)
         if self.train_rows is not None:
             return
         if self.train_files:
@@ -470,44 +492,31 @@ class RLDataModule(L.LightningDataModule):
             raise RecipeError(
                 f"data.batch_size={self.batch_size} is larger than the {len(self.train_rows)} training rows"
             )
-        return ResumableSampler(len(self.train_rows), per_epoch * self.batch_size, self.seed)
+        return ResumableSampler(len(self.train_rows), per_epoch * self.batch_size, self.seed, self.rank, self.world)
 
-    def upcoming_batches(self, first: int, count: int, rank: int = 0, world: int = 1,
-                         shuffle_seed: int | None = None) -> list[list[dict]]:
-        """The rows of training batches ``first .. first + count - 1`` (counted from the run's first batch) as
-        the training loader of process ``rank`` of ``world`` yields them: asynchronous rollouts generate them
-        ahead. Under several processes Lightning's ``DistributedSamplerWrapper`` takes the epoch's order,
-        permutes its positions with ``randperm`` seeded ``shuffle_seed + epoch`` (None: it does not shuffle),
-        pads them with the first ones to a multiple of ``world`` and gives each rank every ``world``-th; the
-        rank's loader drops its last incomplete batch."""
+    def upcoming_batches(self, first: int, count: int) -> list[list[dict]]:
+        """The rows of this process's training batches ``first .. first + count - 1`` (counted from the run's
+        first batch), as its training loader yields them: asynchronous rollouts generate them ahead."""
         sampler = self._sampler()
-        shares: dict[int, list[int]] = {}
-        per_rank = math.ceil(sampler.epoch_rows / world)
-        batches_per_epoch = per_rank // self.batch_size
+        size = self.local_batch_size
+        batches_per_epoch = len(sampler) // size
+        orders: dict[int, list[int]] = {}
         batches = []
         for index in range(first, first + max(count, 0)):
             epoch, batch = divmod(index, batches_per_epoch)
-            if epoch not in shares:
-                order = sampler.order(epoch)
-                positions = list(range(len(order)))
-                if shuffle_seed is not None:
-                    positions = torch.randperm(len(order), generator=torch.Generator().manual_seed(
-                        shuffle_seed + epoch)).tolist()
-                positions += positions[: per_rank * world - len(positions)]
-                shares[epoch] = [order[p] for p in positions[rank::world]]
-            offset = batch * self.batch_size
-            batches.append([self.train_rows[i] for i in shares[epoch][offset : offset + self.batch_size]])
+            order = orders.setdefault(epoch, sampler.order(epoch))
+            batches.append([self.train_rows[i] for i in order[batch * size : (batch + 1) * size]])
         return batches
 
     def train_dataloader(self) -> DataLoader:
         sampler = self._sampler()
-        # Whole batches: resuming after k trained batches skips k * batch_size rows of the stream.
-        sampler.start_at(self.batches_trained * self.batch_size)
+        # Whole batches: resuming after k trained batches skips k batches of this process's stream.
+        sampler.start_at(self.batches_trained * self.local_batch_size)
         # The loader's own generator keeps iterator creation from drawing on the global RNG, which the
         # rollouts use: a resumed run must see the same random stream as an uninterrupted one.
         return DataLoader(
             self.train_rows,
-            batch_size=self.batch_size,
+            batch_size=self.local_batch_size,
             sampler=sampler,
             drop_last=True,
             collate_fn=collate,

@@ -16,8 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils.data import DistributedSampler
 
+from rllight.distributed import Ranks
 from rllight.envs.base import Environment
 from rllight.errors import RecipeError
 from rllight.rewards import Reward, RewardRunner, by_source, score_batch
@@ -65,7 +65,8 @@ class RolloutProducer:
     ``reward/failures``).
 
     Counters (``reward_failures``, ``dropped_prompts``, ``failed_reward_steps``) are part of the state saved in
-    checkpoints (``state_dict``).
+    checkpoints (``state_dict``). ``ranks`` are the training processes' collectives, for a sampler whose choice
+    spans them (dynamic sampling fills one global target).
     """
 
     def __init__(self, engine: RolloutEngine, reward: Reward, max_prompt_tokens: int | None = None,
@@ -84,14 +85,19 @@ class RolloutProducer:
         self.reward_failures = 0
         self.dropped_prompts = 0
         self.failed_reward_steps = 0
+        self.ranks = Ranks()
 
-    def bind(self, policy: torch.nn.Module, tokenizer, draw: Callable[[int], list[dict]] | None = None) -> None:
-        """The policy to sample from, its tokenizer, and where extra prompt rows come from."""
+    def bind(self, policy: torch.nn.Module, tokenizer, draw: Callable[[int], list[dict]] | None = None,
+             ranks: Ranks | None = None) -> None:
+        """The policy to sample from, its tokenizer, where extra prompt rows come from, and the collectives of
+        the training processes."""
         if tokenizer is not self.tokenizer:
             self._chat_turns = None
         self.policy, self.tokenizer = policy, tokenizer
         if draw is not None:
             self._draw = draw
+        if ranks is not None:
+            self.ranks = ranks
 
     @property
     def pad_id(self) -> int:
@@ -305,11 +311,7 @@ def prefetch_ahead(trainer, sampler, producer: RolloutProducer, updates_per_step
     if max_steps is not None and max_steps >= 0:  # batches still trained on after this one
         ahead = min(ahead, max(0, math.ceil((max_steps - trainer.global_step) / max(updates_per_step, 1)) - 1))
     first = max(current + 1, prefetched_through + 1)
-    # Under DDP, Lightning's DistributedSamplerWrapper shards (and by default shuffles) each epoch's order.
-    order = getattr(trainer.train_dataloader, "sampler", None)
-    shuffle_seed = order.seed if isinstance(order, DistributedSampler) and order.shuffle else None
-    upcoming = datamodule.upcoming_batches(first, current + ahead + 1 - first, rank=trainer.global_rank,
-                                           world=trainer.world_size, shuffle_seed=shuffle_seed)
+    upcoming = datamodule.upcoming_batches(first, current + ahead + 1 - first)  # this process's share
     for index, rows in enumerate(upcoming, start=first):
         sampler.prefetch(producer, rows)
         prefetched_through = index

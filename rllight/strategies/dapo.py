@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rllight.algorithms.shaping import mixed_groups
+from rllight.distributed import share
 from rllight.errors import RecipeError
 from rllight.strategies.samplers import Sampler
 from rllight.types import Rollout
@@ -70,15 +71,18 @@ class DynamicSampling(Sampler):
         self.metric = metric
 
     def __call__(self, producer: RolloutProducer, rows: list[dict]) -> Rollout:
-        target = self.target_groups or len(rows)
-        per_round = self.prompts_per_round or len(rows)
-        kept: list[Rollout] = []
+        ranks = producer.ranks
+        target = self.target_groups or len(rows) * ranks.world_size  # over all processes, as data.batch_size
+        per_round = len(rows)
+        if self.prompts_per_round is not None:
+            per_round = share(self.prompts_per_round, ranks.world_size, "model.sampler.init_args.prompts_per_round")
+        mixed_parts: list[tuple[Rollout, list[int]]] = []  # each round's rollout and its mixed groups
         n_kept = n_drawn = n_mixed = responses = 0
         tokens = 0.0
         totals: dict[str, float] = {}  # the engine's per-call scalars (timings, failures): summed over rounds
         rounds = 0
         batch = rows
-        while rounds < self.max_rounds and n_kept < target:
+        while rounds < self.max_rounds and n_kept < target:  # n_kept: over all processes, so they stop together
             if rounds:
                 batch = producer.more_prompts(per_round)
             part = producer.sample(batch, self.group_size)
@@ -93,16 +97,16 @@ class DynamicSampling(Sampler):
             responses += len(part)
             tokens += float(part.response_lengths.sum())
             values = part.rewards if self.metric == "reward" else part.correct
-            mixed = mixed_groups(values, part.group_ids)
-            ids = torch.unique(part.group_ids[mixed]).tolist()  # sorted: groups in prompt order
+            ids = torch.unique(part.group_ids[mixed_groups(values, part.group_ids)]).tolist()  # in prompt order
             n_mixed += len(ids)
-            ids = ids[: target - n_kept]
-            if ids:
-                keep = torch.isin(part.group_ids, torch.tensor(ids, device=part.group_ids.device))
-                kept.append(part.select(torch.nonzero(keep).squeeze(-1).cpu()))
-                n_kept += len(ids)
-            elif not kept and rounds == self.max_rounds:
-                kept.append(part.select([]))  # nothing mixed at all: an empty rollout of the right shape
+            mixed_parts.append((part, ids))
+            n_kept = int(ranks.sum(float(n_mixed)).item())
+        # The first `target` mixed groups over the processes are kept, the processes in rank order (a surplus of
+        # the last round is dropped, as verl does).
+        earlier = sum(ranks.gather(float(n_mixed))[: ranks.rank]) if ranks.world_size > 1 else 0
+        quota = max(0, min(n_mixed, target - int(earlier)))
+        kept = self._first_groups(mixed_parts, quota)
+        n_kept = min(n_kept, target)
         cap_hit = n_kept < target
         if cap_hit:
             log.warning("dynamic sampling: cap hit, %d of %d mixed groups after max_rounds=%d (%d groups drawn); "
@@ -111,7 +115,7 @@ class DynamicSampling(Sampler):
         rollout.extras.update(totals)
         rollout.extras.update({
             "sampling/groups_drawn": float(n_drawn),
-            "sampling/groups_kept": float(n_kept),
+            "sampling/groups_kept": float(quota),
             "sampling/rounds": float(rounds),
             "sampling/cap_hit": float(cap_hit),
             "sampling/retention": n_mixed / max(n_drawn, 1),
@@ -120,3 +124,15 @@ class DynamicSampling(Sampler):
         })
         return rollout
 
+    @staticmethod
+    def _first_groups(parts: list[tuple[Rollout, list[int]]], quota: int) -> list[Rollout]:
+        """The first ``quota`` mixed groups of the rounds' rollouts, in order (an empty rollout of the right shape
+        when there are none)."""
+        kept = []
+        for part, ids in parts:
+            ids = ids[:quota]
+            if ids:
+                keep = torch.isin(part.group_ids, torch.tensor(ids, device=part.group_ids.device))
+                kept.append(part.select(torch.nonzero(keep).squeeze(-1).cpu()))
+                quota -= len(ids)
+        return kept or [parts[-1][0].select([])]
