@@ -59,13 +59,25 @@ def unchanged_parameters(model: torch.nn.Module, model_dir: str, decoder: bool =
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
-def fit_in_child(recipe: str, *args: str, timeout: float, **env: str) -> subprocess.CompletedProcess:
-    """Run ``rllight fit --config <recipes/recipe> <args>`` in a child process and return it (output
-    captured). The child has this environment, the tests folder on PYTHONPATH (for the test strategies),
-    and the ``env`` variables."""
+def start_fit(recipe: str, *args: str, cwd: str | None = None, **env: str) -> subprocess.Popen:
+    """Start ``rllight fit --config <recipes/recipe> <args>`` in a child process (in ``cwd``; output captured as
+    text). The child has this environment, the tests folder on PYTHONPATH (for the test strategies), and the
+    ``env`` variables."""
     cmd = [sys.executable, "-m", "rllight.cli", "fit", "--config", os.path.join(RECIPES, recipe), *args]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]), **env)
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def fit_in_child(recipe: str, *args: str, timeout: float, **env: str) -> subprocess.CompletedProcess:
+    """``start_fit`` and wait for it: the finished process, with its output."""
+    child = start_fit(recipe, *args, **env)
+    try:
+        stdout, stderr = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.communicate()
+        raise
+    return subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
 
 
 BASE_PREFIX = "# base: "

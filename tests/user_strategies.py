@@ -94,10 +94,12 @@ class DumpState(RolloutCallback):
         self.record["local_tokens"] = local.item()
         self.record["global_tokens"] = module.ranks.reduce(local.clone()).item()
         self.record["prompts"] = sorted(rollout.answers)
+        self.record.setdefault("prompts_seen", []).extend(sorted(set(rollout.answers)))  # every step's prompts
         self.record.setdefault("rollout_sizes", []).append(len(rollout))
         # Asynchronous rollouts: whether the step's rollout was generated ahead, and its staleness.
         self.record.setdefault("generated_ahead", []).append(float(rollout.extras.get("rollout/generated_ahead", -1)))
         self.record.setdefault("staleness", []).append(float(rollout.extras.get("rollout/staleness", -1)))
+        self.record.setdefault("global_steps", []).append(int(trainer.global_step))
         return rollout
 
     def on_train_end(self, trainer, module):
