@@ -19,6 +19,7 @@ import yaml
 
 from rllight.data import ArithmeticTask, RLDataModule
 from rllight.distributed import share
+from rllight.evaluation import EvalSettings
 from rllight.models import HFModel
 from rllight.module import RLModule
 
@@ -45,6 +46,16 @@ PAPER_TOTALS = {
     "sppo.yaml": (512, 32),  # the authors' 7B script: global batch 512, ppo_mini_batch_size 32
     "vespo.yaml": (2048, 2048),  # the authors' script: train_batch_size 2048, 256 prompts x 8 per update
     "grpo.yaml": (16, 1024),  # arXiv:2402.03300 §4.2: 1024 responses (16 x 64) in one update
+}
+# How each source evaluates: (samples per problem, temperature, top-p); the temperature of SPPO and VESPO is
+# chosen (their sources give the samples and, for VESPO, top-p); DeepSeekMath reports greedy accuracy.
+PAPER_EVALUATION = {
+    "dapo.yaml": (32, 1.0, 0.7),  # §4.1: avg@32, temperature 1.0, top-p 0.7
+    "vapo.yaml": (32, 1.0, 0.7),  # §5.1
+    "ppo.yaml": (32, 1.0, 0.7),  # VAPO's §5.1, the setting this baseline is compared under
+    "sppo.yaml": (16, 0.6, 0.95),  # avg@16
+    "vespo.yaml": (4, 1.0, 0.7),  # the authors' script: 4 samples at top-p 0.7
+    "grpo.yaml": (1, 0.0, 1.0),  # greedy
 }
 # The one paper that makes a single update per rollout; every other recipe must split its rollout.
 SINGLE_UPDATE = {"grpo.yaml"}
@@ -73,7 +84,8 @@ def header(recipe: str) -> str:
 
 
 def test_one_recipe_per_method():
-    assert {os.path.basename(r) for r in PAPER_RECIPES} == set(UPDATES_PER_ROLLOUT) == set(PAPER_TOTALS)
+    assert {os.path.basename(r) for r in PAPER_RECIPES} == set(UPDATES_PER_ROLLOUT) == set(PAPER_TOTALS) == set(
+        PAPER_EVALUATION)
 
 
 @needs_vllm
@@ -127,6 +139,14 @@ def test_paper_recipe_per_process_shares_times_its_world_are_the_papers_totals(r
     minibatch = share(config["model"]["minibatch_size"], world, "model.minibatch_size")  # the updater's share
     assert (prompts * world, minibatch * world) == PAPER_TOTALS[os.path.basename(recipe)]
     assert len(next(iter(data.train_dataloader()))) == prompts
+
+
+@pytest.mark.parametrize("recipe", PAPER_RECIPES, ids=os.path.basename)
+def test_paper_recipe_evaluates_as_its_paper(recipe):
+    settings = EvalSettings(**(raw(recipe)["model"].get("evaluation") or {}))
+    n, temperature, top_p = PAPER_EVALUATION[os.path.basename(recipe)]
+    assert (settings.n, settings.temperature, settings.top_p) == (n, temperature, top_p)
+    assert settings.ks == sorted({1, n})  # avg@n and pass@n are reported, and the per-sample accuracy
 
 
 @pytest.mark.parametrize("recipe", PAPER_RECIPES, ids=os.path.basename)
