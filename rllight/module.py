@@ -225,6 +225,7 @@ class RLModule(L.LightningModule):
             self.producer.bind(self.policy, self.tokenizer, draw=self.prompt_stream.draw, ranks=self.ranks)
         if stage == "fit":  # a total over the processes that must divide among them, refused before the model loads
             self.updater.local_size(self.minibatch_size)
+        self.rollout.check_processes(self.ranks.world_size)
 
     def teardown(self, stage: str) -> None:
         if self.reward_runner is not None:

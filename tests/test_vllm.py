@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 
+from rllight.errors import RecipeError
 from rllight.models import HFModel
 from rllight.module import RLModule
 from rllight.rollout import HFEngine
@@ -393,3 +394,15 @@ def test_vllm_engine_in_a_worker_process_samples_the_trainers_policy_and_follows
         assert gap(fresh) < 1e-5 < gap(fresh, policy=before)
     finally:
         engine.close()
+
+
+def test_an_in_process_engine_with_several_training_processes_is_one_line_naming_the_worker():
+    pytest.importorskip("vllm")
+    engine = VLLMEngine(max_new_tokens=8)
+    engine.check_processes(1)  # one training process: the engine lives in it
+    with pytest.raises(RecipeError) as err:
+        engine.check_processes(2)
+    assert "rllight.rollout.worker.ProcessEngine" in str(err.value) and len(str(err.value).splitlines()) == 1
+    from rllight.rollout.worker import ProcessEngine
+
+    ProcessEngine(engine).check_processes(2)  # one engine per rank, each in its own worker

@@ -1,5 +1,7 @@
 """Strategies as a user would write them in their own module (not part of rllight)."""
 
+import os
+
 import torch
 
 from rllight.callbacks import RolloutCallback
@@ -100,6 +102,13 @@ class DumpState(RolloutCallback):
         self.record.setdefault("generated_ahead", []).append(float(rollout.extras.get("rollout/generated_ahead", -1)))
         self.record.setdefault("staleness", []).append(float(rollout.extras.get("rollout/staleness", -1)))
         self.record.setdefault("global_steps", []).append(int(trainer.global_step))
+        if os.environ.get("RLLIGHT_TEST_LOGPROB_GAP"):  # the trainer's log-probs against the engine's sampling ones
+            from rllight.rollout.metrics import logprob_mismatch
+
+            with torch.no_grad():
+                logprobs = module.scoring.forward(rollout).logprobs
+            gap = logprob_mismatch(logprobs, rollout.sample_logprobs, rollout.response_mask)["rollout/logprob_diff_max"]
+            self.record.setdefault("logprob_gap", []).append(float(gap))
         return rollout
 
     def on_train_end(self, trainer, module):

@@ -73,6 +73,10 @@ class RolloutEngine:
         """Sample one response per prompt (token id lists). ``greedy`` decodes deterministically."""
         raise NotImplementedError
 
+    def check_processes(self, world_size: int) -> None:
+        """Refuse with one line, before the model loads, a number of training processes this engine cannot
+        serve (each process has an engine of its own). Every number by default."""
+
     def update_weights(self, model: torch.nn.Module) -> dict[str, float]:
         """Called by the module after every optimizer update with the trained policy. Engines that hold
         their own copy of the weights (vLLM) sync here; returns metrics (e.g. ``rollout/sync_time``).

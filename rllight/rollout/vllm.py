@@ -259,10 +259,6 @@ class VLLMEngine(RolloutEngine):
     # ------------------------------------------------------------------------------ engine
     def _start(self, model: torch.nn.Module, tokenizer):
         vllm = import_vllm()
-        if torch.distributed.is_available() and torch.distributed.is_initialized() \
-                and torch.distributed.get_world_size() > 1:
-            raise NotImplementedError("VLLMEngine: one colocated engine per process is supported with a single "
-                                      "training process (trainer.devices: 1); multi-process training is not yet")
         # The weight sync passes tensors by reference into the engine, which must live in this process.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         self._dir = tempfile.mkdtemp(prefix="rllight-vllm-")
@@ -290,6 +286,13 @@ class VLLMEngine(RolloutEngine):
         for weights_file in glob.glob(os.path.join(self._dir, "*.safetensors")):
             os.remove(weights_file)
         return self.llm
+
+    def check_processes(self, world_size: int) -> None:
+        if world_size > 1:  # vLLM in the process would join the trainer's process group as its own world
+            raise RecipeError(
+                f"model.rollout: VLLMEngine runs inside one training process; with {world_size} processes give each "
+                "its own engine in a rollout worker: class_path: rllight.rollout.worker.ProcessEngine with "
+                "init_args.engine the VLLMEngine (recipes/overlays/vllm-per-rank.yaml)")
 
     def close(self) -> None:
         """Shut the engine down and delete its temporary folder (a later ``generate`` starts a new one)."""
