@@ -14,7 +14,6 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from rllight._compat import forget_step_metrics, plain_instance
-from rllight.algorithms import explained_variance
 from rllight.callbacks.base import in_rollout_order
 from rllight.checkpoint import REFERENCE_PREFIX, load_run_state, save_run_state
 from rllight.critics import Critic
@@ -26,7 +25,7 @@ from rllight.evaluation import EvalSettings, Evaluator
 from rllight.models import HFModel, LoRA, disable_dropout
 from rllight.rewards import IntegerMatch, Reward, RewardRunner, by_source, check_rows
 from rllight.rollout import HFEngine, RolloutEngine
-from rllight.rollout.metrics import logprob_mismatch, rollout_metrics, scalar_extras
+from rllight.rollout.metrics import critic_explained_variance, logprob_mismatch, rollout_metrics, scalar_extras
 from rllight.rollout.producer import RolloutProducer, prefetch_ahead
 from rllight.scoring import Scoring
 from rllight.strategies import (AdvantageEstimator, Aggregation, ClippedSurrogate, GroupRelative, GroupSampler,
@@ -210,8 +209,12 @@ class RLModule(L.LightningModule):
 
     # ----------------------------------------------------------------------------------- set-up
     def setup(self, stage: str) -> None:
-        """Before the model loads: every reference answer must be one the reward can match (a row whose
-        answer can never be matched would only ever teach "wrong")."""
+        """Before the model loads: sizes that must divide among the processes do, the engine serves this many
+        processes, and every reference answer is one the reward can match (a row whose answer can never be
+        matched would only ever teach "wrong")."""
+        if stage == "fit":
+            self.updater.local_size(self.minibatch_size)
+        self.rollout.check_processes(self.ranks.world_size)
         datamodule = self.trainer.datamodule if self._trainer is not None else None
         train_rows = (getattr(datamodule, "train_rows", None) or []) if stage == "fit" else []
         check_rows(self.reward, [*train_rows, *(getattr(datamodule, "val_rows", None) or [])])  # per data source
@@ -223,9 +226,6 @@ class RLModule(L.LightningModule):
             self.prompt_stream = PromptStream(train_rows, world=self.trainer.world_size, rank=self.trainer.global_rank)
             self.prompt_stream.cursor = self.extra_prompt_cursor
             self.producer.bind(self.policy, self.tokenizer, draw=self.prompt_stream.draw, ranks=self.ranks)
-        if stage == "fit":  # a total over the processes that must divide among them, refused before the model loads
-            self.updater.local_size(self.minibatch_size)
-        self.rollout.check_processes(self.ranks.world_size)
 
     def teardown(self, stage: str) -> None:
         if self.reward_runner is not None:
@@ -366,9 +366,9 @@ class RLModule(L.LightningModule):
             metrics.update(logprob_mismatch(rollout.old_logprobs, rollout.sample_logprobs, rollout.response_mask))
         self.estimate_advantages(rollout)
         metrics.update(scalar_extras(rollout))
-        if rollout.values is not None and rollout.returns is not None and rollout.values.dim() == 2:
-            metrics["value/explained_variance"] = explained_variance(rollout.values, rollout.returns,
-                                                                     rollout.response_mask)
+        ev = critic_explained_variance(rollout)  # of the critic as it enters the step, on the fresh rollout
+        if ev is not None:
+            metrics["value/explained_variance"] = ev
         return metrics
 
     def _critic_first(self, rollout: Rollout) -> dict:

@@ -11,9 +11,8 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from rllight._compat import no_gradient_sync
-from rllight.algorithms import explained_variance
 from rllight.distributed import Ranks, share
-from rllight.rollout.metrics import reduce_stats
+from rllight.rollout.metrics import critic_explained_variance, reduce_stats
 from rllight.scoring import Outputs, Scoring
 from rllight.strategies import Aggregation
 from rllight.terms import CriticLoss, HeadOnlyCriticFit, LossTerm, ResponseNLL
@@ -87,9 +86,9 @@ class Updater:
         These updates do not advance ``trainer.global_step``, which counts policy updates."""
         critic = self.scoring.critic
         stats: dict[str, list[Tensor]] = {}
-        if len(rollout) and rollout.values is not None and rollout.returns is not None and rollout.values.dim() == 2:
-            stats["critic_only/explained_variance"] = [explained_variance(rollout.values, rollout.returns,
-                                                                          rollout.response_mask)]
+        ev = critic_explained_variance(rollout)  # of the critic as it enters these updates
+        if ev is not None:
+            stats["critic_only/explained_variance"] = [ev]
         head_only = critic.shared and not train_backbone
         parts = self.minibatches(len(rollout), self.local_size(minibatch_size or self.minibatch_size))
         terms = [HeadOnlyCriticFit(critic, self.scoring.policy) if head_only else CriticLoss(critic) for _ in parts]

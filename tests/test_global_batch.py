@@ -82,3 +82,17 @@ def test_dynamic_sampling_fills_one_global_target_in_rank_order(rank, kept_group
     assert torch.unique(rollout.group_ids).tolist() == kept_groups
     assert float(rollout.extras["sampling/cap_hit"]) == 0
     assert producer.generated_for[1] == ["extra0", "extra1"]  # prompts_per_round 4 over 2 processes: 2 each
+
+
+def test_the_module_refuses_a_minibatch_that_does_not_divide_before_the_model_loads(tiny_model_dir):
+    from rllight.models import HFModel
+    from rllight.module import RLModule
+
+    module = RLModule(HFModel(tiny_model_dir), minibatch_size=10)
+    module._trainer = SimpleNamespace(world_size=4, global_rank=0, strategy=None, datamodule=None)
+    with pytest.raises(RecipeError, match=r"model\.minibatch_size=10 .* all 4 training processes"):
+        module.setup("fit")
+    assert module.policy is None
+    module._trainer = SimpleNamespace(world_size=2, global_rank=0, strategy=None, datamodule=None)
+    module.setup("fit")  # 5 responses per process
+    assert module.updater.local_size(10) == 5

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from rllight.algorithms import explained_variance
 from rllight.rollout.producer import SAMPLE_STALENESS
 
 
@@ -63,6 +64,14 @@ def reduce_stats(stats: dict[str, list[Tensor]], micro_batches: bool = False) ->
         else:
             out[key] = stacked.max() if key.endswith("_max") else stacked.mean()
     return out
+
+
+def critic_explained_variance(rollout) -> Tensor | None:
+    """Explained variance of a token-level critic's values against the rollout's returns (None without values
+    (B, T) and returns)."""
+    if len(rollout) == 0 or rollout.values is None or rollout.returns is None or rollout.values.dim() != 2:
+        return None
+    return explained_variance(rollout.values, rollout.returns, rollout.response_mask)
 
 
 def rollout_metrics(rollout) -> dict[str, Tensor | float]:
