@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 
 import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.nn.parallel import DistributedDataParallel
+
+log = logging.getLogger(__name__)
 
 
 def forget_step_metrics(trainer: L.Trainer) -> None:
@@ -40,3 +45,22 @@ def plain_instance(obj):
     if lazy_type is None or not hasattr(obj, "lazy_get_init_args"):
         return obj
     return lazy_type(**dict(obj._lazy_kwargs))
+
+
+class RunCheckpoint(ModelCheckpoint):
+    """Lightning's ``ModelCheckpoint``, which also saves ``last.ckpt`` at the run's last step when that is not a
+    multiple of ``every_n_train_steps`` (Lightning's own ``on_train_end`` saves it only when no checkpoint was
+    saved at all: a 12-step run checkpointed every 10 ended with step 10 in ``last.ckpt``). A failure of that
+    final save (a full disk) is one logged line, not the end of the run: the export that follows still runs, and
+    the previous ``last.ckpt`` stays whole (``rllight.checkpoint.AtomicCheckpointIO``). Reads the callback's
+    ``_last_global_step_saved`` and calls its ``_save_last_checkpoint`` (Lightning 2.5 and 2.6)."""
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self.save_last or self._last_global_step_saved == trainer.global_step:
+            return super().on_train_end(trainer, pl_module)
+        try:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        except OSError as err:
+            where = os.path.join(self.dirpath or "", "last.ckpt")
+            log.error("could not save the final checkpoint %s (%s); the run goes on to its export, and the last "
+                      "checkpoint saved before (step %d) is intact", where, err, self._last_global_step_saved)

@@ -1,12 +1,15 @@
-"""What a checkpoint holds besides the weights and the optimizer: every random stream, and the run's own
-counters, so that a resumed run continues exactly where the checkpoint was taken."""
+"""What a checkpoint holds besides the weights and the optimizer (every random stream, and the run's own
+counters, so that a resumed run continues exactly where the checkpoint was taken), and how it is written."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 
 import numpy as np
 import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 REFERENCE_PREFIX = "ref_policy."
 """State-dict keys of the frozen reference policy: reloaded from its source, never saved."""
@@ -61,3 +64,24 @@ def load_run_state(checkpoint: dict, module) -> None:
     module.prefetched_through = state.get("prefetched_through", -1)
     module.rollout.load_state_dict(state.get("rollout_engine", {}))
     module.producer.load_state_dict(state)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's checkpoint writer, made atomic on a local filesystem: the checkpoint is written to a temporary
+    file beside its target and renamed over it only once complete, so a failed write (a full disk, a kill) never
+    leaves a truncated file under the final name, and the previous checkpoint of that name stays loadable.
+    Remote paths (``s3://...``) are written as Lightning writes them."""
+
+    def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
+        path = str(path)
+        if "://" in path:
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        try:
+            torch.save(checkpoint, tmp)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(tmp)
+            raise

@@ -13,6 +13,8 @@ import sys
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
+from rllight._compat import RunCheckpoint
+from rllight.checkpoint import AtomicCheckpointIO
 from rllight.data import RLDataModule
 from rllight.errors import RecipeError
 from rllight.evaluation import before_after
@@ -123,7 +125,9 @@ class RLLightCLI(LightningCLI):
         if trainer_config.get("enable_checkpointing") is not False and not any(
             isinstance(cb, ModelCheckpoint) for cb in callbacks
         ):
-            callbacks.append(ModelCheckpoint(every_n_train_steps=CHECKPOINT_EVERY, save_top_k=0, save_last=True))
+            callbacks.append(RunCheckpoint(every_n_train_steps=CHECKPOINT_EVERY, save_top_k=0, save_last=True))
+        if not trainer_config.get("plugins"):  # checkpoints written whole or not at all
+            kwargs["plugins"] = [AtomicCheckpointIO()]
         return super().instantiate_trainer(**{**kwargs, "callbacks": callbacks})
 
     def _check_outputs(self) -> None:
