@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import warnings
 
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -64,3 +65,15 @@ class RunCheckpoint(ModelCheckpoint):
             where = os.path.join(self.dirpath or "", "last.ckpt")
             log.error("could not save the final checkpoint %s (%s); the run goes on to its export, and the last "
                       "checkpoint saved before (step %d) is intact", where, err, self._last_global_step_saved)
+
+
+def resolve_last_checkpoint(trainer: L.Trainer) -> str | None:
+    """The checkpoint ``--ckpt_path last`` resumes from, found as Lightning finds it (None: there is none, where
+    Lightning would warn and train from scratch). Calls ``_CheckpointConnector._parse_ckpt_path`` (Lightning 2.5 and
+    2.6) with its warning silenced: the caller makes it an error."""
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return trainer._checkpoint_connector._parse_ckpt_path(TrainerFn.FITTING, "last", model_provided=True,
+                                                              model_connected=False)

@@ -13,7 +13,7 @@ import sys
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
-from rllight._compat import RunCheckpoint
+from rllight._compat import RunCheckpoint, resolve_last_checkpoint
 from rllight.checkpoint import AtomicCheckpointIO
 from rllight.data import RLDataModule
 from rllight.errors import RecipeError
@@ -145,7 +145,8 @@ class RLLightCLI(LightningCLI):
                 check_writable(save_dir, "trainer.logger (save_dir)")
         if not trainer.loggers:  # logs and checkpoints go straight into default_root_dir: nothing to overwrite
             folder = os.path.join(trainer.default_root_dir, "checkpoints")
-            resumed = config.ckpt_path and os.path.dirname(os.path.abspath(config.ckpt_path)) == os.path.abspath(folder)
+            resumed = config.ckpt_path == "last" or (
+                config.ckpt_path and os.path.dirname(os.path.abspath(config.ckpt_path)) == os.path.abspath(folder))
             default = [cb for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None) is None]
             if default and os.path.exists(os.path.join(folder, "last.ckpt")) and not resumed:
                 raise RecipeError(
@@ -176,6 +177,10 @@ class RLLightCLI(LightningCLI):
 
     def _check_resume(self) -> None:
         ckpt_path = self.config.fit.ckpt_path
+        if ckpt_path == "last" and resolve_last_checkpoint(self.trainer) is None:
+            raise RecipeError(f"--ckpt_path last: no last.ckpt of an earlier run where this run keeps its checkpoints "
+                              f"(under '{self.trainer.default_root_dir}'); give the checkpoint's path, or leave "
+                              "--ckpt_path out to start afresh")
         if not ckpt_path or ckpt_path in _SPECIAL_CKPT:
             return
         saved = self._saved_recipe

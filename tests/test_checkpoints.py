@@ -69,3 +69,12 @@ def test_a_failed_final_save_is_one_line_and_the_export_still_runs(tmp_path, tin
     lines = [r.getMessage() for r in caplog.records if "could not save the final checkpoint" in r.getMessage()]
     assert len(lines) == 1 and "No space left on device" in lines[0] and "(step 2)" in lines[0]
     assert _last(tmp_path) == 2  # the checkpoint before is whole
+
+
+def test_ckpt_path_last_resumes_from_the_runs_last_checkpoint(tmp_path, tiny_model_dir):
+    args = ["fit", "--config", os.path.join(RECIPES, "grpo.yaml"), "--config", tiny_overrides(tmp_path, tiny_model_dir),
+            "--trainer.enable_checkpointing", "true"]
+    rllight.cli.RLLightCLI(args=[*args, "--trainer.max_steps", "2"])
+    assert _last(tmp_path) == 2
+    cli = rllight.cli.RLLightCLI(args=[*args, "--trainer.max_steps", "3", "--ckpt_path", "last"])
+    assert cli.trainer.global_step == 3 and _last(tmp_path) == 3  # one more step, from step 2

@@ -179,3 +179,10 @@ def test_check_resume_sorts_differences():
     critic = {**saved, "model": {**saved["model"], "critic": {"class_path": "rllight.critics.ValueHead"}}}
     with pytest.raises(RecipeError, match="model.critic"):
         check_resume(saved, critic, "x.ckpt", allow_changes=True)
+
+
+def test_resuming_from_last_with_no_checkpoint_is_one_line_not_a_fresh_run(capsys, tmp_path, tiny_model_dir):
+    overlay = tiny_overrides(tmp_path, tiny_model_dir)
+    line = _error(capsys, "fit", "--config", GRPO, "--config", overlay, "--trainer.enable_checkpointing", "true",
+                  "--ckpt_path", "last")
+    assert "--ckpt_path last: no last.ckpt" in line and str(tmp_path) in line
