@@ -264,3 +264,14 @@ runner: {workers: 1, timeout_seconds: 2.5}
     assert reward.rewards["format"].pattern == "<answer>.+</answer>"
     assert reward("<answer>$\\frac{1}{2}$</answer>", "0.5") == pytest.approx(1.2)
     assert (cfg.runner.workers, cfg.runner.timeout_seconds) == (1, 2.5)
+
+
+def test_a_reward_the_worker_dropped_from_its_cache_is_sent_again():
+    # One worker keeps the last 4 rewards it loaded; after 5 distinct ones the first is gone from it and must be
+    # sent again, not asked for by key (which failed every sample of it with a KeyError).
+    with RewardRunner(workers=1, timeout_seconds=60) as runner:
+        first = IntegerMatch()
+        for reward in [first, *(IntegerMatch(correct=float(c)) for c in (2, 3, 4, 5))]:
+            runner.score(reward, ["\\boxed{4}"], ["4"])
+        again = runner.score(first, ["\\boxed{4}", "\\boxed{5}"], ["4", "4"])
+        assert (again.failures, again.rewards) == (0, [1.0, 0.0]), again.errors

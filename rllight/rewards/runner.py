@@ -177,7 +177,9 @@ class _Worker:
         self.outbox = Connection(from_child_r, writable=False)
         self.state = "starting"
         self.deadline = time.monotonic() + _START_TIMEOUT
-        self.loaded: set[str] = set()
+        self.loaded: collections.OrderedDict[str, None] = collections.OrderedDict()
+        """The rewards this worker holds unpickled, oldest first: it keeps the last ``_CACHED_REWARDS`` it loaded,
+        and so does this mirror, so that a reward it dropped is sent again rather than asked for by key."""
         self.index: int | None = None
 
     def send(self, message: tuple, state: str, seconds: float) -> None:
@@ -352,7 +354,9 @@ class RewardRunner:
                 raise RecipeError(f"model.reward: {type(reward).__name__} cannot be loaded in a reward worker "
                                   f"process ({error}); define it in a module on the trainer's Python path, or score "
                                   "in-process with workers: 0")
-            worker.loaded.add(key)
+            worker.loaded[key] = None
+            while len(worker.loaded) > _CACHED_REWARDS:  # the worker dropped its oldest alike
+                worker.loaded.popitem(last=False)
             worker.state = "idle"
         elif message[0] == "done":
             _, index, value, ok, parts, error = message
