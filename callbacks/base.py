@@ -33,4 +33,5 @@ class RolloutCallback(L.Callback):
 def in_rollout_order(callbacks: list) -> list[RolloutCallback]:
     """The rollout callbacks among ``callbacks`` (those with ``on_rollout``) in ``rollout_order``; equal orders
     keep the recipe's order."""
-    return sorted((cb for cb in callbacks if hasattr(cb, "on_rollout")), key=lambda cb: getattr(cb, "rollout_order", 100))
+    rollout_callbacks = [cb for cb in callbacks if hasattr(cb, "on_rollout")]
+    return sorted(rollout_callbacks, key=lambda cb: getattr(cb, "rollout_order", 100))

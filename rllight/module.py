@@ -247,7 +247,8 @@ class RLModule(L.LightningModule):
         if self.kl is not None and self.lora is None:  # with LoRA the reference is the adapter-free model
             self.ref_policy, _ = self.source.load()
             self.ref_policy.requires_grad_(False).eval()
-        self.scoring.policy, self.scoring.ref_policy, self.scoring.adapters = self.policy, self.ref_policy, bool(self.lora)
+        self.scoring.policy, self.scoring.ref_policy = self.policy, self.ref_policy
+        self.scoring.adapters = self.lora is not None
         self.producer.bind(self.policy, self.tokenizer)
 
     def configure_optimizers(self):
@@ -388,13 +389,15 @@ class RLModule(L.LightningModule):
         token_rewards = rollout.outcome_token_rewards()
         if self.kl is not None and self.kl.in_reward:
             base = rollout.old_logprobs if rollout.old_logprobs is not None else rollout.sample_logprobs
-            token_rewards = token_rewards - self.kl.coef * self.kl(base, rollout.ref_logprobs) * rollout.response_mask.float()
+            kl = self.kl(base, rollout.ref_logprobs)
+            token_rewards = token_rewards - self.kl.coef * kl * rollout.response_mask.float()
         rollout.token_rewards = token_rewards
         rollout.advantages, rollout.returns = self.advantage(rollout)
 
     def _log(self, metrics: dict) -> None:
         """Log a step's metrics as ``train/<key>``; reward and accuracy also on the progress bar."""
-        clean = {k: (v.detach().float() if isinstance(v, Tensor) else torch.tensor(float(v))) for k, v in metrics.items()}
+        clean = {k: v.detach().float() if isinstance(v, Tensor) else torch.tensor(float(v))
+                 for k, v in metrics.items()}
         prog = {"reward/mean", "reward/accuracy"}
         self.log_dict({f"train/{k}": v for k, v in clean.items() if k not in prog}, on_step=True, on_epoch=False,
                       batch_size=1)

@@ -73,7 +73,8 @@ class Updater:
         for _ in range(epochs):
             order = torch.randperm(len(rollout), generator=generator) if size < len(rollout) else None
             for index in self.minibatches(len(rollout), size, order):
-                for k, v in self.update(rollout.select(index), terms, "policy", "policy/loss", policy_step=True).items():
+                out = self.update(rollout.select(index), terms, "policy", "policy/loss", policy_step=True)
+                for k, v in out.items():
                     stats.setdefault(k, []).append(v)
         return reduce_stats(stats)
 
@@ -110,10 +111,9 @@ class Updater:
 
     def minibatches(self, n: int, size: int | None, order: Tensor | None = None) -> list[Tensor]:
         """Row indices of this process's minibatches over its ``n`` rows (``size`` rows each, this process's
-        share; None = one minibatch), in
-        ``order`` when given. Under DDP every rank must make the same number of optimizer updates: the count
-        is the largest over ranks, and a rank with fewer rows adds empty minibatches (it contributes no
-        gradient to those updates but takes part in them)."""
+        share; None = one minibatch), in ``order`` when given. Under DDP every rank must make the same number of
+        optimizer updates: the count is the largest over ranks, and a rank with fewer rows adds empty minibatches
+        (it contributes no gradient to those updates but takes part in them)."""
         order = torch.arange(n) if order is None else order
         size = size or max(n, 1)
         parts = [order[s : s + size] for s in range(0, n, size)]
