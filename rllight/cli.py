@@ -16,7 +16,7 @@ from lightning.pytorch.cli import LightningCLI
 from rllight._compat import RunCheckpoint, resolve_last_checkpoint
 from rllight.checkpoint import AtomicCheckpointIO
 from rllight.data import RLDataModule
-from rllight.errors import RecipeError
+from rllight.errors import ComponentError, RecipeError
 from rllight.evaluation import before_after
 from rllight.export import check_export_dir, overlaps
 from rllight.module import RLModule
@@ -313,7 +313,7 @@ def main(args: list[str] | None = None) -> None:
     except ArgumentError as err:
         print(f"rllight: error: {one_line_parse_error(str(err))}", file=sys.stderr)
         sys.exit(2)
-    except RecipeError as err:
+    except (RecipeError, ComponentError) as err:
         print(f"rllight: error: {err}", file=sys.stderr)
         sys.exit(2)
     except SIGTERMException:  # saved by rllight.safety.Interrupts; exit as a terminated process does

@@ -4,3 +4,9 @@
 class RecipeError(ValueError):
     """Bad input: a recipe value, a data file or a data row. The message is one line that names the
     field, file or row and what to do; the CLI prints it without a traceback."""
+
+
+class ComponentError(RuntimeError):
+    """A component failed while the run was going: the remote vLLM engine, the rollout worker process or a
+    multi-turn environment. The message is one line that names the component, its URL or class, and what
+    to do; the CLI prints it without a traceback and exits with code 2, as for a ``RecipeError``."""

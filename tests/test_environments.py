@@ -12,7 +12,7 @@ from conftest import RECIPES
 from helpers import build, recorded_samples, tiny_overrides, unchanged_parameters
 
 from rllight.envs import ArithmeticFeedback, CalcError, Calculator, Environment, StepResult, evaluate, format_number
-from rllight.errors import RecipeError
+from rllight.errors import ComponentError, RecipeError
 from rllight.models import HFModel
 from rllight.module import RLModule
 from rllight.rewards import IntegerMatch
@@ -255,6 +255,103 @@ def test_a_raising_environment_costs_its_episode_and_is_counted(tiny_model_dir):
     rollout = producer.sample([ROW], 2, training=False)
     assert rollout.rewards.tolist() == [0.0, 0.0] and producer.reward_failures == 2
     assert rollout.extras["reward/failures"] == 2.0
+
+
+class Faulty(Environment):
+    """Fails in one way (``fault``) on the rows whose answer is "bad" (every row with ``always``), and answers
+    reward 1, done, elsewhere."""
+
+    def __init__(self, fault: str = "raise", timeout_seconds: float | None = 30.0, marker: str | None = None,
+                 always: bool = False):
+        super().__init__(max_turns=2, max_total_tokens=200, timeout_seconds=timeout_seconds)
+        self.fault, self.marker, self.always, self.bad = fault, marker, always, False
+
+    def reset(self, row):
+        self.bad = self.always or row["answer"] == "bad"
+        if self.bad and self.fault == "reset":
+            raise KeyError("no such task")
+        return None
+
+    def step(self, response_text):
+        if not self.bad:
+            return StepResult(None, 1.0, done=True, correct=True)
+        if self.marker:  # the test waits for this file to know the step has started
+            open(self.marker, "w").close()
+        values = {"nan": float("nan"), "inf": float("inf"), "1e39": 1e39}
+        if self.fault in values:
+            return StepResult(None, values[self.fault], done=True)
+        if self.fault == "none":
+            return None
+        if self.fault == "no-observation":
+            return StepResult(None, 0.5, done=False)
+        if self.fault == "hang":
+            import time
+            time.sleep(600)
+        raise RuntimeError("boom")
+
+
+BAD_ROW = {"messages": QUESTION, "answer": "bad"}
+
+
+@pytest.mark.parametrize("fault, message", [
+    ("raise", "Faulty.step raised RuntimeError: boom"),
+    ("reset", "Faulty.reset raised KeyError: 'no such task'"),
+    ("none", "Faulty.step returned NoneType, not a StepResult"),
+    ("nan", "Faulty.step gave reward nan, which is not finite in float32"),
+    ("inf", "Faulty.step gave reward inf, which is not finite in float32"),
+    ("1e39", "Faulty.step gave reward 1e+39, which is not finite in float32"),
+    ("no-observation", "Faulty.step returned done=False without an observation"),
+])
+def test_a_faulty_episode_gets_reward_0_is_counted_and_named_and_the_others_go_on(fault, message, tiny_model_dir,
+                                                                                  caplog):
+    _, tok = _tokenizer(tiny_model_dir)
+    producer, _ = _producer(ScriptedEngine([[40, tok.eos_token_id]], tok.eos_token_id), Faulty(fault), tiny_model_dir)
+    rollout = producer.sample([ROW, BAD_ROW], 2)
+    assert rollout.rewards.tolist() == [1.0, 1.0, 0.0, 0.0]  # the healthy row's episodes keep their reward
+    assert rollout.correct.tolist() == [1.0, 1.0, 0.0, 0.0]
+    assert rollout.extras["episode/failures"] == 2.0 and rollout.extras["reward/failures"] == 2.0
+    assert rollout.extras["episode/timeouts"] == 0.0
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1  # one line per batch, not one per episode
+    assert warnings[0].startswith("the environment Faulty failed on 2 of 4 episode(s)") and message in warnings[0]
+    assert "IntegerMatch" not in warnings[0]
+
+
+def test_a_hanging_environment_times_out_and_a_batch_stops_calling_it_after_three(tiny_model_dir):
+    """Every episode of the bad row hangs: each of the first three costs the 0.5 s timeout, the fourth is not
+    called (three timeouts in a row); the healthy row's episodes before them are scored."""
+    import time
+
+    _, tok = _tokenizer(tiny_model_dir)
+    env = Faulty("hang", timeout_seconds=0.5)
+    producer, _ = _producer(ScriptedEngine([[40, tok.eos_token_id]], tok.eos_token_id), env, tiny_model_dir)
+    start = time.monotonic()
+    rollout = producer.sample([ROW, BAD_ROW], 4)
+    elapsed = time.monotonic() - start
+    assert rollout.rewards.tolist() == [1.0] * 4 + [0.0] * 4
+    assert rollout.extras["episode/failures"] == 4.0 and rollout.extras["episode/timeouts"] == 3.0
+    assert 1.5 <= elapsed < 10  # three timeouts, not four, and nothing waits for the 600 s sleep
+
+
+def test_an_environment_failing_on_every_episode_stops_the_run_naming_it_not_the_reward(tiny_model_dir):
+    _, tok = _tokenizer(tiny_model_dir)
+    producer, _ = _producer(ScriptedEngine([[40, tok.eos_token_id]] * 3, tok.eos_token_id), Faulty("nan"),
+                            tiny_model_dir)
+    producer.sample([BAD_ROW], 2)
+    producer.sample([BAD_ROW], 2)
+    with pytest.raises(ComponentError) as err:
+        producer.sample([BAD_ROW], 2)
+    line = str(err.value)
+    assert line.startswith("model.environment: Faulty failed on every episode of 3 batches in a row (last: "
+                           "Faulty.step gave reward nan")
+    assert "IntegerMatch" not in line and "model.reward" not in line and "\n" not in line
+
+
+def test_environment_timeout_setting_is_checked():
+    with pytest.raises(RecipeError, match="model.environment.init_args.timeout_seconds must be a positive"):
+        ArithmeticFeedback(timeout_seconds=0)
+    assert Calculator(timeout_seconds=None).timeout_seconds is None
+    assert ArithmeticFeedback().timeout_seconds == Environment.DEFAULT_TIMEOUT == 30.0
 
 
 # ------------------------------------------------------------------------------ the embedded environments

@@ -4,11 +4,14 @@ resume from that file continues where it stopped."""
 import os
 import re
 import signal
+import time
+
+import subprocess
 
 import pytest
 import torch
 
-from helpers import fit_in_child, tiny_overrides
+from helpers import fit_in_child, start_fit, tiny_overrides
 from rllight.callbacks import RolloutCallback
 
 
@@ -73,3 +76,44 @@ def test_ctrl_c_finishes_the_step_saves_and_exits_130(tmp_path, tiny_model_dir):
     state = torch.load(path, weights_only=True)
     assert state["global_step"] == 1 and state["RLDataModule"] == {"batches_trained": 1}
     assert path.endswith("interrupted-step=1.ckpt")
+
+
+def wait_for_file(path, child, seconds: float = 300) -> None:
+    """Wait until ``path`` exists (the child reached the point the test waits for), or fail with its output."""
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(path):
+        if child.poll() is not None or time.monotonic() > deadline:
+            child.kill()
+            out, err = child.communicate()
+            pytest.fail(f"the child never reached {path}: {out[-2000:]} {err[-3000:]}")
+        time.sleep(0.2)
+
+
+def stop_with_sigterm(child, seconds: float = 30) -> tuple[float, str, str]:
+    """Send SIGTERM to the child; ``(seconds it took to exit, stdout, stderr)``."""
+    start = time.monotonic()
+    child.send_signal(signal.SIGTERM)
+    try:
+        out, err = child.communicate(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        out, err = child.communicate()
+        pytest.fail(f"SIGTERM not honoured within {seconds} s: {out[-2000:]} {err[-3000:]}")
+    return time.monotonic() - start, out, err
+
+
+@pytest.mark.slow
+def test_sigterm_is_honoured_within_seconds_while_an_environment_hangs(tmp_path, tiny_model_dir):
+    """An environment's step sleeps 600 s under a 300 s timeout: SIGTERM ends the run within the 5 s grace
+    (plus the exit), with exit code 143 and a line saying that the step in progress is not saved."""
+    marker = tmp_path / "in_step"
+    env = {"class_path": "test_environments.Faulty",
+           "init_args": {"fault": "hang", "always": True, "timeout_seconds": 300, "marker": str(marker)}}
+    overlay = tiny_overrides(tmp_path, tiny_model_dir, environment=env)
+    child = start_fit("grpo.yaml", "--config", overlay, "--trainer.max_steps", "3")
+    wait_for_file(marker, child)
+    elapsed, out, err = stop_with_sigterm(child)
+    assert child.returncode == 143, err[-3000:]
+    assert elapsed < 20, elapsed
+    assert "rllight: SIGTERM: stopped while waiting for the environment Faulty.step; the step in progress is " \
+           "not saved" in out

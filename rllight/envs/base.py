@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 
 from rllight.errors import RecipeError
@@ -36,22 +37,40 @@ class Environment:
     truncated. A trajectory's reward is ``trajectory_reward`` of its turns' rewards (their sum by default),
     and its correctness the last ``correct`` a turn reported (False when none did).
 
+    Every call into an episode runs under a guard (``rllight.envs.guard``): one that raises, runs past
+    ``timeout_seconds``, returns something other than a ``StepResult`` or a reward that is not finite in
+    float32 ends that episode with reward 0, counted (``train/episode/failures``, ``train/episode/timeouts``)
+    and logged; the run goes on. Every episode of ``model.max_failed_reward_steps`` batches in a row failing
+    stops it with one line naming the environment class.
+
     Args:
         max_turns: Most model turns per episode.
         max_total_tokens: Most tokens in an episode's context, prompt included.
+        timeout_seconds: Wall-clock limit of one call (``reset``, ``step``, ``trajectory_reward``); past it the
+            episode gets reward 0. None = calls in the trainer's thread without a limit (for an environment
+            that needs the main thread, e.g. signal-based timeouts of its own).
     """
+
+    DEFAULT_TIMEOUT = 30.0
+    """Seconds one call into an environment may take by default."""
 
     observation_role = "user"
     """Chat role of the observation turns (``tool`` for a template that has one the model knows)."""
 
-    def __init__(self, max_turns: int = 3, max_total_tokens: int = 1024):
+    def __init__(self, max_turns: int = 3, max_total_tokens: int = 1024,
+                 timeout_seconds: float | None = DEFAULT_TIMEOUT):
         key = "model.environment.init_args"
         if max_turns < 1:
             raise RecipeError(f"{key}.max_turns must be >= 1, got {max_turns}")
         if max_total_tokens < 2:
             raise RecipeError(f"{key}.max_total_tokens must be >= 2 (a prompt and one token), got {max_total_tokens}")
+        if timeout_seconds is not None and not (isinstance(timeout_seconds, (int, float))
+                                                and math.isfinite(timeout_seconds) and timeout_seconds > 0):
+            raise RecipeError(f"{key}.timeout_seconds must be a positive number of seconds or null, "
+                              f"got {timeout_seconds!r}")
         self.max_turns = max_turns
         self.max_total_tokens = max_total_tokens
+        self.timeout_seconds = None if timeout_seconds is None else float(timeout_seconds)
 
     def spawn(self) -> Environment:
         """A fresh episode object with this environment's settings (a shallow copy; ``reset`` sets its state)."""

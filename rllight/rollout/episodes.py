@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rllight.envs.base import Environment
+from rllight.envs.guard import EpisodeFailed, EpisodeGuard
 from rllight.rollout.base import RolloutEngine, pad_left
 from rllight.types import Rollout
 
@@ -99,7 +100,7 @@ class Trajectory:
     done: bool = False
     truncated: bool = False
     failed: bool = False
-    """The environment raised; the episode ended with the rewards it had."""
+    """A call into the environment failed (``rllight.envs.guard``); the episode ended with reward 0."""
 
     @property
     def length(self) -> int:
@@ -112,17 +113,25 @@ class Trajectory:
 
 
 def run_episodes(engine: RolloutEngine, model, tokenizer, episodes: list[Environment], prompts: list[list[int]],
-                 greedy: bool = False, turns: ChatTurns | None = None, on_error=None) -> list[Trajectory]:
+                 greedy: bool = False, turns: ChatTurns | None = None, guard: EpisodeGuard | None = None,
+                 failed: Sequence[bool] | None = None) -> list[Trajectory]:
     """Play ``episodes`` (already ``reset``) from the prompt ids ``prompts``, one ``engine.generate`` call per
     turn over the episodes still running. Limits are each episode's ``max_turns`` and ``max_total_tokens``
     (prompt included): a response that would pass the token limit is cut to fit and ends the episode, as does
     an observation that would leave no room for another token; both, and running out of turns, set
-    ``truncated``. So does a final model turn cut by the engine's ``max_new_tokens``. ``on_error(exc)`` is
-    called when an environment raises (the episode then ends, ``failed``); None = raise."""
+    ``truncated``. So does a final model turn cut by the engine's ``max_new_tokens``.
+
+    Every ``step`` goes through ``guard`` (a new ``EpisodeGuard`` when None): one that fails (raises, times
+    out, returns an unusable result) ends its episode, ``failed``, counted by the guard. Episodes marked in
+    ``failed`` (their ``reset`` failed) are not played."""
     turns = turns or ChatTurns(tokenizer)
     trajs = [Trajectory(prompt=list(p)) for p in prompts]
-    running = [i for i, t in enumerate(trajs) if t.length < episodes[i].max_total_tokens]
-    for i in set(range(len(trajs))) - set(running):
+    if guard is None and episodes:
+        guard = EpisodeGuard(episodes[0])
+    for i, bad in enumerate(failed or []):
+        trajs[i].failed = trajs[i].done = bool(bad)
+    running = [i for i, t in enumerate(trajs) if not t.failed and t.length < episodes[i].max_total_tokens]
+    for i in set(range(len(trajs))) - set(running) - {i for i, t in enumerate(trajs) if t.failed}:
         trajs[i].truncated = True  # no room for a single token: should have been filtered by the caller
     while running:
         gen = engine.generate(model, tokenizer, [trajs[i].prompt + trajs[i].ids for i in running], greedy=greedy)
@@ -139,14 +148,12 @@ def run_episodes(engine: RolloutEngine, model, tokenizer, episodes: list[Environ
             traj.add(ids, True, logprobs)
             traj.turns.append(ids)
             try:
-                result = env.step(tokenizer.decode(ids, skip_special_tokens=True))
-            except Exception as exc:  # a faulty environment costs its episode, not the run
-                if on_error is None:
-                    raise
-                on_error(exc)
+                result = guard.step(env, tokenizer.decode(ids, skip_special_tokens=True))
+            except EpisodeFailed as failure:  # a faulty environment costs its episode, not the run
+                guard.failed(failure)
                 traj.failed = traj.done = True
                 continue
-            traj.rewards.append(float(result.reward))
+            traj.rewards.append(result.reward)
             if result.correct is not None:
                 traj.correct = bool(result.correct)
             if result.done:
@@ -156,8 +163,6 @@ def run_episodes(engine: RolloutEngine, model, tokenizer, episodes: list[Environ
             if cut or len(traj.turns) >= env.max_turns:
                 traj.truncated = True
                 continue
-            if result.observation is None:
-                raise ValueError(f"{type(env).__name__}.step returned done=False without an observation")
             between = turns.between(ids, result.observation, env.observation_role)
             if traj.length + len(between) >= env.max_total_tokens:
                 traj.truncated = True  # the observation would leave no room for the next turn

@@ -19,7 +19,8 @@ import torch
 
 from rllight.distributed import Ranks
 from rllight.envs.base import Environment
-from rllight.errors import RecipeError
+from rllight.envs.guard import EpisodeFailed, EpisodeGuard
+from rllight.errors import ComponentError, RecipeError
 from rllight.rewards import Reward, RewardRunner, by_source, score_batch
 from rllight.rollout.base import RolloutEngine
 from rllight.rollout.episodes import ChatTurns, episodes_to_rollout, run_episodes
@@ -61,8 +62,9 @@ class RolloutProducer:
 
     With an ``environment`` every sample is a multi-turn episode (``rllight.rollout.episodes``): the environment
     scores it, not ``reward``, and a prompt is dropped as too long also when it leaves no room under the
-    environment's ``max_total_tokens``. An environment that raises costs its episode (reward so far, counted in
-    ``reward/failures``).
+    environment's ``max_total_tokens``. A call into an environment that raises, hangs past its ``timeout_seconds``
+    or returns an unusable result costs its episode (reward 0, counted in ``reward/failures``,
+    ``episode/failures`` and ``episode/timeouts``; one warning per batch), see ``rllight.envs.guard``.
 
     Counters (``reward_failures``, ``dropped_prompts``, ``failed_reward_steps``) are part of the state saved in
     checkpoints (``state_dict``). ``ranks`` are the training processes' collectives, for a sampler whose choice
@@ -189,11 +191,8 @@ class RolloutProducer:
         ``episode/truncated_ratio`` (episodes stopped by ``max_turns`` or ``max_total_tokens``, or whose last
         turn hit ``max_new_tokens``)."""
         env = self.environment
-        episodes = [env.spawn() for _ in rows for _ in range(n)]
-        prompts = [
-            encode_chat(self.tokenizer, with_first_observation(row["messages"], episodes[k * n + j].reset(row)))
-            for k, row in enumerate(rows) for j in range(n)
-        ]
+        guard = EpisodeGuard(env)
+        episodes, prompts, failed = self._reset_episodes(guard, rows, n)
         limit = env.max_total_tokens - 1  # room for at least one generated token
         if self.max_prompt_tokens is not None:
             limit = min(limit, self.max_prompt_tokens)
@@ -208,29 +207,27 @@ class RolloutProducer:
             return Rollout.empty(extras={"data/dropped_long_prompts": float(dropped), "kept_rows": tuple(keep)})
         index = [k * n + j for k in keep for j in range(n)]
         episodes, prompts = [episodes[i] for i in index], [prompts[i] for i in index]
+        failed = [failed[i] for i in index]
+        guard.failures = sum(failed)  # the reset failures of the prompts kept
         rows = [rows[k] for k in keep]
         if self._chat_turns is None:
             self._chat_turns = ChatTurns(self.tokenizer)
-        failures = 0
-
-        def on_error(exc: Exception) -> None:
-            nonlocal failures
-            failures += 1
-            log.warning("the environment %s raised on an episode, which ends with the rewards it had: %s: %s",
-                        type(env).__name__, type(exc).__name__, exc)
-
         t0 = time.perf_counter()
         trajs = run_episodes(self.engine, self.policy, self.tokenizer, episodes, prompts, greedy=greedy,
-                             turns=self._chat_turns, on_error=on_error)
+                             turns=self._chat_turns, guard=guard, failed=failed)
+        rewards = self._trajectory_rewards(guard, episodes, trajs)
         t1 = time.perf_counter()
+        failures = guard.failures
+        if failures:
+            log.warning(guard.summary(len(trajs)))
         self.reward_failures += failures
         if training:
-            self.count_failed_reward_batch(failures == len(trajs))
+            self.count_failed_reward_batch(failures == len(trajs), guard.first_error)
         device = next(self.policy.parameters()).device if self.policy is not None else "cpu"
         turns = torch.tensor([len(t.turns) for t in trajs], dtype=torch.float32)
         return episodes_to_rollout(
             trajs,
-            rewards=[ep.trajectory_reward(t.rewards) for ep, t in zip(episodes, trajs)],
+            rewards=rewards,
             group_ids=torch.arange(len(rows)).repeat_interleave(n),
             answers=[r["answer"] for r in rows for _ in range(n)],
             tokenizer=self.tokenizer,
@@ -238,6 +235,8 @@ class RolloutProducer:
             extras={
                 "time/rollout": t1 - t0,
                 "reward/failures": float(failures),
+                "episode/failures": float(failures),
+                "episode/timeouts": float(guard.timeouts),
                 "data/dropped_long_prompts": float(dropped),
                 "kept_rows": tuple(keep),
                 "episode/turns": turns,  # per episode (shape B), for evaluation's turns_mean
@@ -247,6 +246,35 @@ class RolloutProducer:
                 **self.engine.last_metrics,
             },
         )
+
+    def _reset_episodes(self, guard: EpisodeGuard, rows: list[dict], n: int):
+        """``(episodes, prompt ids, failed)``: ``n`` fresh episodes per row, reset through ``guard``; an episode
+        whose ``reset`` failed is marked (it is not played, and counts as failed) and gets the row's prompt."""
+        episodes = [self.environment.spawn() for _ in rows for _ in range(n)]
+        failed, prompts = [False] * len(episodes), []
+        for k, row in enumerate(rows):
+            for j in range(n):
+                try:
+                    first = guard.reset(episodes[k * n + j], row)
+                except EpisodeFailed as failure:
+                    guard.failed(failure)
+                    failed[k * n + j], first = True, None
+                prompts.append(encode_chat(self.tokenizer, with_first_observation(row["messages"], first)))
+        return episodes, prompts, failed
+
+    @staticmethod
+    def _trajectory_rewards(guard: EpisodeGuard, episodes: list[Environment], trajs: list) -> list[float]:
+        """Each trajectory's reward through ``guard``: 0 (and not correct) for a failed episode."""
+        rewards = [0.0] * len(trajs)
+        for i, (episode, traj) in enumerate(zip(episodes, trajs)):
+            if not traj.failed:
+                try:
+                    rewards[i] = guard.trajectory_reward(episode, traj.rewards)
+                except EpisodeFailed as failure:
+                    guard.failed(failure)
+                    traj.failed = True
+            traj.correct = traj.correct and not traj.failed
+        return rewards
 
     def score(self, texts: list[str], answers: list[str], sources: list[str | None]):
         """``(rewards, correct, failures, metrics)`` of the responses ``texts``: each scored by its data
@@ -271,12 +299,23 @@ class RolloutProducer:
         metrics.update({f"reward/{name}": sum(v) / max(len(v), 1) for name, v in parts.items()})
         return rewards, correct, failures, metrics
 
-    def count_failed_reward_batch(self, all_failed: bool) -> None:
-        """Count a training batch on which the reward failed for every sample; stop after too many in a row."""
+    def count_failed_reward_batch(self, all_failed: bool, last_error: str | None = None) -> None:
+        """Count a training batch on which the reward (or the environment) failed for every sample; stop after
+        too many in a row."""
         if not all_failed:
             self.failed_reward_steps = 0
             return
         self.failed_reward_steps += 1
+        if self.environment is not None:
+            name = type(self.environment).__name__
+            log.warning("the environment %s failed on every episode (%d batch(es) in a row)", name,
+                        self.failed_reward_steps)
+            if self.failed_reward_steps >= self.max_failed_reward_steps:
+                raise ComponentError(
+                    f"model.environment: {name} failed on every episode of {self.failed_reward_steps} batches in a "
+                    f"row (last: {last_error}); fix the environment (model.max_failed_reward_steps sets how many "
+                    "batches are tolerated)")
+            return
         log.warning("the reward %s failed on every sample (%d batch(es) in a row)", type(self.reward).__name__,
                     self.failed_reward_steps)
         if self.failed_reward_steps >= self.max_failed_reward_steps:

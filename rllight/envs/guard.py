@@ -1,0 +1,119 @@
+"""Environments under the same guard as rewards: a fault costs its episode, never the run.
+
+``EpisodeGuard`` makes every call into an environment (``reset``, ``step``, ``trajectory_reward``) on a helper
+thread and waits at most the environment's ``timeout_seconds`` for it. A call that raises, runs past the limit
+or answers something unusable (``step`` returning None, a reward that is not finite in float32, ``done=False``
+without an observation) ends that episode with reward 0; the guard counts it (``episode/failures``,
+``episode/timeouts``) and the rollout producer logs one warning per batch naming the environment class. While
+it waits, Ctrl-C and SIGTERM are honoured within seconds (``rllight.safety.wait_stoppable``).
+
+A call past its limit cannot be killed (it runs in the trainer's process): it is asked to stop with an exception
+(which a pure-Python loop obeys) and left to its thread otherwise. After ``HUNG_IN_A_ROW`` timeouts of one
+method without a call of it that came back, the batch's remaining calls of that method are not made (their
+episodes fail at once): an environment that always hangs costs a few timeouts per batch, not one per episode.
+"""
+
+from __future__ import annotations
+
+from rllight.envs.base import Environment, StepResult
+from rllight.rewards.base import _finite_in_float32
+from rllight.safety import call_stoppable
+
+HUNG_IN_A_ROW = 3
+"""Timeouts of one method in a row, without a call of it that returned between them, after which a batch's
+remaining calls of that method fail without being made."""
+
+
+class EpisodeFailed(Exception):
+    """An environment call failed; the message says how (one line) and the episode ends with reward 0."""
+
+
+def _describe(err: BaseException) -> str:
+    return " ".join(f"{type(err).__name__}: {err}".split())[:300]
+
+
+class EpisodeGuard:
+    """Calls into one batch's episodes of ``environment`` with a wall-clock limit and checks what they return.
+
+    ``timeout_seconds`` is the environment's (``Environment.timeout_seconds``); None makes the calls in the
+    trainer's thread without a limit (an environment that needs the main thread, e.g. for signal-based
+    timeouts of its own). ``failures`` and ``timeouts`` count the episodes that failed and how many of those
+    by timeout; ``first_error`` is the first failure's description.
+    """
+
+    def __init__(self, environment: Environment):
+        self.name = type(environment).__name__
+        self.timeout_seconds = getattr(environment, "timeout_seconds", Environment.DEFAULT_TIMEOUT)
+        self.failures = 0
+        self.timeouts = 0
+        self.first_error: str | None = None
+        self._hung: dict[str, int] = {}  # timeouts in a row, per method
+
+    # ---------------------------------------------------------------------------------------- calls
+    def _call(self, env: Environment, method: str, *args):
+        where = f"{self.name}.{method}"
+        if self._hung.get(method, 0) >= HUNG_IN_A_ROW:
+            raise EpisodeFailed(f"{where} not called: it timed out {self._hung[method]} times in a row")
+        fn = getattr(env, method)
+        if self.timeout_seconds is None:
+            try:
+                return fn(*args)
+            except Exception as err:
+                raise EpisodeFailed(f"{where} raised {_describe(err)}") from None
+        finished, value, error = call_stoppable(lambda: fn(*args), self.timeout_seconds,
+                                                f"the environment {where}")
+        if not finished:
+            self._hung[method] = self._hung.get(method, 0) + 1
+            self.timeouts += 1
+            raise EpisodeFailed(f"{where} did not return within timeout_seconds={self.timeout_seconds:g}")
+        self._hung[method] = 0
+        if error is not None:
+            if not isinstance(error, Exception):  # SystemExit, KeyboardInterrupt raised by the environment
+                raise error
+            raise EpisodeFailed(f"{where} raised {_describe(error)}")
+        return value
+
+    def reset(self, env: Environment, row: dict) -> str | None:
+        """``env.reset(row)``: the text added to the prompt, or None."""
+        text = self._call(env, "reset", row)
+        if text is not None and not isinstance(text, str):
+            raise EpisodeFailed(f"{self.name}.reset returned a {type(text).__name__}, not text or None")
+        return text
+
+    def step(self, env: Environment, response_text: str) -> StepResult:
+        """``env.step(response_text)``, checked: a ``StepResult`` whose reward is finite in float32 and which
+        has an observation unless done."""
+        result = self._call(env, "step", response_text)
+        if not isinstance(result, StepResult):
+            raise EpisodeFailed(f"{self.name}.step returned {type(result).__name__}, not a StepResult")
+        reward = self._finite(result.reward, "step")
+        if not result.done and not isinstance(result.observation, str):
+            raise EpisodeFailed(f"{self.name}.step returned done=False without an observation (text)")
+        result.reward = reward
+        return result
+
+    def trajectory_reward(self, env: Environment, rewards: list[float]) -> float:
+        """``env.trajectory_reward(rewards)``, finite in float32."""
+        return self._finite(self._call(env, "trajectory_reward", list(rewards)), "trajectory_reward")
+
+    def _finite(self, value, method: str) -> float:
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise EpisodeFailed(f"{self.name}.{method} gave reward {value!r}, not a number") from None
+        if not _finite_in_float32(number):
+            raise EpisodeFailed(f"{self.name}.{method} gave reward {number!r}, which is not finite in float32")
+        return number
+
+    # ------------------------------------------------------------------------------------ failures
+    def failed(self, error: EpisodeFailed) -> None:
+        """Count one failed episode."""
+        self.failures += 1
+        if self.first_error is None:
+            self.first_error = str(error)
+
+    def summary(self, episodes: int) -> str:
+        """One line for the log: how many of ``episodes`` failed, how many timed out, the first error."""
+        timed = f", {self.timeouts} by timeout" if self.timeouts else ""
+        return (f"the environment {self.name} failed on {self.failures} of {episodes} episode(s){timed}, each "
+                f"ended with reward 0; first: {self.first_error}")
