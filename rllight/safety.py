@@ -199,11 +199,17 @@ def wait_stoppable(done: threading.Event, seconds: float, what: str) -> bool:
             return True
         if left <= 0:
             return False
-        stop = stop_requested()
-        if stop is not None and time.monotonic() - stop[1] >= STOP_GRACE_SECONDS:
-            print(f"rllight: {stop[0]}: stopped while waiting for {what}; the step in progress is not saved, "
-                  "resume from the last checkpoint", flush=True)
-            raise Interrupted(130 if stop[0] == "Ctrl-C" else 128 + signal.SIGTERM)
+        check_stop(what)
+
+
+def check_stop(what: str) -> None:
+    """Raise ``Interrupted`` (exit 130 after Ctrl-C, 143 after SIGTERM) with one printed line once a stop was
+    asked for ``STOP_GRACE_SECONDS`` ago or more; the caller was waiting for ``what``."""
+    stop = stop_requested()
+    if stop is not None and time.monotonic() - stop[1] >= STOP_GRACE_SECONDS:
+        print(f"rllight: {stop[0]}: stopped while waiting for {what}; the step in progress is not saved, "
+              "resume from the last checkpoint", flush=True)
+        raise Interrupted(130 if stop[0] == "Ctrl-C" else 128 + signal.SIGTERM)
 
 
 def call_stoppable(fn, seconds: float, what: str):

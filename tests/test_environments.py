@@ -277,7 +277,7 @@ class Faulty(Environment):
             return StepResult(None, 1.0, done=True, correct=True)
         if self.marker:  # the test waits for this file to know the step has started
             open(self.marker, "w").close()
-        values = {"nan": float("nan"), "inf": float("inf"), "1e39": 1e39}
+        values = {"nan": float("nan"), "inf": float("inf"), "1e39": 1e39, "huge": 1e39}  # "huge": for recipes
         if self.fault in values:
             return StepResult(None, values[self.fault], done=True)
         if self.fault == "none":
@@ -345,6 +345,25 @@ def test_an_environment_failing_on_every_episode_stops_the_run_naming_it_not_the
     assert line.startswith("model.environment: Faulty failed on every episode of 3 batches in a row (last: "
                            "Faulty.step gave reward nan")
     assert "IntegerMatch" not in line and "model.reward" not in line and "\n" not in line
+
+
+@pytest.mark.parametrize("fault, last", [("reset", "Faulty.reset raised KeyError: 'no such task'"),
+                                         ("none", "Faulty.step returned NoneType, not a StepResult"),
+                                         ("huge", "Faulty.step gave reward 1e+39, which is not finite in float32")])
+def test_an_environment_that_always_fails_ends_the_cli_with_one_line_and_exit_2(fault, last, tmp_path, capsys,
+                                                                               tiny_model_dir):
+    from rllight.cli import main
+
+    env = {"class_path": "test_environments.Faulty", "init_args": {"fault": fault, "always": True}}
+    overlay = tiny_overrides(tmp_path, tiny_model_dir, environment=env)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", os.path.join(RECIPES, "grpo.yaml"), "--config", overlay, "--trainer.max_steps", "5"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "Traceback" not in "\n".join(err)
+    assert err[-1] == (f"rllight: error: model.environment: Faulty failed on every episode of 3 batches in a row "
+                       f"(last: {last}); fix the environment (model.max_failed_reward_steps sets how many batches "
+                       "are tolerated)")
 
 
 def test_environment_timeout_setting_is_checked():

@@ -15,8 +15,9 @@ import urllib.request
 
 import pytest
 import torch
+from conftest import RECIPES
 
-from rllight.errors import RecipeError
+from rllight.errors import ComponentError, RecipeError
 from rllight.models import HFModel
 from rllight.module import RLModule
 from rllight.rollout.metrics import logprob_mismatch
@@ -52,6 +53,129 @@ def test_a_server_that_does_not_answer_is_one_line_naming_the_url(tiny_model_dir
                                            rf"{port} to /weight_info") as err:
         module.producer.sample(ROWS[:1], n=1)
     assert "\n" not in str(err.value) and time.monotonic() - start < 10
+
+
+# ------------------------------------------------------------------------------ faulty servers (no vLLM)
+class FakeServer:
+    """A web server on a free local port that answers every route in one faulty way (``mode``): ``html`` (an
+    HTML page with status 200), ``500`` (an internal error), ``hang`` (never answers), ``version`` (a vLLM that
+    holds weight version 7 and answers the other routes with {})."""
+
+    def __init__(self, mode: str):
+        import http.server
+        import threading
+
+        release = self.release = threading.Event()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _answer(self):
+                if mode == "hang":
+                    release.wait(120)
+                    return
+                status, kind, body = {
+                    "html": (200, "text/html", b"<html><body>Welcome to nginx!</body></html>"),
+                    "500": (500, "application/json", b'{"error": "CUDA out of memory"}'),
+                    "version": (200, "application/json",
+                                b'{"weight_version": "7"}' if self.path == "/weight_info" else b"{}"),
+                }[mode]
+                self.send_response(status)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = _answer
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.release.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _remote_module(model_dir, url, timeout_seconds=5.0):
+    module = RLModule(HFModel(model_dir), rollout=VLLMServerEngine(url, weights_dir="unused", model="served",
+                                                                     timeout_seconds=timeout_seconds))
+    module.configure_model()
+    module.rollout._version = 0  # as if pushed: the first request then is the generation's
+    return module
+
+
+@pytest.mark.parametrize("mode, message", [
+    ("html", "answered /weight_info with something other than a JSON object ('<html><body>Welcome to nginx!"
+             "</body></html>'); check that the URL (model.rollout.init_args.url) is a vLLM server (vllm serve), "
+             "not another web server"),
+    ("500", 'answered /weight_info with HTTP 500 ({"error": "CUDA out of memory"}); see the server\'s log'),
+    ("version", "holds weight version '7' before generating where 0 was pushed (restarted, or pushed to by "
+                "another trainer); its samples are not used. Resume from the last checkpoint"),
+    ("hang", "to /weight_info within timeout_seconds=2 (timed out); check that it runs and the URL"),
+])
+def test_a_faulty_server_is_one_line_naming_the_url_and_what_to_do(mode, message, tiny_model_dir):
+    server = FakeServer(mode)
+    try:
+        module = _remote_module(tiny_model_dir, server.url, timeout_seconds=2.0)
+        start = time.monotonic()
+        with pytest.raises(ComponentError) as err:
+            module.producer.sample(ROWS[:1], n=1)
+        assert time.monotonic() - start < 10  # the hanging server costs its timeout, not more
+    finally:
+        server.close()
+    line = str(err.value)
+    assert line.startswith(f"model.rollout: ") and server.url in line and message in line, line
+    assert "\n" not in line
+
+
+def test_a_refused_server_ends_the_cli_with_one_line_and_exit_2(tmp_path, capsys, tiny_model_dir):
+    from helpers import tiny_overrides
+
+    from rllight.cli import main
+
+    port = _free_port()  # nothing listens there
+    rollout = {"class_path": "rllight.rollout.remote.VLLMServerEngine",
+               "init_args": {"url": f"http://127.0.0.1:{port}", "weights_dir": str(tmp_path / "weights"),
+                             "model": "served", "max_new_tokens": 4}}
+    overlay = tiny_overrides(tmp_path, tiny_model_dir, rollout=rollout)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", os.path.join(RECIPES, "grpo.yaml"), "--config", overlay])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "Traceback" not in "\n".join(err)
+    assert err[-1].startswith(f"rllight: error: model.rollout: no answer from the vLLM server at "
+                              f"http://127.0.0.1:{port} to /collective_rpc within timeout_seconds=600 ("), err[-1]
+    assert err[-1].endswith("check that it runs and the URL (model.rollout.init_args.url)")
+
+
+@pytest.mark.slow
+def test_sigterm_is_honoured_within_seconds_while_the_server_never_answers(tmp_path, tiny_model_dir):
+    """The server accepts the connection and never answers, under the default 600 s timeout: SIGTERM ends the
+    run within the 5 s grace (plus the exit), exit code 143."""
+    from helpers import start_fit, tiny_overrides
+    from test_interrupt import stop_with_sigterm
+
+    server = FakeServer("hang")
+    try:
+        rollout = {"class_path": "rllight.rollout.remote.VLLMServerEngine",
+                   "init_args": {"url": server.url, "weights_dir": str(tmp_path / "weights"), "model": "served",
+                                 "max_new_tokens": 4}}
+        child = start_fit("grpo.yaml", "--config", tiny_overrides(tmp_path, tiny_model_dir, rollout=rollout))
+        deadline = time.monotonic() + 300
+        while not (tmp_path / "weights" / "model.safetensors").exists():  # the push, then /collective_rpc hangs
+            assert child.poll() is None and time.monotonic() < deadline, child.communicate()
+            time.sleep(0.2)
+        time.sleep(1)
+        elapsed, out, err = stop_with_sigterm(child)
+    finally:
+        server.close()
+    assert child.returncode == 143, err[-3000:]
+    assert elapsed < 20, elapsed
+    assert f"rllight: SIGTERM: stopped while waiting for the vLLM server at {server.url} (/collective_rpc)" in out
 
 
 # ------------------------------------------------------------------------------ with a vLLM server

@@ -12,7 +12,7 @@ from conftest import RECIPES
 from helpers import build, tiny_overrides, unchanged_parameters
 from lightning.pytorch import Callback
 
-from rllight.errors import RecipeError
+from rllight.errors import ComponentError, RecipeError
 from rllight.evaluation import EvalSettings
 from rllight.models import HFModel
 from rllight.module import RLModule
@@ -162,6 +162,32 @@ def test_a_worker_that_dies_again_is_a_one_line_error(tiny_model_dir):
     assert engine._worker is None  # nothing left running
 
 
+def test_a_worker_that_does_not_start_in_time_is_one_line_saying_what_to_do(tiny_model_dir):
+    engine = ProcessEngine(HFEngine(max_new_tokens=4), timeout_seconds=0.5)  # a fresh interpreter takes longer
+    module = _module(tiny_model_dir, engine)
+    with pytest.raises(ComponentError) as err:
+        module.producer.sample(ROWS, n=1)
+    assert str(err.value) == ("model.rollout: the rollout worker did not start within timeout_seconds=0.5 and was "
+                              "stopped; raise model.rollout.init_args.timeout_seconds if it is only slow, or check "
+                              "the inner engine (model.rollout.init_args.engine)")
+    assert engine._worker is None  # nothing left running
+
+
+def test_a_worker_that_dies_twice_ends_the_cli_with_one_line_and_exit_2(tmp_path, capsys, tiny_model_dir):
+    from rllight.cli import main
+
+    rollout = {"class_path": "rllight.rollout.ProcessEngine",
+               "init_args": {"engine": {"class_path": "test_worker.DyingEngine", "init_args": {"max_new_tokens": 4}}}}
+    overlay = tiny_overrides(tmp_path, tiny_model_dir, rollout=rollout)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", os.path.join(RECIPES, "grpo.yaml"), "--config", overlay])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "Traceback" not in "\n".join(err)
+    assert err[-1].startswith("rllight: error: model.rollout: the rollout worker died twice in a row (exit code 3) "
+                              "trying to generate; look for an out-of-memory kill"), err[-1]
+
+
 def test_a_stale_worker_is_detected_never_trusted(tiny_model_dir, monkeypatch):
     engine = ProcessEngine(HFEngine(max_new_tokens=4))
     module = _module(tiny_model_dir, engine)
@@ -196,7 +222,7 @@ def test_a_hanging_worker_times_out_with_one_line(tiny_model_dir):
         engine.timeout_seconds = 2.0
         process = engine._worker.process
         start = time.monotonic()
-        with pytest.raises(TimeoutError, match=r"^model\.rollout: .* within timeout_seconds=2 ") as err:
+        with pytest.raises(ComponentError, match=r"^model\.rollout: .* within timeout_seconds=2 ") as err:
             module.producer.sample(ROWS, n=1)
         assert time.monotonic() - start < 2.0 + 5  # the timeout, then the worker is killed at once
         assert "\n" not in str(err.value)

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -51,10 +52,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from rllight.errors import RecipeError
+from rllight.errors import ComponentError, RecipeError
 from rllight.rollout.base import Generation, RolloutEngine, request_key
 from rllight.rollout.hf import eos_token_ids
 from rllight.rollout.vllm import full_state_dict, generation_from_samples
+from rllight.safety import call_stoppable, wait_stoppable
 
 
 class VLLMServerEngine(RolloutEngine):
@@ -112,32 +114,61 @@ class VLLMServerEngine(RolloutEngine):
 
     # ------------------------------------------------------------------------------- HTTP
     def _request(self, route: str, body: dict | None = None) -> dict:
-        """``GET`` (no body) or ``POST`` a JSON body to the server; the decoded JSON answer ({} if none)."""
+        """``GET`` (no body) or ``POST`` a JSON body to the server; the decoded JSON answer ({} if none).
+
+        On the main thread the request runs on a helper thread that is waited for in short slices, so that
+        Ctrl-C or SIGTERM stops the run within seconds however long the server takes (``call_stoppable``)."""
+        if threading.current_thread() is not threading.main_thread():
+            return self._send(route, body)
+        finished, value, error = call_stoppable(lambda: self._send(route, body), self.timeout_seconds + 5.0,
+                                                f"the vLLM server at {self.url} ({route})")
+        if error is not None:
+            raise error
+        if not finished:  # a server that trickles its answer past the socket's per-read timeout
+            raise ComponentError(f"model.rollout: no answer from the vLLM server at {self.url} to {route} within "
+                                 f"timeout_seconds={self.timeout_seconds:g}; check that it runs and the URL "
+                                 "(model.rollout.init_args.url)")
+        return value
+
+    def _send(self, route: str, body: dict | None) -> dict:
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(f"{self.url}{route}", data=data,
                                          headers={"Content-Type": "application/json"} if data else {})
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_seconds) as response:
-                text = response.read().decode()
+                text = response.read().decode(errors="replace")
         except urllib.error.HTTPError as err:
             detail = " ".join(err.read().decode(errors="replace").split())[:300]
-            hint = (" (start the server with VLLM_SERVER_DEV_MODE=1)" if err.code == 404 and route in
-                    ("/collective_rpc", "/reset_prefix_cache") else "")
-            raise RuntimeError(f"model.rollout: the vLLM server at {self.url} answered {route} with HTTP "
-                               f"{err.code}{hint}: {detail}") from None
+            hint = ("start the server with VLLM_SERVER_DEV_MODE=1" if err.code == 404 and route in
+                    ("/collective_rpc", "/reset_prefix_cache") else
+                    "check that the URL is a vLLM server (vllm serve) of a version with this route"
+                    if err.code == 404 else "see the server's log")
+            raise ComponentError(f"model.rollout: the vLLM server at {self.url} answered {route} with HTTP "
+                                 f"{err.code} ({detail or err.reason}); {hint}") from None
         except (urllib.error.URLError, TimeoutError, OSError) as err:
             reason = getattr(err, "reason", err)
-            raise RuntimeError(f"model.rollout: no answer from the vLLM server at {self.url} to {route} within "
-                               f"timeout_seconds={self.timeout_seconds:g} ({reason}); check that it runs and the "
-                               "URL (model.rollout.init_args.url)") from None
-        return json.loads(text) if text.strip() else {}
+            raise ComponentError(f"model.rollout: no answer from the vLLM server at {self.url} to {route} within "
+                                 f"timeout_seconds={self.timeout_seconds:g} ({reason}); check that it runs and the "
+                                 "URL (model.rollout.init_args.url)") from None
+        if not text.strip():
+            return {}
+        try:
+            answer = json.loads(text)
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict):
+            raise ComponentError(f"model.rollout: the vLLM server at {self.url} answered {route} with something "
+                                 f"other than a JSON object ({' '.join(text.split())[:80]!r}); check that the URL "
+                                 "(model.rollout.init_args.url) is a vLLM server (vllm serve), not another web server")
+        return answer
 
     def _served_model(self) -> str:
         if self.model is None:
             models = self._request("/v1/models").get("data") or []
             if not models:
-                raise RuntimeError(f"model.rollout: the vLLM server at {self.url} serves no model")
-            self.model = models[0]["id"]
+                raise ComponentError(f"model.rollout: the vLLM server at {self.url} serves no model; start it with "
+                                     "the policy's folder (vllm serve <folder>)")
+            self.model = str(models[0].get("id")) if isinstance(models[0], dict) else str(models[0])
         return self.model
 
     def _server_version(self) -> str | None:
@@ -184,7 +215,7 @@ class VLLMServerEngine(RolloutEngine):
     def _check_version(self, when: str) -> None:
         version = self._server_version()
         if version != str(self._version):
-            raise RuntimeError(
+            raise ComponentError(
                 f"model.rollout: the vLLM server at {self.url} holds weight version {version!r} {when} generating "
                 f"where {self._version} was pushed (restarted, or pushed to by another trainer); its samples are "
                 "not used. Resume from the last checkpoint"
@@ -196,11 +227,20 @@ class VLLMServerEngine(RolloutEngine):
         answer = self._request("/v1/completions", {
             "model": self._served_model(), "prompt": prompts, "max_tokens": self.max_new_tokens, "logprobs": 0,
             "return_token_ids": True, "stop_token_ids": eos, "skip_special_tokens": False, **sampling})
-        choices = sorted(answer.get("choices") or [], key=lambda c: c["index"])
-        if len(choices) != len(prompts) or any(c.get("token_ids") is None for c in choices):
-            raise RuntimeError(f"model.rollout: the vLLM server at {self.url} answered {len(choices)} completions "
-                               f"with token ids for {len(prompts)} prompts; it needs vLLM >= 0.10 "
-                               "(return_token_ids)")
+        try:
+            choices = sorted(answer.get("choices") or [], key=lambda c: c["index"])
+            complete = all(c.get("token_ids") is not None and c["logprobs"]["token_logprobs"] is not None
+                           and "finish_reason" in c for c in choices)
+        except (KeyError, TypeError, AttributeError):
+            complete = False
+        if not complete:
+            raise ComponentError(f"model.rollout: the vLLM server at {self.url} answered /v1/completions without "
+                                 "the completions' index, token ids, log-probs and finish reason; it needs an "
+                                 "OpenAI-compatible vLLM server >= 0.10 (vllm serve)")
+        if len(choices) != len(prompts):
+            raise ComponentError(f"model.rollout: the vLLM server at {self.url} answered {len(choices)} completions "
+                                 f"with token ids for {len(prompts)} prompts; it needs vLLM >= 0.10 "
+                                 "(return_token_ids)")
         return choices
 
     @torch.no_grad()
@@ -219,9 +259,9 @@ class VLLMServerEngine(RolloutEngine):
             return float((scaled.log_softmax(-1).gather(-1, response[:, None].to(device))[:, 0] - server).abs().mean())
 
         if gap(logits) < gap(logits / self.temperature):
-            raise RuntimeError(f"model.rollout: the vLLM server at {self.url} returns raw log-probs; start it with "
-                               "--logprobs-mode processed_logprobs (the trainer's ratios need the log-probs of the "
-                               "distribution sampled from)")
+            raise ComponentError(f"model.rollout: the vLLM server at {self.url} returns raw log-probs; start it with "
+                                 "--logprobs-mode processed_logprobs (the trainer's ratios need the log-probs of the "
+                                 "distribution sampled from)")
         self._checked_logprobs = True
 
     # ------------------------------------------------------------------------- asynchronous
@@ -238,7 +278,7 @@ class VLLMServerEngine(RolloutEngine):
         """Push the trainer's weights if the server's are older, once no request is in flight."""
         if self._version is None or self._version != self._updates:
             for _, _, future in self._ahead:
-                future.exception(timeout=self.timeout_seconds)  # done, one way or the other
+                self._wait(future)  # done, one way or the other
             self._push(model)
 
     def prefetch(self, model, tokenizer, prompts: list[list[int]], greedy: bool = False) -> None:
@@ -252,6 +292,16 @@ class VLLMServerEngine(RolloutEngine):
         future = self._pool.submit(self._answer, prompts, greedy, eos_token_ids(model, tokenizer))
         self._ahead.append((request_key(self, prompts, greedy), self._version, future))
 
+    def _wait(self, future: Future) -> Future:
+        """``future`` once done, waited for in short slices (a stop is honoured within seconds); a generation
+        sent ahead makes three requests, each within ``timeout_seconds``."""
+        done = threading.Event()
+        future.add_done_callback(lambda _: done.set())
+        if not wait_stoppable(done, 3 * self.timeout_seconds + 5.0, f"the vLLM server at {self.url}"):
+            raise ComponentError(f"model.rollout: no answer from the vLLM server at {self.url} to a generation sent "
+                                 f"ahead within 3 x timeout_seconds={self.timeout_seconds:g}; check that it runs")
+        return future
+
     def _collect(self, key: tuple) -> tuple[tuple[list[dict], float], int] | None:
         """The oldest answer sent ahead for ``key`` if it is at most ``max_staleness`` versions old (older
         entries, for steps already past, are dropped)."""
@@ -260,7 +310,7 @@ class VLLMServerEngine(RolloutEngine):
             return None
         _, version, future = self._ahead[index]
         del self._ahead[: index + 1]
-        answer = future.result(timeout=self.timeout_seconds)
+        answer = self._wait(future).result()
         if self._updates - version > self.max_staleness:
             self._discarded += 1
             return None
@@ -268,7 +318,7 @@ class VLLMServerEngine(RolloutEngine):
 
     def state_dict(self) -> dict:
         """The update count and, when asynchronous, the answers sent ahead (waited for)."""
-        ahead = [(key, version, future.result(timeout=self.timeout_seconds)) for key, version, future in self._ahead]
+        ahead = [(key, version, self._wait(future).result()) for key, version, future in self._ahead]
         return {"updates": self._updates, "ahead": ahead}
 
     def load_state_dict(self, state: dict) -> None:

@@ -63,9 +63,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rllight.errors import RecipeError
+from rllight.errors import ComponentError, RecipeError
 from rllight.rollout.base import SAMPLING_SETTINGS, Generation, RolloutEngine, request_key
 from rllight.rollout.vllm import full_state_dict
+from rllight.safety import check_stop
 
 log = logging.getLogger(__name__)
 
@@ -221,9 +222,13 @@ class _Worker:
             raise _WorkerDied(self.describe_exit()) from err
 
     def receive(self, timeout: float, what: str) -> tuple:
-        """The worker's next message; ``_WorkerDied`` if it died, ``TimeoutError`` after ``timeout`` seconds."""
-        if not wait([self.conn, self.process.sentinel], timeout):
-            raise TimeoutError(
+        """The worker's next message; ``_WorkerDied`` if it died, ``ComponentError`` after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while not wait([self.conn, self.process.sentinel], max(0.0, min(0.2, deadline - time.monotonic()))):
+            if time.monotonic() < deadline:  # short slices, so that Ctrl-C or SIGTERM is seen within seconds
+                check_stop("the rollout worker process")
+                continue
+            raise ComponentError(
                 f"model.rollout: the rollout worker did not {what} within timeout_seconds={timeout:g} and was "
                 "stopped; raise model.rollout.init_args.timeout_seconds if it is only slow, or check the inner "
                 "engine (model.rollout.init_args.engine)"
@@ -391,8 +396,9 @@ class ProcessEngine(RolloutEngine):
 
     def _check(self, reply: tuple, what: str) -> tuple:
         if reply[0] == "error":
-            raise RuntimeError(f"model.rollout: the rollout worker's {type(self.engine).__name__} failed to {what}: "
-                               f"{reply[1]}")
+            raise ComponentError(f"model.rollout: the rollout worker's {type(self.engine).__name__} failed to {what}: "
+                                 f"{reply[1]}; fix the inner engine (model.rollout.init_args.engine), or generate in "
+                                 "the training process (model.rollout.class_path: rllight.rollout.HFEngine)")
         return reply
 
     def _attempt(self, message: tuple, what: str) -> tuple:
@@ -419,7 +425,7 @@ class ProcessEngine(RolloutEngine):
         try:
             return self._attempt(message, what)
         except _WorkerDied as died:
-            raise RuntimeError(
+            raise ComponentError(
                 f"model.rollout: the rollout worker died twice in a row ({died}) trying to {what}; look for an "
                 "out-of-memory kill or a crash in the inner engine, or generate in the training process "
                 "(model.rollout.class_path: rllight.rollout.HFEngine)"
@@ -441,7 +447,7 @@ class ProcessEngine(RolloutEngine):
         settings = {name: getattr(self, name) for name in SAMPLING_SETTINGS}
         reply = self._call(("generate", expected, prompts, greedy, settings, _rng_states(device)), "generate")
         if reply[0] != "generated" or reply[1] != expected:
-            raise RuntimeError(
+            raise ComponentError(
                 f"model.rollout: the rollout worker answered with policy version {reply[1]} where {expected} was "
                 "sent (a weight sync was lost); its samples are not used. Resume from the last checkpoint"
             )
@@ -472,8 +478,8 @@ class ProcessEngine(RolloutEngine):
         if self._worker is not None:  # else the next start loads them
             reply = self._call(("sync", self._version), "load weights")
             if reply[1] != self._version:
-                raise RuntimeError(f"model.rollout: the rollout worker acknowledged policy version {reply[1]} "
-                                   f"where {self._version} was sent; resume from the last checkpoint")
+                raise ComponentError(f"model.rollout: the rollout worker acknowledged policy version {reply[1]} "
+                                     f"where {self._version} was sent; resume from the last checkpoint")
         seconds = time.perf_counter() - start
         self._sync_time += seconds
         return {"rollout/sync_time": seconds}
@@ -500,11 +506,11 @@ class ProcessEngine(RolloutEngine):
         self._outstanding.popleft()
         if request.kind == "sync":
             if reply[0] != "synced" or reply[1] != request.version:
-                raise RuntimeError(f"model.rollout: the rollout worker acknowledged policy version {reply[1]} "
-                                   f"where {request.version} was sent; resume from the last checkpoint")
+                raise ComponentError(f"model.rollout: the rollout worker acknowledged policy version {reply[1]} "
+                                     f"where {request.version} was sent; resume from the last checkpoint")
             return
         if reply[0] != "generated" or reply[1] != request.version:
-            raise RuntimeError(
+            raise ComponentError(
                 f"model.rollout: the rollout worker answered with policy version {reply[1]} where "
                 f"{request.version} was sent (a weight sync was lost); its samples are not used. Resume from the "
                 "last checkpoint"
@@ -545,7 +551,7 @@ class ProcessEngine(RolloutEngine):
             except _WorkerDied as died:
                 lost = self._abandon_worker()
                 if attempt == 2:
-                    raise RuntimeError(
+                    raise ComponentError(
                         f"model.rollout: the rollout worker died twice in a row ({died}) trying to {what}; look "
                         "for an out-of-memory kill or a crash in the inner engine, or generate in the training "
                         "process (model.rollout.class_path: rllight.rollout.HFEngine)"
