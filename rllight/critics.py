@@ -36,6 +36,8 @@ class Critic(nn.Module):
 
     shared = True
     """Reads the policy's hidden states (True) or runs its own model (False)."""
+    per_prompt = False
+    """One value per response (shape (B,)) rather than one per token (B, T)."""
 
     def __init__(self, loss_coef: float = 0.5, lr: float | None = None):
         super().__init__()
@@ -201,6 +203,8 @@ class PromptCritic(Critic):
         loss_coef: Weight of the BCE in the joint loss.
         lr: Learning rate of the critic's parameters (None = the policy optimizer's).
     """
+
+    per_prompt = True
 
     def __init__(self, model: HFModel | None = None, loss_coef: float = 1.0, lr: float | None = None):
         super().__init__(loss_coef=loss_coef, lr=lr)

@@ -56,7 +56,10 @@ class Ranks:
         """Sum the gradients of ``params`` over ranks (a rank without one adds zeros); a parameter that no rank
         has a gradient for keeps none, as on one process. Backward passes run outside DDP's reducer
         (``rllight._compat.no_gradient_sync``), so this is the one place gradients meet."""
-        if self.world_size <= 1:
+        from rllight.fsdp import is_dtensor
+
+        params = [p for p in params if not is_dtensor(p)]  # FSDP's shards: its backward summed them already
+        if self.world_size <= 1 or not params:
             return
         has = self.reduce(torch.tensor([float(p.grad is not None) for p in params]))
         live = [p for p, h in zip(params, has.tolist()) if h > 0]

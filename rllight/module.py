@@ -21,7 +21,9 @@ from rllight.data.prompt_stream import PromptStream
 from rllight.distributed import Ranks
 from rllight.envs import Environment
 from rllight.errors import RecipeError
+from rllight.recipe_checks import check_recipe
 from rllight.evaluation import EvalSettings, Evaluator
+from rllight.fsdp import gathered_policy, is_sharded, shard
 from rllight.models import HFModel, LoRA, disable_dropout
 from rllight.rewards import IntegerMatch, Reward, RewardRunner, by_source, check_rows
 from rllight.rollout import HFEngine, RolloutEngine
@@ -39,33 +41,6 @@ log = logging.getLogger(__name__)
 
 def _adamw(params):
     return torch.optim.AdamW(params, lr=1e-6, weight_decay=0.0)
-
-
-def _check_recipe(advantage, critic, kl, sampler, critic_updates_first: int, ppo_epochs: int,
-                  micro_batch_size: int, max_failed_reward_steps: int) -> None:
-    """One-line errors for settings that cannot work together, before anything loads."""
-    for name, value in (("ppo_epochs", ppo_epochs), ("micro_batch_size", micro_batch_size),
-                        ("max_failed_reward_steps", max_failed_reward_steps)):
-        if value < 1:
-            raise RecipeError(f"model.{name} must be >= 1, got {value}")
-    if advantage.needs_values and critic is None:
-        raise RecipeError(f"model.advantage: {type(advantage).__name__} needs a critic; set model.critic "
-                          "(e.g. class_path: rllight.critics.ValueHead)")
-    if kl is not None and kl.in_reward and not advantage.uses_token_rewards:
-        raise RecipeError(f"model.kl.in_reward: {type(advantage).__name__} reads only the outcome reward, so a KL "
-                          "penalty in the reward would be ignored; put it in the loss (in_reward: false)")
-    if critic_updates_first and critic is None:
-        raise RecipeError("model.critic_updates_first needs model.critic")
-    if critic is not None and not advantage.needs_values:
-        raise RecipeError(f"model.critic: {type(advantage).__name__} does not read values, so the critic would train "
-                          "for nothing; remove model.critic or choose an estimator that uses it (e.g. GAE)")
-    # (DynamicSampling refuses a group of one itself, where its group_size enters.)
-    group_size = getattr(sampler, "group_size", None)
-    if group_size is not None and group_size < advantage.min_group_size:
-        raise RecipeError(
-            f"model.advantage: {type(advantage).__name__} compares the responses to one prompt, so group_size "
-            f"{group_size} cannot learn (every advantage would be 0); set "
-            f"model.sampler.init_args.group_size >= {advantage.min_group_size}")
 
 
 class RLModule(L.LightningModule):
@@ -166,7 +141,7 @@ class RLModule(L.LightningModule):
         export_dir: str | None = None,
     ):
         super().__init__()
-        _check_recipe(advantage, critic, kl, sampler, critic_updates_first, ppo_epochs, micro_batch_size,
+        check_recipe(advantage, critic, kl, sampler, critic_updates_first, ppo_epochs, micro_batch_size,
                       max_failed_reward_steps)
         reward, reward_runner = plain_instance(reward), plain_instance(reward_runner)
         self.automatic_optimization = False
@@ -214,6 +189,7 @@ class RLModule(L.LightningModule):
         matched would only ever teach "wrong")."""
         if stage == "fit":
             self.updater.local_size(self.minibatch_size)
+            self.advantage.total = self.ranks.reduce if self.ranks.world_size > 1 else None  # global statistics
         self.rollout.check_processes(self.ranks.world_size)
         datamodule = self.trainer.datamodule if self._trainer is not None else None
         train_rows = (getattr(datamodule, "train_rows", None) or []) if stage == "fit" else []
@@ -249,6 +225,10 @@ class RLModule(L.LightningModule):
             self.ref_policy.requires_grad_(False).eval()
         self.scoring.policy, self.scoring.ref_policy = self.policy, self.ref_policy
         self.scoring.adapters = self.lora is not None
+        if is_sharded(self._trainer):  # FSDP: the engine copies the full policy first; then each rank keeps a shard
+            self.rollout.keep_copy(self.policy)
+            models = {"policy": self.policy, **({"critic": self.critic} if self.critic is not None else {})}
+            self.scoring.net = shard(models, self.device_mesh["data_parallel"])
         self.producer.bind(self.policy, self.tokenizer)
 
     def configure_optimizers(self):
@@ -359,13 +339,14 @@ class RLModule(L.LightningModule):
         """Old log-probs, values and reference log-probs without gradients, then token rewards, advantages and
         returns; their metrics (engine/trainer mismatch, the estimator's statistics, the critic's explained
         variance as it enters the step)."""
+        # Every rank, an empty one too: FSDP's passes and the estimators' batch statistics are collectives.
+        self.scoring.score(rollout, need_old=need_old)
+        self.estimate_advantages(rollout)
         if len(rollout) == 0:
             return {}
-        self.scoring.score(rollout, need_old=need_old)
         metrics = {}
         if rollout.old_logprobs is not None:  # else measured on the live log-probs in the update
             metrics.update(logprob_mismatch(rollout.old_logprobs, rollout.sample_logprobs, rollout.response_mask))
-        self.estimate_advantages(rollout)
         metrics.update(scalar_extras(rollout))
         ev = critic_explained_variance(rollout)  # of the critic as it enters the step, on the fresh rollout
         if ev is not None:
@@ -378,9 +359,8 @@ class RLModule(L.LightningModule):
         alone here: a backbone step would move the policy between sampling and its update (the rollout would no
         longer be on-policy, the engine stale)."""
         metrics = self.updater.critic_update(rollout, epochs=self.critic_updates_first, train_backbone=False)
-        if len(rollout):
-            self.scoring.score(rollout, need_old=False, need_values=True)
-            self.estimate_advantages(rollout)
+        self.scoring.score(rollout, need_old=False, need_values=True)
+        self.estimate_advantages(rollout)
         return metrics
 
     def estimate_advantages(self, rollout: Rollout) -> None:
@@ -439,7 +419,7 @@ class RLModule(L.LightningModule):
 
     # ------------------------------------------------------------------------------ export
     def on_fit_end(self) -> None:
-        if self.export_dir and self.trainer.is_global_zero:
+        if self.export_dir and (self.trainer.is_global_zero or self.scoring.sharded):  # FSDP: all ranks gather
             self.export(self.export_dir)
 
     def export(self, path: str) -> None:
@@ -447,4 +427,6 @@ class RLModule(L.LightningModule):
         (``rllight.export.export_policy``: written aside, never over files an export did not write)."""
         from rllight.export import export_policy
 
-        export_policy(self.policy, self.tokenizer, path, info={"global_step": int(self.global_step)})
+        policy = gathered_policy(self.policy, self.lora) if self.scoring.sharded else self.policy
+        if policy is not None:  # under FSDP: rank 0
+            export_policy(policy, self.tokenizer, path, info={"global_step": int(self.global_step)})

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from rllight.algorithms import chunked_logprobs_and_entropy, logprobs_and_entropy
+from rllight.fsdp import padding_passes, padding_row
 from rllight.models import response_hidden_states
 from rllight.types import Rollout
 
@@ -67,7 +68,8 @@ class Scoring:
         chunk_size: Positions per chunk of the log-prob computation (None = the full logits at once).
 
     ``policy``, ``ref_policy`` and ``adapters`` are set once the weights load: the reference is the frozen
-    ``ref_policy``, or with LoRA (``adapters`` True) the policy with its adapters disabled.
+    ``ref_policy``, or with LoRA (``adapters`` True) the policy with its adapters disabled. Under FSDP, ``net``
+    is the root unit that every pass runs inside (``run``; see ``rllight.fsdp``).
     """
 
     def __init__(self, engine, critic=None, with_reference: bool = False, micro_batch_size: int = 8,
@@ -81,6 +83,15 @@ class Scoring:
         self.policy: torch.nn.Module | None = None
         self.ref_policy: torch.nn.Module | None = None
         self.adapters = False
+        self.net: torch.nn.Module | None = None
+
+    @property
+    def sharded(self) -> bool:
+        return self.net is not None
+
+    def run(self, fn):
+        """``fn()`` (a pass over the models), under FSDP inside the root unit, which gathers its weights."""
+        return fn() if self.net is None else self.net(fn)
 
     def micro_batches(self, rollout: Rollout) -> Iterator[tuple[list[int], Rollout]]:
         """``micro_batches`` with this scoring's size or token budget."""
@@ -91,6 +102,10 @@ class Scoring:
         """Log-probs and entropy of the response tokens under ``policy`` (default: the policy being trained),
         and the critic's values when asked; log-probs and entropy are None when ``with_logprobs`` is False
         (and a separate critic then runs alone)."""
+        return self.run(lambda: self._forward(batch, policy, with_values, with_logprobs))
+
+    def _forward(self, batch: Rollout, policy: torch.nn.Module | None, with_values: bool,
+                 with_logprobs: bool) -> Outputs:
         policy = self.policy if policy is None else policy
         critic = self.critic if with_values else None
         hidden = logprobs = entropy = values = None
@@ -120,21 +135,35 @@ class Scoring:
               need_ref: bool | None = None) -> None:
         """Fill ``rollout``'s old log-probs, values and reference log-probs in micro-batches, without gradients.
         ``need_values`` / ``need_ref`` None: whenever there is a critic / a reference (and the rollout has no
-        reference log-probs yet)."""
+        reference log-probs yet). Every rank calls it, an empty rollout included (under FSDP it runs padding
+        passes)."""
         need_values = self.critic is not None if need_values is None else need_values
         if need_ref is None:
             need_ref = self.with_reference and rollout.ref_logprobs is None
         if not (need_old or need_values or need_ref):
             return
         olds, values, refs, rows = [], [], [], []
-        for index, micro in self.micro_batches(rollout):
-            rows.append(index)
+        parts = list(self.micro_batches(rollout))
+        padding = padding_passes(len(parts), self.sharded, rollout.response_mask.device)
+        for index, micro in parts + [(None, padding_row(rollout))] * padding:
             if need_old or need_values:
                 out = self.forward(micro, with_values=need_values, with_logprobs=need_old)
                 olds.append(out.logprobs)
                 values.append(out.values)
             if need_ref:
                 refs.append(self.reference_logprobs(micro))
+            rows.append(index)
+        if not len(rollout):  # an empty rank: fields of the right shape, for the estimators every rank runs
+            t = rollout.response_mask.shape[1]
+            empty = rollout.response_mask.new_zeros((0, t), dtype=torch.float32)
+            if need_old:
+                rollout.old_logprobs = empty
+            if need_values:
+                rollout.values = empty[:, 0] if getattr(self.critic, "per_prompt", False) else empty
+            if need_ref:
+                rollout.ref_logprobs = empty
+            return
+        olds, values, refs, rows = olds[: len(parts)], values[: len(parts)], refs[: len(parts)], rows[: len(parts)]
         mask = rollout.response_mask.float()
 
         def full(parts: list[Tensor]) -> Tensor:  # each micro-batch's rows back in place, padded to the rollout's T

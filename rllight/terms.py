@@ -119,9 +119,10 @@ class HeadOnlyCriticFit(CriticLoss):
 
     needs_values = False
 
-    def __init__(self, critic, policy: torch.nn.Module):
+    def __init__(self, critic, policy: torch.nn.Module, run: Callable | None = None):
         super().__init__(critic, train_backbone=False)
         self.policy = policy
+        self.run = run or (lambda fn: fn())  # ``Scoring.run``: the passes under FSDP run inside its root unit
         self.hidden: list[Tensor] = []
         self._next = 0
 
@@ -129,11 +130,15 @@ class HeadOnlyCriticFit(CriticLoss):
         self._next = 0
 
     def __call__(self, batch: Rollout, out: Outputs, aggregate: Aggregate) -> tuple[Tensor, dict[str, Tensor]]:
-        if self._next == len(self.hidden):
-            with torch.no_grad():
-                self.hidden.append(response_hidden_states(self.policy.get_decoder(), batch))
-        hidden, self._next = self.hidden[self._next], self._next + 1
-        return super().__call__(batch, out._replace(values=self.critic.values(batch, hidden)), aggregate)
+        def values() -> Tensor:
+            if self._next == len(self.hidden):
+                with torch.no_grad():
+                    self.hidden.append(response_hidden_states(self.policy.get_decoder(), batch))
+            return self.critic.values(batch, self.hidden[self._next])
+
+        values = self.run(values)
+        self._next += 1
+        return super().__call__(batch, out._replace(values=values), aggregate)
 
 
 class ResponseNLL(LossTerm):

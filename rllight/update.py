@@ -12,6 +12,7 @@ from torch.profiler import record_function
 
 from rllight._compat import no_gradient_sync
 from rllight.distributed import Ranks, share
+from rllight.fsdp import full_tensor, padding_passes, padding_row
 from rllight.rollout.metrics import critic_explained_variance, reduce_stats
 from rllight.scoring import Outputs, Scoring
 from rllight.strategies import Aggregation
@@ -92,7 +93,7 @@ class Updater:
             stats["critic_only/explained_variance"] = [ev]
         head_only = critic.shared and not train_backbone
         parts = self.minibatches(len(rollout), self.local_size(minibatch_size or self.minibatch_size))
-        terms = [HeadOnlyCriticFit(critic, self.scoring.policy) if head_only else CriticLoss(critic) for _ in parts]
+        terms = [HeadOnlyCriticFit(critic, self.scoring.policy, self.scoring.run) if head_only else CriticLoss(critic) for _ in parts]
         for _ in range(epochs):
             for index, term in zip(parts, terms):
                 out = self.update(rollout.select(index), [term], "value", total_key="value/total_loss")
@@ -181,12 +182,15 @@ class Updater:
             stats.setdefault(key, []).append(value.detach())
 
         finite = True
-        for _, micro in self.scoring.micro_batches(mb):
+        parts = list(self.scoring.micro_batches(mb))
+        padding = padding_passes(len(parts), self.scoring.sharded, mb.response_mask.device)
+        for k, (_, micro) in enumerate(parts + [(None, padding_row(mb))] * padding):
+            real = k < len(parts)  # else a padding pass: FSDP needs every rank to run as many (loss times 0)
             mask = micro.response_mask.float()
-            # The share of the forward's positions that are padding (prompt and response columns alike).
-            positions = micro.prompt_mask.numel() + micro.valid_mask.numel()
-            real = micro.prompt_mask.sum() + micro.valid_mask.sum()
-            record("perf/padding_share", 1.0 - real.float() / max(positions, 1))
+            if real:  # the share of the forward's positions that are padding (prompt and response columns alike)
+                positions = micro.prompt_mask.numel() + micro.valid_mask.numel()
+                tokens = micro.prompt_mask.sum() + micro.valid_mask.sum()
+                record("perf/padding_share", 1.0 - tokens.float() / max(positions, 1))
             out = Outputs(None, None, None)
             if with_logprobs or with_values:
                 with record_function("rllight.update.forward"):
@@ -195,15 +199,18 @@ class Updater:
             for term in terms:
                 term_loss, term_stats = term(micro, out, aggregate)
                 loss = loss + term_loss
-                for k, v in term_stats.items():
-                    record(k, v)
-            if not torch.isfinite(loss):
-                finite = False  # skip the backward; the whole update is skipped
-                continue
+                for k_, v in term_stats.items() if real else ():
+                    record(k_, v)
+            if not real:
+                loss = torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0) * 0.0
+            elif not torch.isfinite(loss):
+                finite = False  # the whole update is skipped; under FSDP the backward still runs, with the ranks
+                if not self.scoring.sharded:
+                    continue
             # The denominators are global (all ranks), so the ranks' gradients are summed, not averaged.
             with no_gradient_sync(self.lightning._trainer), record_function("rllight.update.backward"):
                 self.lightning.manual_backward(loss)
-            if total_key is not None:
+            if total_key is not None and real:
                 record(total_key, loss * world_size)
         return stats, finite
 
@@ -232,6 +239,8 @@ class Updater:
         for critic, params in families.items():
             if params:
                 limit = self.critic_max_grad_norm if critic else self.max_grad_norm
-                norm = torch.nn.utils.clip_grad_norm_(params, limit if limit else float("inf"))
+                # Under FSDP each rank holds a shard of each gradient: the norm is the gathered total.
+                norm = full_tensor(torch.nn.utils.get_total_norm([p.grad for p in params]))
+                torch.nn.utils.clip_grads_with_norm_(params, limit if limit else float("inf"), norm)
                 norms["value/grad_norm" if critic else f"{name}/grad_norm"] = norm.detach()
         return norms

@@ -1,11 +1,14 @@
 """Strategies as a user would write them in their own module (not part of rllight)."""
 
+import math
 import os
 
 import torch
 
 from rllight.callbacks import RolloutCallback
 from rllight.rewards import Reward
+from rllight.rollout import RolloutEngine
+from rllight.rollout.base import Generation, pad_left
 from rllight.strategies import AdvantageEstimator, ClippedSurrogate
 
 
@@ -116,11 +119,14 @@ class DumpState(RolloutCallback):
 
         import torch
 
-        params = {f"policy.{n}": p.detach().clone() for n, p in module.policy.named_parameters()}
+        from rllight.fsdp import full_tensor
+
+        params = {f"policy.{n}": full_tensor(p).detach().clone() for n, p in module.policy.named_parameters()}
         if module.critic is not None:
-            params.update({f"critic.{n}": p.detach().clone() for n, p in module.critic.named_parameters()})
+            params.update({f"critic.{n}": full_tensor(p).detach().clone() for n, p in module.critic.named_parameters()})
+        losses = {k: float(v) for k, v in trainer.callback_metrics.items() if k.endswith(("policy/loss", "total_loss"))}
         path = os.environ["RLLIGHT_TEST_DUMP"].format(rank=trainer.global_rank)
-        torch.save({**self.record, "params": params}, path)
+        torch.save({**self.record, "params": params, "losses": losses}, path)
 
 
 class AlwaysFails(Reward):
@@ -176,3 +182,32 @@ class EvenLength(Reward):
 
     def is_correct(self, response: str, answer: str) -> bool:
         return len(response) % 2 == 0
+
+
+class ScriptedEngine(RolloutEngine):
+    """Responses that depend on the prompt only, never on the weights: the k-th copy of a prompt in a request
+    gets its k-th variant. Two runs that see the same prompts get the same rollouts, whatever their processes
+    or sharding, so their updates can be compared. Sampling log-probs are those of a uniform distribution."""
+
+    def generate(self, model, tokenizer, prompts, greedy=False):
+        vocab = len(tokenizer)
+        seen, responses = {}, []
+        for prompt in prompts:
+            k = seen[tuple(prompt)] = seen.get(tuple(prompt), -1) + 1
+            base = sum(prompt) * 7 + 13 * k
+            length = 2 + base % (self.max_new_tokens - 1)
+            tokens = [(base + 31 * j) % vocab for j in range(length)]
+            ended = length < self.max_new_tokens and k % 2 == 0
+            if ended:
+                tokens[-1] = tokenizer.eos_token_id
+            responses.append(tokens)
+        prompt_ids, prompt_mask = pad_left(prompts, tokenizer.pad_token_id)
+        width = max(len(r) for r in responses)
+        response_ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
+        response_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, r in enumerate(responses):
+            response_ids[i, : len(r)] = torch.tensor(r)
+            response_mask[i, : len(r)] = 1
+        truncated = torch.tensor([tokenizer.eos_token_id not in r for r in responses])
+        logprobs = -math.log(vocab) * response_mask.float()
+        return Generation(prompt_ids, prompt_mask, response_ids, response_mask, logprobs, truncated)

@@ -50,7 +50,8 @@ def remax(rewards: Tensor, greedy_rewards: Tensor) -> Tensor:
     return rewards - greedy_rewards.to(rewards.dtype)
 
 
-def reinforce_pp(token_rewards: Tensor, response_mask: Tensor, gamma: float = 1.0) -> tuple[Tensor, Tensor]:
+def reinforce_pp(token_rewards: Tensor, response_mask: Tensor, gamma: float = 1.0,
+                 total=None) -> tuple[Tensor, Tensor]:
     """REINFORCE++ (Hu et al., arXiv:2501.03262): discounted returns of the token rewards (the outcome
     reward on the last token, minus the KL penalty on every token when it is in the reward),
     ``G_t = sum_l gamma^l r_{t+l}``, whitened over all valid tokens of the batch. No critic and no group:
@@ -60,6 +61,7 @@ def reinforce_pp(token_rewards: Tensor, response_mask: Tensor, gamma: float = 1.
         token_rewards: Shape (B, T).
         response_mask: Shape (B, T).
         gamma: Discount.
+        total: Sums over the training processes, for whitening over the global batch (``masked_whiten``).
 
     Returns:
         ``(advantages, returns)``, each shape (B, T), zero outside ``response_mask``.
@@ -68,4 +70,4 @@ def reinforce_pp(token_rewards: Tensor, response_mask: Tensor, gamma: float = 1.
     r = torch.where(valid, token_rewards, token_rewards.new_zeros(()))
     decay = torch.full((r.shape[0],), float(gamma), dtype=r.dtype, device=r.device)
     returns = discounted_cumsum(r, decay) * valid.to(r.dtype)
-    return masked_whiten(returns, response_mask), returns
+    return masked_whiten(returns, response_mask, total=total), returns

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -41,7 +43,8 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     return (x * m).sum(dim) / m.sum(dim).clamp(min=1)
 
 
-def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8,
+                  total: Callable[[Tensor], Tensor] | None = None) -> Tensor:
     """Normalise ``x`` to zero mean and unit variance over the masked entries.
 
     The variance is the unbiased masked variance (divides by ``n - 1``). With ``shift_mean`` False the
@@ -49,11 +52,15 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float =
 
     Args:
         x, mask: Same shape, e.g. (B, T).
+        total: Sums a tensor over the training processes (the batch is every process's rows: the moments are
+            those of the global batch, as on one process); None = this process's rows alone.
     """
+    total = total or (lambda t: t)
     m = mask.to(x.dtype)
-    n = m.sum()
-    mean = (x * m).sum() / n.clamp(min=1)
-    var = (((x - mean) ** 2) * m).sum() / (n - 1).clamp(min=1)
+    sums = total(torch.stack([(x * m).sum(), m.sum()]))
+    n = sums[1]
+    mean = sums[0] / n.clamp(min=1)
+    var = total((((x - mean) ** 2) * m).sum()) / (n - 1).clamp(min=1)
     out = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean

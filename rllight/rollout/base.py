@@ -83,6 +83,11 @@ class RolloutEngine:
         Engines that generate with ``model`` itself need nothing."""
         return {}
 
+    def keep_copy(self, model: torch.nn.Module) -> None:
+        """Called under FSDP with the policy before it is sharded. An engine that generates with ``model``
+        itself must keep a full copy of it here (and refresh it in ``update_weights``); engines that hold
+        weights of their own need nothing."""
+
     def prefetch(self, model: torch.nn.Module, tokenizer, prompts: list[list[int]], greedy: bool = False) -> None:
         """Start generating for ``prompts`` now, with the current weights, to be collected by a later
         ``generate`` call with the same prompts (an engine that generates in another process overlaps it with

@@ -10,6 +10,7 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from rllight.errors import RecipeError
+from rllight.fsdp import full_tensor
 from rllight.rollout.base import (
     Generation,
     RolloutEngine,
@@ -94,21 +95,31 @@ class HFEngine(RolloutEngine):
         self._copy_of: int | None = None  # id() of the policy the copy was made from
 
     def _generator(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The model to generate with: the policy, or its copy in ``dtype`` (made on first use)."""
-        if self.dtype is None:
-            return model
+        """The model to generate with: the policy, or its copy (in ``dtype``, made on first use; under FSDP the
+        full copy ``keep_copy`` took before sharding)."""
         if self._copy is None or self._copy_of != id(model):
-            import copy
-
-            device = next(model.parameters()).device
-            if device.type == "cpu" and self.dtype != "float32" and not _cpu_has_low_precision_units():
-                log.warning("model.rollout.init_args.dtype is %s but this CPU (%s) has no AVX-512 or AMX units for "
-                            "it: generation will be much slower than in float32; set dtype: null on this machine",
-                            self.dtype, torch.backends.cpu.get_cpu_capability())
-            self._copy = copy.deepcopy(model).to(_DTYPES[self.dtype]).eval()
-            self._copy.requires_grad_(False)
-            self._copy_of = id(model)
+            if self.dtype is None:
+                return model
+            self.keep_copy(model)
+        device = next(model.parameters()).device
+        if next(self._copy.parameters()).device != device:  # the trainer moved the policy (e.g. to its GPU)
+            self._copy.to(device)
         return self._copy
+
+    def keep_copy(self, model: torch.nn.Module) -> None:
+        """Generate from a copy of ``model`` (in ``dtype`` when set), refreshed by ``update_weights``."""
+        import copy
+
+        device = next(model.parameters()).device
+        if device.type == "cpu" and self.dtype not in (None, "float32") and not _cpu_has_low_precision_units():
+            log.warning("model.rollout.init_args.dtype is %s but this CPU (%s) has no AVX-512 or AMX units for "
+                        "it: generation will be much slower than in float32; set dtype: null on this machine",
+                        self.dtype, torch.backends.cpu.get_cpu_capability())
+        self._copy = copy.deepcopy(model)
+        if self.dtype is not None:
+            self._copy.to(_DTYPES[self.dtype])
+        self._copy.eval().requires_grad_(False)
+        self._copy_of = id(model)
 
     def update_weights(self, model: torch.nn.Module) -> dict[str, float]:
         if self._copy is None or self._copy_of != id(model):
@@ -116,7 +127,7 @@ class HFEngine(RolloutEngine):
         start = time.perf_counter()
         with torch.no_grad():
             for target, source in zip(self._copy.parameters(), model.parameters()):
-                target.copy_(source)
+                target.copy_(full_tensor(source))  # one parameter at a time: under FSDP a gather of its shards
         return {"rollout/sync_time": time.perf_counter() - start}
 
     @torch.no_grad()

@@ -21,6 +21,10 @@ class AdvantageEstimator:
     needs_values: bool = False
     uses_token_rewards: bool = False
     min_group_size: int = 1
+    total = None
+    """Sums a tensor over the training processes, set by the module (None = one process): batch statistics such
+    as whitening's use it so that they are the global batch's, and every rank calls the estimator (an empty
+    rollout too)."""
 
     def __call__(self, rollout: Rollout) -> tuple[Tensor, Tensor | None]:
         """``(advantages (B, T), returns (B, T) or None)``, zero outside ``rollout.response_mask``."""
@@ -50,7 +54,7 @@ class GAE(AdvantageEstimator):
             raise ValueError("GAE needs a critic: set model.critic (e.g. rllight.critics.ValueHead) in the recipe")
         advantages, returns = gae(rollout.token_rewards, rollout.values, rollout.response_mask, self.gamma, self.lam)
         if self.whiten:
-            advantages = masked_whiten(advantages, rollout.response_mask)
+            advantages = masked_whiten(advantages, rollout.response_mask, total=self.total)
         return advantages, returns
 
 

@@ -101,7 +101,7 @@ class ReinforcePP(AdvantageEstimator):
         self.gamma = gamma
 
     def __call__(self, rollout: Rollout) -> tuple[Tensor, None]:
-        advantages, _ = reinforce_pp(rollout.token_rewards, rollout.response_mask, self.gamma)
+        advantages, _ = reinforce_pp(rollout.token_rewards, rollout.response_mask, self.gamma, total=self.total)
         return advantages, None
 
 

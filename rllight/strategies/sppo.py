@@ -56,7 +56,10 @@ class PromptBaseline(AdvantageEstimator):
                               "(class_path: rllight.critics.PromptCritic)")
         adv = rollout.rewards.to(values.dtype) - values
         if self.normalize == "batch_std":
-            adv = adv / ((adv.std() if adv.numel() > 1 else adv.new_zeros(())) + self.eps)
+            total = self.total or (lambda t: t)  # the global batch's standard deviation
+            n, s1, s2 = total(torch.stack([adv.new_tensor(float(adv.numel())), adv.sum(), (adv * adv).sum()]))
+            std = ((s2 - s1 * s1 / n.clamp(min=1)) / (n - 1).clamp(min=1)).clamp(min=0).sqrt() if n > 1 else n * 0
+            adv = adv / (std + self.eps)
         elif self.normalize == "bernoulli":
             adv = adv / torch.sqrt(values * (1.0 - values)).clamp(min=self.min_sigma)
         return adv.unsqueeze(-1) * rollout.response_mask.to(adv.dtype), None

@@ -133,7 +133,7 @@ class DecoupledGAE(AdvantageEstimator):
         if self.value_lam is not None:
             _, returns = gae(rollout.token_rewards, rollout.values, rollout.response_mask, self.gamma, self.value_lam)
         if self.whiten:
-            advantages = masked_whiten(advantages, rollout.response_mask)
+            advantages = masked_whiten(advantages, rollout.response_mask, total=self.total)
         lam_t = lam if isinstance(lam, Tensor) else torch.full_like(lengths, lam, dtype=torch.float32)
         if lam_t.numel():
             rollout.extras.update({"advantage/lambda_mean": float(lam_t.float().mean()),

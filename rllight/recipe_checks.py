@@ -1,0 +1,32 @@
+"""Settings of a recipe that cannot work together, refused with one line before anything loads."""
+
+from __future__ import annotations
+
+from rllight.errors import RecipeError
+
+
+def check_recipe(advantage, critic, kl, sampler, critic_updates_first: int, ppo_epochs: int,
+                  micro_batch_size: int, max_failed_reward_steps: int) -> None:
+    """One-line errors for settings that cannot work together, before anything loads."""
+    for name, value in (("ppo_epochs", ppo_epochs), ("micro_batch_size", micro_batch_size),
+                        ("max_failed_reward_steps", max_failed_reward_steps)):
+        if value < 1:
+            raise RecipeError(f"model.{name} must be >= 1, got {value}")
+    if advantage.needs_values and critic is None:
+        raise RecipeError(f"model.advantage: {type(advantage).__name__} needs a critic; set model.critic "
+                          "(e.g. class_path: rllight.critics.ValueHead)")
+    if kl is not None and kl.in_reward and not advantage.uses_token_rewards:
+        raise RecipeError(f"model.kl.in_reward: {type(advantage).__name__} reads only the outcome reward, so a KL "
+                          "penalty in the reward would be ignored; put it in the loss (in_reward: false)")
+    if critic_updates_first and critic is None:
+        raise RecipeError("model.critic_updates_first needs model.critic")
+    if critic is not None and not advantage.needs_values:
+        raise RecipeError(f"model.critic: {type(advantage).__name__} does not read values, so the critic would train "
+                          "for nothing; remove model.critic or choose an estimator that uses it (e.g. GAE)")
+    # (DynamicSampling refuses a group of one itself, where its group_size enters.)
+    group_size = getattr(sampler, "group_size", None)
+    if group_size is not None and group_size < advantage.min_group_size:
+        raise RecipeError(
+            f"model.advantage: {type(advantage).__name__} compares the responses to one prompt, so group_size "
+            f"{group_size} cannot learn (every advantage would be 0); set "
+            f"model.sampler.init_args.group_size >= {advantage.min_group_size}")
