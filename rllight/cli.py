@@ -194,17 +194,30 @@ class RLLightCLI(LightningCLI):
         results = self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False)
         return dict(results[0]) if results else {}
 
+    def _no_validation(self) -> str | None:
+        """Why ``evaluate_before_after`` has nothing to evaluate (validation is off), or None."""
+        return "trainer.limit_val_batches is 0" if not self.trainer.limit_val_batches else None
+
     def before_fit(self) -> None:
         self._check_outputs()
         self._check_resume()
-        self._before = self._evaluate() if self.config.fit.evaluate_before_after else None
+        evaluate = self.config.fit.evaluate_before_after and self._no_validation() is None
+        self._before = self._evaluate() if evaluate else None
         self._before_per_prompt = dict(getattr(self.model, "last_val_per_prompt", {}))
 
     def after_fit(self) -> None:
         if not self.config.fit.evaluate_before_after:
             return
-        before, after = self._before or {}, self._evaluate()
+        reason = self._no_validation()
+        after = self._evaluate() if reason is None else {}
+        before = self._before or {}
         acc_before, acc_after = before.get("val/accuracy"), after.get("val/accuracy")
+        if acc_before is None or acc_after is None:
+            if self.trainer.is_global_zero:
+                print(f"rllight: evaluate_before_after: no validation ran ({reason or 'no val/accuracy was logged'}), so "
+                      "there is nothing to compare; set trainer.limit_val_batches above 0 and data.val_size above 0",
+                      flush=True)
+            return
         n = len(self.datamodule.val_rows)
         summary = {"accuracy_before": acc_before, "accuracy_after": acc_after, "num_val": n}
         table, lines = before_after(before, after, self._before_per_prompt,

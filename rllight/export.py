@@ -60,6 +60,33 @@ def _merged(policy):
     return policy
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux reports it (threads may be creating files)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _usual_permissions(folder: str) -> None:
+    """Give ``folder`` and everything in it the permissions a plain ``mkdir`` and ``open`` would (0o755 and
+    0o644 under the usual umask 022): ``tempfile.mkdtemp`` creates the folder 0o700, which a serving process
+    running as another user could not read."""
+    mask = _umask()
+    os.chmod(folder, 0o777 & ~mask)
+    for root, dirs, files in os.walk(folder):
+        for name in dirs:
+            os.chmod(os.path.join(root, name), 0o777 & ~mask)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o666 & ~mask)
+
+
 def export_policy(policy, tokenizer, path: str, info: dict | None = None, key: str = "model.export_dir") -> str:
     """Save ``policy`` (LoRA merged) and ``tokenizer`` as a Hugging Face folder at ``path``; returns ``path``.
 
@@ -84,6 +111,7 @@ def export_policy(policy, tokenizer, path: str, info: dict | None = None, key: s
     }
     with open(os.path.join(new, MARKER), "w") as f:
         json.dump(marker, f, indent=2)
+    _usual_permissions(new)
     try:
         check_export_dir(path, key)
     except RecipeError as err:

@@ -10,6 +10,7 @@ import logging
 import os
 import shlex
 import signal
+import tempfile
 import threading
 import time
 
@@ -24,7 +25,9 @@ log = logging.getLogger(__name__)
 # ------------------------------------------------------------------------------------ output locations
 def check_writable(path: str, key: str) -> None:
     """Refuse, in one line naming ``key``, a folder the run could not create or write into: a path
-    under a regular file, an existing file, or a folder (or nearest existing parent) without write access."""
+    under a regular file, an existing file, or a folder (or nearest existing parent) without write access,
+    found by creating (and removing) a file of its own there, since ``os.access`` says yes to root even
+    on ``/proc`` or a read-only file system."""
     path = os.path.abspath(path)
     if os.path.lexists(path) and not os.path.isdir(path):
         raise RecipeError(f"{key}: '{path}' is a file, not a folder; give a folder")
@@ -35,6 +38,14 @@ def check_writable(path: str, key: str) -> None:
         raise RecipeError(f"{key}: '{path}' cannot be created because '{existing}' is a file; give another folder")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise RecipeError(f"{key}: '{existing}' is not writable; give a folder this user can write to")
+    # os.access says yes to root everywhere, also on /proc or a read-only mount: try it with a file of our own.
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".rllight-write-check-", dir=existing)
+    except OSError as err:
+        raise RecipeError(f"{key}: '{existing}' is not writable ({err.strerror or err}); give a folder this user "
+                          "can write to") from None
+    os.close(handle)
+    os.remove(probe)
 
 
 # ------------------------------------------------------------------------------------------ checkpoints

@@ -29,6 +29,22 @@ def test_export_writes_a_marked_folder_and_replaces_only_an_earlier_export(tmp_p
     assert sorted(os.listdir(tmp_path)) == ["model"]
 
 
+@pytest.mark.parametrize("umask, folder_mode, file_mode", [(0o022, 0o755, 0o644), (0o027, 0o750, 0o640)])
+def test_an_export_has_the_permissions_the_umask_gives_readable_by_a_serving_process(umask, folder_mode, file_mode,
+                                                                                      tmp_path, tiny):
+    model, tokenizer = tiny
+    previous = os.umask(umask)
+    try:
+        export_policy(model, tokenizer, str(tmp_path / "model"))
+    finally:
+        os.umask(previous)
+    target = tmp_path / "model"
+    assert oct(target.stat().st_mode & 0o777) == oct(folder_mode)  # not mkdtemp's 0o700
+    files = [p for p in target.rglob("*") if p.is_file()]
+    assert {"config.json", MARKER} <= {p.name for p in files}
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in files} == {p.name: oct(file_mode) for p in files}
+
+
 def test_export_into_a_folder_with_other_files_keeps_them_and_saves_aside(tmp_path, tiny):
     model, tokenizer = tiny
     target = tmp_path / "mine"

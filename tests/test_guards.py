@@ -61,6 +61,26 @@ def test_empty_batches_after_filtering_are_no_op_steps_then_a_clear_stop(tmp_pat
     assert cli.model.producer.dropped_prompts == 16  # 8 batches of 2 prompts
 
 
+def test_a_run_whose_prompts_are_all_too_long_warns_of_the_drops_once(tmp_path, tiny_model_dir, caplog):
+    """8 batches, every prompt too long: one warning about dropped prompts (not one per batch), the count in
+    the logged metric, then the one-line stop."""
+    from rllight.errors import RecipeError
+
+    cli = build(os.path.join(RECIPES, "grpo.yaml"), tiny_overrides(tmp_path, tiny_model_dir, max_prompt_tokens=3))
+    with pytest.raises(RecipeError, match="epoch 0 made no update"):
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    drops = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "dropped" in r.getMessage()]
+    assert drops == ["dropped 2 prompt(s) longer than max_prompt_tokens=3; later drops are counted in "
+                     "train/data/dropped_long_prompts and not logged again"]
+    producer = cli.model.producer
+    assert producer.dropped_prompts == 16
+    producer.note_empty_step(7)
+    producer.note_empty_step(8)  # the module's hook for its per-step line: once, then counted only
+    empties = [r.getMessage() for r in caplog.records if "empty rollout after filtering" in r.getMessage()
+               and r.name == "rllight.rollout.producer" and r.levelname == "WARNING"]
+    assert len(empties) == 1
+
+
 def _one_update(tiny_model_dir, tmp_path, **micro):
     """Parameters after one RL step (one SGD update) from the same seed: the same rollout each time."""
     cli = build(os.path.join(RECIPES, "grpo.yaml"), tiny_overrides(

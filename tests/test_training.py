@@ -109,6 +109,21 @@ def test_evaluate_before_after_with_validation_during_fit(tmp_path, tiny_model_d
     assert logged.count("val/accuracy") >= 1
 
 
+def test_evaluate_before_after_with_validation_off_says_so_plainly(tmp_path, tiny_model_dir, capsys):
+    """The tiny overlay turns validation off (``trainer.limit_val_batches: 0``): no accuracies of None, no
+    count of prompts that were never asked, no summary file; one line that says why."""
+    from rllight.cli import main
+
+    overlay = tiny_overrides(tmp_path, tiny_model_dir)
+    main(["fit", "--config", os.path.join(RECIPES, "grpo.yaml"), "--config", overlay, "--evaluate_before_after",
+          "true"])
+    out = capsys.readouterr().out
+    assert "accuracy_before=" not in out and "num_val=" not in out and "held-out prompts" not in out
+    assert ("rllight: evaluate_before_after: no validation ran (trainer.limit_val_batches is 0), so there is nothing "
+            "to compare") in out
+    assert list(tmp_path.rglob("eval_summary.json")) == []
+
+
 def test_profile_step_names_the_phases_and_padding_is_logged(tmp_path, tiny_model_dir):
     """``rllight.profiling.ProfileStep`` profiles one step: every phase of a GRPO step with the HF engine is
     found (the markers exist on the code path), the update's phases fit in the step, and the share of padded

@@ -11,7 +11,7 @@ from helpers import build, tiny_overrides
 from rllight.cli import main
 from rllight.errors import RecipeError
 from rllight.models import HFModel
-from rllight.safety import check_resume
+from rllight.safety import check_resume, check_writable
 
 
 def _error(capsys, *args) -> str:
@@ -83,6 +83,18 @@ def test_unwritable_outputs_are_refused_before_the_model_loads(tmp_path, capsys,
     line = _error(capsys, *args, "--trainer.default_root_dir", str(readonly / "run"))
     assert line == f"rllight: error: trainer.default_root_dir: '{readonly}' is not writable; give a folder this " \
                    "user can write to"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_an_export_dir_no_one_can_create_is_refused_even_for_root(tmp_path, capsys, tiny_model_dir):
+    """/proc passes os.access for root, but no file can be created there: the check tries one."""
+    overlay = tiny_overrides(tmp_path, tiny_model_dir)
+    line = _error(capsys, "fit", "--config", GRPO, "--config", overlay, "--model.export_dir", "/proc/x")
+    assert line.startswith("rllight: error: model.export_dir: '/proc' is not writable (") and \
+        line.endswith("); give a folder this user can write to"), line
+    before = set(os.listdir(tmp_path))
+    check_writable(str(tmp_path / "new" / "run"), "trainer.default_root_dir")  # a writable place passes
+    assert set(os.listdir(tmp_path)) == before  # and the check leaves nothing behind
 
 
 def test_help_lists_the_rollout_callbacks_and_the_recipes(capsys):

@@ -87,6 +87,7 @@ class RolloutProducer:
         self.reward_failures = 0
         self.dropped_prompts = 0
         self.failed_reward_steps = 0
+        self._warned_dropped = self._warned_empty = False
         self.ranks = Ranks()
 
     def bind(self, policy: torch.nn.Module, tokenizer, draw: Callable[[int], list[dict]] | None = None,
@@ -122,7 +123,7 @@ class RolloutProducer:
         keep, prompts = self._fitting_prompts(rows)
         dropped = len(rows) - len(keep)
         if dropped:
-            log.warning("dropped %d prompt(s) longer than max_prompt_tokens=%d", dropped, self.max_prompt_tokens)
+            self._note_dropped(dropped, f"max_prompt_tokens={self.max_prompt_tokens}")
             if training:
                 self.dropped_prompts += dropped
         rows = [rows[i] for i in keep]
@@ -169,6 +170,26 @@ class RolloutProducer:
             },
         )
 
+    def _note_dropped(self, dropped: int, limit: str) -> None:
+        """Warn of prompts dropped as too long the first time only: a data set whose every prompt is too long
+        would otherwise print a line per batch before the run stops (the count is logged every step)."""
+        if self._warned_dropped:
+            log.debug("dropped %d prompt(s) longer than %s", dropped, limit)
+            return
+        self._warned_dropped = True
+        log.warning("dropped %d prompt(s) longer than %s; later drops are counted in train/data/dropped_long_prompts "
+                    "and not logged again", dropped, limit)
+
+    def note_empty_step(self, step: int) -> None:
+        """Warn of a step with no update (its rollout was empty after filtering) the first time only; later
+        ones are counted in ``train/guard/empty_rollouts``."""
+        if self._warned_empty:
+            log.debug("step %d: empty rollout after filtering; no update", step)
+            return
+        self._warned_empty = True
+        log.warning("step %d: empty rollout after filtering; no update (later empty steps are counted in "
+                    "train/guard/empty_rollouts and not logged again)", step)
+
     def _fitting_prompts(self, rows: list[dict]) -> tuple[list[int], list[list[int]]]:
         """``(keep, prompts)``: the indices of the rows whose prompt fits ``max_prompt_tokens`` and their ids."""
         prompts = self.encode(rows)
@@ -199,8 +220,8 @@ class RolloutProducer:
         keep = [k for k in range(len(rows)) if all(len(prompts[k * n + j]) <= limit for j in range(n))]
         dropped = len(rows) - len(keep)
         if dropped:
-            log.warning("dropped %d prompt(s) longer than %d tokens (max_prompt_tokens, or the environment's "
-                        "max_total_tokens less one)", dropped, limit)
+            self._note_dropped(dropped, f"{limit} tokens (max_prompt_tokens, or the environment's max_total_tokens "
+                                        "less one)")
             if training:
                 self.dropped_prompts += dropped
         if not keep:
