@@ -4,6 +4,7 @@ the prompt only) its losses and final weights match one process training on the 
 
 import pytest
 import torch
+import yaml
 
 from helpers import fit_in_child, tiny_overrides
 
@@ -30,9 +31,23 @@ def _run(tmp_path, name, recipe, *args, sharded, **model):
     return dumps[0], run
 
 
+# VAPO: value pretraining consumes the first rollout, then RL steps with self-imitation replay after each; the replay
+# batch holds every stored success (a smaller one is a random draw from each rank's buffer: the same distribution,
+# not the same rows).
+VAPO_CALLBACKS = ("[{class_path: rllight.callbacks.ValuePretraining, init_args: {max_steps: 1, patience: null}},"
+                  " {class_path: rllight.callbacks.SelfImitation, init_args: {every_n_steps: 1, batch_size: 128,"
+                  " min_reward: 0.0}}, {class_path: user_strategies.DumpState}]")
+
 METHODS = {
     "grpo": ("grpo.yaml", [], {}),
     "ppo": ("ppo.yaml", [], {"critic": {"class_path": "rllight.critics.ValueHead"}, "advantage": {"class_path": "rllight.strategies.GAE"}}),
+    "dapo": ("dapo.yaml", ["--model.sampler.init_args.group_size", "4", "--model.sampler.init_args.max_rounds", "2"],
+             {}),
+    "vapo": ("vapo.yaml", ["--trainer.max_steps", "6", "--trainer.callbacks", VAPO_CALLBACKS], {}),
+    "sppo": ("sppo.yaml", [], {"critic": {"class_path": "rllight.critics.PromptCritic", "init_args": {
+        "model": {"class_path": "rllight.models.HFModel", "init_args": {"path": "TINY"}}, "lr": 5.0e-5}}}),
+    "vespo": ("vespo.yaml", [], {}),
+    "lora": ("grpo.yaml", [], {"lora": {"class_path": "rllight.models.LoRA", "init_args": {"rank": 4, "alpha": 8}}}),
 }
 
 
@@ -41,6 +56,7 @@ METHODS = {
 def test_fsdp_matches_one_process_on_the_same_rollouts(tmp_path, tiny_model_dir, method):
     _run.model_dir = tiny_model_dir
     recipe, args, model = METHODS[method]
+    model = yaml.safe_load(yaml.safe_dump(model).replace("TINY", tiny_model_dir))
     one, _ = _run(tmp_path, method, recipe, *args, sharded=False, **model)
     two, run = _run(tmp_path, method, recipe, *args, sharded=True, **model)
     # The losses that enter the gradient (normalised by global counts); the per-rank diagnostics such as

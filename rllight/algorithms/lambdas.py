@@ -13,7 +13,7 @@ from torch import Tensor
 __all__ = ["adaptive_lambda", "vapo_lambda"]
 
 
-def adaptive_lambda(lengths: Tensor, lam_min: float = 0.3, lam_max: float = 0.95) -> Tensor:
+def adaptive_lambda(lengths: Tensor, lam_min: float = 0.3, lam_max: float = 0.95, total=None) -> Tensor:
     """Length-adaptive lambda of the VAPO note (000, eq. 7): a sigmoid of the batch-normalised length.
 
     ``lam(L) = lam_min + (lam_max - lam_min) * sigmoid((L - mean_L) / max(std_L, 1))`` with the batch's
@@ -25,6 +25,8 @@ def adaptive_lambda(lengths: Tensor, lam_min: float = 0.3, lam_max: float = 0.95
         lengths: Shape (B,), response lengths in tokens (any numeric dtype).
         lam_min: Lambda of very short responses (the sigmoid's lower asymptote).
         lam_max: Lambda of very long responses (the upper asymptote).
+        total: Sums over the training processes: the mean and std are then the global batch's (every rank
+            calls it, an empty one too). None = this process's lengths.
 
     Returns:
         Shape (B,), float32 (float64 if ``lengths`` is float64), in ``(lam_min, lam_max)``.
@@ -32,6 +34,12 @@ def adaptive_lambda(lengths: Tensor, lam_min: float = 0.3, lam_max: float = 0.95
     if not 0.0 <= lam_min <= lam_max <= 1.0:
         raise ValueError(f"need 0 <= lam_min <= lam_max <= 1, got lam_min={lam_min}, lam_max={lam_max}")
     length = lengths.to(torch.float64 if lengths.dtype == torch.float64 else torch.float32)
+    if total is not None:
+        sums = total(torch.stack([length.sum(), length.new_tensor(float(length.numel()))]))
+        mean, n = sums[0] / sums[1].clamp(min=1), sums[1]
+        var = total(((length - mean) ** 2).sum()) / (n - 1).clamp(min=1)
+        std = var.sqrt() if n > 1 else var * 0
+        return lam_min + (lam_max - lam_min) * torch.sigmoid((length - mean) / std.clamp(min=1.0))
     if length.numel() == 0:
         return length
     # One response has no spread: its std is taken as 0 (then clamped to 1), not torch's NaN.

@@ -68,7 +68,7 @@ class AdaptiveLambda(LambdaSchedule):
         self.lam_max = lam_max
 
     def __call__(self, lengths: Tensor) -> Tensor:
-        return adaptive_lambda(lengths, self.lam_min, self.lam_max)
+        return adaptive_lambda(lengths, self.lam_min, self.lam_max, total=self.total)
 
 
 class VAPOLambda(LambdaSchedule):
@@ -128,6 +128,7 @@ class DecoupledGAE(AdvantageEstimator):
         if rollout.values is None or rollout.values.dim() != 2:
             raise ValueError("DecoupledGAE needs token-level values: set model.critic (e.g. rllight.critics.ValueHead)")
         lengths = rollout.response_lengths
+        self.policy_lambda.total = self.total  # a schedule's batch statistics are the global batch's
         lam = self.policy_lambda(lengths)
         advantages, returns = gae(rollout.token_rewards, rollout.values, rollout.response_mask, self.gamma, lam)
         if self.value_lam is not None:
