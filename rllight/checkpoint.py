@@ -41,7 +41,8 @@ def set_rng_state(state: dict) -> None:
 def save_run_state(checkpoint: dict, module) -> None:
     """Add the random streams (``rng``) and the run's counters (``rllight``) of an ``RLModule`` to a Lightning
     checkpoint: the cursor of extra training prompts, the count of skipped updates in a row, the last batch
-    generated ahead, the rollout engine's and the rollout producer's own state."""
+    generated ahead, the rollout engine's and the rollout producer's own state. With several processes each rank
+    has its own streams and counters: all of them go into ``ranks`` (a collective: every rank saves)."""
     checkpoint["rng"] = rng_state()
     checkpoint["rllight"] = {
         "extra_prompt_cursor": module.prompt_stream.cursor if module.prompt_stream is not None else 0,
@@ -50,10 +51,19 @@ def save_run_state(checkpoint: dict, module) -> None:
         "rollout_engine": module.rollout.state_dict(),
         **module.producer.state_dict(),
     }
+    world = module.ranks.world_size
+    if world > 1 and torch.distributed.is_initialized():
+        ranks: list = [None] * world
+        torch.distributed.all_gather_object(ranks, {"rng": checkpoint["rng"], "rllight": checkpoint["rllight"]})
+        checkpoint["ranks"] = ranks
 
 
 def load_run_state(checkpoint: dict, module) -> None:
-    """Restore what ``save_run_state`` added (a checkpoint without it leaves the fresh state)."""
+    """Restore what ``save_run_state`` added (a checkpoint without it leaves the fresh state); each rank takes its
+    own part when the checkpoint has one per rank of this run."""
+    ranks = checkpoint.get("ranks")
+    if ranks and len(ranks) == module.ranks.world_size:
+        checkpoint = ranks[module.ranks.rank]
     if "rng" in checkpoint:
         set_rng_state(checkpoint["rng"])
     state = checkpoint.get("rllight", {})

@@ -141,7 +141,10 @@ def check_resume(saved: dict | None, current: dict, ckpt_path: str, allow_change
 
 def read_checkpoint(path: str) -> dict:
     """The checkpoint at ``path``, loaded on the CPU with ``weights_only`` (memory-mapped, so a large one
-    costs little), or a one-line ``RecipeError`` naming the file."""
+    costs little), or a one-line ``RecipeError`` naming the file. A sharded checkpoint (a folder, written under
+    FSDP) is read for what it holds besides the weights and optimizer state (its ``meta.pt``)."""
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "meta.pt")):
+        path = os.path.join(path, "meta.pt")
     if not os.path.isfile(path):
         raise RecipeError(f"--ckpt_path '{path}' does not exist; give a .ckpt file written by rllight fit")
     try:

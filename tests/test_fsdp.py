@@ -66,3 +66,48 @@ def test_fsdp_matches_one_process_on_the_same_rollouts(tmp_path, tiny_model_dir,
         assert two["losses"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
     for name, p in one["params"].items():
         torch.testing.assert_close(two["params"][name], p, **TOLERANCE, msg=name)
+
+
+def _fsdp_fit(tmp_path, overlay, name, steps, *extra):
+    return fit_in_child("grpo.yaml", "--config", overlay, *FSDP, "--trainer.max_steps", str(steps),
+                        "--model.minibatch_size", "null", "--data.batch_size", "4",
+                        "--trainer.enable_checkpointing", "true",
+                        "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir",
+                        str(tmp_path / name), "--trainer.logger.name", "", "--trainer.callbacks+",
+                        "lightning.pytorch.callbacks.ModelCheckpoint", "--trainer.callbacks.dirpath",
+                        str(tmp_path / f"{name}_ckpt"), "--trainer.callbacks.every_n_train_steps", "1",
+                        "--trainer.callbacks.save_last", "true", "--trainer.callbacks+", "user_strategies.DumpState",
+                        "--trainer.callbacks+", "user_strategies.RankOwnDraws", *extra, timeout=600, RLLIGHT_TEST_DUMP=str(tmp_path / f"{name}{{rank}}.pt"))
+
+
+@pytest.mark.slow
+def test_fsdp_sampling_checkpoint_resume_and_export(tmp_path, tiny_model_dir):
+    """With the in-process engine sampling from its full copy: a sharded checkpoint after 2 steps, resumed to 4,
+    gives the metrics and weights of 4 steps without a stop (each rank's random streams are its own); the export
+    is the full policy, written by rank 0."""
+    from transformers import AutoModelForCausalLM
+
+    from test_resume import _metrics
+
+    overlay = tiny_overrides(tmp_path, tiny_model_dir, micro_batch_size=4)
+    full = _fsdp_fit(tmp_path, overlay, "full", 4, "--model.export_dir", str(tmp_path / "export"))
+    assert full.returncode == 0, full.stderr[-4000:]
+    first = _fsdp_fit(tmp_path, overlay, "part", 2, "--trainer.logger.version", "0")
+    assert first.returncode == 0, first.stderr[-4000:]
+    last = tmp_path / "part_ckpt" / "last.ckpt"
+    assert last.is_dir() and len(list(last.glob("*.distcp"))) == 2  # one shard file per rank
+    resumed = _fsdp_fit(tmp_path, overlay, "part", 4, "--ckpt_path", str(last), "--trainer.logger.version", "1")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+
+    a = _metrics(tmp_path / "full" / "version_0" / "metrics.csv")
+    c = _metrics(tmp_path / "part" / "version_1" / "metrics.csv")
+    assert sorted(c) == [2, 3]
+    for step in sorted(c):
+        assert c[step] == a[step], (step, {k: (a[step].get(k), v) for k, v in c[step].items() if a[step].get(k) != v})
+    whole, parted = (torch.load(tmp_path / f"{name}0.pt", weights_only=True)["params"] for name in ("full", "part"))
+    for name, p in whole.items():
+        torch.testing.assert_close(parted[name], p, rtol=0, atol=0, msg=name)
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export").state_dict()
+    for name, p in whole.items():
+        torch.testing.assert_close(exported[name.removeprefix("policy.")], p, rtol=0, atol=0, msg=name)
+    assert "exported the policy" in full.stderr and full.stderr.count("exported the policy") == 1

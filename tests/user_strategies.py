@@ -211,3 +211,13 @@ class ScriptedEngine(RolloutEngine):
         truncated = torch.tensor([tokenizer.eos_token_id not in r for r in responses])
         logprobs = -math.log(vocab) * response_mask.float()
         return Generation(prompt_ids, prompt_mask, response_ids, response_mask, logprobs, truncated)
+
+
+class RankOwnDraws(RolloutCallback):
+    """Rank 1 draws from the global random stream after each rollout, so the ranks' streams differ (as they do
+    whenever the ranks' generations take different numbers of draws): a resume must restore each rank's own."""
+
+    def on_rollout(self, trainer, module, rollout):
+        if trainer.global_rank == 1:
+            torch.rand(7)
+        return rollout
