@@ -42,11 +42,13 @@ import shutil
 import tempfile
 import time
 import weakref
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor
 
 from rllight.errors import RecipeError
+from rllight.fsdp import full_tensor, is_dtensor
 from rllight.rollout.base import Generation, RolloutEngine, pad_left
 from rllight.rollout.hf import eos_token_ids
 
@@ -81,7 +83,13 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
     except ImportError:
         PeftModel = None
     if PeftModel is None or not isinstance(model, PeftModel):
-        return {name: value.detach() for name, value in model.state_dict().items()}
+        state = model.state_dict()
+        if any(is_dtensor(value) for value in state.values()):
+            return _Gathered(state)
+        return {name: value.detach() for name, value in state.items()}
+    if any(is_dtensor(p) for p in model.parameters()):
+        raise RecipeError("model.lora: a LoRA policy sharded by FSDP cannot be merged for a vLLM engine or worker yet; "
+                          "use model.rollout: rllight.rollout.HFEngine, or train without FSDP")
 
     base = model.get_base_model()
     deltas: dict[str, Tensor] = {}
@@ -112,6 +120,24 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
             value = value + deltas[key].to(value.dtype)
         weights[key] = value
     return weights
+
+
+class _Gathered(Mapping):
+    """A sharded model's state dict whose values are gathered one at a time, when read (``full_tensor``, a
+    collective: every rank reads the same names in the same order): a sync never holds more than one full
+    weight beyond the engine's own copy."""
+
+    def __init__(self, state: dict[str, Tensor]):
+        self.state = state
+
+    def __getitem__(self, name: str) -> Tensor:
+        return full_tensor(self.state[name]).detach()
+
+    def __iter__(self):
+        return iter(self.state)
+
+    def __len__(self) -> int:
+        return len(self.state)
 
 
 def generation_from_samples(prompts: list[list[int]], responses: list[list[int]], logprobs: list[list[float]],

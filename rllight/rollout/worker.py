@@ -87,7 +87,8 @@ class SharedWeights:
         sizes: dict[torch.dtype, int] = {}
         self.layout: dict[str, tuple[torch.dtype, int, torch.Size]] = {}
         """Where each tensor lives: ``name -> (dtype, offset in that dtype's buffer, shape)``."""
-        for name, value in weights.items():
+        shapes = getattr(weights, "state", weights)  # a sharded model's weights: their full shapes, not gathered
+        for name, value in shapes.items():
             offset = sizes.get(value.dtype, 0)
             self.layout[name] = (value.dtype, offset, value.shape)
             sizes[value.dtype] = offset + value.numel()
