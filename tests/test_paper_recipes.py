@@ -60,9 +60,8 @@ PAPER_EVALUATION = {
 # The one paper that makes a single update per rollout; every other recipe must split its rollout.
 SINGLE_UPDATE = {"grpo.yaml"}
 
-# Only the hardware: a CPU machine cannot build an FSDP trainer.
-CPU_TRAINER = ["--trainer.accelerator", "cpu", "--trainer.strategy", "auto", "--trainer.devices", "1",
-               "--trainer.num_nodes", "1"]
+# Only the hardware: the recipe's own strategy (FSDP) on one CPU process.
+CPU_TRAINER = ["--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.num_nodes", "1"]
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="the paper recipes name rllight.rollout.vllm.VLLMEngine (pip install vllm)")
@@ -99,8 +98,10 @@ def test_paper_recipe_builds_without_weights(recipe):
     assert module.policy is None and module.tokenizer is None  # weights load in configure_model
     assert isinstance(module.source, HFModel)
     assert re.fullmatch(r"[\w.-]+/[\w.-]+", module.source.path), module.source.path  # a hub id
-    assert type(module.rollout).__name__ == "VLLMEngine"
-    assert module.rollout.llm is None  # the engine starts at the first generate, not at construction
+    assert type(cli.trainer.strategy).__name__ == "FSDP"
+    assert type(module.rollout).__name__ == "ProcessEngine"  # one engine per rank, in a worker beside it
+    assert type(module.rollout.engine).__name__ == "VLLMEngine"
+    assert module.rollout.engine.llm is None  # the engine starts at the first generate, not at construction
     if not vllm_loaded_before:
         assert "vllm" not in sys.modules  # constructing the engine must not import vLLM
     critic = module.critic
@@ -154,9 +155,10 @@ def test_paper_recipe_is_for_a_cluster(recipe):
     config = raw(recipe)
     trainer, model = config["trainer"], config["model"]
     assert isinstance(trainer["max_steps"], int) and trainer["max_steps"] > 0
-    assert trainer["strategy"] == "fsdp"
+    assert trainer["strategy"]["class_path"] == "rllight.fsdp.FSDP"
     assert trainer["precision"] == "bf16-mixed"
-    assert model["rollout"]["class_path"] == "rllight.rollout.vllm.VLLMEngine"
+    assert model["rollout"]["class_path"] == "rllight.rollout.worker.ProcessEngine"
+    assert model["rollout"]["init_args"]["engine"]["class_path"] == "rllight.rollout.vllm.VLLMEngine"
     assert model["model"]["class_path"] == "rllight.models.HFModel"
     assert model["lr_scheduler"]["class_path"] == "rllight.schedules.WarmupSchedule"
     assert model["optimizer"]["init_args"]["lr"] > 0
