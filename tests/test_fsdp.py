@@ -83,14 +83,16 @@ def _fsdp_fit(tmp_path, overlay, name, steps, *extra):
 @pytest.mark.slow
 def test_fsdp_sampling_checkpoint_resume_and_export(tmp_path, tiny_model_dir):
     """With the in-process engine sampling from its full copy: a sharded checkpoint after 2 steps, resumed to 4,
-    gives the metrics and weights of 4 steps without a stop (each rank's random streams are its own); the export
-    is the full policy, written by rank 0."""
+    gives the metrics and weights of 4 steps without a stop (each rank's random streams are its own); a full
+    checkpoint holds the whole policy; the export is the full policy, written by rank 0."""
     from transformers import AutoModelForCausalLM
 
     from test_resume import _metrics
 
     overlay = tiny_overrides(tmp_path, tiny_model_dir, micro_batch_size=4)
-    full = _fsdp_fit(tmp_path, overlay, "full", 4, "--model.export_dir", str(tmp_path / "export"))
+    # The uninterrupted run writes full checkpoints (one file from rank 0), the interrupted one sharded folders.
+    full = _fsdp_fit(tmp_path, overlay, "full", 4, "--model.export_dir", str(tmp_path / "export"),
+                     "--trainer.strategy.init_args.save_distributed_checkpoint", "false")
     assert full.returncode == 0, full.stderr[-4000:]
     first = _fsdp_fit(tmp_path, overlay, "part", 2, "--trainer.logger.version", "0")
     assert first.returncode == 0, first.stderr[-4000:]
@@ -107,6 +109,9 @@ def test_fsdp_sampling_checkpoint_resume_and_export(tmp_path, tiny_model_dir):
     whole, parted = (torch.load(tmp_path / f"{name}0.pt", weights_only=True)["params"] for name in ("full", "part"))
     for name, p in whole.items():
         torch.testing.assert_close(parted[name], p, rtol=0, atol=0, msg=name)
+    saved = torch.load(tmp_path / "full_ckpt" / "last.ckpt", weights_only=True)["state_dict"]
+    for name, p in whole.items():
+        torch.testing.assert_close(saved[name], p, rtol=0, atol=0, msg=name)
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export").state_dict()
     for name, p in whole.items():
         torch.testing.assert_close(exported[name.removeprefix("policy.")], p, rtol=0, atol=0, msg=name)
