@@ -23,7 +23,7 @@ from rllight.envs import Environment
 from rllight.errors import RecipeError
 from rllight.recipe_checks import check_recipe
 from rllight.evaluation import EvalSettings, Evaluator
-from rllight.fsdp import gathered_policy, is_sharded, shard
+from rllight.fsdp import check_sharding, gathered_policy, is_sharded, shard
 from rllight.models import HFModel, LoRA, disable_dropout
 from rllight.rewards import IntegerMatch, Reward, RewardRunner, by_source, check_rows
 from rllight.rollout import HFEngine, RolloutEngine
@@ -191,6 +191,7 @@ class RLModule(L.LightningModule):
             self.updater.local_size(self.minibatch_size)
             self.advantage.total = self.ranks.reduce if self.ranks.world_size > 1 else None  # global statistics
         self.rollout.check_processes(self.ranks.world_size)
+        check_sharding(self._trainer, self.lora, self.rollout)
         datamodule = self.trainer.datamodule if self._trainer is not None else None
         train_rows = (getattr(datamodule, "train_rows", None) or []) if stage == "fit" else []
         check_rows(self.reward, [*train_rows, *(getattr(datamodule, "val_rows", None) or [])])  # per data source
@@ -327,7 +328,7 @@ class RLModule(L.LightningModule):
         # Under DDP a rank whose rollout is empty still takes part in the other ranks' updates (with no
         # rows); only when every rank's rollout is empty is the step skipped, by all ranks together.
         if not self.ranks.any(not empty):
-            log.warning("step %d: empty rollout after filtering; no update", self.global_step)
+            self.producer.note_empty_step(self.global_step)
             self._log(metrics)
             return None
         if empty:

@@ -116,3 +116,19 @@ def test_fsdp_sampling_checkpoint_resume_and_export(tmp_path, tiny_model_dir):
     for name, p in whole.items():
         torch.testing.assert_close(exported[name.removeprefix("policy.")], p, rtol=0, atol=0, msg=name)
     assert "exported the policy" in full.stderr and full.stderr.count("exported the policy") == 1
+
+
+def test_a_sharded_lora_policy_with_an_engine_that_needs_merged_weights_is_refused_before_loading():
+    from types import SimpleNamespace
+
+    from rllight.errors import RecipeError
+    from rllight.fsdp import FSDP, check_sharding
+    from rllight.models import LoRA
+    from rllight.rollout import HFEngine
+    from rllight.rollout.worker import ProcessEngine
+
+    trainer = SimpleNamespace(strategy=FSDP())
+    check_sharding(trainer, LoRA(rank=4), HFEngine())  # the in-process engine copies the adapters: allowed
+    check_sharding(SimpleNamespace(strategy=None), LoRA(rank=4), ProcessEngine(HFEngine()))  # not sharded
+    with pytest.raises(RecipeError, match=r"model\.lora with trainer\.strategy FSDP: ProcessEngine needs merged"):
+        check_sharding(trainer, LoRA(rank=4), ProcessEngine(HFEngine()))
