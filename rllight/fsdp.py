@@ -49,17 +49,6 @@ class FSDP(ModelParallelStrategy):
         super().setup_environment()
 
 
-def check_sharding(trainer, lora, engine) -> None:
-    """Refuse with one line, before the model loads, what FSDP does not support yet: a LoRA policy with an
-    engine that needs merged weights (anything but the in-process ``HFEngine``, which copies the adapters)."""
-    from rllight.errors import RecipeError
-    from rllight.rollout.hf import HFEngine
-
-    if is_sharded(trainer) and lora is not None and not isinstance(engine, HFEngine):
-        raise RecipeError(f"model.lora with trainer.strategy FSDP: {type(engine).__name__} needs merged weights, "
-                          "which a sharded LoRA policy cannot give yet; use model.rollout: rllight.rollout.HFEngine")
-
-
 def is_sharded(trainer) -> bool:
     """Whether ``trainer`` (None = no run) trains with ``FSDP``."""
     return trainer is not None and isinstance(getattr(trainer, "strategy", None), ModelParallelStrategy)
@@ -169,5 +158,5 @@ def gathered_policy(policy: nn.Module, lora=None) -> nn.Module | None:
     return plain
 
 
-__all__ = ["FSDP", "check_sharding", "full_tensor", "gathered_policy", "is_dtensor", "is_sharded", "padding_passes", "padding_row",
+__all__ = ["FSDP", "full_tensor", "gathered_policy", "is_dtensor", "is_sharded", "padding_passes", "padding_row",
            "shard"]

@@ -21,9 +21,9 @@ from rllight.data.prompt_stream import PromptStream
 from rllight.distributed import Ranks
 from rllight.envs import Environment
 from rllight.errors import RecipeError
-from rllight.recipe_checks import check_recipe
+from rllight.recipe_checks import check_recipe, check_sharding
 from rllight.evaluation import EvalSettings, Evaluator
-from rllight.fsdp import check_sharding, gathered_policy, is_sharded, shard
+from rllight.fsdp import gathered_policy, is_sharded, shard
 from rllight.models import HFModel, LoRA, disable_dropout
 from rllight.rewards import IntegerMatch, Reward, RewardRunner, by_source, check_rows
 from rllight.rollout import HFEngine, RolloutEngine

@@ -30,3 +30,14 @@ def check_recipe(advantage, critic, kl, sampler, critic_updates_first: int, ppo_
             f"model.advantage: {type(advantage).__name__} compares the responses to one prompt, so group_size "
             f"{group_size} cannot learn (every advantage would be 0); set "
             f"model.sampler.init_args.group_size >= {advantage.min_group_size}")
+
+
+def check_sharding(trainer, lora, engine) -> None:
+    """Refuse with one line, before the model loads, what FSDP does not support yet: a LoRA policy with an
+    engine that needs merged weights (anything but the in-process ``HFEngine``, which copies the adapters)."""
+    from rllight.fsdp import is_sharded
+    from rllight.rollout.hf import HFEngine
+
+    if is_sharded(trainer) and lora is not None and not isinstance(engine, HFEngine):
+        raise RecipeError(f"model.lora with trainer.strategy FSDP: {type(engine).__name__} needs merged weights, "
+                          "which a sharded LoRA policy cannot give yet; use model.rollout: rllight.rollout.HFEngine")

@@ -122,7 +122,8 @@ def test_a_sharded_lora_policy_with_an_engine_that_needs_merged_weights_is_refus
     from types import SimpleNamespace
 
     from rllight.errors import RecipeError
-    from rllight.fsdp import FSDP, check_sharding
+    from rllight.fsdp import FSDP
+    from rllight.recipe_checks import check_sharding
     from rllight.models import LoRA
     from rllight.rollout import HFEngine
     from rllight.rollout.worker import ProcessEngine
