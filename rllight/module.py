@@ -29,6 +29,7 @@ from rllight.rewards import IntegerMatch, Reward, RewardRunner, by_source, check
 from rllight.rollout import HFEngine, RolloutEngine
 from rllight.rollout.metrics import critic_explained_variance, logprob_mismatch, rollout_metrics, scalar_extras
 from rllight.rollout.producer import RolloutProducer, prefetch_ahead
+from rllight.schedules import apply_recipe_rates, recipe_rates
 from rllight.scoring import Scoring
 from rllight.strategies import (AdvantageEstimator, Aggregation, ClippedSurrogate, GroupRelative, GroupSampler,
                                 KLPenalty, PolicyLoss, Sampler, TokenMean)
@@ -238,12 +239,14 @@ class RLModule(L.LightningModule):
             groups += self.critic.param_groups()  # e.g. a head with a learning rate of its own
         optimizer = self.optimizer_fn(groups)
         if self.lr_scheduler_fn is None:
+            self.recipe_rates = recipe_rates(optimizer)
             return optimizer
         scheduler = self.lr_scheduler_fn(optimizer)
         if getattr(scheduler, "needs_total_steps", False) and scheduler.total_steps is None:
             if self.trainer.max_steps is None or self.trainer.max_steps < 1:
                 raise RecipeError("model.lr_scheduler.total_steps: a decaying schedule needs it, or trainer.max_steps")
             scheduler.total_steps = self.trainer.max_steps
+        self.recipe_rates = recipe_rates(optimizer, scheduler)  # a resume restores the checkpoint's: see below
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # ---------------------------------------------------------------------------- checkpoints
@@ -393,6 +396,9 @@ class RLModule(L.LightningModule):
         # was restored (e.g. by a validation before fit): sync them with the restored policy.
         if self.trainer.ckpt_path is not None:
             self.rollout.update_weights(self.policy)
+            changes = apply_recipe_rates(self.optimizers().optimizer, self.lr_schedulers(), self.recipe_rates)
+            if changes:  # the recipe's rates win over the restored ones
+                log.warning("resumed with the recipe's learning rates: %s", ", ".join(changes))
 
     def on_train_epoch_start(self) -> None:
         self._epoch_start = (self.global_step, self._consumed_steps)

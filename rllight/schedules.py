@@ -107,3 +107,38 @@ class WarmupSchedule(LRScheduler):
     def get_lr(self) -> list[float]:
         step = max(self.last_epoch, 0)
         return [base * f for base, f in zip(self.base_lrs, self.factors(step))]
+
+
+_SCHEDULE_SETTINGS = ("warmup_steps", "decay", "total_steps", "min_lr_ratio", "critic_warmup_steps", "critic_decay")
+
+
+def recipe_rates(optimizer: torch.optim.Optimizer, scheduler=None) -> dict:
+    """The learning rates and schedule settings the recipe gives, taken before a checkpoint is restored (a
+    restore brings the checkpoint's own back with the optimizer's and the schedule's state)."""
+    groups = [(str(g.get("name", i)), g.get("initial_lr", g["lr"])) for i, g in enumerate(optimizer.param_groups)]
+    settings = {k: getattr(scheduler, k) for k in _SCHEDULE_SETTINGS if hasattr(scheduler, k)}
+    return {"lrs": groups, "schedule": settings}
+
+
+def apply_recipe_rates(optimizer: torch.optim.Optimizer, scheduler, recipe: dict) -> list[str]:
+    """After a resume, put the recipe's learning rates and schedule settings (``recipe_rates``) in place of the
+    checkpoint's, at the restored step; returns what changed, as ``name old -> new``, for the log."""
+    changes = []
+    old_lrs = list(scheduler.base_lrs) if scheduler is not None else [g["lr"] for g in optimizer.param_groups]
+    new_lrs = [lr for _, lr in recipe["lrs"]]
+    if len(new_lrs) != len(old_lrs):
+        return changes  # another set of groups: the resume check refuses a changed model or critic before this
+    changes += [f"lr/{name} {old:g} -> {new:g}" for (name, new), old in zip(recipe["lrs"], old_lrs) if old != new]
+    for key, new in recipe["schedule"].items():
+        if getattr(scheduler, key) != new:
+            changes.append(f"lr_scheduler.{key} {getattr(scheduler, key)} -> {new}")
+            setattr(scheduler, key, new)
+    if scheduler is None:
+        for group, lr in zip(optimizer.param_groups, new_lrs):
+            group["lr"] = lr
+    elif changes:
+        scheduler.base_lrs = new_lrs
+        for group, base, lr in zip(optimizer.param_groups, new_lrs, scheduler.get_lr()):
+            group["initial_lr"], group["lr"] = base, lr
+        scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+    return changes

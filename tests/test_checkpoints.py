@@ -78,3 +78,28 @@ def test_ckpt_path_last_resumes_from_the_runs_last_checkpoint(tmp_path, tiny_mod
     assert _last(tmp_path) == 2
     cli = rllight.cli.RLLightCLI(args=[*args, "--trainer.max_steps", "3", "--ckpt_path", "last"])
     assert cli.trainer.global_step == 3 and _last(tmp_path) == 3  # one more step, from step 2
+
+
+def test_a_resume_applies_the_recipes_new_learning_rate_and_schedule_and_says_so(tmp_path, tiny_model_dir, caplog):
+    """The optimizer's and the schedule's restored state carried the checkpoint's rates: a changed lr or warm-up
+    is now what the resumed steps use, and the log names the change."""
+    from rllight.schedules import warmup_factor
+
+    args = ["fit", "--config", os.path.join(RECIPES, "grpo.yaml"), "--config", tiny_overrides(tmp_path, tiny_model_dir),
+            "--trainer.enable_checkpointing", "true", "--model.lr_scheduler", "rllight.schedules.WarmupSchedule",
+            "--model.lr_scheduler.init_args.decay", "constant"]
+    rllight.cli.RLLightCLI(args=[*args, "--trainer.max_steps", "2", "--model.optimizer.init_args.lr", "1e-5",
+                                 "--model.lr_scheduler.init_args.warmup_steps", "8"])
+    with caplog.at_level(logging.WARNING):
+        cli = rllight.cli.RLLightCLI(args=[*args, "--trainer.max_steps", "3", "--ckpt_path", "last",
+                                           "--model.optimizer.init_args.lr", "1e-3",
+                                           "--model.lr_scheduler.init_args.warmup_steps", "4"])
+    assert cli.trainer.global_step == 3
+    lines = [r.getMessage() for r in caplog.records if "resumed with the recipe's learning rates" in r.getMessage()]
+    assert lines == ["resumed with the recipe's learning rates: lr/policy 1e-05 -> 0.001, "
+                     "lr_scheduler.warmup_steps 8 -> 4, lr_scheduler.critic_warmup_steps 8 -> 4"]
+    # The step after the resume (update 3) ran at the new base rate and warm-up; the optimizer now holds update 4's.
+    group = cli.model.optimizers().optimizer.param_groups[0]
+    assert group["lr"] == pytest.approx(1e-3 * warmup_factor(3, 4, "constant", None, 0.0))
+    assert cli.trainer.callback_metrics["train/lr/policy"] == pytest.approx(1e-3 * warmup_factor(2, 4, "constant",
+                                                                                                  None, 0.0))
