@@ -10,6 +10,7 @@ import logging
 import os
 import shlex
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -329,10 +330,10 @@ class Interrupts(L.Callback):
         self._restore()
 
     # saving ------------------------------------------------------------------------------------------
-    def _target(self, trainer) -> str:
+    def _target(self, trainer, kind: str = "interrupted") -> str:
         callback = trainer.checkpoint_callback
         folder = getattr(callback, "dirpath", None) or os.path.join(trainer.default_root_dir, "checkpoints")
-        stem = f"interrupted-step={trainer.global_step}"
+        stem = f"{kind}-step={trainer.global_step}"
         path, version = os.path.join(folder, f"{stem}.ckpt"), 0
         while os.path.exists(path):
             version += 1
@@ -359,5 +360,49 @@ class Interrupts(L.Callback):
         if not trainer.received_sigterm:  # SIGTERM: Lightning's loop raises SIGTERMException next
             raise Interrupted(130)
 
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        # What a crash in this step can save: the state as the step began, while it has made no update.
+        from rllight.checkpoint import rng_state
+
+        self._step_start = (self._updates(pl_module), rng_state())
+
+    @staticmethod
+    def _updates(pl_module) -> int:
+        return getattr(getattr(pl_module, "updater", None), "updates", 0)
+
     def on_exception(self, trainer, pl_module, exception) -> None:
         self._restore()
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        if not isinstance(exception, (Interrupted, KeyboardInterrupt, SIGTERMException)):
+            self._save_after_crash(trainer, pl_module)
+
+    def _save_after_crash(self, trainer, pl_module) -> None:
+        """After a crash inside a training step: save the last completed step where that state is still whole (one
+        process, and the step had made no update yet), and say where; else say what to resume from."""
+        start = getattr(self, "_step_start", None)
+        if start is None or start[0] == 0 or not trainer.checkpoint_callbacks:
+            return  # no training yet, or checkpoints are off
+        step = trainer.global_step
+        if trainer.world_size > 1 or self._updates(pl_module) != start[0]:
+            why = "several processes" if trainer.world_size > 1 else "it failed after some of the step's updates"
+            print(f"rllight: the run failed in the step after step {step}; no checkpoint of it could be saved "
+                  f"({why}): resume from the last checkpoint in {os.path.dirname(self._target(trainer))}",
+                  file=sys.stderr, flush=True)
+            return
+        from rllight.checkpoint import set_rng_state
+
+        set_rng_state(start[1])  # the streams as the failed step began: a resume draws its rollout again
+        progress = trainer.fit_loop.epoch_loop.batch_progress  # the failed batch as not begun (Lightning 2.5, 2.6)
+        for count in (progress.total, progress.current):
+            count.ready = count.started = count.processed = count.completed
+        path = self._target(trainer, "crashed")
+        try:
+            trainer.save_checkpoint(path)
+        except Exception as err:  # noqa: BLE001 - the run has failed already; its own error follows
+            print(f"rllight: could not save the last completed step {step} to {path} ({err})", file=sys.stderr,
+                  flush=True)
+            return
+        self.saved_path = path
+        print(f"rllight: the run failed in the step after step {step}; step {step} is saved: resume with: "
+              f"{self.resume_command} --ckpt_path {shlex.quote(path)}", file=sys.stderr, flush=True)

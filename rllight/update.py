@@ -53,6 +53,7 @@ class Updater:
         self.critic_max_grad_norm = critic_max_grad_norm
         self.max_consecutive_skips = max_consecutive_skips
         self.consecutive_skips = 0
+        self.updates = 0  # optimizer steps taken in this process (policy, critic-only and NLL alike)
 
     @property
     def ranks(self) -> Ranks:
@@ -165,6 +166,7 @@ class Updater:
                 scheduler.step()
         else:
             optimizer.optimizer.step()  # the raw optimizer: these steps do not count as global steps
+        self.updates += 1
         if any("policy" in term.trains for term in terms):  # the policy moved
             synced = self.scoring.engine.update_weights(self.scoring.policy)
             out.update({k: torch.tensor(float(v)) for k, v in synced.items()})

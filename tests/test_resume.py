@@ -11,7 +11,7 @@ import torch
 from helpers import fit_in_child, tiny_overrides
 
 
-def _fit(tmp_path, name, overlay, *extra):
+def _fit(tmp_path, name, overlay, *extra, every=1):
     return fit_in_child(
         "grpo.yaml",
         "--config",
@@ -33,7 +33,7 @@ def _fit(tmp_path, name, overlay, *extra):
         "--trainer.callbacks.dirpath",
         str(tmp_path / f"{name}_ckpt"),
         "--trainer.callbacks.every_n_train_steps",
-        "1",
+        str(every),
         "--trainer.callbacks.save_last",
         "true",
         # A warm-up then cosine schedule: its position must be restored too (logged as train/lr/policy).
@@ -132,3 +132,27 @@ def test_a_crash_while_writing_never_leaves_a_half_checkpoint(tmp_path, monkeypa
     loaded = torch.load(path, weights_only=True)
     assert loaded["step"].item() == 1 and loaded["w"].sum().item() == 1000
     assert os.listdir(tmp_path) == ["last.ckpt"]
+
+
+@pytest.mark.slow
+def test_a_crash_mid_step_saves_the_last_completed_step_and_resuming_it_matches(tmp_path, tiny_model_dir):
+    """An exception in the step after step 3 (checkpoints every step are off: the last one is far back): the
+    last completed step is saved as crashed-step=3.ckpt, the error names it, and the resume from it logs the same
+    metrics as a run that never failed."""
+    overlay = tiny_overrides(tmp_path, tiny_model_dir, micro_batch_size=4)
+    fail_cb = ["--trainer.callbacks+", "user_strategies.FailAt", "--trainer.callbacks.step"]
+    full = _fit(tmp_path, "full", overlay, *fail_cb, "-1")
+    assert full.returncode == 0, full.stderr[-3000:]
+    failed = _fit(tmp_path, "failed", overlay, *fail_cb, "3", every=100)
+    assert failed.returncode != 0 and "a failure in the middle of a step" in failed.stderr
+    saved = tmp_path / "failed_ckpt" / "crashed-step=3.ckpt"
+    assert "step 3 is saved: resume with: " in failed.stderr and str(saved) in failed.stderr, failed.stderr[-3000:]
+    assert torch.load(saved, weights_only=True)["global_step"] == 3
+    resumed = _fit(tmp_path, "failed", overlay, *fail_cb, "-1", "--ckpt_path", str(saved),
+                   "--trainer.logger.version", "1")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a = _metrics(tmp_path / "full" / "version_0" / "metrics.csv")
+    c = _metrics(tmp_path / "failed" / "version_1" / "metrics.csv")
+    assert sorted(c) == [3, 4, 5]
+    for step in sorted(c):
+        assert c[step] == a[step], (step, {k: (a[step].get(k), v) for k, v in c[step].items() if a[step].get(k) != v})

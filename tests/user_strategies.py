@@ -221,3 +221,15 @@ class RankOwnDraws(RolloutCallback):
         if trainer.global_rank == 1:
             torch.rand(7)
         return rollout
+
+
+class FailAt(RolloutCallback):
+    """Raises in the RL step that follows global step ``step`` (after its rollout, before its updates)."""
+
+    def __init__(self, step: int = -1):
+        self.step = step
+
+    def on_rollout(self, trainer, module, rollout):
+        if trainer.global_step == self.step:
+            raise RuntimeError("a failure in the middle of a step")
+        return rollout
