@@ -144,3 +144,20 @@ class CaptureLogger(Logger):
 
     def log_metrics(self, metrics, step=None):
         self.calls.append(dict(metrics))
+
+
+def one_line_error(tmp_path, model_dir: str, capsys, recipe: str = "grpo.yaml", **model) -> str:
+    """Run ``rllight fit`` in this process on ``recipe`` with the tiny-model overlay (and ``model`` overrides),
+    expect the one-line error of a bad input or a failed component (exit code 2, no traceback), return it."""
+    import pytest
+
+    from rllight.cli import main
+
+    overlay = tiny_overrides(tmp_path, model_dir, **model)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", os.path.join(RECIPES, recipe), "--config", overlay])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "Traceback" not in "\n".join(err)
+    return err[-1]
+

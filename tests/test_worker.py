@@ -174,16 +174,11 @@ def test_a_worker_that_does_not_start_in_time_is_one_line_saying_what_to_do(tiny
 
 
 def test_a_worker_that_dies_twice_ends_the_cli_with_one_line_and_exit_2(tmp_path, capsys, tiny_model_dir):
-    from rllight.cli import main
+    from helpers import one_line_error
 
     rollout = {"class_path": "rllight.rollout.ProcessEngine",
                "init_args": {"engine": {"class_path": "test_worker.DyingEngine", "init_args": {"max_new_tokens": 4}}}}
-    overlay = tiny_overrides(tmp_path, tiny_model_dir, rollout=rollout)
-    with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--config", os.path.join(RECIPES, "grpo.yaml"), "--config", overlay])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert "Traceback" not in "\n".join(err)
+    err = [one_line_error(tmp_path, tiny_model_dir, capsys, rollout=rollout)]
     assert err[-1].startswith("rllight: error: model.rollout: the rollout worker died twice in a row (exit code 3) "
                               "trying to generate; look for an out-of-memory kill"), err[-1]
 
