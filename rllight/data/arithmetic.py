@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import random
 
+from rllight.data.task import Task
 
-class ArithmeticTask:
+
+class ArithmeticTask(Task):
     """Integer arithmetic problems of mixed difficulty, so that answer lengths vary (1 to 4 digits).
 
     Kinds, drawn uniformly: one-digit sums, two-digit sums, two-digit differences (non-negative),

@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from rllight.data.arithmetic import ArithmeticTask
+from rllight.data.task import Task
 from rllight.distributed import share
 from rllight.errors import RecipeError
 
@@ -289,6 +290,41 @@ def _clean_messages(prompt: list[dict]) -> list[dict]:
     return [{k: v for k, v in message.items() if v is not None} for message in prompt]
 
 
+def _records(path: str, field: str, help: str) -> list[tuple[str, dict]]:
+    """The raw rows of one JSONL / JSON / parquet file or saved ``datasets`` folder, each with where it is."""
+    if os.path.isdir(path):
+        return _read_saved_dataset(path, field, help)
+    if not os.path.isfile(path):
+        raise RecipeError(f"{field}: file '{path}' does not exist; give the path of a JSONL or parquet file "
+                          "or of a folder saved by datasets' save_to_disk")
+    ext = os.path.splitext(path)[1].lower()
+    builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(ext)
+    if builder is None:
+        raise RecipeError(f"{field}: '{path}' has extension '{ext}'; use .jsonl, .json or .parquet")
+    records = _read_json(path, field, help) if builder == "json" else None
+    return _read_with_datasets(builder, path, field, help) if records is None else records
+
+
+def read_prompts(path: str, field: str, prompt_key: str = "prompt") -> list[dict]:
+    """The prompts of a JSONL / JSON / parquet file or saved ``datasets`` folder, answers not needed (for
+    ``rllight generate``): rows ``{"prompt", "source"}``, plus ``"answer"`` as the file gives it, if it does."""
+    help = f"every row needs '{prompt_key}' (a string or a list of chat messages)"
+    rows = []
+    for where, row in _records(path, field, help):
+        prompt = _lookup(row, prompt_key)
+        if prompt is _MISSING or prompt is None or (isinstance(prompt, str) and not prompt.strip()):
+            names = ", ".join(map(str, row)) or "none"
+            raise RecipeError(f"{where}: missing field '{prompt_key}'; {help} (this row has: {names}; set "
+                              "data.prompt_key to the field holding the prompt)")
+        _check_prompt(where, prompt, prompt_key)
+        out = {"prompt": _clean_messages(prompt) if isinstance(prompt, list) else str(prompt), "source": where}
+        answer = _lookup(row, "answer")
+        if answer is not _MISSING and answer is not None:
+            out["answer"] = str(answer)
+        rows.append(out)
+    return rows
+
+
 def _load_rows(paths: Sequence[str], field: str, fields: _Fields | None = None) -> list[dict]:
     """Rows of JSONL / JSON / parquet files or saved ``datasets`` folders, read through ``fields``.
 
@@ -300,19 +336,7 @@ def _load_rows(paths: Sequence[str], field: str, fields: _Fields | None = None) 
     fields = fields or _Fields()
     rows: list[dict] = []
     for path in paths:
-        if os.path.isdir(path):
-            records = _read_saved_dataset(path, field, fields.help)
-        elif not os.path.isfile(path):
-            raise RecipeError(f"{field}: file '{path}' does not exist; give the path of a JSONL or parquet file "
-                              "or of a folder saved by datasets' save_to_disk")
-        else:
-            ext = os.path.splitext(path)[1].lower()
-            builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(ext)
-            if builder is None:
-                raise RecipeError(f"{field}: '{path}' has extension '{ext}'; use .jsonl, .json or .parquet")
-            records = _read_json(path, field, fields.help) if builder == "json" else None
-            if records is None:
-                records = _read_with_datasets(builder, path, field, fields.help)
+        records = _records(path, field, fields.help)
         name = os.path.splitext(os.path.basename(os.path.normpath(path)))[0]
         for where, row in records:
             prompt = _lookup(row, fields.prompt_key)
@@ -416,7 +440,7 @@ class RLDataModule(L.LightningDataModule):
         self,
         train_files: list[str] | None = None,
         val_files: list[str] | None = None,
-        task: ArithmeticTask | None = None,
+        task: Task | None = None,
         batch_size: int = 8,
         val_batch_size: int = 64,
         val_size: int | None = None,

@@ -10,7 +10,8 @@ would otherwise score every response to that prompt as wrong without a word.
 from rllight.rewards.base import IntegerMatch, MathVerify, Reward, check_answers, last_integer, score_batch
 from rllight.rewards.combine import FormatReward, Weighted
 from rllight.rewards.per_source import PerSource, by_source, check_rows, score_rows
+from rllight.rewards.reasoning_gym import ReasoningGymScore
 from rllight.rewards.runner import RewardRunner, RewardScores
 
-__all__ = ["FormatReward", "IntegerMatch", "MathVerify", "PerSource", "Reward", "RewardRunner", "RewardScores",
-           "Weighted", "by_source", "check_answers", "check_rows", "last_integer", "score_batch", "score_rows"]
+__all__ = ["FormatReward", "IntegerMatch", "MathVerify", "PerSource", "ReasoningGymScore", "Reward", "RewardRunner",
+           "RewardScores", "Weighted", "by_source", "check_answers", "check_rows", "last_integer", "score_batch", "score_rows"]
