@@ -23,6 +23,7 @@ __all__ = [
 ]
 
 from rllight.algorithms.baselines import reinforce_pp, remax, rloo  # noqa: E402
+from rllight.algorithms.masked_is import icepop_weight, sequence_is_mask, token_is_mask  # noqa: E402
 from rllight.algorithms.sequence import (  # noqa: E402
     cispo,
     effective_sample_size,
@@ -36,10 +37,13 @@ __all__ += [
     "cispo",
     "effective_sample_size",
     "gspo",
+    "icepop_weight",
     "reinforce_pp",
     "remax",
     "rloo",
     "sequence_clipped_surrogate",
+    "sequence_is_mask",
+    "token_is_mask",
     "truncated_is_weight",
     "vespo_weight",
 ]

@@ -31,7 +31,8 @@ __all__ = [
     "TokenMean",
 ]
 
-from rllight.strategies.baselines import CISPO, GSPO, RLOO, ReinforcePP, ReMax, ReMaxSampler, TruncatedIS  # noqa: E402
+from rllight.strategies.baselines import (  # noqa: E402
+    CISPO, GSPO, RLOO, MaskedIS, ReinforcePP, ReMax, ReMaxSampler, TruncatedIS)
 from rllight.strategies.sppo import PromptBaseline, SequenceClippedSurrogate  # noqa: E402
 from rllight.strategies.vespo import VESPO  # noqa: E402
 
@@ -45,6 +46,7 @@ __all__ += [
     "ReinforcePP",
     "SequenceClippedSurrogate",
     "TruncatedIS",
+    "MaskedIS",
     "VESPO",
 ]
 

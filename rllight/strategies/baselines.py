@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from rllight.algorithms import cispo, gspo, masked_mean, reinforce_pp, remax, rloo, truncated_is_weight
+from rllight.algorithms import (cispo, gspo, icepop_weight, masked_mean, reinforce_pp, remax, rloo,
+                                sequence_is_mask, token_is_mask, truncated_is_weight)
 from rllight.errors import RecipeError
 from rllight.strategies.advantages import AdvantageEstimator
 from rllight.strategies.losses import PolicyLoss, check_clip_range
@@ -20,7 +21,7 @@ from rllight.types import Rollout
 if TYPE_CHECKING:
     from rllight.rollout.producer import RolloutProducer
 
-__all__ = ["CISPO", "GSPO", "RLOO", "ReMax", "ReMaxSampler", "ReinforcePP", "TruncatedIS"]
+__all__ = ["CISPO", "GSPO", "MaskedIS", "RLOO", "ReMax", "ReMaxSampler", "ReinforcePP", "TruncatedIS"]
 
 GREEDY_REWARDS = "greedy_rewards"
 """Key in ``rollout.extras`` of the (B,) rewards of the greedy response to each row's prompt."""
@@ -193,14 +194,73 @@ class TruncatedIS(PolicyLoss):
         self.loss.begin_update(minibatch, aggregation, global_sum)
 
     def __call__(self, logprobs: Tensor, batch: Rollout) -> tuple[Tensor, dict[str, Tensor]]:
-        per_token, stats = self.loss(logprobs, batch)
-        if per_token.dim() != 2:
-            raise RecipeError(f"model.policy_loss: TruncatedIS needs a per-token loss; "
-                              f"{type(self.loss).__name__} returns one loss per sequence")
+        per_token, stats = _per_token_loss(self, logprobs, batch)
         weight = truncated_is_weight(batch.old_logprobs, batch.sample_logprobs, self.cap)
         mask = batch.response_mask
         stats = dict(stats)
         stats["policy/tis_weight_mean"] = masked_mean(weight, mask)
         capped = (batch.old_logprobs - batch.sample_logprobs) >= math.log(self.cap)
         stats["policy/tis_capped_frac"] = masked_mean(capped.float(), mask)
+        return per_token * weight, stats
+
+
+def _per_token_loss(wrapper, logprobs: Tensor, batch: Rollout) -> tuple[Tensor, dict[str, Tensor]]:
+    """The wrapped loss's per-token loss and stats (a one-line error for a sequence-level loss)."""
+    per_token, stats = wrapper.loss(logprobs, batch)
+    if per_token.dim() != 2:
+        raise RecipeError(f"model.policy_loss: {type(wrapper).__name__} needs a per-token loss; "
+                          f"{type(wrapper.loss).__name__} returns one loss per sequence")
+    return per_token, dict(stats)
+
+
+MASKS = ("token", "sequence", "icepop")
+
+
+class MaskedIS(PolicyLoss):
+    """Masked importance sampling for the engine/trainer mismatch: the per-token loss of ``loss`` is kept where
+    the ratio ``r_t = exp(old_logprobs_t - sample_logprobs_t)`` is within ``[low, high]`` and dropped elsewhere
+    (``rllight.algorithms.masked_is``), instead of TIS's reweighting of every token.
+
+    ``mask``:
+
+    - ``token``: each token on its own ratio (``token_is_mask``);
+    - ``sequence``: a whole response on the geometric mean of its ratios (``sequence_is_mask``);
+    - ``icepop``: each token weighted by its ratio inside the band, dropped outside (``icepop_weight``;
+      defaults there 0.5 and 5).
+
+    Dropped tokens still count in the token-mean's denominator: masking removes their gradient, not the
+    normalisation (as verl and TRL do). Logged: ``policy/is_masked_frac`` (the share of response tokens dropped)
+    and ``policy/is_ratio_mean``.
+
+    Args:
+        loss: The per-token policy objective to correct (e.g. ``rllight.strategies.ClippedSurrogate``).
+        mask: token, sequence or icepop.
+        low: The lowest ratio kept (None: 0.5, or 1 / high for ``sequence`` when high is given).
+        high: The highest ratio kept (None: 2.0; 5.0 for ``icepop``).
+    """
+
+    def __init__(self, loss: PolicyLoss, mask: str = "sequence", low: float | None = None,
+                 high: float | None = None):
+        if mask not in MASKS:
+            raise RecipeError(f"model.policy_loss.mask must be one of {', '.join(MASKS)}, got {mask!r}")
+        high = high if high is not None else (5.0 if mask == "icepop" else 2.0)
+        low = low if low is not None else (0.5 if mask == "icepop" else 1.0 / high)
+        if not 0 <= low < high:
+            raise RecipeError(f"model.policy_loss: need 0 <= low < high, got low={low}, high={high}")
+        self.loss, self.mask, self.low, self.high = loss, mask, low, high
+
+    def begin_update(self, minibatch, aggregation, global_sum) -> None:
+        self.loss.begin_update(minibatch, aggregation, global_sum)
+
+    def __call__(self, logprobs: Tensor, batch: Rollout) -> tuple[Tensor, dict[str, Tensor]]:
+        per_token, stats = _per_token_loss(self, logprobs, batch)
+        old, sampled, mask = batch.old_logprobs, batch.sample_logprobs, batch.response_mask
+        if self.mask == "token":
+            weight = token_is_mask(old, sampled, self.low, self.high)
+        elif self.mask == "sequence":
+            weight = sequence_is_mask(old, sampled, mask, self.low, self.high)
+        else:
+            weight = icepop_weight(old, sampled, self.low, self.high)
+        stats["policy/is_masked_frac"] = masked_mean((weight == 0).float(), mask)
+        stats["policy/is_ratio_mean"] = masked_mean(torch.exp((old - sampled).detach().clamp(-50, 50)), mask)
         return per_token * weight, stats
