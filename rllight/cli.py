@@ -20,6 +20,7 @@ from rllight.errors import ComponentError, RecipeError
 from rllight.evaluation import before_after
 from rllight.export import check_export_dir, overlaps
 from rllight.module import RLModule
+from rllight.paths import add_user_import_paths, expand_config_paths, expand_path, model_path_args
 from rllight.safety import RECIPE_KEY, Interrupts, RecipeRecord, check_resume, check_writable, read_checkpoint
 
 log = logging.getLogger("rllight")
@@ -28,7 +29,10 @@ DESCRIPTION = (
     "rllight: reinforcement learning for language models from YAML recipes. Recipes live in the recipes/ "
     "folder of the repository (one per method: grpo, ppo, dapo, vapo, sppo, ...; overlays in "
     "recipes/ablations and recipes/overlays). Example: rllight fit --config recipes/quickstart.yaml "
-    "--trainer.max_steps 10. See: rllight fit --help."
+    "--trainer.max_steps 10. See: rllight fit --help. Evaluate a model: rllight validate --config R.yaml "
+    "[--model.path DIR] [--data.val_files '[FILE]']. Try a trained model folder: rllight generate --model.path DIR "
+    "--prompt TEXT (or --prompts FILE), rllight chat --model.path DIR (see rllight generate --help). "
+    "rllight --version prints the versions; python -m rllight is the same command."
 )
 FIT_DESCRIPTION = (
     "Train with a recipe: rllight fit --config recipes/grpo.yaml [--config overlay.yaml] [--key value ...]. "
@@ -72,10 +76,20 @@ class RLLightCLI(LightningCLI):
         argv = kwargs.get("args", args[0] if args else None)
         self._argv = list(sys.argv[1:] if argv is None else argv) if not isinstance(argv, dict) else []
         _check_config_files(self._argv)
+        # --model.path DIR stands for the two options that name an HFModel folder (rllight.paths). From the
+        # command line, sys.argv itself is rewritten: LightningCLI reads it, and so do the processes it
+        # launches for several devices.
+        rewritten = model_path_args(self._argv)
+        if rewritten != self._argv:
+            if argv is None:
+                sys.argv[1:] = rewritten
+            else:
+                kwargs["args"] = rewritten
         # A --ckpt_path is read here, before LightningCLI loads it for its hyper-parameters (which would fail
         # with a traceback on a bad file); only the stored recipe is kept, for the comparison in before_fit.
         ckpt = _ckpt_path(self._argv)
-        self._saved_recipe = read_checkpoint(ckpt).get(RECIPE_KEY) if ckpt and ckpt not in _SPECIAL_CKPT else None
+        ckpt = expand_path(ckpt, "--ckpt_path") if ckpt and ckpt not in _SPECIAL_CKPT else None
+        self._saved_recipe = read_checkpoint(ckpt).get(RECIPE_KEY) if ckpt else None
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         # inference_mode off: validation runs under no_grad instead, because a validation before fit
         # under inference mode would leave the metrics' state as inference tensors that the in-fit
@@ -88,6 +102,16 @@ class RLLightCLI(LightningCLI):
         kwargs.setdefault("parser_kwargs", {"allow_abbrev": False, "exit_on_error": False,
                                             "description": DESCRIPTION, "fit": {"description": FIT_DESCRIPTION}})
         super().__init__(RLModule, RLDataModule, *args, **kwargs)
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """``fit`` and ``validate``: the module has no test or predict step (``rllight validate
+        --data.val_files`` evaluates other data; ``rllight generate --prompts FILE`` writes generations)."""
+        return {k: v for k, v in LightningCLI.subcommands().items() if k in ("fit", "validate")}
+
+    def before_instantiate_classes(self) -> None:
+        # Paths in the recipe expand ~ and $VARIABLES (rllight.paths), before anything reads them.
+        expand_config_paths(self.config[self.subcommand] if self.subcommand else self.config)
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_argument("--evaluate_before_after", type=bool, default=False,
@@ -315,14 +339,47 @@ def one_line_parse_error(message: str) -> str:
     return f"{text} (see: rllight fit --help)"
 
 
+NOT_OFFERED = {
+    "test": "rllight test is not offered: evaluate on other data with rllight validate --config R.yaml "
+            "--data.val_files '[FILE]' (add --model.path DIR for a trained model folder)",
+    "predict": "rllight predict is not offered: write generations for a file of prompts with rllight generate "
+               "--model.path DIR --prompts FILE --output out.jsonl",
+}
+
+
+def version() -> str:
+    """``rllight <version>`` and the versions of what it runs on."""
+    import lightning
+    import torch
+    import transformers
+
+    from rllight import __version__
+
+    return (f"rllight {__version__} (python {sys.version.split()[0]}, torch {torch.__version__}, "
+            f"lightning {lightning.__version__}, transformers {transformers.__version__})")
+
+
 def main(args: list[str] | None = None) -> None:
-    """Entry point of the ``rllight`` console script."""
+    """Entry point of the ``rllight`` console script (and of ``python -m rllight``)."""
     from jsonargparse import ArgumentError
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+    argv = list(sys.argv[1:] if args is None else args)
+    if argv[:1] in (["--version"], ["-V"]):
+        print(version())
+        return
+    # A module of the user's own next to the recipe or in the working directory is importable by class_path.
+    add_user_import_paths(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        RLLightCLI(args=args)
+        if argv[:1] and argv[0] in NOT_OFFERED:
+            raise RecipeError(NOT_OFFERED[argv[0]])
+        if argv[:1] in (["generate"], ["chat"]):
+            from rllight.generate import run
+
+            run(argv[0], argv[1:], lambda recipe: RLLightCLI(args=recipe, run=False))
+        else:
+            RLLightCLI(args=args)
     except ArgumentError as err:
         print(f"rllight: error: {one_line_parse_error(str(err))}", file=sys.stderr)
         sys.exit(2)
