@@ -127,7 +127,8 @@ def padding_row(like: Rollout) -> Rollout:
     return Rollout(prompt_ids=one * 0, prompt_mask=one, response_ids=one * 0, response_mask=one,
                    sample_logprobs=torch.zeros((1, 1), device=device),
                    truncated=torch.zeros(1, dtype=torch.bool, device=device),
-                   group_ids=torch.zeros(1, dtype=torch.long, device=device), answers=[""], texts=[""], extras=extras, **fields)
+                   group_ids=torch.zeros(1, dtype=torch.long, device=device), answers=[""], texts=[""], extras=extras,
+                   **fields)
 
 
 

@@ -34,10 +34,10 @@ def check_recipe(advantage, critic, kl, sampler, critic_updates_first: int, ppo_
 
 def check_sharding(trainer, lora, engine) -> None:
     """Refuse with one line, before the model loads, what FSDP does not support yet: a LoRA policy with an
-    engine that needs merged weights (anything but the in-process ``HFEngine``, which copies the adapters)."""
+    engine that holds merged weights of its own (vLLM, a rollout worker, a server), which a sharded peft model
+    cannot give yet (``HFEngine`` keeps a copy of the policy, adapters and all)."""
     from rllight.fsdp import is_sharded
-    from rllight.rollout.hf import HFEngine
 
-    if is_sharded(trainer) and lora is not None and not isinstance(engine, HFEngine):
+    if is_sharded(trainer) and lora is not None and getattr(engine, "syncs_merged_weights", False):
         raise RecipeError(f"model.lora with trainer.strategy FSDP: {type(engine).__name__} needs merged weights, "
                           "which a sharded LoRA policy cannot give yet; use model.rollout: rllight.rollout.HFEngine")

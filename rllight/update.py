@@ -94,7 +94,8 @@ class Updater:
             stats["critic_only/explained_variance"] = [ev]
         head_only = critic.shared and not train_backbone
         parts = self.minibatches(len(rollout), self.local_size(minibatch_size or self.minibatch_size))
-        terms = [HeadOnlyCriticFit(critic, self.scoring.policy, self.scoring.run) if head_only else CriticLoss(critic) for _ in parts]
+        terms = [HeadOnlyCriticFit(critic, self.scoring.policy, self.scoring.run) if head_only else CriticLoss(critic)
+                 for _ in parts]
         for _ in range(epochs):
             for index, term in zip(parts, terms):
                 out = self.update(rollout.select(index), [term], "value", total_key="value/total_loss")

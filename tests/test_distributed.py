@@ -137,8 +137,8 @@ def test_ddp_ranks_each_generate_their_own_share_ahead(tmp_path, tiny_model_dir)
                             "max_staleness": 1}}
     (tmp_path / "async").mkdir()
     overlay = _ddp_overlay(tmp_path, tiny_model_dir, "async", rollout=engine)
-    run = fit_in_child("grpo.yaml", "--config", overlay, *DDP, "--trainer.strategy", strategy,
-                       "--trainer.max_steps", "3", timeout=900, RLLIGHT_TEST_DUMP=str(tmp_path / "rank{rank}.pt"))
+    run = fit_in_child("grpo.yaml", "--config", overlay, *DDP, "--trainer.max_steps", "3", timeout=900,
+                       RLLIGHT_TEST_DUMP=str(tmp_path / "rank{rank}.pt"))
     assert run.returncode == 0, run.stderr[-4000:]
     r0, r1 = _same_weights_on_both_ranks(tmp_path)
     for record in (r0, r1):
@@ -166,7 +166,8 @@ def test_each_rank_samples_from_its_own_vllm_engine_synced_after_every_update(tm
     (tmp_path / "vllm").mkdir()
     overlay = _ddp_overlay(tmp_path, model_dir, "vllm", rollout=engine)
     run = fit_in_child("grpo.yaml", "--config", overlay, *DDP, "--trainer.strategy", strategy,
-                       "--trainer.max_steps", "3", timeout=900, RLLIGHT_TEST_DUMP=str(tmp_path / "rank{rank}.pt"), RLLIGHT_TEST_LOGPROB_GAP="1")
+                       "--trainer.max_steps", "3", timeout=900, RLLIGHT_TEST_DUMP=str(tmp_path / "rank{rank}.pt"),
+                       RLLIGHT_TEST_LOGPROB_GAP="1")
     assert run.returncode == 0, run.stderr[-4000:]
     r0, r1 = _same_weights_on_both_ranks(tmp_path)
     assert r0["prompts"] != r1["prompts"]

@@ -22,7 +22,8 @@ def _run(tmp_path, name, recipe, *args, sharded, **model):
     # Two RL steps of two updates each (epochs over one minibatch: one process shuffles minibatches over all rows,
     # two over each half, so only whole-rollout minibatches are the same update on both).
     run = fit_in_child(recipe, "--config", overlay, *(FSDP if sharded else []), "--trainer.max_steps", "4",
-                       "--model.minibatch_size", "null", "--model.ppo_epochs", "2", "--data.batch_size", "4", "--trainer.callbacks+", "user_strategies.DumpState", *args,
+                       "--model.minibatch_size", "null", "--model.ppo_epochs", "2", "--data.batch_size", "4",
+                       "--trainer.callbacks+", "user_strategies.DumpState", *args,
                        timeout=600, RLLIGHT_TEST_DUMP=str(folder / "rank{rank}.pt"))
     assert run.returncode == 0, run.stderr[-4000:]
     dumps = [torch.load(folder / f"rank{r}.pt", weights_only=True) for r in range(2 if sharded else 1)]
@@ -40,7 +41,8 @@ VAPO_CALLBACKS = ("[{class_path: rllight.callbacks.ValuePretraining, init_args: 
 
 METHODS = {
     "grpo": ("grpo.yaml", [], {}),
-    "ppo": ("ppo.yaml", [], {"critic": {"class_path": "rllight.critics.ValueHead"}, "advantage": {"class_path": "rllight.strategies.GAE"}}),
+    "ppo": ("ppo.yaml", [], {"critic": {"class_path": "rllight.critics.ValueHead"},
+                             "advantage": {"class_path": "rllight.strategies.GAE"}}),
     "dapo": ("dapo.yaml", ["--model.sampler.init_args.group_size", "4", "--model.sampler.init_args.max_rounds", "2"],
              {}),
     "vapo": ("vapo.yaml", ["--trainer.max_steps", "6", "--trainer.callbacks", VAPO_CALLBACKS], {}),
@@ -77,7 +79,8 @@ def _fsdp_fit(tmp_path, overlay, name, steps, *extra):
                         "lightning.pytorch.callbacks.ModelCheckpoint", "--trainer.callbacks.dirpath",
                         str(tmp_path / f"{name}_ckpt"), "--trainer.callbacks.every_n_train_steps", "1",
                         "--trainer.callbacks.save_last", "true", "--trainer.callbacks+", "user_strategies.DumpState",
-                        "--trainer.callbacks+", "user_strategies.RankOwnDraws", *extra, timeout=600, RLLIGHT_TEST_DUMP=str(tmp_path / f"{name}{{rank}}.pt"))
+                        "--trainer.callbacks+", "user_strategies.RankOwnDraws", *extra, timeout=600,
+                        RLLIGHT_TEST_DUMP=str(tmp_path / f"{name}{{rank}}.pt"))
 
 
 @pytest.mark.slow

@@ -14,4 +14,5 @@ from rllight.rewards.reasoning_gym import ReasoningGymScore
 from rllight.rewards.runner import RewardRunner, RewardScores
 
 __all__ = ["FormatReward", "IntegerMatch", "MathVerify", "PerSource", "ReasoningGymScore", "Reward", "RewardRunner",
-           "RewardScores", "Weighted", "by_source", "check_answers", "check_rows", "last_integer", "score_batch", "score_rows"]
+           "RewardScores", "Weighted", "by_source", "check_answers", "check_rows", "last_integer", "score_batch",
+           "score_rows"]

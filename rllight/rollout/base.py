@@ -49,6 +49,10 @@ class RolloutEngine:
         top_k: Keep the k most likely tokens (0 = off).
     """
 
+    syncs_merged_weights = False
+    """The engine holds weights of its own, filled from the policy's full state dict with LoRA adapters merged
+    (``rllight.rollout.vllm.full_state_dict``), rather than generating with the policy or a copy of it."""
+
     def __init__(self, max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0):
         key = "model.rollout.init_args"
         if max_new_tokens < 1:

@@ -75,6 +75,8 @@ class VLLMServerEngine(RolloutEngine):
             response older than this many optimizer updates is trained on (0 = synchronous).
     """
 
+    syncs_merged_weights = True  # holds weights of its own, filled from the policy's full state dict
+
     def __init__(self, url: str, weights_dir: str | None = None, max_new_tokens: int = 64, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, sync_every: int = 1, timeout_seconds: float = 600.0,
                  model: str | None = None, max_staleness: int = 0):

@@ -241,6 +241,8 @@ class VLLMEngine(RolloutEngine):
             the process draws.
     """
 
+    syncs_merged_weights = True  # holds weights of its own, filled from the policy's full state dict
+
     def __init__(
         self,
         max_new_tokens: int = 64,

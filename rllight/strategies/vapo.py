@@ -31,6 +31,10 @@ _NLL_NORMALIZE = ("correct_tokens", "all_tokens")
 class LambdaSchedule:
     """Base class: ``__call__(lengths (B,)) -> lambda``, a float or one lambda per sequence (B,)."""
 
+    total = None
+    """Sums over the training processes, set by the estimator (None = one process): a schedule that normalises
+    lengths over the batch uses it, so that the batch is the global one."""
+
     def __call__(self, lengths: Tensor) -> float | Tensor:
         raise NotImplementedError
 
