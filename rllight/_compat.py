@@ -49,22 +49,68 @@ def plain_instance(obj):
 
 
 class RunCheckpoint(ModelCheckpoint):
-    """Lightning's ``ModelCheckpoint``, which also saves ``last.ckpt`` at the run's last step when that is not a
-    multiple of ``every_n_train_steps`` (Lightning's own ``on_train_end`` saves it only when no checkpoint was
-    saved at all: a 12-step run checkpointed every 10 ended with step 10 in ``last.ckpt``). A failure of that
-    final save (a full disk) is one logged line, not the end of the run: the export that follows still runs, and
-    the previous ``last.ckpt`` stays whole (``rllight.checkpoint.AtomicCheckpointIO``). Reads the callback's
-    ``_last_global_step_saved`` and calls its ``_save_last_checkpoint`` (Lightning 2.5 and 2.6)."""
+    """The checkpoint callback rllight adds to a run (``rllight.checkpoint.CheckpointSettings``): Lightning's
+    ``ModelCheckpoint`` keeping the newest ``keep`` checkpoints (1: ``last.ckpt`` alone; more: ``step=K.ckpt``
+    ranked by step, Lightning's way to keep the latest N, with ``last.ckpt`` a link to the newest), which also
+
+    - saves the run's last step when that is not a multiple of ``every_n_train_steps`` (Lightning's own
+      ``on_train_end`` saves only when no checkpoint was saved at all: a 12-step run checkpointed every 10 ended
+      with step 10 in ``last.ckpt``), with ``final_weights_only`` without the optimizer's state;
+    - says where the first checkpoint it writes went and its size, once;
+    - makes a failure of that final save (a full disk) one logged line, not the end of the run: the export that
+      follows still runs, and the previous checkpoint stays whole (``rllight.checkpoint.AtomicCheckpointIO``).
+
+    Reads the callback's ``_last_global_step_saved`` and ``_last_checkpoint_saved`` and calls its
+    ``_save_checkpoint``, ``_save_topk_checkpoint`` and ``_save_last_checkpoint`` (Lightning 2.5 and 2.6)."""
+
+    def __init__(self, every_n_train_steps: int, keep: int = 1, final_weights_only: bool = False, **kwargs):
+        if keep > 1:
+            kwargs.update(save_top_k=keep, monitor="step", mode="max", filename="{step}", save_last="link")
+        else:
+            kwargs.update(save_top_k=0, save_last=True)
+        super().__init__(every_n_train_steps=every_n_train_steps, **kwargs)
+        self.keep, self.final_weights_only = keep, final_weights_only
+        self.announced = False
+
+    def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
+        super()._save_checkpoint(trainer, filepath)
+        if not self.announced and trainer.is_global_zero:
+            self.announced = True
+            print(self._announcement(trainer, filepath), flush=True)
+
+    def _announcement(self, trainer: L.Trainer, filepath: str) -> str:
+        from rllight.checkpoint import disk_size, human_size
+
+        size = disk_size(filepath)
+        what = "the weights only" if self.save_weights_only else "the weights and the optimizer's state"
+        line = f"rllight: checkpoint of step {trainer.global_step} saved to {filepath}: {human_size(size)}, {what}; "
+        if self.keep == 1:
+            return line + (f"replaced every {self._every_n_train_steps} steps and at the end (checkpoint.keep 1, "
+                           "checkpoint.every_n_steps)")
+        return line + (f"one every {self._every_n_train_steps} steps and at the end, the newest {self.keep} kept in "
+                       f"{self.dirpath}: about {human_size(self.keep * size)} (checkpoint.keep)")
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not self.save_last or self._last_global_step_saved == trainer.global_step:
+        saved = self._last_global_step_saved == trainer.global_step
+        rewrite = saved and self.final_weights_only and bool(self._last_checkpoint_saved)
+        if not self.save_last or (saved and not rewrite):
             return super().on_train_end(trainer, pl_module)
+        candidates = self._monitor_candidates(trainer)
+        self.save_weights_only = self.final_weights_only
         try:
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+            if rewrite and self.keep > 1:  # the step's own file, which last.ckpt links to
+                self._save_checkpoint(trainer, self._last_checkpoint_saved)
+            elif self.keep > 1:
+                self._save_topk_checkpoint(trainer, candidates)
+                self._save_last_checkpoint(trainer, candidates)
+            else:
+                self._save_last_checkpoint(trainer, candidates)
         except OSError as err:
-            where = os.path.join(self.dirpath or "", "last.ckpt")
+            where = self.format_checkpoint_name(candidates, None if self.keep > 1 else self.CHECKPOINT_NAME_LAST)
             log.error("could not save the final checkpoint %s (%s); the run goes on to its export, and the last "
                       "checkpoint saved before (step %d) is intact", where, err, self._last_global_step_saved)
+        finally:
+            self.save_weights_only = False
 
 
 def resolve_last_checkpoint(trainer: L.Trainer) -> str | None:

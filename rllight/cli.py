@@ -14,10 +14,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
 from rllight._compat import RunCheckpoint, resolve_last_checkpoint
-from rllight.checkpoint import AtomicCheckpointIO
+from rllight.checkpoint import AtomicCheckpointIO, CheckpointSettings, disk_size, human_size
 from rllight.data import RLDataModule
 from rllight.errors import ComponentError, RecipeError
-from rllight.evaluation import before_after
+from rllight.evaluation import before_after, column_notes, evaluation_table
 from rllight.export import check_export_dir, overlaps
 from rllight.module import RLModule
 from rllight.paths import add_user_import_paths, expand_config_paths, expand_path, model_path_args
@@ -39,12 +39,12 @@ FIT_DESCRIPTION = (
     "Rollout callbacks go in trainer.callbacks (class_path + init_args): rllight.callbacks.OverlongFilter, "
     "rllight.callbacks.SoftOverlongPunishment, rllight.callbacks.SelfImitation, "
     "rllight.callbacks.ValuePretraining (see recipes/dapo.yaml and recipes/vapo.yaml). "
-    "A checkpoint (last.ckpt) is saved every 10 steps unless the recipe configures a ModelCheckpoint or sets "
-    "trainer.enable_checkpointing: false; Ctrl-C or SIGTERM saves one after the current step and prints the "
+    "A checkpoint (last.ckpt) is saved every 10 steps and at the end (--checkpoint.every_n_steps; --checkpoint.keep N "
+    "keeps the newest N; --checkpoint.final_weights_only true saves the last without the optimizer state) unless "
+    "the recipe configures a ModelCheckpoint or sets trainer.enable_checkpointing: false; "
+    "Ctrl-C or SIGTERM saves one after the current step and prints the "
     "command that resumes (--ckpt_path FILE)."
 )
-CHECKPOINT_EVERY = 10
-"""Steps between the default checkpoints (``last.ckpt``)."""
 
 
 class RLLightCLI(LightningCLI):
@@ -58,7 +58,8 @@ class RLLightCLI(LightningCLI):
     Callbacks it adds to every run: ``rllight.safety.Interrupts`` (Ctrl-C / SIGTERM save a resumable
     checkpoint), ``rllight.safety.RecipeRecord`` (the recipe stored in each checkpoint) and, unless the
     recipe configures a ``ModelCheckpoint`` or sets ``trainer.enable_checkpointing: false``, a
-    ``ModelCheckpoint`` that writes ``last.ckpt`` every ``CHECKPOINT_EVERY`` steps.
+    ``rllight._compat.RunCheckpoint`` set by the top-level ``checkpoint`` options
+    (``rllight.checkpoint.CheckpointSettings``: ``last.ckpt`` every 10 steps and at the end).
 
     Before the model loads (``before_fit``): every output location (``model.export_dir``,
     ``trainer.default_root_dir``, checkpoint and log folders) must be writable, the export folder must be new,
@@ -70,6 +71,13 @@ class RLLightCLI(LightningCLI):
         table of both (accuracy, avg@k / pass@k / maj@k with standard errors, length, turns) and write it
         to ``<log_dir>/eval_summary.json``.
         ``resume_allow_changes``: resume although the data batch size, the sampler or its group size changed.
+        ``checkpoint``: how often rllight's own checkpoints are saved, how many are kept, and whether the last
+        one holds the weights only (``rllight.checkpoint.CheckpointSettings``).
+
+    A fit that ends normally prints where its export and checkpoint are and the commands that evaluate them and
+    resume (``after_fit``). ``rllight validate`` prints the compact table of ``rllight.evaluation.evaluation_table``
+    (a column per data source, a line on what each row measures) and saves it as ``validate_summary.json`` in the
+    log folder, in place of Lightning's table of every logged key (``validate``).
     """
 
     def __init__(self, *args, **kwargs):
@@ -119,6 +127,7 @@ class RLLightCLI(LightningCLI):
         parser.add_argument("--resume_allow_changes", type=bool, default=False,
                             help="With --ckpt_path: continue although data.batch_size, the sampler or its "
                                  "group_size differ from the checkpoint's recipe.")
+        parser.add_class_arguments(CheckpointSettings, "checkpoint")
 
     def _recipe(self) -> dict:
         """The parsed recipe as plain values (what checkpoints store)."""
@@ -146,10 +155,14 @@ class RLLightCLI(LightningCLI):
         callbacks = trainer_config.get("callbacks") or []
         callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
         callbacks += [Interrupts(self._resume_command()), RecipeRecord(self._recipe())]
+        saving = config.get("checkpoint") or CheckpointSettings()
         if trainer_config.get("enable_checkpointing") is not False and not any(
             isinstance(cb, ModelCheckpoint) for cb in callbacks
         ):
-            callbacks.append(RunCheckpoint(every_n_train_steps=CHECKPOINT_EVERY, save_top_k=0, save_last=True))
+            callbacks.append(RunCheckpoint(saving.every_n_steps, saving.keep, saving.final_weights_only))
+        elif not saving.is_default():
+            log.warning("the checkpoint.* options set rllight's own checkpoints, which this recipe replaces (its own "
+                        "ModelCheckpoint, or trainer.enable_checkpointing: false): they have no effect")
         if not trainer_config.get("plugins"):  # checkpoints written whole or not at all
             kwargs["plugins"] = [AtomicCheckpointIO()]
         return super().instantiate_trainer(**{**kwargs, "callbacks": callbacks})
@@ -205,6 +218,12 @@ class RLLightCLI(LightningCLI):
             raise RecipeError(f"--ckpt_path last: no last.ckpt of an earlier run where this run keeps its checkpoints "
                               f"(under '{self.trainer.default_root_dir}'); give the checkpoint's path, or leave "
                               "--ckpt_path out to start afresh")
+        if ckpt_path == "last" or (ckpt_path and ckpt_path not in _SPECIAL_CKPT):
+            path = resolve_last_checkpoint(self.trainer) if ckpt_path == "last" else str(ckpt_path)
+            if os.path.isfile(path) and "optimizer_states" not in read_checkpoint(path):
+                raise RecipeError(f"--ckpt_path '{path}' holds the weights only, not the optimizer's state "
+                                  f"(checkpoint.final_weights_only): it cannot resume training; evaluate it with: "
+                                  f"{self._command('validate', '--ckpt_path', path)}")
         if not ckpt_path or ckpt_path in _SPECIAL_CKPT:
             return
         saved = self._saved_recipe
@@ -216,7 +235,8 @@ class RLLightCLI(LightningCLI):
 
     def _evaluate(self) -> dict[str, float]:
         results = self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False)
-        return dict(results[0]) if results else {}
+        # The evaluation's own numbers: Lightning returns the logged copies, rounded to float32.
+        return {**results[0], **self.model.evaluator.last_metrics} if results else {}
 
     def _no_validation(self) -> str | None:
         """Why ``evaluate_before_after`` has nothing to evaluate (validation is off), or None."""
@@ -230,8 +250,77 @@ class RLLightCLI(LightningCLI):
         self._before_per_prompt = dict(getattr(self.model, "last_val_per_prompt", {}))
 
     def after_fit(self) -> None:
-        if not self.config.fit.evaluate_before_after:
+        if self.config.fit.evaluate_before_after:
+            self._compare_before_after()
+        if self.trainer.is_global_zero:
+            for line in self._outputs():
+                print(line, flush=True)
+
+    def _command(self, subcommand: str, *extra: str) -> str:
+        """This command line as ``rllight <subcommand>``, without ``--ckpt_path``, then ``extra``."""
+        words = shlex.split(self._resume_command())[1:]
+        if self.subcommand in words:
+            words[words.index(self.subcommand)] = subcommand
+        return "rllight " + shlex.join([*words, *extra])
+
+    def _outputs(self) -> list[str]:
+        """What a fit that ended normally leaves (the export, the last checkpoint, their sizes) and the commands
+        that evaluate each and resume the run."""
+        lines = [f"rllight: finished at step {self.trainer.global_step}."]
+        export = self.model.export_dir
+        if export and os.path.isdir(export):
+            lines.append(f"  model: {export} (Hugging Face folder, {human_size(disk_size(export))})")
+            lines.append(f"    evaluate: {self._command('validate', '--model.path', export)}")
+        saved = [(cb, cb.last_model_path or cb.best_model_path) for cb in self.trainer.checkpoint_callbacks]
+        saved = [(cb, path) for cb, path in saved if path and os.path.exists(path)]
+        if not saved:
+            lines.append("  checkpoint: none (trainer.enable_checkpointing: false, or none was saved)")
+            return lines
+        callback, path = saved[0]
+        weights_only = getattr(callback, "final_weights_only", False) or callback.save_weights_only
+        what = "the weights only" if weights_only else "the weights and the optimizer's state"
+        lines.append(f"  checkpoint: {path} ({human_size(disk_size(path))}, {what})")
+        lines.append(f"    evaluate: {self._command('validate', '--ckpt_path', path)}")
+        if weights_only:
+            lines.append("    (weights only: it cannot resume training; checkpoint.final_weights_only)")
+        else:
+            steps = self.trainer.max_steps
+            more = ["--trainer.max_steps", str(2 * self.trainer.global_step)] if steps and steps > 0 else []
+            lines.append(f"    train further: {self._command('fit', '--ckpt_path', path, *more)}")
+        return lines
+
+    def validate(self, model, datamodule=None, **kwargs):
+        """``rllight validate``: Lightning's validation, reported as rllight's compact table (printed, and saved as
+        ``validate_summary.json`` in the log folder) in place of Lightning's table of every logged key."""
+        results = self.trainer.validate(model, datamodule=datamodule, **{**kwargs, "verbose": False})
+        if self.trainer.is_global_zero:  # the evaluation's own numbers, as in _evaluate
+            metrics = {**results[0], **model.evaluator.last_metrics} if results else {}
+            self._report(metrics, "validate_summary.json", kwargs.get("ckpt_path"))
+        return results
+
+    def _report(self, metrics: dict[str, float], name: str, ckpt_path: str | None) -> None:
+        """Print one evaluation's table and what its rows measure, and save the table as ``name`` in the log
+        folder."""
+        settings = self.model.evaluation
+        table, lines = evaluation_table(metrics)
+        if not table:
+            print(f"rllight: {self.subcommand}: nothing was evaluated ({self._no_validation() or 'no prompts'}); "
+                  "set trainer.limit_val_batches above 0 and data.val_size above 0", flush=True)
             return
+        folder = self.trainer.log_dir or self.trainer.default_root_dir
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, name)
+        with open(path, "w") as f:
+            json.dump({"settings": vars(settings), "ckpt_path": ckpt_path, "table": table}, f, indent=2)
+        dropped = int(metrics.get("val/dropped_prompts", 0))
+        print(f"rllight: evaluation of {table['all']['prompts']:.0f} prompts"
+              f"{f' ({dropped} more too long to ask)' if dropped else ''}, {settings.describe()} "
+              "(value ± standard error over prompts):", flush=True)
+        for line in lines + column_notes(list(table["all"]), settings):
+            print("  " + line, flush=True)
+        print(f"rllight: saved to {path}", flush=True)
+
+    def _compare_before_after(self) -> None:
         reason = self._no_validation()
         after = self._evaluate() if reason is None else {}
         before = self._before or {}
@@ -266,7 +355,7 @@ class RLLightCLI(LightningCLI):
                     else "as if the two evaluations were independent, an upper bound")
             print(f"rllight: before and after training, {n} held-out prompts (± standard error; the difference's "
                   f"{kind}):", flush=True)
-            for line in lines:
+            for line in lines + column_notes(list(table), self.model.evaluation):
                 print("  " + line, flush=True)
             print("rllight: " + " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
                                          for k, v in summary.items()), flush=True)

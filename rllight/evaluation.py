@@ -93,6 +93,12 @@ class EvalSettings:
         also_greedy: When sampling (``temperature`` > 0), also decode one greedy response per prompt and
             report its metrics as ``val/greedy/...``; ``val/accuracy`` is then the greedy accuracy (the
             single number a before/after comparison usually quotes), else the mean over the samples.
+        sampling_seed: Sample from a torch random stream of the evaluation's own, seeded with this at the start of
+            every validation: its numbers then depend only on the weights and this seed (an evaluation inside a
+            run equals ``rllight validate`` of the same weights), and evaluating leaves the training's random
+            streams as they were. None: sample from the run's streams (seeded by ``seed_everything``), which each
+            evaluation advances. Engines that sample in this process only (``HFEngine``); a worker or vLLM
+            engine has its own seed.
     """
 
     def __init__(
@@ -107,6 +113,7 @@ class EvalSettings:
         confidence: float = 0.95,
         seed: int = 0,
         also_greedy: bool = False,
+        sampling_seed: int | None = None,
     ):
         key = "model.evaluation"
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -137,6 +144,8 @@ class EvalSettings:
             raise RecipeError(f"{key}.bootstrap must be an integer >= 0 (0 = no interval), got {bootstrap!r}")
         if not 0 < confidence < 1:
             raise RecipeError(f"{key}.confidence must be in (0, 1), got {confidence!r}")
+        if sampling_seed is not None and (isinstance(sampling_seed, bool) or not isinstance(sampling_seed, int)):
+            raise RecipeError(f"{key}.sampling_seed must be an integer or null, got {sampling_seed!r}")
         self.n = n
         self.temperature = float(temperature)
         self.top_p = float(top_p)
@@ -147,11 +156,22 @@ class EvalSettings:
         self.confidence = confidence
         self.seed = seed
         self.also_greedy = bool(also_greedy)
+        self.sampling_seed = sampling_seed
 
     @property
     def greedy(self) -> bool:
         """Whether evaluation decodes greedily (``temperature`` 0)."""
         return self.temperature == 0
+
+    def describe(self) -> str:
+        """How each prompt is answered, in words (the heading of an evaluation's table)."""
+        if self.greedy:
+            return "one greedy answer each (temperature 0)"
+        text = f"{self.n} sampled answer{'s' if self.n > 1 else ''} each at temperature {self.temperature:g}"
+        text += f", top-p {self.top_p:g}" if self.top_p < 1 else ""
+        text += f", top-k {self.top_k}" if self.top_k else ""
+        text += ", and one greedy answer" if self.also_greedy else ""
+        return text + (f", sampling seed {self.sampling_seed}" if self.sampling_seed is not None else "")
 
     @contextmanager
     def applied_to(self, engine) -> Iterator[None]:
@@ -391,6 +411,9 @@ class Evaluator:
         self.last_per_prompt: dict[str, dict[str, float]] = {}
         """The last validation's overall metrics prompt by prompt (``EvalAccumulator.per_prompt``), for the paired
         before/after comparison of ``evaluate_before_after``."""
+        self.last_metrics: dict[str, float] = {}
+        """The last validation's metrics (what ``finish`` returned), in float64: the logged copies are float32."""
+        self._stream: tuple | None = None  # with settings.sampling_seed: the evaluation's random state between batches
 
     def passes(self) -> list[tuple[EvalAccumulator, int, bool, list[int], str]]:
         """Each pass as ``(accumulator, n, greedy, ks, file suffix)``."""
@@ -404,12 +427,34 @@ class Evaluator:
         """Sample and score every pass on ``rows`` with ``producer`` (its engine ``engine`` set to the
         evaluation's sampling settings meanwhile) and keep the results."""
         for results, n, greedy, _, _ in self.passes():
-            with self.settings.applied_to(engine):
+            with self.settings.applied_to(engine), self._own_stream():
                 rollout = producer.sample(rows, n, greedy=greedy, training=False)
             kept = set(rollout.extras["kept_rows"])
             if kept:
                 results.update_rollout([rows[i] for i in sorted(kept)], n, rollout)
             results.drop([row for i, row in enumerate(rows) if i not in kept])
+
+    @contextmanager
+    def _own_stream(self) -> Iterator[None]:
+        """With ``settings.sampling_seed``: within the block torch draws from the evaluation's stream (seeded at a
+        validation's first batch, plus the process's rank, and carried from batch to batch); the run's stream is
+        restored after. Otherwise nothing changes."""
+        seed = self.settings.sampling_seed
+        if seed is None:
+            yield
+            return
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []):
+            if self._stream is None:
+                distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+                rank = torch.distributed.get_rank() if distributed else 0
+                torch.manual_seed(seed + rank)
+            else:
+                torch.set_rng_state(self._stream[0])
+                if cuda and self._stream[1] is not None:
+                    torch.cuda.set_rng_state(self._stream[1])
+            yield
+            self._stream = (torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None)
 
     def finish(self, trainer, global_step: int) -> dict[str, float]:
         """avg@k, pass@k (unbiased) and maj@k with standard errors, overall and per data source (``val/...``,
@@ -438,6 +483,8 @@ class Evaluator:
             metrics["val/truncated_ratio"] = metrics.get("val/truncated_ratio", 0.0)
         for results, *_ in self.passes():
             results.reset()
+        self._stream = None
+        self.last_metrics = dict(metrics)
         return metrics
 
 
@@ -450,6 +497,86 @@ def _write_atomic(path: str, text: str) -> None:
 
 _HEADLINE = re.compile(r"val/(greedy/)?(avg|pass|maj)@(\d+)")
 _PLAIN = ("response_length", "truncated_ratio", "turns_mean")
+_SOURCE = re.compile(r"val/(?!greedy/)(.+)/prompts")
+
+
+def _headline_rows(keys) -> list[tuple[str, str]]:
+    """``(label, key)`` of the overall headline metrics among ``keys``, in table order: the greedy accuracy, then
+    for each k avg@k, pass@k and maj@k. pass@1 and maj@1 are left out: pass@1 equals avg@n (every sample), and
+    maj@1, a vote of one, is the first sample's verdict as in avg@1."""
+    rows = []
+    for key in keys:
+        m = _HEADLINE.fullmatch(key)
+        if m and (m.group(2) == "avg" or int(m.group(3)) > 1):
+            label = "greedy accuracy" if m.group(1) else f"{m.group(2)}@{m.group(3)}"
+            order = (0 if m.group(1) else 1, int(m.group(3)), ("avg", "pass", "maj").index(m.group(2)))
+            rows.append((order, label, key))
+    return [(label, key) for _, label, key in sorted(rows)]
+
+
+def _in_source(key: str, source: str | None) -> str:
+    """The per-source key of an overall one: ``val/avg@4`` -> ``val/<source>/avg@4``, ``val/greedy/avg@1`` ->
+    ``val/greedy/<source>/avg@1`` (the key itself for None)."""
+    head, _, name = key.rpartition("/")
+    return key if source is None else f"{head}/{source}/{name}"
+
+
+def evaluation_table(metrics: dict[str, float]) -> tuple[dict, list[str]]:
+    """One evaluation's metrics (``val/...`` as logged) as a summary and the lines of a printed table, with the rows
+    of ``before_after`` (the greedy accuracy, avg@k, pass@k and maj@k for k > 1, each ``value ± standard error``;
+    then response length, truncation and turns) and a column for all prompts, then one per data source.
+
+    Summary: ``{"all": {"prompts": P, "avg@4": {"value": v, "se": s}, ..., "response_length": x}, "<source>":
+    {...}}`` (a standard error is None where there is none: a single prompt). Empty when nothing was evaluated.
+    """
+    if not metrics.get("val/prompts"):
+        return {}, []
+    sources = sorted({m.group(1) for m in map(_SOURCE.fullmatch, metrics) if m})
+    columns = [("all", None)] + [(source, source) for source in sources]
+    width = max(15, *(len(name) for name, _ in columns))
+    headline = _headline_rows(metrics)
+    rows = [("prompts", "val/prompts"), *headline, *((name, f"val/{name}") for name in _PLAIN)]
+    summary: dict[str, dict] = {name: {} for name, _ in columns}
+    lines = [f"{'metric':<16}" + "".join(f" {name:>{width}}" for name, _ in columns)]
+    for label, key in rows:
+        cells = []
+        for name, source in columns:
+            value = metrics.get(_in_source(key, source))
+            if value is None:
+                cells.append("")
+                continue
+            value = float(value)
+            if (label, key) in headline:
+                se = float(metrics.get(_in_source(key, source) + "_se", math.nan))
+                summary[name][label] = {"value": value, "se": _finite_or_none(se)}
+                cells.append(f"{value:.3f} ± {se:.3f}" if math.isfinite(se) else f"{value:.3f}")
+            else:
+                summary[name][label] = value
+                cells.append(f"{value:.0f}" if label == "prompts" else f"{value:.3f}")
+        if any(cells):
+            lines.append(f"{label:<16}" + "".join(f" {cell:>{width}}" for cell in cells))
+    return summary, lines
+
+
+def column_notes(labels: Sequence[str], settings: EvalSettings) -> list[str]:
+    """What each headline row of an evaluation table measures (rows of ``before_after`` or ``evaluation_table``
+    named in ``labels``), in words, for evaluations sampled as ``settings`` says."""
+    n, kinds = settings.n, {label.split("@")[0] for label in labels}
+    notes = []
+    if "greedy accuracy" in labels:
+        notes.append("greedy accuracy: the share of prompts whose one greedy answer (temperature 0) is correct")
+    if "avg" in kinds and settings.greedy:
+        notes.append("avg@1: the share of prompts whose greedy answer (temperature 0) is correct")
+    elif "avg" in kinds:
+        notes.append(f"avg@k: the share of correct answers among the first k of each prompt's {n} samples, averaged "
+                     f"over prompts (avg@1: the first sample alone); avg@{n} counts all {n} and equals pass@1")
+    if "pass" in kinds:
+        notes.append(f"pass@k: the chance that at least one of k samples is correct, estimated without bias from all "
+                     f"{n} (Chen et al., arXiv:2107.03374)")
+    if "maj" in kinds:
+        notes.append("maj@k: the chance that the most common final answer among the first k samples is correct "
+                     "(majority vote, Wang et al., arXiv:2203.11171)")
+    return notes
 
 
 def before_after(
@@ -460,9 +587,9 @@ def before_after(
     """The overall metrics of two validations of the same rows (``val/...`` as logged), as a summary dict
     and the lines of a printed table.
 
-    Rows: the greedy accuracy (``also_greedy``), avg@k for every k, pass@k and maj@k for k > 1 (at k = 1
-    both equal avg@1), each ``before ± se``, ``after ± se`` and the difference with its standard error;
-    then response length, truncation and turns without errors.
+    Rows: the greedy accuracy (``also_greedy``), avg@k for every k, pass@k and maj@k for k > 1 (pass@1 equals
+    avg@n, and maj@1 is avg@1's first sample), each ``before ± se``, ``after ± se`` and the difference with its
+    standard error; then response length, truncation and turns without errors. ``column_notes`` says what each row is.
 
     The difference's standard error is paired where both evaluations give a metric prompt by prompt
     (``EvalAccumulator.per_prompt``) on the same prompts: the standard error of the mean per-prompt
@@ -471,17 +598,9 @@ def before_after(
     independent (an upper bound when the per-prompt values correlate positively, as they do). The summary
     says which (``paired``).
     """
-    rows = []
-    for key in after:
-        m = _HEADLINE.fullmatch(key)
-        if m and key in before and (m.group(2) == "avg" or int(m.group(3)) > 1):
-            label = "greedy accuracy" if m.group(1) else f"{m.group(2)}@{m.group(3)}"
-            order = (0 if m.group(1) else 1, int(m.group(3)), ("avg", "pass", "maj").index(m.group(2)))
-            rows.append((order, label, key))
-    rows.sort()
     summary: dict[str, dict] = {}
     lines = [f"{'metric':<16} {'before':>15} {'after':>15} {'difference':>16}"]
-    for _, label, key in rows:
+    for label, key in _headline_rows([key for key in after if key in before]):
         b, a = float(before[key]), float(after[key])
         se_b, se_a = float(before.get(key + "_se", math.nan)), float(after.get(key + "_se", math.nan))
         se_d = paired_se((before_per_prompt or {}).get(key), (after_per_prompt or {}).get(key))

@@ -68,7 +68,7 @@ _CRITIC_HYPER = ("loss_coef", "clip", "lr")
 # Keys that say how long or where a run goes, not what it is.
 _IGNORED = ("ckpt_path", "config", "print_config", "resume_allow_changes", "trainer.max_steps",
             "trainer.max_epochs", "trainer.default_root_dir", "trainer.logger", "trainer.callbacks",
-            "trainer.enable_progress_bar", "trainer.enable_checkpointing", "model.export_dir")
+            "trainer.enable_progress_bar", "trainer.enable_checkpointing", "model.export_dir", "checkpoint")
 
 
 def flatten(config, prefix: str = "") -> dict:

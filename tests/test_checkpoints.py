@@ -1,8 +1,11 @@
-"""Checkpoints are written whole or not at all, the run's last step is always in last.ckpt at its end, and a
-failed final save is one line that does not stop the export."""
+"""Checkpoints are written whole or not at all, the run's last step is always in last.ckpt at its end, a
+failed final save is one line that does not stop the export, a run keeps the newest checkpoint.keep of them and says
+their size once, a final save can hold the weights alone, and a finished run prints commands that work."""
 
+import json
 import logging
 import os
+import shlex
 
 import pytest
 import torch
@@ -11,12 +14,12 @@ import rllight.checkpoint
 import rllight.cli
 from conftest import RECIPES
 from helpers import build, tiny_overrides
-from rllight.checkpoint import AtomicCheckpointIO
+from rllight.checkpoint import AtomicCheckpointIO, disk_size, human_size
 
 
-def _fit(tmp_path, model_dir, steps, **model):
+def _fit(tmp_path, model_dir, steps, *args, **model):
     cli = build(os.path.join(RECIPES, "grpo.yaml"), tiny_overrides(tmp_path, model_dir, **model),
-                "--trainer.enable_checkpointing", "true", "--trainer.max_steps", str(steps))
+                "--trainer.enable_checkpointing", "true", "--trainer.max_steps", str(steps), *args)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     return cli
 
@@ -25,9 +28,11 @@ def _last(tmp_path):
     return torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
 
 
-def test_the_last_checkpoint_holds_the_runs_last_step(tmp_path, tiny_model_dir, monkeypatch):
-    monkeypatch.setattr(rllight.cli, "CHECKPOINT_EVERY", 2)  # every 2 steps; the run ends at step 3
-    _fit(tmp_path, tiny_model_dir, 3)
+EVERY_2 = ("--checkpoint.every_n_steps", "2")
+
+
+def test_the_last_checkpoint_holds_the_runs_last_step(tmp_path, tiny_model_dir):
+    _fit(tmp_path, tiny_model_dir, 3, *EVERY_2)  # every 2 steps; the run ends at step 3
     assert _last(tmp_path) == 3
 
 
@@ -52,7 +57,6 @@ def test_a_failed_write_leaves_the_previous_checkpoint_whole(tmp_path, monkeypat
 
 
 def test_a_failed_final_save_is_one_line_and_the_export_still_runs(tmp_path, tiny_model_dir, monkeypatch, caplog):
-    monkeypatch.setattr(rllight.cli, "CHECKPOINT_EVERY", 2)
     real = AtomicCheckpointIO.save_checkpoint
 
     def disk_full_at_step_3(self, checkpoint, path, storage_options=None):
@@ -63,7 +67,7 @@ def test_a_failed_final_save_is_one_line_and_the_export_still_runs(tmp_path, tin
     monkeypatch.setattr(AtomicCheckpointIO, "save_checkpoint", disk_full_at_step_3)
     export = tmp_path / "export"
     with caplog.at_level(logging.ERROR):
-        cli = _fit(tmp_path, tiny_model_dir, 3, export_dir=str(export))
+        cli = _fit(tmp_path, tiny_model_dir, 3, *EVERY_2, export_dir=str(export))
     assert cli.trainer.global_step == 3
     assert (export / "config.json").exists()  # the export ran after the failed save
     lines = [r.getMessage() for r in caplog.records if "could not save the final checkpoint" in r.getMessage()]
@@ -103,3 +107,89 @@ def test_a_resume_applies_the_recipes_new_learning_rate_and_schedule_and_says_so
     assert group["lr"] == pytest.approx(1e-3 * warmup_factor(3, 4, "constant", None, 0.0))
     assert cli.trainer.callback_metrics["train/lr/policy"] == pytest.approx(1e-3 * warmup_factor(2, 4, "constant",
                                                                                                   None, 0.0))
+
+
+def test_the_newest_checkpoint_keep_stay_and_the_first_says_its_folder_and_size(tmp_path, tiny_model_dir, capsys):
+    """checkpoint.keep 2 with a save every step: after 3 steps step=2 and step=3 stay (step=1 was removed),
+    last.ckpt links to step=3 (no space of its own), and one line says where the first went and its size."""
+    _fit(tmp_path, tiny_model_dir, 3, "--checkpoint.every_n_steps", "1", "--checkpoint.keep", "2")
+    folder = tmp_path / "checkpoints"
+    assert sorted(os.listdir(folder)) == ["last.ckpt", "step=2.ckpt", "step=3.ckpt"]
+    assert os.readlink(folder / "last.ckpt") == "step=3.ckpt"
+    assert torch.load(folder / "step=2.ckpt", weights_only=True)["global_step"] == 2 and _last(tmp_path) == 3
+    said = [line for line in capsys.readouterr().out.splitlines() if "rllight: checkpoint of step" in line]
+    assert len(said) == 1, said
+    head = f"rllight: checkpoint of step 1 saved to {folder / 'step=1.ckpt'}: "
+    assert said[0].startswith(head)
+    size, rest = said[0][len(head):].split(", ", 1)
+    size, unit = size.split()
+    # The same tensors at every step (a few bytes of counters apart): step 1's size is step 2's to 3 digits.
+    assert unit == "kB" and float(size) * 1000 == pytest.approx(os.path.getsize(folder / "step=2.ckpt"), rel=0.01)
+    assert rest.startswith("the weights and the optimizer's state; one every 1 steps and at the end, the newest 2 "
+                           f"kept in {folder}: about ")
+
+
+def _finished(out: str, step: int) -> list[str]:
+    """The lines a finished run printed about what it leaves."""
+    return out[out.index(f"rllight: finished at step {step}."):].splitlines()
+
+
+def _command(line: str) -> list[str]:
+    """The arguments of the command on a printed line (``    evaluate: rllight validate ...``)."""
+    words = shlex.split(line.split(": ", 1)[1])
+    assert words[0] == "rllight"
+    return words[1:]
+
+
+def test_a_finished_run_says_where_its_model_and_checkpoint_are_and_the_commands_work(tmp_path, tiny_model_dir,
+                                                                                      capsys):
+    """The end of a run names the export and last.ckpt with their sizes; the printed commands evaluate each (the same
+    weights: the same table) and train further from the checkpoint."""
+    export = tmp_path / "model"
+    args = ["fit", "--config", os.path.join(RECIPES, "grpo.yaml"),
+            "--config", tiny_overrides(tmp_path, tiny_model_dir, export_dir=str(export)),
+            "--trainer.enable_checkpointing", "true", "--trainer.limit_val_batches", "null", "--trainer.max_steps", "2"]
+    rllight.cli.RLLightCLI(args=args)
+    lines = _finished(capsys.readouterr().out, 2)
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert lines[1] == f"  model: {export} (Hugging Face folder, {human_size(disk_size(str(export)))})"
+    size = human_size(os.path.getsize(last))
+    assert lines[3] == f"  checkpoint: {last} ({size}, the weights and the optimizer's state)"
+    assert [line.split(":")[0] for line in lines[2:6]] == ["    evaluate", "  checkpoint", "    evaluate",
+                                                           "    train further"]
+    tables = []
+    for line in (lines[2], lines[4]):  # the export, then the checkpoint
+        rllight.cli.RLLightCLI(args=_command(line))
+        out = capsys.readouterr().out
+        assert "rllight: evaluation of 4 prompts" in out
+        tables.append(json.loads((tmp_path / "validate_summary.json").read_text())["table"])
+    assert tables[0] == tables[1] and tables[0]["all"]["prompts"] == 4
+    further = _command(lines[5])
+    assert further[-4:] == ["--ckpt_path", str(last), "--trainer.max_steps", "4"]
+    cli = rllight.cli.RLLightCLI(args=further)
+    assert cli.trainer.global_step == 4 and _last(tmp_path) == 4  # two more steps, from step 2
+
+
+def test_a_weights_only_final_checkpoint_is_evaluated_and_not_resumed(tmp_path, tiny_model_dir, capsys):
+    """checkpoint.final_weights_only: the step-2 checkpoint is whole, the final one (step 3) holds no optimizer state;
+    the end of the run says so and prints no resume command; the printed evaluation runs; a resume from it is one
+    line."""
+    args = ["fit", "--config", os.path.join(RECIPES, "grpo.yaml"), "--config", tiny_overrides(tmp_path, tiny_model_dir),
+            "--trainer.enable_checkpointing", "true", "--trainer.limit_val_batches", "null", "--trainer.max_steps", "3",
+            *EVERY_2, "--checkpoint.final_weights_only", "true"]
+    rllight.cli.RLLightCLI(args=args)
+    out = capsys.readouterr().out
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    state = torch.load(last, weights_only=True)
+    assert state["global_step"] == 3 and "optimizer_states" not in state and "state_dict" in state
+    assert "saved to " + str(last) + ": " in out and "the weights and the optimizer's state; replaced every 2" in out
+    lines = _finished(out, 3)
+    assert lines[1] == f"  checkpoint: {last} ({human_size(os.path.getsize(last))}, the weights only)"
+    assert "train further" not in "\n".join(lines)
+    rllight.cli.RLLightCLI(args=_command(lines[2]))
+    assert "rllight: evaluation of 4 prompts" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        rllight.cli.main([*args, "--trainer.max_steps", "4", "--ckpt_path", str(last)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds the weights only" in err[0] and "rllight validate" in err[0], err

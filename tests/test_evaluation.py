@@ -20,7 +20,7 @@ from rllight.algorithms import (
     pass_at_k_over_prompts,
 )
 from rllight.errors import RecipeError
-from rllight.evaluation import EvalAccumulator, EvalSettings, extract_answer
+from rllight.evaluation import EvalAccumulator, EvalSettings, Evaluator, extract_answer
 
 
 # ------------------------------------------------------------------------------------------------ pass@k
@@ -156,6 +156,7 @@ def test_eval_settings_defaults_are_greedy():
     ({"n": 4, "temperature": 1.0, "ks": [1, 8]}, "model.evaluation.ks holds 8; each k must be an integer in 1..n = 1..4"),
     ({"n": 4, "temperature": 1.0, "ks": []}, "model.evaluation.ks is empty"),
     ({"bootstrap": -1}, "model.evaluation.bootstrap must be"),
+    ({"sampling_seed": 1.5}, "model.evaluation.sampling_seed must be an integer or null"),
 ])
 def test_eval_settings_errors_are_one_line(kwargs, expected):
     with pytest.raises(RecipeError) as exc:
@@ -369,3 +370,55 @@ def test_also_greedy_needs_sampling():
     with pytest.raises(RecipeError, match="also_greedy"):
         EvalSettings(also_greedy=True)
     assert EvalSettings(n=2, temperature=1.0, also_greedy=True).also_greedy
+
+
+def test_evaluation_table_has_a_column_per_data_source_and_says_what_each_row_is():
+    from rllight.evaluation import column_notes, evaluation_table
+
+    metrics = _filled().compute([1, 2])
+    greedy = EvalAccumulator("val/greedy")
+    greedy.update(ROWS, 1, [1, 1, 0])  # a: both right, b: wrong
+    metrics.update(greedy.compute([1]))
+    summary, lines = evaluation_table(metrics)
+    assert list(summary) == ["all", "a", "b"]
+    # pass@1 (= avg@2) and maj@1 are left out; the greedy accuracy first, then by k; plain values last.
+    assert list(summary["all"]) == ["prompts", "greedy accuracy", "avg@1", "avg@2", "pass@2", "maj@2",
+                                    "response_length", "truncated_ratio"]
+    # The values of test_accumulator_metrics_overall_and_per_source; b has one prompt, so no standard error.
+    assert summary["all"]["avg@1"] == {"value": pytest.approx(2 / 3), "se": pytest.approx(1 / 3)}
+    assert summary["b"]["pass@2"] == {"value": 1.0, "se": None}
+    assert summary["a"]["greedy accuracy"] == {"value": 1.0, "se": 0.0}
+    assert summary["b"]["prompts"] == 1.0 and summary["a"]["response_length"] == pytest.approx(3.0)
+    assert lines[0].split() == ["metric", "all", "a", "b"]
+    assert lines[3].split() == ["avg@1", "0.667", "±", "0.333", "0.500", "±", "0.500", "1.000"]
+    notes = column_notes(list(summary["all"]), EvalSettings(n=2, temperature=1.0, also_greedy=True))
+    assert [note.split(":")[0] for note in notes] == ["greedy accuracy", "avg@k", "pass@k", "maj@k"]
+    assert "avg@2 counts all 2 and equals pass@1" in notes[1]
+    assert metrics["val/pass@1"] == pytest.approx(metrics["val/avg@2"])  # what the note says
+    assert column_notes(["avg@1"], EvalSettings())[0].startswith("avg@1: the share of prompts whose greedy answer")
+    assert evaluation_table({"val/prompts": 0.0, "val/dropped_prompts": 0.0}) == ({}, [])
+
+
+def test_a_sampling_seed_gives_the_evaluation_a_random_stream_of_its_own():
+    """Draws inside an evaluation come from its seed, go on from batch to batch, start again at the next
+    validation, and leave the run's stream where it was; without a seed they are the run's."""
+    evaluator = Evaluator(EvalSettings(n=2, temperature=1.0, sampling_seed=3))
+    torch.manual_seed(0)
+    run_state = torch.get_rng_state()
+    with evaluator._own_stream():  # one batch
+        first = torch.rand(4)
+    with evaluator._own_stream():  # the next
+        second = torch.rand(4)
+    assert torch.equal(torch.get_rng_state(), run_state)
+    torch.manual_seed(3)
+    assert torch.equal(torch.cat([first, second]), torch.rand(8))
+    evaluator.finish(SimpleNamespace(world_size=1, is_global_zero=False, sanity_checking=False), 0)
+    torch.manual_seed(5)
+    with evaluator._own_stream():  # the next validation
+        assert torch.equal(torch.rand(4), first)
+    plain = Evaluator(EvalSettings(n=2, temperature=1.0))
+    torch.manual_seed(0)
+    with plain._own_stream():
+        drawn = torch.rand(4)
+    torch.manual_seed(0)
+    assert torch.equal(drawn, torch.rand(4))

@@ -1,5 +1,6 @@
 """``rllight validate`` evaluates a recipe's model without training: sampling settings of its own, avg@k /
-pass@k / maj@k per data source, a JSON of every number and a per-row file of the responses."""
+pass@k / maj@k per data source, a JSON of every number and a per-row file of the responses, and the compact table
+of the before/after evaluation, printed and saved; on an exported model it gives the in-run evaluation's numbers."""
 
 import itertools
 import json
@@ -11,6 +12,7 @@ import pytest
 
 from helpers import TESTS, tiny_overrides
 from conftest import RECIPES
+from rllight.cli import RLLightCLI
 
 
 @pytest.mark.slow
@@ -36,3 +38,44 @@ def test_rllight_validate_reports_pass_at_k_and_writes_the_rows(tmp_path, tiny_m
     assert 0 < avg < 1  # mixed outcomes, so pass@k and avg@k can differ
     assert summary["metrics"]["val/avg@4"] == pytest.approx(avg)
     assert summary["metrics"]["val/pass@4"] > summary["metrics"]["val/pass@1"]
+
+
+def test_validate_of_the_export_equals_the_runs_own_evaluation_of_the_same_weights(tmp_path, tiny_model_dir, capsys):
+    """Sampled (4 answers at temperature 1, and a greedy one) with a sampling seed: the run's evaluation after training
+    and ``rllight validate`` of its export, in another folder, give the same responses and every number; validate
+    prints them as the compact table (not Lightning's), saves it, and its overall column is the before/after
+    table's "after"."""
+    overlay = tiny_overrides(tmp_path, tiny_model_dir, reward={"class_path": "user_strategies.EvenLength"},
+                             export_dir=str(tmp_path / "model"))
+    recipe = ["--config", os.path.join(RECIPES, "grpo.yaml"), "--config", overlay,
+              "--trainer.limit_val_batches", "null", "--model.evaluation.n", "4", "--model.evaluation.temperature",
+              "1.0", "--model.evaluation.ks", "[1, 2, 4]", "--model.evaluation.also_greedy", "true",
+              "--model.evaluation.sampling_seed", "7"]
+    RLLightCLI(args=["fit", *recipe, "--evaluate_before_after", "true"])
+    capsys.readouterr()
+    RLLightCLI(args=["validate", *recipe, "--model.model.path", str(tmp_path / "model"),
+                     "--trainer.default_root_dir", str(tmp_path / "validate")])
+    out = capsys.readouterr().out
+    for suffix in ("", "_greedy"):  # in the run: after its 2 steps; validate: step 0 of the exported weights
+        in_run = json.loads((tmp_path / "evaluation" / f"val_step2{suffix}.json").read_text())
+        offline = json.loads((tmp_path / "validate" / "evaluation" / f"val_step0{suffix}.json").read_text())
+        assert offline["metrics"] == in_run["metrics"], suffix
+        rows = [[json.loads(line)["responses"] for line in open(folder / "evaluation" / f"{name}{suffix}_rows.jsonl")]
+                for folder, name in ((tmp_path, "val_step2"), (tmp_path / "validate", "val_step0"))]
+        assert rows[0] == rows[1]
+    metrics = json.loads((tmp_path / "validate" / "evaluation" / "val_step0.json").read_text())["metrics"]
+    assert 0 < metrics["val/avg@4"] < 1  # mixed outcomes: the samples, and so the seed, decide the numbers
+    table = json.loads((tmp_path / "validate" / "validate_summary.json").read_text())["table"]
+    assert list(table) == ["all", "arithmetic"]
+    assert table["arithmetic"]["pass@2"] == {"value": metrics["val/arithmetic/pass@2"],
+                                             "se": metrics["val/arithmetic/pass@2_se"]}
+    greedy = json.loads((tmp_path / "validate" / "evaluation" / "val_step0_greedy.json").read_text())["metrics"]
+    assert table["all"]["greedy accuracy"]["value"] == greedy["val/greedy/avg@1"]
+    after = json.loads((tmp_path / "eval_summary.json").read_text())["metrics"]
+    for label in ("greedy accuracy", "avg@1", "avg@4", "pass@2", "pass@4", "maj@4"):
+        assert table["all"][label]["value"] == after[label]["after"], label
+    avg4 = next(line for line in out.splitlines() if line.split()[:1] == ["avg@4"])
+    assert avg4.split()[1:4] == [f"{metrics['val/avg@4']:.3f}", "±", f"{metrics['val/avg@4_se']:.3f}"]
+    assert "rllight: evaluation of 4 prompts, 4 sampled answers each at temperature 1, and one greedy answer" in out
+    assert "pass@k: the chance that at least one of k samples is correct" in out
+    assert "DataLoader 0" not in out  # Lightning's table of every key
