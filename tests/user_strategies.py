@@ -165,14 +165,21 @@ class NaNLossOnRank0(ClippedSurrogate):
         return loss, stats
 
 
-class HangsOnEmpty(DigitReward):
-    """Hangs (sleeps far past any timeout) on a response with no digit; DigitReward otherwise."""
+class HangsOnce(DigitReward):
+    """Hangs (sleeps far past any timeout) on the first sample it scores in a run, in whichever worker gets it
+    (the marker file named by RLLIGHT_TEST_HANG_ONCE, shared by the workers, says it did); DigitReward
+    otherwise. One timeout per run, however the random responses come out."""
 
     def __call__(self, response: str, answer: str) -> float:
-        if not any(c.isdigit() for c in response):
-            import time
+        marker = os.environ["RLLIGHT_TEST_HANG_ONCE"]
+        try:
+            fd = os.open(marker, os.O_CREAT | os.O_EXCL)  # atomic: only one call ever creates it
+        except FileExistsError:
+            return super().__call__(response, answer)
+        os.close(fd)
+        import time
 
-            time.sleep(3600)
+        time.sleep(3600)
         return super().__call__(response, answer)
 
 
