@@ -193,3 +193,19 @@ def test_a_weights_only_final_checkpoint_is_evaluated_and_not_resumed(tmp_path, 
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "holds the weights only" in err[0] and "rllight validate" in err[0], err
+
+
+def test_checkpoint_options_that_cannot_act_say_so(tmp_path, tiny_model_dir, caplog, capsys):
+    """keep 0 is a one-line error naming the key; the options on a run without rllight's checkpoints (checkpointing
+    off) are a warning that they have no effect."""
+    overlay = tiny_overrides(tmp_path, tiny_model_dir)
+    with pytest.raises(SystemExit) as exit_info:
+        rllight.cli.main(["fit", "--config", os.path.join(RECIPES, "grpo.yaml"), "--config", overlay,
+                          "--checkpoint.keep", "0"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "checkpoint.keep must be an integer >= 1, got 0" in err[0], err
+    with caplog.at_level(logging.WARNING):
+        cli = build(os.path.join(RECIPES, "grpo.yaml"), overlay, "--checkpoint.keep", "3")
+    assert not cli.trainer.checkpoint_callbacks  # the overlay turns checkpointing off
+    assert any("checkpoint.* options" in r.getMessage() and "no effect" in r.getMessage() for r in caplog.records)
