@@ -2,11 +2,14 @@
 each method trains 2 RL steps sharded, and given the same rollouts (``ScriptedEngine``: responses that depend on
 the prompt only) its losses and final weights match one process training on the same global batch."""
 
+import os
+
 import pytest
 import torch
 import yaml
 
-from helpers import fit_in_child, tiny_overrides
+from conftest import RECIPES
+from helpers import build, fit_in_child, tiny_overrides
 
 SCRIPTED = {"class_path": "user_strategies.ScriptedEngine", "init_args": {"max_new_tokens": 6}}
 FSDP = ["--trainer.strategy", "{class_path: rllight.fsdp.FSDP}", "--trainer.devices", "2"]
@@ -16,20 +19,27 @@ TOLERANCE = {"rtol": 1e-4, "atol": 2e-5}
 
 
 def _run(tmp_path, name, recipe, *args, sharded, **model):
+    """Two RL steps of two updates each (epochs over one minibatch: one process shuffles minibatches over all rows,
+    two over each half, so only whole-rollout minibatches are the same update on both): FSDP on 2 processes, or
+    one process (in this one, to save a start)."""
     folder = tmp_path / f"{name}-{'fsdp' if sharded else 'one'}"
     folder.mkdir()
     overlay = tiny_overrides(folder, _run.model_dir, rollout=SCRIPTED, **model)
-    # Two RL steps of two updates each (epochs over one minibatch: one process shuffles minibatches over all rows,
-    # two over each half, so only whole-rollout minibatches are the same update on both).
-    run = fit_in_child(recipe, "--config", overlay, *(FSDP if sharded else []), "--trainer.max_steps", "4",
-                       "--model.minibatch_size", "null", "--model.ppo_epochs", "2", "--data.batch_size", "4",
-                       "--trainer.callbacks+", "user_strategies.DumpState", *args,
-                       timeout=600, RLLIGHT_TEST_DUMP=str(folder / "rank{rank}.pt"))
-    assert run.returncode == 0, run.stderr[-4000:]
+    common = ["--trainer.max_steps", "4", "--model.minibatch_size", "null", "--model.ppo_epochs", "2",
+              "--data.batch_size", "4", "--trainer.callbacks+", "user_strategies.DumpState", *args]
+    dump = str(folder / "rank{rank}.pt")
+    if sharded:
+        run = fit_in_child(recipe, "--config", overlay, *FSDP, *common, timeout=600, RLLIGHT_TEST_DUMP=dump)
+        assert run.returncode == 0, run.stderr[-4000:]
+    else:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("RLLIGHT_TEST_DUMP", dump)
+            cli = build(os.path.join(RECIPES, recipe), overlay, *common)
+            cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     dumps = [torch.load(folder / f"rank{r}.pt", weights_only=True) for r in range(2 if sharded else 1)]
     # Each rank logs its share of a loss scaled by the world size: their mean is the loss of the global batch.
     dumps[0]["losses"] = {k: sum(d["losses"][k] for d in dumps) / len(dumps) for k in dumps[0]["losses"]}
-    return dumps[0], run
+    return dumps[0]
 
 
 # VAPO: value pretraining consumes the first rollout, then RL steps with self-imitation replay after each; the replay
@@ -59,8 +69,8 @@ def test_fsdp_matches_one_process_on_the_same_rollouts(tmp_path, tiny_model_dir,
     _run.model_dir = tiny_model_dir
     recipe, args, model = METHODS[method]
     model = yaml.safe_load(yaml.safe_dump(model).replace("TINY", tiny_model_dir))
-    one, _ = _run(tmp_path, method, recipe, *args, sharded=False, **model)
-    two, run = _run(tmp_path, method, recipe, *args, sharded=True, **model)
+    one = _run(tmp_path, method, recipe, *args, sharded=False, **model)
+    two = _run(tmp_path, method, recipe, *args, sharded=True, **model)
     # The losses that enter the gradient (normalised by global counts); the per-rank diagnostics such as
     # value/loss, a mean over the rank's own tokens, are not comparable and are left out.
     assert "train/policy/loss" in one["losses"] and one["losses"].keys() == two["losses"].keys()
