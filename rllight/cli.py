@@ -218,12 +218,8 @@ class RLLightCLI(LightningCLI):
             raise RecipeError(f"--ckpt_path last: no last.ckpt of an earlier run where this run keeps its checkpoints "
                               f"(under '{self.trainer.default_root_dir}'); give the checkpoint's path, or leave "
                               "--ckpt_path out to start afresh")
-        if ckpt_path == "last" or (ckpt_path and ckpt_path not in _SPECIAL_CKPT):
-            path = resolve_last_checkpoint(self.trainer) if ckpt_path == "last" else str(ckpt_path)
-            if os.path.isfile(path) and "optimizer_states" not in read_checkpoint(path):
-                raise RecipeError(f"--ckpt_path '{path}' holds the weights only, not the optimizer's state "
-                                  f"(checkpoint.final_weights_only): it cannot resume training; evaluate it with: "
-                                  f"{self._command('validate', '--ckpt_path', path)}")
+        if ckpt_path == "last":
+            self._check_resumable(resolve_last_checkpoint(self.trainer))
         if not ckpt_path or ckpt_path in _SPECIAL_CKPT:
             return
         saved = self._saved_recipe
@@ -232,6 +228,14 @@ class RLLightCLI(LightningCLI):
         for line in check_resume(saved, self._recipe(), str(ckpt_path),
                                  allow_changes=self.config.fit.resume_allow_changes):
             log.warning(line)
+        self._check_resumable(str(ckpt_path))
+
+    def _check_resumable(self, path: str) -> None:
+        """A checkpoint file without the optimizer's state (saved with the weights only) is refused in one line."""
+        if os.path.isfile(path) and "optimizer_states" not in read_checkpoint(path):
+            raise RecipeError(f"--ckpt_path '{path}' holds the weights only, not the optimizer's state "
+                              f"(checkpoint.final_weights_only): it cannot resume training; evaluate it with: "
+                              f"{self._command('validate', '--ckpt_path', path)}")
 
     def _evaluate(self) -> dict[str, float]:
         results = self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False)

@@ -172,8 +172,8 @@ def test_a_finished_run_says_where_its_model_and_checkpoint_are_and_the_commands
 
 def test_a_weights_only_final_checkpoint_is_evaluated_and_not_resumed(tmp_path, tiny_model_dir, capsys):
     """checkpoint.final_weights_only: the step-2 checkpoint is whole, the final one (step 3) holds no optimizer state;
-    the end of the run says so and prints no resume command; the printed evaluation runs; a resume from it is one
-    line."""
+    the end of the run says so and prints no resume command; the printed evaluation runs; a resume from it (by its
+    path, or as --ckpt_path last) is one line."""
     args = ["fit", "--config", os.path.join(RECIPES, "grpo.yaml"), "--config", tiny_overrides(tmp_path, tiny_model_dir),
             "--trainer.enable_checkpointing", "true", "--trainer.limit_val_batches", "null", "--trainer.max_steps", "3",
             *EVERY_2, "--checkpoint.final_weights_only", "true"]
@@ -188,11 +188,12 @@ def test_a_weights_only_final_checkpoint_is_evaluated_and_not_resumed(tmp_path, 
     assert "train further" not in "\n".join(lines)
     rllight.cli.RLLightCLI(args=_command(lines[2]))
     assert "rllight: evaluation of 4 prompts" in capsys.readouterr().out
-    with pytest.raises(SystemExit) as exit_info:
-        rllight.cli.main([*args, "--trainer.max_steps", "4", "--ckpt_path", str(last)])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "holds the weights only" in err[0] and "rllight validate" in err[0], err
+    for given in (str(last), "last"):
+        with pytest.raises(SystemExit) as exit_info:
+            rllight.cli.main([*args, "--trainer.max_steps", "4", "--ckpt_path", given])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"'{last}' holds the weights only" in err[0] and "rllight validate" in err[0], err
 
 
 def test_checkpoint_options_that_cannot_act_say_so(tmp_path, tiny_model_dir, caplog, capsys):
