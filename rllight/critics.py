@@ -51,12 +51,19 @@ class Critic(nn.Module):
         raise NotImplementedError
 
     def values(self, batch: Rollout, hidden: Tensor | None) -> Tensor:
-        """Values for ``batch``; ``hidden`` (B, T, H) is the policy's last hidden state at the positions
-        that predict each response token (None when the policy did not run, for non-shared critics)."""
+        """The critic's output for ``batch``, as its ``loss`` takes it; ``hidden`` (B, T, H) is the policy's last
+        hidden state at the positions that predict each response token (None when the policy did not run, for
+        non-shared critics)."""
         raise NotImplementedError
 
+    def to_values(self, out: Tensor) -> Tensor:
+        """The values a rollout stores and the advantage estimators read, from what ``values`` returned (the
+        same by default; ``PromptCritic``: probabilities from its logits)."""
+        return out
+
     def loss(self, values: Tensor, batch: Rollout) -> tuple[Tensor, dict[str, Tensor]]:
-        """Per-token (B, T) or per-sequence (B,) loss against ``batch.returns`` and metrics."""
+        """Per-token (B, T) or per-sequence (B,) loss of ``values`` (as ``values`` returned them) against
+        ``batch.returns`` and metrics."""
         raise NotImplementedError
 
     def param_groups(self) -> list[dict]:
@@ -234,14 +241,18 @@ class PromptCritic(Critic):
 
     # ------------------------------------------------------------------------------- values
     def values(self, batch: Rollout, hidden: Tensor | None) -> Tensor:
-        """Shape (B,): V(prompt) in (0, 1) for each row of ``batch``."""
+        """Shape (B,): the logit of V(prompt) for each row of ``batch`` (``to_values`` gives V in (0, 1)); the
+        BCE is taken on the logit, whose gradient ``V - r`` does not vanish where the sigmoid saturates."""
         if self.shared:
             if hidden is None:
                 raise RuntimeError("PromptCritic on the policy's backbone needs the policy's hidden states")
             h = hidden[:, 0]
         else:
             h = self._prompt_states(batch)
-        return torch.sigmoid(self.head(h.to(self.head.weight.dtype)).squeeze(-1).float())
+        return self.head(h.to(self.head.weight.dtype)).squeeze(-1).float()
+
+    def to_values(self, out: Tensor) -> Tensor:
+        return torch.sigmoid(out)
 
     def _prompt_states(self, batch: Rollout) -> Tensor:
         """The critic backbone's last hidden state at the last prompt token, (B, H). Each distinct prompt
@@ -262,13 +273,17 @@ class PromptCritic(Critic):
 
     # --------------------------------------------------------------------------------- loss
     def loss(self, values: Tensor, batch: Rollout) -> tuple[Tensor, dict[str, Tensor]]:
-        """Per-sequence BCE against ``batch.rewards``, shape (B,), and metrics."""
+        """Per-sequence BCE of the logits ``values`` against ``batch.rewards``, shape (B,), and metrics (as the
+        authors' code: BCE on logits; a sigmoid and then BCE has a zero gradient once the logit passes about 17
+        in float32, where the sigmoid rounds to 1)."""
+        logits = values
+        values = torch.sigmoid(logits)
         target = batch.rewards.to(values.dtype)
         if ((target < 0) | (target > 1)).any():
             bad = target[(target < 0) | (target > 1)][0].item()
             raise RecipeError(f"model.critic: PromptCritic fits P(success) with BCE, so rewards must lie in [0, 1]; "
                               f"got {bad:g} (use a 0/1 reward, e.g. rllight.rewards.IntegerMatch)")
-        bce = F.binary_cross_entropy(values, target, reduction="none")
+        bce = F.binary_cross_entropy_with_logits(logits, target, reduction="none")
         stats = {"value/loss": bce.detach().mean(), "value/mean": values.detach().mean()}
         corr = calibration_corr(values.detach(), batch.correct, batch.group_ids)
         if corr is not None:

@@ -149,7 +149,7 @@ class Scoring:
             if need_old or need_values:
                 out = self.forward(micro, with_values=need_values, with_logprobs=need_old)
                 olds.append(out.logprobs)
-                values.append(out.values)
+                values.append(None if out.values is None else self.critic.to_values(out.values))
             if need_ref:
                 refs.append(self.reference_logprobs(micro))
             rows.append(index)

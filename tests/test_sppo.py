@@ -126,18 +126,29 @@ def test_bad_normalize_is_a_one_line_error_naming_it():
 
 
 def test_bce_hand_computed():
-    # BCE(V = 0.5) = ln 2 = 0.693147 for either target; BCE(0.8, 1) = -ln 0.8 = 0.223144;
-    # BCE(0.8, 0) = -ln 0.2 = 1.609438.
+    # The critic's output is the logit of V. BCE(V = 0.5) = ln 2 = 0.693147 for either target;
+    # BCE(0.8, 1) = -ln 0.8 = 0.223144; BCE(0.8, 0) = -ln 0.2 = 1.609438 (logit 0.8 = ln 4).
     critic = PromptCritic()
     batch = _rollout(torch.tensor([1.0, 0.0, 1.0, 0.0]), torch.ones(4, 1))
-    loss, stats = critic.loss(torch.tensor([0.5, 0.5, 0.8, 0.8]), batch)
+    loss, stats = critic.loss(torch.tensor([0.0, 0.0, math.log(4.0), math.log(4.0)]), batch)
     assert_close(loss, torch.tensor([0.693147, 0.693147, 0.223144, 1.609438]))
     assert_close(stats["value/loss"], loss.mean())
+    assert_close(stats["value/mean"], torch.tensor(0.65))  # the mean of V, not of the logits
+    assert_close(critic.to_values(torch.tensor([0.0, math.log(4.0)])), torch.tensor([0.5, 0.8]))
+
+
+def test_bce_keeps_its_gradient_where_the_sigmoid_saturates():
+    # A confident wrong critic: logit 30 (V rounds to 1 in float32) for a failed prompt. The BCE's gradient in
+    # the logit is V - r = 1; a sigmoid followed by BCE on V gives 0 there.
+    logits = torch.tensor([30.0], requires_grad=True)
+    loss, _ = PromptCritic().loss(logits, _rollout(torch.tensor([0.0]), torch.ones(1, 1)))
+    loss.sum().backward()
+    assert_close(logits.grad, torch.tensor([1.0]))
 
 
 def test_bce_rejects_rewards_outside_the_unit_interval():
     with pytest.raises(RecipeError, match="model.critic") as err:
-        PromptCritic().loss(torch.tensor([0.5]), _rollout(torch.tensor([1.5]), torch.ones(1, 1)))
+        PromptCritic().loss(torch.tensor([0.0]), _rollout(torch.tensor([1.5]), torch.ones(1, 1)))
     assert "\n" not in str(err.value)
 
 
@@ -211,7 +222,7 @@ def test_shared_critic_reads_the_last_prompt_token_and_learns(tiny_model_dir):
         mask = batch.prompt_mask
         alone = decoder(input_ids=batch.prompt_ids, attention_mask=mask,
                         position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).last_hidden_state[:, -1]
-        assert_close(full, torch.sigmoid(critic.head(alone).squeeze(-1)))
+        assert_close(full, critic.head(alone).squeeze(-1))
 
 
 def test_critic_with_another_tokenizer_retokenises_the_prompt(tmp_path, tiny_model_dir):
