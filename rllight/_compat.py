@@ -123,3 +123,14 @@ def resolve_last_checkpoint(trainer: L.Trainer) -> str | None:
         warnings.simplefilter("ignore")
         return trainer._checkpoint_connector._parse_ckpt_path(TrainerFn.FITTING, "last", model_provided=True,
                                                               model_connected=False)
+
+
+def step_metrics(trainer: L.Trainer) -> dict[str, float]:
+    """The metrics logged during the current training step only, as floats. ``trainer.callback_metrics`` keeps
+    every key ever logged, so a metric of some steps only (the entropy, with no policy update) would show a stale
+    value; the step's own are the active loop's results not reset since the step began (``forget_step_metrics``).
+    Reads ``trainer._results.metrics`` (Lightning 2.5 and 2.6)."""
+    results = getattr(trainer, "_results", None)
+    if results is None:
+        return {}
+    return {k: float(v) for k, v in results.metrics(on_step=True)["callback"].items() if v.numel() == 1}

@@ -21,6 +21,7 @@ from rllight.evaluation import before_after, column_notes, evaluation_table
 from rllight.export import check_export_dir, overlaps
 from rllight.module import RLModule
 from rllight.paths import add_user_import_paths, expand_config_paths, expand_path, model_path_args
+from rllight.progress import progress_callbacks, quiet_lightning
 from rllight.safety import RECIPE_KEY, Interrupts, RecipeRecord, check_resume, check_writable, read_checkpoint
 
 log = logging.getLogger("rllight")
@@ -59,7 +60,10 @@ class RLLightCLI(LightningCLI):
     checkpoint), ``rllight.safety.RecipeRecord`` (the recipe stored in each checkpoint) and, unless the
     recipe configures a ``ModelCheckpoint`` or sets ``trainer.enable_checkpointing: false``, a
     ``rllight._compat.RunCheckpoint`` set by the top-level ``checkpoint`` options
-    (``rllight.checkpoint.CheckpointSettings``: ``last.ckpt`` every 10 steps and at the end).
+    (``rllight.checkpoint.CheckpointSettings``: ``last.ckpt`` every 10 steps and at the end). What a run prints
+    (``rllight.progress.progress_callbacks``): a line per RL step and evaluation progress in a log file, a bar that
+    counts rollouts in a terminal, the model summary without FLOPs; messages a recipe cannot act on are filtered
+    (``rllight.progress.quiet_lightning``).
 
     Before the model loads (``before_fit``): every output location (``model.export_dir``,
     ``trainer.default_root_dir``, checkpoint and log folders) must be writable, the export folder must be new,
@@ -93,6 +97,7 @@ class RLLightCLI(LightningCLI):
                 sys.argv[1:] = rewritten
             else:
                 kwargs["args"] = rewritten
+        quiet_lightning()
         # A --ckpt_path is read here, before LightningCLI loads it for its hyper-parameters (which would fail
         # with a traceback on a bad file); only the stored recipe is kept, for the comparison in before_fit.
         ckpt = _ckpt_path(self._argv)
@@ -154,6 +159,9 @@ class RLLightCLI(LightningCLI):
         trainer_config = config.get("trainer", {}) or {}
         callbacks = trainer_config.get("callbacks") or []
         callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
+        shown, settings = progress_callbacks(trainer_config, callbacks)  # a line per step in a log file, or a bar
+        callbacks += shown  # before Interrupts: a step's line comes before the message that the run stops there
+        kwargs.update(settings)
         callbacks += [Interrupts(self._resume_command()), RecipeRecord(self._recipe())]
         saving = config.get("checkpoint") or CheckpointSettings()
         if trainer_config.get("enable_checkpointing") is not False and not any(

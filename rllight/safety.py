@@ -348,7 +348,7 @@ class Interrupts(L.Callback):
         step = trainer.global_step
         if trainer.checkpoint_callbacks:
             path = trainer.strategy.broadcast(self._target(trainer))
-            trainer.save_checkpoint(path)
+            trainer.save_checkpoint(path, weights_only=False)  # explicit: else Lightning 2.6 logs that it assumed it
             self.saved_path = path
             message = (f"rllight: {what}: stopped after step {step}; resume with: {self.resume_command} "
                        f"--ckpt_path {shlex.quote(path)}")
@@ -398,7 +398,7 @@ class Interrupts(L.Callback):
             count.ready = count.started = count.processed = count.completed
         path = self._target(trainer, "crashed")
         try:
-            trainer.save_checkpoint(path)
+            trainer.save_checkpoint(path, weights_only=False)
         except Exception as err:  # noqa: BLE001 - the run has failed already; its own error follows
             print(f"rllight: could not save the last completed step {step} to {path} ({err})", file=sys.stderr,
                   flush=True)

@@ -59,18 +59,23 @@ def unchanged_parameters(model: torch.nn.Module, model_dir: str, decoder: bool =
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
-def start_fit(recipe: str, *args: str, cwd: str | None = None, **env: str) -> subprocess.Popen:
+def start_fit(recipe: str, *args: str, cwd: str | None = None, log_file: str | None = None,
+              **env: str) -> subprocess.Popen:
     """Start ``rllight fit --config <recipes/recipe> <args>`` in a child process (in ``cwd``; output captured as
-    text). The child has this environment, the tests folder on PYTHONPATH (for the test strategies), and the
-    ``env`` variables."""
+    text, or with ``log_file`` stdout and stderr written to that file, as a batch job's log). The child has this
+    environment, the tests folder on PYTHONPATH (for the test strategies), and the ``env`` variables."""
     cmd = [sys.executable, "-m", "rllight.cli", "fit", "--config", os.path.join(RECIPES, recipe), *args]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]), **env)
-    return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if log_file is None:
+        return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with open(log_file, "w") as out:
+        return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, text=True)
 
 
-def fit_in_child(recipe: str, *args: str, timeout: float, **env: str) -> subprocess.CompletedProcess:
-    """``start_fit`` and wait for it: the finished process, with its output."""
-    child = start_fit(recipe, *args, **env)
+def fit_in_child(recipe: str, *args: str, timeout: float, log_file: str | None = None,
+                 **env: str) -> subprocess.CompletedProcess:
+    """``start_fit`` and wait for it: the finished process, with its output (None with ``log_file``)."""
+    child = start_fit(recipe, *args, log_file=log_file, **env)
     try:
         stdout, stderr = child.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -1,0 +1,198 @@
+"""What a run prints: one line per RL step in a log file (counted in rollouts, also after a resume), evaluation
+progress, and none of the messages a recipe user cannot act on."""
+
+import io
+import os
+import re
+import time
+from contextlib import redirect_stdout
+from types import SimpleNamespace
+
+import lightning as L
+import pytest
+import yaml
+
+from conftest import RECIPES
+from helpers import build, fit_in_child, tiny_overrides
+from rllight.progress import RolloutCount, StepLog, duration, planned_updates_per_rollout
+
+STEP_LINE = re.compile(
+    r"^rllight: step (\d+)/(\d+) \| updates (\d+)/(\d+) \| reward [\d.]+ \| accuracy [\d.]+ \| entropy [\d.]+ "
+    r"\| length [\d.]+ \| [\d.]+s/step \| ETA \S+$", re.M)
+
+NOISE = (
+    "Using ModelCheckpoint with manual optimization",  # Lightning's 12-line warning with example code
+    "self.saved_models",  # ... and its example code
+    "LeafSpec",  # torch's deprecation of what Lightning's _pytree calls
+    "Tip:",  # Lightning's litlogger / litmodels advertisements
+    "FLOPs",  # "Total FLOPs: 0" in the model summary
+    "Flops",
+    "Epoch 0/-2",  # the bar's epoch count under max_steps
+    "Trainer already configured with model summary",  # Lightning on replacing its summary
+    "TPU available: False",  # an absent accelerator
+    "Loading weights",  # transformers' bar, every frame on one line in a file
+)
+
+
+def _overlay(tmp_path, tiny_model_dir, checkpoint_every: int | None = None, bar: str | None = None) -> str:
+    """The tiny-model overlay as a user would run it: the default logger, progress bar and model summary, a
+    validation, (``checkpoint_every``) a ModelCheckpoint of the recipe's own and (``bar``) a progress bar."""
+    path = tiny_overrides(tmp_path, tiny_model_dir, minibatch_size=8)  # 2 prompts x 8 = 16 responses: 2 updates
+    with open(path) as f:
+        cfg = yaml.safe_load(f)
+    cfg["trainer"].update({"logger": True, "enable_progress_bar": True, "limit_val_batches": 1.0})
+    cfg["trainer"].pop("enable_checkpointing")
+    if checkpoint_every:
+        cfg["trainer"]["callbacks"] = [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                                        "init_args": {"dirpath": str(tmp_path / "ckpt"), "save_last": True,
+                                                      "save_top_k": 0, "every_n_train_steps": checkpoint_every}}]
+    if bar:
+        cfg["trainer"].setdefault("callbacks", []).append({"class_path": f"rllight.progress.{bar}"})
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    return path
+
+
+def _steps(text: str) -> list[tuple[int, int, int, int]]:
+    return [tuple(int(g) for g in m.groups()) for m in STEP_LINE.finditer(text)]
+
+
+@pytest.mark.slow
+def test_a_log_file_gets_one_line_per_rollout_and_no_noise(tmp_path, tiny_model_dir):
+    overlay = _overlay(tmp_path, tiny_model_dir, checkpoint_every=2)
+    log_file = tmp_path / "fit.log"
+    run = fit_in_child("grpo.yaml", "--config", overlay, "--trainer.max_steps", "6", "--evaluate_before_after", "true",
+                       timeout=900, log_file=str(log_file))
+    text = log_file.read_text()
+    assert run.returncode == 0, text[-3000:]
+    # 6 optimizer updates at 2 per rollout: 3 rollouts, numbered 1..3 of 3, with the updates alongside.
+    assert _steps(text) == [(1, 3, 2, 6), (2, 3, 4, 6), (3, 3, 6, 6)], text[-3000:]
+    assert "rllight: evaluation before training: 1 batch (4 prompts)" in text
+    assert "rllight: evaluation after 6 updates: 1 batch (4 prompts)" in text
+    assert len(re.findall(r"^rllight: evaluation: 1/1 batches in \S+$", text, re.M)) == 2
+    assert len(re.findall(r"^rllight: evaluation done in \S+: accuracy [\d.]+$", text, re.M)) == 2
+    assert re.search(r"^rllight: model: [\d.]+ \w* ?trainable parameters, 0 frozen, [\d.]+ MB$", text, re.M)  # no FLOPs
+    assert [n for n in NOISE if n in text] == []
+    # No Python warning reaches the log (one starts with its source, "file.py:LINE: "): Lightning's and PyTorch's
+    # are filtered where they arise, and rllight's own are logged lines that say what to do.
+    assert re.findall(r"^\S+\.py:\d+: .*$", text, re.M) == []
+
+
+@pytest.mark.slow
+def test_a_resumed_run_counts_on_from_the_rollouts_done(tmp_path, tiny_model_dir):
+    overlay = _overlay(tmp_path, tiny_model_dir, checkpoint_every=2)
+    logs = [tmp_path / "first.log", tmp_path / "resumed.log"]
+    first = fit_in_child("grpo.yaml", "--config", overlay, "--trainer.max_steps", "4",
+                         "--trainer.limit_val_batches", "0", timeout=900, log_file=str(logs[0]))
+    assert first.returncode == 0, logs[0].read_text()[-3000:]
+    assert _steps(logs[0].read_text()) == [(1, 2, 2, 4), (2, 2, 4, 4)]
+    resumed = fit_in_child("grpo.yaml", "--config", overlay, "--trainer.max_steps", "8",
+                           "--trainer.limit_val_batches", "0", "--ckpt_path", str(tmp_path / "ckpt" / "last.ckpt"),
+                           timeout=900, log_file=str(logs[1]))
+    text = logs[1].read_text()
+    assert resumed.returncode == 0, text[-3000:]
+    # Rollouts 3 and 4 of 4 (not 1/2 again, nor 3/0).
+    assert _steps(text) == [(3, 4, 6, 8), (4, 4, 8, 8)], text[-3000:]
+
+
+def _shown(bar) -> tuple:
+    """What the training bar shows: (position, total, title)."""
+    if hasattr(bar, "train_progress_bar_id"):  # Rich
+        task = {t.id: t for t in bar.progress.tasks}[bar.train_progress_bar_id]
+        return int(task.completed), task.total, task.description.rsplit("]", 1)[-1]
+    return bar.train_progress_bar.n, bar.train_progress_bar.total, bar.train_progress_bar.desc.rstrip(": ")
+
+
+class _Watch(L.Callback):
+    """Records what the bar shows after it has drawn a batch (callbacks run in order; this one is last)."""
+
+    def __init__(self, bar):
+        self.bar, self.seen = bar, []
+
+    def on_train_start(self, trainer, pl_module):
+        self.seen.append(_shown(self.bar))
+
+    def on_train_batch_end(self, trainer, *args):
+        self.seen.append(_shown(self.bar))
+
+
+def _fit_watched(recipe, overlay, *args, ckpt_path=None):
+    cli = build(recipe, overlay, *args)
+    bar = cli.trainer.progress_bar_callback
+    watch = _Watch(bar)
+    cli.trainer.callbacks.append(watch)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path)
+    return watch.seen
+
+
+@pytest.mark.parametrize("bar", ["RichRolloutBar", "TQDMRolloutBar"])
+def test_the_terminal_bar_counts_rollouts_also_after_a_resume(bar, tmp_path, tiny_model_dir):
+    overlay = _overlay(tmp_path, tiny_model_dir, checkpoint_every=2, bar=bar)
+    recipe = os.path.join(RECIPES, "grpo.yaml")
+    no_val = ["--trainer.limit_val_batches", "0"]
+    # 4 updates at 2 a rollout: rollouts 1 and 2 of 2 (Lightning's bar: "Epoch 0/-2", 1/2 then 2/2 of 4 updates).
+    seen = _fit_watched(recipe, overlay, "--trainer.max_steps", "4", *no_val)
+    assert seen == [(0, 2, "rollouts"), (1, 2, "rollouts"), (2, 2, "rollouts")]
+    # Resumed to 8 updates: from 2 done, rollouts 3 and 4 of 4 (Lightning's bar: 3/0).
+    seen = _fit_watched(recipe, overlay, "--trainer.max_steps", "8", *no_val,
+                        ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    assert seen == [(2, 4, "rollouts"), (3, 4, "rollouts"), (4, 4, "rollouts")]
+
+
+def _trainer(**kw):
+    defaults = dict(max_steps=80, global_step=0, max_epochs=-1, num_training_batches=float("inf"),
+                    datamodule=SimpleNamespace(batches_trained=0, batch_size=4),
+                    lightning_module=SimpleNamespace(ppo_epochs=1, minibatch_size=16,
+                                                     sampler=SimpleNamespace(group_size=8)))
+    return SimpleNamespace(**{**defaults, **kw})
+
+
+def test_rollouts_are_counted_from_updates_planned_then_measured():
+    # Planned: 4 prompts x 8 responses / minibatch 16 = 2 updates a rollout, 80 updates = 40 rollouts.
+    trainer = _trainer()
+    count = RolloutCount()
+    assert planned_updates_per_rollout(trainer.lightning_module, trainer.datamodule) == 2
+    assert count.total(trainer) == 40
+    # A resume after 3 rollouts and 6 updates: 3 done + 74 updates left / 2 = 40 again.
+    trainer = _trainer(global_step=6, datamodule=SimpleNamespace(batches_trained=3, batch_size=4))
+    assert (count.done(trainer), count.total(trainer)) == (3, 40)
+    # Measured: a rollout that made 4 updates (a critic's own, say): 3 done + ceil(70 / 4) = 21.
+    count.batch_start(trainer)
+    trainer.global_step, trainer.datamodule.batches_trained = 10, 4
+    count.batch_end(trainer)
+    assert count.total(trainer) == 4 + 18
+    # A step with no update (value pretraining) leaves the measured rate alone.
+    count.batch_start(trainer)
+    trainer.datamodule.batches_trained = 5
+    count.batch_end(trainer)
+    assert count.per_rollout(trainer) == 4
+    # max_epochs bounds it too: 2 epochs of 7 batches.
+    assert count.total(_trainer(max_steps=-1, max_epochs=2, num_training_batches=7)) == 14
+    assert count.total(_trainer(max_steps=-1, max_epochs=-1)) is None
+
+
+def test_a_long_evaluation_prints_at_least_every_heartbeat():
+    trainer = SimpleNamespace(sanity_checking=False, num_val_batches=[2], datamodule=SimpleNamespace(val_rows=[{}] * 8),
+                              state=SimpleNamespace(fn="validate"), global_step=0, ckpt_path=None,
+                              callback_metrics={"val/accuracy": 0.5})
+    log = StepLog(heartbeat=0.3)
+    log.active = True
+    out = io.StringIO()
+    with redirect_stdout(out):
+        log.on_validation_start(trainer, None)
+        time.sleep(1.0)  # one batch that takes more than 3 heartbeats
+        log.on_validation_batch_end(trainer, None, None, None, 0)
+        log.on_validation_batch_end(trainer, None, None, None, 1)
+        log.on_validation_end(trainer, None)
+        time.sleep(0.5)  # the heartbeat has stopped
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "rllight: evaluation before training: 2 batches (8 prompts)"
+    beats = [line for line in lines if line.startswith("rllight: evaluation: batch 1/2 running")]
+    assert 2 <= len(beats) <= 4, lines
+    assert lines[len(beats) + 1].startswith("rllight: evaluation: 1/2 batches in ")
+    assert lines[len(beats) + 2].startswith("rllight: evaluation: 2/2 batches in ")
+    assert lines[-1].startswith("rllight: evaluation done in ") and lines[-1].endswith("accuracy 0.500")
+
+
+def test_durations_read_at_a_glance():
+    assert [duration(s) for s in (3.21, 42.4, 75, 3725, float("inf"))] == ["3.2s", "42s", "1m15s", "1h02m", "?"]
