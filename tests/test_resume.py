@@ -68,7 +68,7 @@ def _metrics(path):
 
 
 ASYNC_ENGINE = {"class_path": "rllight.rollout.worker.ProcessEngine",
-                "init_args": {"engine": {"class_path": "rllight.rollout.HFEngine", "init_args": {"max_new_tokens": 6}},
+                "init_args": {"engine": {"class_path": "rllight.rollout.HFEngine"}, "max_new_tokens": 6,
                               "max_staleness": 2}}
 """Asynchronous rollouts two steps ahead (one update per step here): at the kill, rollouts of later steps are in
 flight; the checkpoint before it holds the ones generated ahead of it and the worker's RNG."""

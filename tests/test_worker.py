@@ -177,7 +177,7 @@ def test_a_worker_that_dies_twice_ends_the_cli_with_one_line_and_exit_2(tmp_path
     from helpers import one_line_error
 
     rollout = {"class_path": "rllight.rollout.ProcessEngine",
-               "init_args": {"engine": {"class_path": "test_worker.DyingEngine", "init_args": {"max_new_tokens": 4}}}}
+               "init_args": {"engine": {"class_path": "test_worker.DyingEngine"}, "max_new_tokens": 4}}
     err = [one_line_error(tmp_path, tiny_model_dir, capsys, rollout=rollout)]
     assert err[-1].startswith("rllight: error: model.rollout: the rollout worker died twice in a row (exit code 3) "
                               "trying to generate; look for an out-of-memory kill"), err[-1]
@@ -267,8 +267,9 @@ def test_training_through_the_worker_gives_the_in_process_numbers(tmp_path, tiny
     inner = {"class_path": "rllight.rollout.HFEngine", "init_args": {"max_new_tokens": 6, "temperature": 1.0}}
     steps = ["--trainer.max_steps", "3"]
     local, local_run = _fit(tmp_path / "local", tiny_model_dir, *steps, rollout=inner)
-    remote, remote_run = _fit(tmp_path / "worker", tiny_model_dir, *steps, rollout={
-        "class_path": "rllight.rollout.worker.ProcessEngine", "init_args": {"engine": inner}})
+    remote, remote_run = _fit(tmp_path / "worker", tiny_model_dir, *steps, rollout={  # the same settings
+        "class_path": "rllight.rollout.worker.ProcessEngine",
+        "init_args": {"engine": {"class_path": inner["class_path"]}, **inner["init_args"]}})
     assert isinstance(remote.model.rollout, ProcessEngine) and isinstance(local.model.rollout, HFEngine)
     assert len(local_run.steps) == len(remote_run.steps) == 3
     for local_step, remote_step in zip(local_run.steps, remote_run.steps):
@@ -290,7 +291,7 @@ def test_the_overlay_runs_grpo_in_a_worker_that_close_stops(tmp_path, tiny_model
     cli, recorder = _fit(tmp_path, tiny_model_dir, os.path.join(RECIPES, "overlays", "process-worker.yaml"))
     engine = cli.model.rollout
     assert isinstance(engine, ProcessEngine) and isinstance(engine.engine, HFEngine)
-    assert (engine.max_new_tokens, engine.temperature, engine.sync_every) == (24, 1.0, 1)
+    assert (engine.max_new_tokens, engine.temperature, engine.sync_every) == (6, 1.0, 1)  # the recipe's, kept
     assert cli.trainer.global_step == 2
     assert unchanged_parameters(cli.model.policy, tiny_model_dir) == []
     assert recorder.worker_process is not None and recorder.worker_process.is_alive()
@@ -378,7 +379,8 @@ def test_asynchronous_training_overlaps_generation_and_bounds_staleness(tmp_path
     on, every rollout was sent two steps before and is exactly two versions old; none is older."""
     inner = {"class_path": "rllight.rollout.HFEngine", "init_args": {"max_new_tokens": 6, "temperature": 1.0}}
     cli, run = _fit(tmp_path, tiny_model_dir, "--trainer.max_steps", "5", rollout={
-        "class_path": "rllight.rollout.worker.ProcessEngine", "init_args": {"engine": inner, "max_staleness": 2}})
+        "class_path": "rllight.rollout.worker.ProcessEngine",
+        "init_args": {"engine": {"class_path": inner["class_path"]}, **inner["init_args"], "max_staleness": 2}})
     try:
         assert cli.trainer.global_step == 5
         ahead = [step["train/rollout/generated_ahead"] for step in run.steps]

@@ -122,10 +122,10 @@ def overlay(args: argparse.Namespace, algo: str, staleness: int, run_dir: str) -
             "limit_val_batches": None,
         },
         "model": {
+            # The sampling settings on the ProcessEngine: there they replace the quickstart's, which it keeps.
             "rollout": {"class_path": "rllight.rollout.worker.ProcessEngine", "init_args": {
-                "engine": {"class_path": "rllight.rollout.HFEngine",
-                           "init_args": {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}},
-                "max_staleness": staleness}},
+                "engine": {"class_path": "rllight.rollout.HFEngine"}, "max_staleness": staleness,
+                "max_new_tokens": args.max_new_tokens, "temperature": args.temperature}},
             "sampler": {"class_path": "rllight.strategies.GroupSampler", "init_args": {"group_size": args.group_size}},
             "policy_loss": LOSSES[algo],
             # the per-response mean the README's table was measured with (the quickstart now uses a token mean)

@@ -94,6 +94,8 @@ TRL_VENV = ".venv-trl"
 TORCH_PIN = "torch==2.13.0"  # first, so that TRL's dependencies find torch met (a bare one pulls a CUDA build)
 ENGINES = {"hf": "rllight.rollout.HFEngine", "vllm": "rllight.rollout.vllm.VLLMEngine"}
 ENGINE_ARGS = "model.rollout.init_args."
+# Set on a ProcessEngine too: there they replace the ones it keeps from the recipe's engine.
+SAMPLING_SETTINGS = ("max_new_tokens", "temperature", "top_p", "top_k")
 
 PROMPTS_PER_STEP = 4
 GROUP_SIZE = 4
@@ -247,8 +249,9 @@ def overlay(args: argparse.Namespace, name: str = "rllight", staleness: int | No
         rollout_args["min_new_tokens"] = int(longest[-1]) if longest else MAX_NEW_TOKENS
     rollout = {"class_path": ENGINES[args.engine], "init_args": rollout_args}
     if staleness is not None:
+        sampling = {k: v for k, v in rollout_args.items() if k in SAMPLING_SETTINGS}
         rollout = {"class_path": "rllight.rollout.worker.ProcessEngine",
-                   "init_args": {"engine": rollout, "max_staleness": staleness}}
+                   "init_args": {"engine": rollout, "max_staleness": staleness, **sampling}}
     return {
         "seed_everything": args.seed,
         "evaluate_before_after": False,
@@ -346,6 +349,8 @@ def run_rllight(args: argparse.Namespace, name: str = "rllight", staleness: int 
         key, _, value = item.partition("=")
         key = key.strip()
         if staleness is not None and key.startswith(ENGINE_ARGS):  # the engine's settings: the worker's engine's
+            if key[len(ENGINE_ARGS):] in SAMPLING_SETTINGS:
+                cmd += [f"--{key}", value]
             key = ENGINE_ARGS + "engine.init_args." + key[len(ENGINE_ARGS):]
         cmd += [f"--{key}", value]
     output, logs = run_logged(args, name, cmd, env)

@@ -6,7 +6,9 @@ Select it in a recipe (or with ``--config recipes/overlays/process-worker.yaml``
       rollout:
         class_path: rllight.rollout.worker.ProcessEngine
         init_args:
-          engine: {class_path: rllight.rollout.HFEngine, init_args: {max_new_tokens: 24, temperature: 0.7}}
+          engine: {class_path: rllight.rollout.HFEngine}   # the engine the worker runs
+          max_new_tokens: 24                            # its sampling settings (see ProcessEngine)
+          temperature: 0.7
           sync_every: 1
           timeout_seconds: 600
 
@@ -49,6 +51,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import inspect
 import logging
 import math
 import multiprocessing
@@ -267,6 +270,10 @@ def _forwarded(name: str) -> property:
                     doc=f"The inner engine's ``{name}`` (sent to the worker with every request).")
 
 
+_DEFAULTS = {name: inspect.signature(RolloutEngine).parameters[name].default for name in SAMPLING_SETTINGS}
+"""Every engine's default sampling settings (64 tokens, temperature 1.0, top_p 1.0, top_k 0)."""
+
+
 @dataclasses.dataclass
 class _Request:
     """A request sent to the worker in asynchronous mode, and its reply once read."""
@@ -283,11 +290,15 @@ class ProcessEngine(RolloutEngine):
     optimizer updates with a version (see ``rllight.rollout.worker``).
 
     The sampling settings (``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``) are the inner engine's,
-    read and set through this one, and sent with every request. ``last_metrics`` holds the inner engine's
-    metrics (e.g. ``rollout/tokens_per_s``), ``rollout/policy_version`` (optimizer updates in the weights that
-    generated), ``rollout/staleness`` (updates since then) and ``rollout/sync_time`` (seconds spent on the
-    syncs since the previous ``generate``). ``close()`` stops the worker and frees its shared weights; a later
-    ``generate`` starts a new one from the then-current policy.
+    read and set through this one, and sent with every request. They can also be given here: an overlay that
+    switches a recipe's engine to this one (e.g. ``recipes/overlays/process-worker.yaml``) keeps those of the
+    recipe's ``model.rollout.init_args`` that this class accepts (the parser drops the rest when the class
+    changes), so the worker samples as the recipe says, not with the inner engine's defaults.
+
+    ``last_metrics`` holds the inner engine's metrics (e.g. ``rollout/tokens_per_s``), ``rollout/policy_version``
+    (optimizer updates in the weights that generated), ``rollout/staleness`` (updates since then) and
+    ``rollout/sync_time`` (seconds spent on the syncs since the previous ``generate``). ``close()`` stops the
+    worker and frees its shared weights; a later ``generate`` starts a new one from the then-current policy.
 
     Args:
         engine: The engine the worker runs (e.g. ``rllight.rollout.HFEngine``), with its sampling settings.
@@ -302,6 +313,16 @@ class ProcessEngine(RolloutEngine):
             runs ``k // (updates per step)`` steps ahead, and a response older than that when its step comes
             (e.g. after a larger step) is dropped and generated again. The worker then samples from its own
             random stream. See "Asynchronous rollouts" in ``rllight.rollout.worker``.
+        max_new_tokens: Longest response, in tokens (None: the inner engine's).
+        temperature: Sampling temperature (None: the inner engine's).
+        top_p: Nucleus sampling threshold (None: the inner engine's).
+        top_k: Keep the k most likely tokens (None: the inner engine's).
+
+    Each setting is the one of the two (here, the inner engine) that differs from every engine's default (64
+    tokens, temperature 1.0, top_p 1.0, top_k 0): a default cannot be told from a value left out, and a recipe
+    that names no engine carries the default engine's settings here. Two different values that both differ from
+    the default are refused with one line. So a value equal to the default, given on one side, does not override
+    the other side's: give sampling settings in one place, preferably here.
     """
 
     max_new_tokens = _forwarded("max_new_tokens")
@@ -310,7 +331,8 @@ class ProcessEngine(RolloutEngine):
     top_k = _forwarded("top_k")
 
     def __init__(self, engine: RolloutEngine, sync_every: int = 1, timeout_seconds: float = 600.0,
-                 max_staleness: int = 0):
+                 max_staleness: int = 0, max_new_tokens: int | None = None, temperature: float | None = None,
+                 top_p: float | None = None, top_k: int | None = None):
         key = "model.rollout.init_args"
         if isinstance(engine, ProcessEngine):
             raise RecipeError(f"{key}.engine: a ProcessEngine inside a ProcessEngine; name the engine to run "
@@ -325,12 +347,22 @@ class ProcessEngine(RolloutEngine):
             raise RecipeError(f"{key}: max_staleness={max_staleness} with sync_every={sync_every}; asynchronous "
                               "rollouts send the weights with every request, so leave sync_every at 1 and bound "
                               "the lag with max_staleness")
+        given = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k}
+        sampling = {}
+        for name, value in given.items():
+            inner, default = getattr(engine, name), _DEFAULTS[name]
+            if value is not None and value != inner and default not in (value, inner):
+                raise RecipeError(
+                    f"{key}.{name}={value} and {key}.engine.init_args.{name}={inner} disagree (the first is "
+                    "usually the recipe's, kept when an overlay switched the engine to ProcessEngine); give it in "
+                    "one place, or the same value in both"
+                )
+            sampling[name] = inner if value is None or value == default else value
         self.max_staleness = max_staleness
         self.engine = engine
         self.sync_every = sync_every
         self.timeout_seconds = float(timeout_seconds)
-        super().__init__(max_new_tokens=engine.max_new_tokens, temperature=engine.temperature, top_p=engine.top_p,
-                         top_k=engine.top_k)
+        super().__init__(**sampling)  # validated as any engine's, and set on the inner engine (the properties above)
         self._updates = 0  # update_weights calls so far
         self._reset()
 
