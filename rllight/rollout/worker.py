@@ -325,6 +325,8 @@ class ProcessEngine(RolloutEngine):
     the other side's: give sampling settings in one place, preferably here.
     """
 
+    syncs_merged_weights = True  # holds weights of its own, filled from the policy's full state dict
+
     max_new_tokens = _forwarded("max_new_tokens")
     temperature = _forwarded("temperature")
     top_p = _forwarded("top_p")
