@@ -198,6 +198,7 @@ def test_dynamic_sampling_cap_is_logged_and_trains_on_what_it_has(caplog):
     assert "cap hit" in caplog.text and "max_rounds=3" in caplog.text
     assert rollout.answers == ["p0", "p0"]
     assert rollout.extras["sampling/cap_hit"] == 1.0
+    assert rollout.extras["sampling/groups_short"] == 1.0  # 1 of the 2 wanted
     assert rollout.extras["sampling/rounds"] == 3.0
     assert rollout.extras["sampling/groups_drawn"] == 6.0
 

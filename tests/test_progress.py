@@ -196,3 +196,14 @@ def test_a_long_evaluation_prints_at_least_every_heartbeat():
 
 def test_durations_read_at_a_glance():
     assert [duration(s) for s in (3.21, 42.4, 75, 3725, float("inf"))] == ["3.2s", "42s", "1m15s", "1h02m", "?"]
+
+
+def test_a_step_that_trained_on_a_partial_batch_says_so():
+    log = StepLog()
+    log.durations = [2.0]
+    trainer = _trainer(global_step=2, datamodule=SimpleNamespace(batches_trained=1, batch_size=4))
+    full = log.step_line(trainer, {"train/reward/mean": 0.5, "train/sampling/cap_hit": 0.0})
+    assert "partial batch" not in full
+    partial = log.step_line(trainer, {"train/reward/mean": 0.5, "train/sampling/cap_hit": 1.0,
+                                      "train/sampling/groups_short": 3.0})
+    assert "| partial batch (3 groups short: max_rounds) |" in partial

@@ -37,6 +37,7 @@ class DynamicSampling(Sampler):
     groups; the metrics make that cost visible.
 
     Metrics (``train/sampling/...``): ``groups_drawn``, ``groups_kept``, ``rounds``, ``cap_hit`` (0/1),
+    ``groups_short`` (mixed groups the step lacks against its target, over all processes),
     ``retention`` (mixed / drawn), ``responses_drawn`` and ``generated_tokens`` (every generated
     response token, discarded groups included).
 
@@ -110,7 +111,8 @@ class DynamicSampling(Sampler):
         cap_hit = n_kept < target
         if cap_hit:
             log.warning("dynamic sampling: cap hit, %d of %d mixed groups after max_rounds=%d (%d groups drawn); "
-                        "training on the %d kept", n_kept, target, self.max_rounds, n_drawn, n_kept)
+                        "training on the %d kept (if it recurs, raise max_rounds or the group size)", n_kept, target,
+                        self.max_rounds, n_drawn, n_kept)
         rollout = Rollout.cat(kept, pad_id=producer.pad_id)
         rollout.extras.update(totals)
         rollout.extras.update({
@@ -118,6 +120,7 @@ class DynamicSampling(Sampler):
             "sampling/groups_kept": float(quota),
             "sampling/rounds": float(rounds),
             "sampling/cap_hit": float(cap_hit),
+            "sampling/groups_short": float(target - n_kept),  # over all processes: the partial batch's gap
             "sampling/retention": n_mixed / max(n_drawn, 1),
             "sampling/responses_drawn": float(responses),
             "sampling/generated_tokens": tokens,
