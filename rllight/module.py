@@ -335,7 +335,7 @@ class RLModule(L.LightningModule):
             self._log(metrics)
             return None
         if empty:
-            log.warning("step %d: this rank's rollout is empty; it joins the other ranks' updates", self.global_step)
+            log.info("step %d: this rank's rollout is empty; it joins the other ranks' updates", self.global_step)
             return rollout.select([])
         return rollout
 

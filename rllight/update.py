@@ -221,7 +221,9 @@ class Updater:
         """Drop a non-finite update's gradients; stop the run after ``max_consecutive_skips`` in a row."""
         self.consecutive_skips += 1
         step = self.lightning.global_step
-        log.warning("step %d: non-finite loss or gradient; update skipped (%d in a row)", step, self.consecutive_skips)
+        log.warning("step %d: non-finite loss or gradient; update skipped (%d in a row), the run stops at "
+                    "model.max_consecutive_skips=%d: if it recurs, lower the learning rate or set model.max_grad_norm",
+                    step, self.consecutive_skips, self.max_consecutive_skips)
         optimizer.zero_grad(set_to_none=True)
         if self.consecutive_skips >= self.max_consecutive_skips:
             raise FloatingPointError(

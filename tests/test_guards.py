@@ -70,8 +70,8 @@ def test_a_run_whose_prompts_are_all_too_long_warns_of_the_drops_once(tmp_path, 
     with pytest.raises(RecipeError, match="epoch 0 made no update"):
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     drops = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "dropped" in r.getMessage()]
-    assert drops == ["dropped 2 prompt(s) longer than max_prompt_tokens=3; later drops are counted in "
-                     "train/data/dropped_long_prompts and not logged again"]
+    assert drops == ["dropped 2 prompt(s) longer than max_prompt_tokens=3 (raise it to train on them); later drops "
+                     "are counted in train/data/dropped_long_prompts and not logged again"]
     assert cli.model.producer.dropped_prompts == 16
     # Each of the 8 steps had an empty rollout: one warning, then counted only.
     empties = [r.getMessage() for r in caplog.records if "empty rollout after filtering" in r.getMessage()

@@ -124,7 +124,7 @@ def score_batch(reward: Reward, responses: list[str], answers: list[str]) -> tup
                 raise ValueError(f"reward {value!r} is not finite in float32")
             ok = value >= reward.correct if isinstance(reward, Reward) else value > 0
         except Exception as err:  # a user's verifier must not stop the run; the failure is counted
-            log.warning("reward %s failed on sample %d: %s", type(reward).__name__, i, err)
+            log.warning("reward %s failed on sample %d (scored 0; fix the reward): %s", type(reward).__name__, i, err)
             failures += 1
             value, ok = 0.0, False
         rewards.append(value)

@@ -378,7 +378,7 @@ class RewardRunner:
     def _record(result: RewardScores, i: int, value: float, ok: bool, parts: dict | None, error: str | None,
                 reward) -> None:
         if error is not None:
-            log.warning("reward %s failed on sample %d: %s", type(reward).__name__, i, error)
+            log.warning("reward %s failed on sample %d (scored 0; fix the reward): %s", type(reward).__name__, i, error)
             result.failures += 1
             result.errors[i] = error
             value, ok = 0.0, False

@@ -177,8 +177,8 @@ class RolloutProducer:
             log.debug("dropped %d prompt(s) longer than %s", dropped, limit)
             return
         self._warned_dropped = True
-        log.warning("dropped %d prompt(s) longer than %s; later drops are counted in train/data/dropped_long_prompts "
-                    "and not logged again", dropped, limit)
+        log.warning("dropped %d prompt(s) longer than %s (raise it to train on them); later drops are counted in "
+                    "train/data/dropped_long_prompts and not logged again", dropped, limit)
 
     def note_empty_step(self, step: int) -> None:
         """Warn of a step with no update (its rollout was empty after filtering) the first time only; later
@@ -188,7 +188,8 @@ class RolloutProducer:
             return
         self._warned_empty = True
         log.warning("step %d: empty rollout after filtering; no update (later empty steps are counted in "
-                    "train/guard/empty_rollouts and not logged again)", step)
+                    "train/guard/empty_rollouts and not logged again; if it is most steps, relax the filters: "
+                    "model.max_prompt_tokens, the rollout callbacks)", step)
 
     def _fitting_prompts(self, rows: list[dict]) -> tuple[list[int], list[list[int]]]:
         """``(keep, prompts)``: the indices of the rows whose prompt fits ``max_prompt_tokens`` and their ids."""
@@ -329,16 +330,18 @@ class RolloutProducer:
         self.failed_reward_steps += 1
         if self.environment is not None:
             name = type(self.environment).__name__
-            log.warning("the environment %s failed on every episode (%d batch(es) in a row)", name,
-                        self.failed_reward_steps)
+            log.warning("the environment %s failed on every episode (%d batch(es) in a row; the run stops at "
+                        "model.max_failed_reward_steps=%d): fix it, its errors are logged above", name,
+                        self.failed_reward_steps, self.max_failed_reward_steps)
             if self.failed_reward_steps >= self.max_failed_reward_steps:
                 raise ComponentError(
                     f"model.environment: {name} failed on every episode of {self.failed_reward_steps} batches in a "
                     f"row (last: {last_error}); fix the environment (model.max_failed_reward_steps sets how many "
                     "batches are tolerated)")
             return
-        log.warning("the reward %s failed on every sample (%d batch(es) in a row)", type(self.reward).__name__,
-                    self.failed_reward_steps)
+        log.warning("the reward %s failed on every sample (%d batch(es) in a row; the run stops at "
+                    "model.max_failed_reward_steps=%d): fix it, its errors are logged above",
+                    type(self.reward).__name__, self.failed_reward_steps, self.max_failed_reward_steps)
         if self.failed_reward_steps >= self.max_failed_reward_steps:
             raise RecipeError(
                 f"model.reward: {type(self.reward).__name__} failed on every sample of "

@@ -217,7 +217,8 @@ class PositiveExampleNLL(PolicyLoss):
             else:
                 if not self._warned:
                     log.warning("PositiveExampleNLL: the optimizer step's token counts were not given "
-                                "(begin_update); normalising by each micro-batch's own counts")
+                                "(begin_update); normalising by each micro-batch's own counts (call begin_update "
+                                "before an update's micro-batches, as rllight.update.Updater does)")
                     self._warned = True
                 num_tokens, num_correct = mask.sum(), (mask * positive).sum()
             scale = num_tokens.to(logprobs.dtype) / num_correct.to(logprobs.dtype).clamp(min=1)
