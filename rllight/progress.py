@@ -168,7 +168,8 @@ class StepLog(L.Callback):
             parts.append(f"updates {trainer.global_step}/{trainer.max_steps}")
         parts += [f"{label} {fmt.format(metrics[key])}" for label, key, fmt in STEP_FIELDS if key in metrics]
         if metrics.get("train/sampling/cap_hit", 0) > 0:  # dynamic sampling trained on fewer groups than its target
-            parts.append(f"partial batch ({metrics.get('train/sampling/groups_short', 0):.0f} groups short: max_rounds)")
+            short = metrics.get("train/sampling/groups_short", 0)
+            parts.append(f"partial batch ({short:.0f} groups short: max_rounds)")
         per_step = sum(self.durations) / len(self.durations)
         parts.append(f"{per_step:.1f}s/step")
         if total is not None:
