@@ -122,15 +122,13 @@ def padding_row(like: Rollout) -> Rollout:
         value = getattr(like, name)
         if value is not None:
             fields[name] = torch.zeros((1, 1) if value.dim() == 2 else (1,), dtype=value.dtype, device=device)
-    extras = {k: torch.zeros((1, *v.shape[1:]), dtype=v.dtype, device=v.device) if torch.is_tensor(v) and v.dim() and
-              v.shape[0] == len(like) else v for k, v in like.extras.items()}
+    extras = {k: torch.zeros((1, *v.shape[1:]), dtype=v.dtype, device=v.device)
+              if torch.is_tensor(v) and v.dim() and v.shape[0] == len(like) else v for k, v in like.extras.items()}
     return Rollout(prompt_ids=one * 0, prompt_mask=one, response_ids=one * 0, response_mask=one,
                    sample_logprobs=torch.zeros((1, 1), device=device),
                    truncated=torch.zeros(1, dtype=torch.bool, device=device),
                    group_ids=torch.zeros(1, dtype=torch.long, device=device), answers=[""], texts=[""], extras=extras,
                    **fields)
-
-
 
 
 def padding_passes(count: int, sharded: bool, device) -> int:
