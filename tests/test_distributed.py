@@ -1,5 +1,6 @@
 """Lightning DDP on 2 CPU processes (gloo): training runs, the ranks stay in sync, the loss is normalised
-by the global token count, and the checkpoint loads."""
+by the global token count, and the checkpoint loads. (VAPO's and SPPO's callbacks and critics on 2 processes, and
+their match with one process, are in tests/test_fsdp.py.)"""
 
 import pytest
 import torch
@@ -97,36 +98,6 @@ def test_ddp_dapo_with_the_draw_cap_hit_an_empty_rank_and_a_nan_loss_on_the_othe
 
 
 @pytest.mark.slow
-def test_ddp_vapo_value_pretraining_and_self_imitation(tmp_path, tiny_model_dir):
-    (tmp_path / "vapo").mkdir()
-    overlay = _ddp_overlay(tmp_path, tiny_model_dir, "vapo")
-    callbacks = ("[{class_path: rllight.callbacks.ValuePretraining, init_args: {max_steps: 2, patience: null}},"
-                 " {class_path: rllight.callbacks.SelfImitation, init_args: {every_n_steps: 1, batch_size: 4,"
-                 " min_reward: 0.0}}, {class_path: user_strategies.DumpState}]")
-    run = fit_in_child("vapo.yaml", "--config", overlay, "--trainer.strategy", "ddp", "--trainer.devices", "2",
-                       "--trainer.accelerator", "cpu", f"--trainer.callbacks={callbacks}", "--trainer.max_steps", "2",
-                       timeout=900, RLLIGHT_TEST_DUMP=str(tmp_path / "rank{rank}.pt"))
-    assert run.returncode == 0, run.stderr[-4000:]
-    r0, r1 = _same_weights_on_both_ranks(tmp_path)
-    # DumpState runs after value pretraining, which consumed the first 2 rollouts: it saw the RL steps only.
-    assert len(r0["rollout_sizes"]) == len(r1["rollout_sizes"]) >= 1
-    assert "value pretraining finished" in run.stderr
-
-
-@pytest.mark.slow
-def test_ddp_sppo_with_its_separate_prompt_critic(tmp_path, tiny_model_dir):
-    (tmp_path / "sppo").mkdir()
-    tiny = {"class_path": "rllight.models.HFModel", "init_args": {"path": tiny_model_dir}}
-    overlay = _ddp_overlay(tmp_path, tiny_model_dir, "sppo", critic={
-        "class_path": "rllight.critics.PromptCritic", "init_args": {"model": tiny, "lr": 5.0e-5}})
-    run = fit_in_child("sppo.yaml", "--config", overlay, *DDP, "--trainer.max_steps", "4",
-                       timeout=900, RLLIGHT_TEST_DUMP=str(tmp_path / "rank{rank}.pt"))
-    assert run.returncode == 0, run.stderr[-4000:]
-    r0, _ = _same_weights_on_both_ranks(tmp_path)
-    assert any(k.startswith("critic.") for k in r0["params"])
-
-
-@pytest.mark.slow
 def test_ddp_ranks_each_generate_their_own_share_ahead(tmp_path, tiny_model_dir):
     """Two DDP ranks, each with its own rollout worker and max_staleness 1 (one update per step here): from the
     second step on, every rank trains on a rollout its worker generated during the previous update, for the
@@ -149,12 +120,11 @@ def test_ddp_ranks_each_generate_their_own_share_ahead(tmp_path, tiny_model_dir)
 
 @pytest.mark.slow
 @pytest.mark.vllm
-@pytest.mark.parametrize("strategy", ["ddp", "{class_path: rllight.fsdp.FSDP}"], ids=["ddp", "fsdp"])
-def test_each_rank_samples_from_its_own_vllm_engine_synced_after_every_update(tmp_path, strategy):
-    """vLLM on every rank: two DDP (or FSDP: the sync gathers the shards one weight at a time) processes, each
-    with a vLLM engine of its own in its rollout worker, synced after every update. Every step (after the first,
-    each follows a sync), each rank's sampled log-probs are its trainer's within the single-process test's
-    tolerance, and the ranks end with the same weights."""
+def test_each_rank_samples_from_its_own_vllm_engine_synced_after_every_update(tmp_path):
+    """vLLM on every rank: two FSDP processes (the sync gathers the shards one weight at a time; DDP syncs its
+    whole copy as one process does), each with a vLLM engine of its own in its rollout worker, synced after
+    every update. Every step (after the first, each follows a sync), each rank's sampled log-probs are its
+    trainer's within the single-process test's tolerance, and the ranks end with the same weights."""
     pytest.importorskip("vllm")
     from rllight.testing import build_tiny_model
 
@@ -166,7 +136,8 @@ def test_each_rank_samples_from_its_own_vllm_engine_synced_after_every_update(tm
                             "max_new_tokens": 6}}
     (tmp_path / "vllm").mkdir()
     overlay = _ddp_overlay(tmp_path, model_dir, "vllm", rollout=engine)
-    run = fit_in_child("grpo.yaml", "--config", overlay, *DDP, "--trainer.strategy", strategy,
+    fsdp = "{class_path: rllight.fsdp.FSDP}"
+    run = fit_in_child("grpo.yaml", "--config", overlay, *DDP, "--trainer.strategy", fsdp,
                        "--trainer.max_steps", "3", timeout=900, RLLIGHT_TEST_DUMP=str(tmp_path / "rank{rank}.pt"),
                        RLLIGHT_TEST_LOGPROB_GAP="1")
     assert run.returncode == 0, run.stderr[-4000:]
