@@ -278,7 +278,10 @@ class RLLightCLI(LightningCLI):
     def _outputs(self) -> list[str]:
         """What a fit that ended normally leaves (the export, the last checkpoint, their sizes) and the commands
         that evaluate each and resume the run."""
-        lines = [f"rllight: finished at step {self.trainer.global_step}."]
+        rollouts = getattr(self.datamodule, "batches_trained", None)  # the steps the per-step lines count
+        done = f"{rollouts} RL steps, " if rollouts is not None else ""
+        lines = [f"rllight: finished: {done}{self.trainer.global_step} optimizer updates (trainer.max_steps counts "
+                 "updates)."]
         export = self.model.export_dir
         if export and os.path.isdir(export):
             lines.append(f"  model: {export} (Hugging Face folder, {human_size(disk_size(export))})")

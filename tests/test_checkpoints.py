@@ -131,7 +131,9 @@ def test_the_newest_checkpoint_keep_stay_and_the_first_says_its_folder_and_size(
 
 def _finished(out: str, step: int) -> list[str]:
     """The lines a finished run printed about what it leaves."""
-    return out[out.index(f"rllight: finished at step {step}."):].splitlines()
+    start = out.index("rllight: finished: ")
+    assert out[start:].splitlines()[0].endswith(f" {step} optimizer updates (trainer.max_steps counts updates).")
+    return out[start:].splitlines()
 
 
 def _command(line: str) -> list[str]:
