@@ -66,6 +66,11 @@ LOSSES = {
     "grpo-tis": {"class_path": "rllight.strategies.TruncatedIS", "init_args": {"loss": CLIP, "cap": 2.0}},
     "vespo": {"class_path": "rllight.strategies.VESPO",
               "init_args": {"c1_pos": 2.0, "c2_pos": 3.0, "c1_neg": 3.0, "c2_neg": 2.0}},
+    # rllight.strategies.MaskedIS with its defaults: tokens (token), whole responses on the geometric mean of
+    # their ratios (sequence) kept within [0.5, 2], IcePop's ratio as the weight within [0.5, 5]
+    "grpo-token-mask": {"class_path": "rllight.strategies.MaskedIS", "init_args": {"loss": CLIP, "mask": "token"}},
+    "grpo-seq-mask": {"class_path": "rllight.strategies.MaskedIS", "init_args": {"loss": CLIP, "mask": "sequence"}},
+    "grpo-icepop": {"class_path": "rllight.strategies.MaskedIS", "init_args": {"loss": CLIP, "mask": "icepop"}},
 }
 
 
