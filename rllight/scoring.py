@@ -12,6 +12,7 @@ from torch import Tensor
 from rllight.algorithms import chunked_logprobs_and_entropy, logprobs_and_entropy
 from rllight.fsdp import padding_passes, padding_row
 from rllight.models import response_hidden_states
+from rllight.precision import Float32Head
 from rllight.types import Rollout
 
 
@@ -97,6 +98,13 @@ class Scoring:
         """``micro_batches`` with this scoring's size or token budget."""
         return micro_batches(rollout, self.micro_batch_size, self.micro_batch_tokens)
 
+    def padded_micro_batches(self, rollout: Rollout) -> list[tuple[list[int] | None, Rollout]]:
+        """``micro_batches`` plus, under FSDP, passes on a padding row (rows None) so that this rank runs as many
+        as the rank with the most: every rank must call it (a collective), an empty rollout included."""
+        parts = list(self.micro_batches(rollout))
+        padding = padding_passes(len(parts), self.sharded, rollout.response_mask.device)
+        return parts + [(None, padding_row(rollout))] * padding
+
     def forward(self, batch: Rollout, policy: torch.nn.Module | None = None, with_values: bool = False,
                 with_logprobs: bool = True) -> Outputs:
         """Log-probs and entropy of the response tokens under ``policy`` (default: the policy being trained),
@@ -113,7 +121,10 @@ class Scoring:
             hidden = response_hidden_states(policy.get_decoder(), batch)
         if with_logprobs:
             head = policy.get_output_embeddings()
-            if self.chunk_size and type(head) is torch.nn.Linear:
+            if self.chunk_size and isinstance(head, Float32Head):  # HFModel's float32_lm_head
+                logprobs, entropy = head.chunked_logprobs_and_entropy(hidden, batch.response_ids,
+                                                                      self.engine.temperature, self.chunk_size)
+            elif self.chunk_size and type(head) is torch.nn.Linear:
                 logprobs, entropy = chunked_logprobs_and_entropy(hidden, head.weight, batch.response_ids,
                                                                  self.engine.temperature, bias=head.bias,
                                                                  chunk_size=self.chunk_size)
@@ -143,9 +154,7 @@ class Scoring:
         if not (need_old or need_values or need_ref):
             return
         olds, values, refs, rows = [], [], [], []
-        parts = list(self.micro_batches(rollout))
-        padding = padding_passes(len(parts), self.sharded, rollout.response_mask.device)
-        for index, micro in parts + [(None, padding_row(rollout))] * padding:
+        for index, micro in self.padded_micro_batches(rollout):
             if need_old or need_values:
                 out = self.forward(micro, with_values=need_values, with_logprobs=need_old)
                 olds.append(out.logprobs)
@@ -163,7 +172,8 @@ class Scoring:
             if need_ref:
                 rollout.ref_logprobs = empty
             return
-        olds, values, refs, rows = olds[: len(parts)], values[: len(parts)], refs[: len(parts)], rows[: len(parts)]
+        n = rows.index(None) if None in rows else len(rows)  # the padding passes (last) give nothing to keep
+        olds, values, refs, rows = olds[:n], values[:n], refs[:n], rows[:n]
         mask = rollout.response_mask.float()
 
         def full(parts: list[Tensor]) -> Tensor:  # each micro-batch's rows back in place, padded to the rollout's T

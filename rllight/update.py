@@ -12,7 +12,7 @@ from torch.profiler import record_function
 
 from rllight._compat import no_gradient_sync
 from rllight.distributed import Ranks, share
-from rllight.fsdp import full_tensor, padding_passes, padding_row
+from rllight.fsdp import full_tensor
 from rllight.rollout.metrics import critic_explained_variance, reduce_stats
 from rllight.scoring import Outputs, Scoring
 from rllight.strategies import Aggregation
@@ -185,10 +185,8 @@ class Updater:
             stats.setdefault(key, []).append(value.detach())
 
         finite = True
-        parts = list(self.scoring.micro_batches(mb))
-        padding = padding_passes(len(parts), self.scoring.sharded, mb.response_mask.device)
-        for k, (_, micro) in enumerate(parts + [(None, padding_row(mb))] * padding):
-            real = k < len(parts)  # else a padding pass: FSDP needs every rank to run as many (loss times 0)
+        for rows, micro in self.scoring.padded_micro_batches(mb):
+            real = rows is not None  # else a padding pass: FSDP needs every rank to run as many (loss times 0)
             mask = micro.response_mask.float()
             if real:  # the share of the forward's positions that are padding (prompt and response columns alike)
                 positions = micro.prompt_mask.numel() + micro.valid_mask.numel()
