@@ -21,6 +21,7 @@ from rllight.evaluation import before_after, column_notes, evaluation_table
 from rllight.export import check_export_dir, overlaps
 from rllight.module import RLModule
 from rllight.paths import add_user_import_paths, expand_config_paths, expand_path, model_path_args
+from rllight.precision import RecipeParser, check_float32_lm_head, resolve_config
 from rllight.progress import progress_callbacks, quiet_lightning
 from rllight.safety import RECIPE_KEY, Interrupts, RecipeRecord, check_resume, check_writable, read_checkpoint
 
@@ -110,6 +111,7 @@ class RLLightCLI(LightningCLI):
         kwargs.setdefault("trainer_defaults", {"log_every_n_steps": 1, "num_sanity_val_steps": 0,
                                                "inference_mode": False})
         kwargs.setdefault("auto_configure_optimizers", False)
+        kwargs.setdefault("parser_class", RecipeParser)  # trainer.precision: auto (rllight.precision)
         # A misspelt option must fail, not match a longer one by prefix; errors raise so that main()
         # can print them on one line.
         kwargs.setdefault("parser_kwargs", {"allow_abbrev": False, "exit_on_error": False,
@@ -124,7 +126,11 @@ class RLLightCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         # Paths in the recipe expand ~ and $VARIABLES (rllight.paths), before anything reads them.
-        expand_config_paths(self.config[self.subcommand] if self.subcommand else self.config)
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        expand_config_paths(config)
+        # The engine's dtype: auto where it came from the engine's default (the parser resolved the written ones).
+        resolve_config(config)
+        check_float32_lm_head(config)
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_argument("--evaluate_before_after", type=bool, default=False,
@@ -133,6 +139,8 @@ class RLLightCLI(LightningCLI):
                             help="With --ckpt_path: continue although data.batch_size, the sampler or its "
                                  "group_size differ from the checkpoint's recipe.")
         parser.add_class_arguments(CheckpointSettings, "checkpoint")
+        if isinstance(parser, RecipeParser):
+            parser.allow_auto_precision()
 
     def _recipe(self) -> dict:
         """The parsed recipe as plain values (what checkpoints store)."""

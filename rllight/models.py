@@ -50,10 +50,18 @@ class HFModel:
         dtype: Parameter dtype: float32, bfloat16 or float16.
         trust_remote_code: Run code shipped with the model. Off unless you trust its source.
         gguf_file: Load this GGUF file inside ``path`` instead (dequantised to ``dtype``).
+        float32_lm_head: Compute the output layer (``lm_head``, and so the logits and log-probs) in float32
+            (``rllight.precision.Float32Head``), in the trainer and in the HF engine's copy of the policy,
+            when the model runs in bfloat16 (``trainer.precision: bf16-mixed`` or ``auto`` where that chooses it,
+            a bfloat16 engine ``dtype``, or ``dtype: bfloat16`` here): the engine's and the trainer's log-probs
+            of the same tokens then differ less (``train/rollout/logprob_diff_*``). In float32 it changes nothing.
+            Costs a float32 copy of the layer's weight in the engine's copy. Not offered with an engine that
+            holds weights of its own (vLLM, a rollout worker, a server), which would compute it in its dtype.
     """
 
     def __init__(
-        self, path: str, dtype: str = "float32", trust_remote_code: bool = False, gguf_file: str | None = None
+        self, path: str, dtype: str = "float32", trust_remote_code: bool = False, gguf_file: str | None = None,
+        float32_lm_head: bool = False,
     ):
         if dtype not in _DTYPES:
             raise RecipeError(f"model.dtype: '{dtype}' is not one of {', '.join(_DTYPES)}")
@@ -61,6 +69,7 @@ class HFModel:
         self.dtype = dtype
         self.trust_remote_code = trust_remote_code
         self.gguf_file = gguf_file
+        self.float32_lm_head = float32_lm_head
 
     def resolve(self) -> str:
         """The folder to load from, or a hub id for ``from_pretrained`` to download.
@@ -109,6 +118,14 @@ class HFModel:
             ) from None
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
+        if self.float32_lm_head:
+            from rllight.precision import Float32Head
+
+            head = model.get_output_embeddings()
+            if type(head) is not torch.nn.Linear:
+                raise RecipeError(f"model.model.init_args.float32_lm_head: this model's output layer is a "
+                                  f"{type(head).__name__}, not a Linear layer; set float32_lm_head: false")
+            model.set_output_embeddings(Float32Head(head))
         return model, tokenizer
 
 
@@ -134,12 +151,13 @@ class SmolLM2Package(HFModel):
     Args:
         cache_dir: Where the converted folder is kept (default ``~/.cache/rllight/SmolLM2-135M-Instruct``).
         dtype: Parameter dtype.
+        float32_lm_head: The output layer in float32 (see ``HFModel``).
     """
 
     GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-    def __init__(self, cache_dir: str | None = None, dtype: str = "float32"):
-        super().__init__(path="", dtype=dtype)
+    def __init__(self, cache_dir: str | None = None, dtype: str = "float32", float32_lm_head: bool = False):
+        super().__init__(path="", dtype=dtype, float32_lm_head=float32_lm_head)
         self.cache_dir = cache_dir
 
     def resolve(self) -> str:

@@ -16,7 +16,9 @@ def tiny_overrides(tmp_path, model_dir: str, **model_overrides) -> str:
     """A recipe overlay that swaps in the tiny model, a varying reward and a 2-step CPU budget."""
     cfg = {
         "evaluate_before_after": False,
-        "trainer": {"max_steps": 2, "accelerator": "cpu", "devices": 1, "logger": False,
+        # float32 whatever the CPU: the recipes' precision auto would choose bf16-mixed on a CPU with AVX-512 BF16
+        # or AMX, and the tests compare numbers (tests/test_same_run.py: stored ones) made in float32.
+        "trainer": {"max_steps": 2, "accelerator": "cpu", "devices": 1, "precision": "32-true", "logger": False,
                     "enable_checkpointing": False, "enable_progress_bar": False, "limit_val_batches": 0,
                     "val_check_interval": None, "default_root_dir": str(tmp_path)},
         "model": {

@@ -76,7 +76,10 @@ def _tiny_overlay(tmp_path, model_dir: str, max_new_tokens: int, lr: float, rewa
     The recipe's own batch size, group size, minibatches, epochs and clip range are kept."""
     cfg = {
         "evaluate_before_after": False,
-        "trainer": {"accelerator": "cpu", "devices": 1, "logger": False, "enable_checkpointing": False,
+        # float32 (the recipes' precision auto would choose bf16-mixed on some CPUs): an overlay that changes the
+        # engine's precision must differ from its base on every machine.
+        "trainer": {"accelerator": "cpu", "devices": 1, "precision": "32-true", "logger": False,
+                    "enable_checkpointing": False,
                     "enable_progress_bar": False, "enable_model_summary": False, "limit_val_batches": 0,
                     "val_check_interval": None, "default_root_dir": str(tmp_path)},
         "model": {

@@ -11,6 +11,7 @@ from torch.profiler import record_function
 
 from rllight.errors import RecipeError
 from rllight.fsdp import full_tensor
+from rllight.precision import AUTO, Float32Head, cpu_bf16_units
 from rllight.rollout.base import (
     Generation,
     RolloutEngine,
@@ -38,8 +39,8 @@ def eos_token_ids(model, tokenizer) -> list[int]:
 
 
 def _cpu_has_low_precision_units() -> bool:
-    """Whether PyTorch's CPU kernels here use AVX-512 (with BF16/FP16 support) or AMX."""
-    return torch.backends.cpu.get_cpu_capability().startswith(("AVX512", "AMX"))
+    """Whether this CPU computes bfloat16 natively (AVX-512 BF16 or AMX, ``rllight.precision.cpu_bf16_units``)."""
+    return cpu_bf16_units() is not None
 
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -60,9 +61,14 @@ class HFEngine(RolloutEngine):
         batch_size: Prompts per ``generate`` call (bounds the KV cache memory).
         dtype: Generate with a copy of the policy in this dtype (``bfloat16``: faster on GPUs and on CPUs
             with AMX or AVX-512 BF16; on a CPU without them, e.g. AVX2 only, bfloat16 matrix products are
-            many times slower than float32 and the engine warns), refreshed after every update; None = the policy itself. The engine's sampling
-            log-probs then differ from the trainer's (``train/rollout/logprob_diff_*``): the behaviour
-            policy is the copy, which truncated importance sampling and VESPO correct for.
+            many times slower than float32 and the engine warns), refreshed after every update; None = the
+            policy itself; ``auto`` (the default) = what the trainer computes in: a bfloat16 copy under
+            ``trainer.precision: bf16-mixed``, else the policy itself (the ``rllight`` command resolves it when
+            it reads the recipe, ``rllight.precision``; an engine built in code treats ``auto`` as None). The
+            engine's sampling log-probs then differ from the trainer's (``train/rollout/logprob_diff_*``): the
+            behaviour policy is the copy, which truncated importance sampling and VESPO correct for. A policy
+            whose output layer computes in float32 (``rllight.models.HFModel``'s ``float32_lm_head``) keeps
+            it so in the copy: its weight stays a float32 copy of the policy's, synced with the rest.
         min_new_tokens: The end tokens cannot be drawn before this many response tokens (as ``generate``'s
             ``min_new_tokens``; 0 = off). For benchmarks that need responses of equal length
             (``max_new_tokens`` here gives exactly that many): the behaviour log-probs are then under the
@@ -77,7 +83,7 @@ class HFEngine(RolloutEngine):
         top_p: float = 1.0,
         top_k: int = 0,
         batch_size: int = 64,
-        dtype: str | None = None,
+        dtype: str | None = AUTO,
         min_new_tokens: int = 0,
     ):
         super().__init__(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
@@ -87,10 +93,11 @@ class HFEngine(RolloutEngine):
             raise RecipeError(f"model.rollout.init_args.min_new_tokens must be in 0..max_new_tokens "
                               f"({max_new_tokens}), got {min_new_tokens}")
         self.min_new_tokens = min_new_tokens
-        if dtype is not None and dtype not in _DTYPES:
-            raise RecipeError(f"model.rollout.init_args.dtype: '{dtype}' is not one of {', '.join(_DTYPES)} or null")
+        if dtype is not None and dtype != AUTO and dtype not in _DTYPES:
+            raise RecipeError(f"model.rollout.init_args.dtype: '{dtype}' is not one of {', '.join(_DTYPES)}, "
+                              f"{AUTO} or null")
         self.batch_size = batch_size
-        self.dtype = dtype
+        self.dtype = None if dtype == AUTO else dtype  # unresolved auto (no trainer precision known): the policy
         self._copy: torch.nn.Module | None = None  # the policy in ``dtype``, for generation
         self._copy_of: int | None = None  # id() of the policy the copy was made from
 
@@ -112,12 +119,18 @@ class HFEngine(RolloutEngine):
 
         device = next(model.parameters()).device
         if device.type == "cpu" and self.dtype not in (None, "float32") and not _cpu_has_low_precision_units():
-            log.warning("model.rollout.init_args.dtype is %s but this CPU (%s) has no AVX-512 or AMX units for "
-                        "it: generation will be much slower than in float32; set dtype: null on this machine",
+            log.warning("model.rollout.init_args.dtype is %s but this CPU (%s) has no AVX-512 BF16 or AMX units "
+                        "for it: generation will be much slower than in float32; set dtype: null on this machine",
                         self.dtype, torch.backends.cpu.get_cpu_capability())
         self._copy = copy.deepcopy(model)
         if self.dtype is not None:
             self._copy.to(_DTYPES[self.dtype])
+            head = self._copy.get_output_embeddings()
+            if isinstance(head, Float32Head):  # its own float32 weight (a tied one is the bfloat16 embedding now)
+                source = model.get_output_embeddings()
+                head.weight = torch.nn.Parameter(full_tensor(source.weight).detach().float().clone())
+                if head.bias is not None:
+                    head.bias = torch.nn.Parameter(full_tensor(source.bias).detach().float().clone())
         self._copy.eval().requires_grad_(False)
         self._copy_of = id(model)
 
@@ -125,9 +138,12 @@ class HFEngine(RolloutEngine):
         if self._copy is None or self._copy_of != id(model):
             return {}
         start = time.perf_counter()
+        # By name, tied parameters under each of their names: a float32 output layer's weight is a parameter of
+        # its own in the copy, while the policy's may be its input embedding's.
+        sources = dict(model.named_parameters(remove_duplicate=False))
         with torch.no_grad():
-            for target, source in zip(self._copy.parameters(), model.parameters()):
-                target.copy_(full_tensor(source))  # one parameter at a time: under FSDP a gather of its shards
+            for name, target in self._copy.named_parameters():
+                target.copy_(full_tensor(sources[name]))  # one parameter at a time: under FSDP a gather of its shards
         return {"rollout/sync_time": time.perf_counter() - start}
 
     @torch.no_grad()

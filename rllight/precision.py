@@ -1,0 +1,227 @@
+"""``trainer.precision: auto``: bfloat16 where the hardware computes it, float32 where it does not.
+
+``auto`` becomes, while the recipe is parsed (so ``--print_config`` and the checkpoint's recipe show the value the
+run used, and the Trainer only ever sees one of Lightning's own values):
+
+- ``bf16-mixed`` where the device computes bfloat16 natively: a CUDA device for which
+  ``torch.cuda.is_bf16_supported()`` holds (Ampere and newer), or a CPU for which torch reports AVX-512 BF16 or
+  AMX (``cpu_bf16_units``). Lightning then runs the forward passes under ``torch.autocast`` (matrix products in
+  bfloat16, float32 weights, gradients and optimizer state), and the rollout engine's ``dtype: auto`` generates
+  with a bfloat16 copy of the policy (``engine_dtype``).
+- ``32-true`` elsewhere: an AVX2-only CPU multiplies bfloat16 matrices several times slower than float32
+  (the README's measurement: 0.4-3 against 15-25 GFLOP/s), and GPUs before Ampere have no bfloat16 units
+  (float16 there needs loss scaling, which is no default to choose silently).
+
+Which device: ``trainer.accelerator`` ``cpu`` is the CPU; ``gpu`` or ``cuda`` is CUDA; ``auto`` (or unset) is
+CUDA when torch sees one, else the CPU; any other accelerator keeps ``32-true``. The choice and its reason are
+logged once, first thing (``precision: bf16-mixed (CPU has AVX-512 BF16)``). A recipe that names a precision
+(``32-true``, ``bf16-mixed``, ...) or an engine dtype (``float32``, ``bfloat16``) keeps it: ``auto`` is a value,
+not an override.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Literal, Union
+
+import torch
+from lightning.pytorch.cli import LightningArgumentParser
+from torch import Tensor
+
+from rllight.algorithms.logprobs import chunked_logprobs_and_entropy
+
+log = logging.getLogger("rllight")
+
+AUTO = "auto"
+ENGINE_KEYS = ("model.rollout",)
+"""Where the rollout engine's config lives; a ``dtype: auto`` in its ``init_args`` (or in those of an engine it
+wraps, e.g. ``rllight.rollout.worker.ProcessEngine``'s ``engine``) follows the trainer's precision."""
+
+
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_bf16_units() -> str | None:
+    """The CPU's native bfloat16 units as torch reports them (``AVX-512 BF16``, ``AMX``), or None.
+
+    torch's own checks (``torch.cpu._is_avx512_bf16_supported`` / ``_is_amx_tile_supported``, what its oneDNN
+    kernels dispatch on) where this torch has them, else the /proc/cpuinfo flags ``avx512_bf16`` and
+    ``amx_bf16``. An AVX-512 CPU without BF16 (e.g. Skylake) has none: its bfloat16 products are emulated.
+    """
+    cpu = torch.cpu
+    if hasattr(cpu, "_is_avx512_bf16_supported") and hasattr(cpu, "_is_amx_tile_supported"):
+        avx512_bf16, amx = cpu._is_avx512_bf16_supported(), cpu._is_amx_tile_supported()
+    else:
+        flags = _cpu_flags()
+        avx512_bf16, amx = "avx512_bf16" in flags, "amx_bf16" in flags
+    if avx512_bf16:
+        return "AVX-512 BF16"
+    return "AMX" if amx else None
+
+
+def cuda_bf16() -> tuple[bool, str]:
+    """``(whether the CUDA device computes bfloat16 natively, its name)``; only called where CUDA is available."""
+    return bool(torch.cuda.is_bf16_supported(including_emulation=False)), torch.cuda.get_device_name()
+
+
+def _device(accelerator) -> str | None:
+    """``cuda``, ``cpu``, or None (an accelerator ``auto`` has no rule for) for ``trainer.accelerator``."""
+    name = accelerator if isinstance(accelerator, str) or accelerator is None else None
+    if name in (None, "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda"}.get(name)
+
+
+def resolve_precision(accelerator=None) -> tuple[str, str]:
+    """What ``trainer.precision: auto`` becomes on this machine for ``accelerator``: ``(precision, reason)``,
+    e.g. ``("bf16-mixed", "CPU has AVX-512 BF16")`` or ``("32-true", "CPU has no AVX-512 BF16 or AMX")``."""
+    device = _device(accelerator)
+    if device == "cuda":
+        native, name = cuda_bf16()
+        if native:
+            return "bf16-mixed", f"CUDA device {name} computes bfloat16"
+        return "32-true", f"CUDA device {name} has no native bfloat16"
+    if device == "cpu":
+        units = cpu_bf16_units()
+        if units is not None:
+            return "bf16-mixed", f"CPU has {units}"
+        return "32-true", f"CPU has no AVX-512 BF16 or AMX ({torch.backends.cpu.get_cpu_capability()})"
+    return "32-true", f"accelerator {accelerator!r}: auto chooses bfloat16 only on CPUs and CUDA devices"
+
+
+def engine_dtype(precision) -> str | None:
+    """The rollout engine's dtype that ``dtype: auto`` stands for under the trainer's ``precision``:
+    ``bfloat16`` under ``bf16-mixed`` (a bfloat16 copy of the float32 policy generates), ``float16`` under
+    ``16-mixed``; None otherwise: the policy's own dtype (float32, or the bfloat16 of ``bf16-true``, where the
+    policy itself is already in bfloat16)."""
+    return {"bf16-mixed": "bfloat16", "bf16": "bfloat16", "16-mixed": "float16", "16": "float16"}.get(str(precision))
+
+
+def _engine_specs(spec):
+    """Every ``init_args`` in an engine's config, the engines it wraps included."""
+    init_args = getattr(spec, "init_args", None) if not isinstance(spec, dict) else spec.get("init_args")
+    if init_args is None:
+        return
+    yield init_args
+    for value in (vars(init_args) if not isinstance(init_args, dict) else init_args).values():
+        if hasattr(value, "init_args") or (isinstance(value, dict) and "init_args" in value):
+            yield from _engine_specs(value)
+
+
+def _get(spec, key):
+    return spec.get(key) if isinstance(spec, dict) else getattr(spec, key, None)
+
+
+def resolve_engine_dtype(config, precision) -> None:
+    """Replace each ``dtype: auto`` of the rollout engine(s) in ``config`` (a run's parsed config) by what it
+    stands for under ``precision`` (``engine_dtype``); where that is the policy's own dtype, ``auto`` stays (both
+    engines read it so)."""
+    dtype = engine_dtype(precision)
+    if dtype is None:
+        return
+    for key in ENGINE_KEYS:
+        spec = config.get(key) if hasattr(config, "get") else None
+        for init_args in _engine_specs(spec) if spec is not None else ():
+            if _get(init_args, "dtype") == AUTO:
+                init_args["dtype"] = dtype
+
+
+def resolve_config(config) -> None:
+    """Resolve ``trainer.precision: auto`` in one subcommand's parsed ``config`` (logging the choice and why),
+    then the engine's ``dtype: auto`` from the trainer's precision, whatever set it."""
+    precision = config.get("trainer.precision")
+    if precision == AUTO:
+        precision, reason = resolve_precision(config.get("trainer.accelerator"))
+        config["trainer.precision"] = precision
+        if os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0":
+            log.info("precision: %s (%s)", precision, reason)
+    resolve_engine_dtype(config, precision)
+
+
+def check_float32_lm_head(config) -> None:
+    """Refuse ``float32_lm_head`` with an engine that holds weights of its own (vLLM, a rollout worker, a server):
+    it would compute the output layer in its own dtype, so only the trainer's half would change."""
+    if not config.get("model.model.init_args.float32_lm_head"):
+        return
+    class_path = config.get("model.rollout.class_path")
+    if not isinstance(class_path, str) or "." not in class_path:
+        return
+    import importlib
+
+    from rllight.errors import RecipeError
+
+    module, _, name = class_path.rpartition(".")
+    try:
+        engine = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return  # the parser names a class it cannot import itself
+    if getattr(engine, "syncs_merged_weights", False):
+        raise RecipeError(f"model.model.init_args.float32_lm_head: {name} holds weights of its own and computes the "
+                          "output layer in its dtype, so only the trainer's would be float32; use model.rollout: "
+                          "rllight.rollout.HFEngine, or set float32_lm_head: false")
+
+
+class RecipeParser(LightningArgumentParser):
+    """Lightning's parser, with ``trainer.precision: auto`` and the engine's ``dtype: auto`` resolved as part of
+    parsing, before ``--print_config`` prints (jsonargparse prints inside ``_parse_common``, the one step every
+    parse goes through: ``tests/test_precision.py`` checks the printed value, so a jsonargparse that renames
+    it fails there)."""
+
+    def _parse_common(self, cfg, env, defaults, skip_validation, *args, **kwargs):
+        # The whole command line's parse, not that of one --config file inside it (defaults off, no validation):
+        # a later --trainer.precision must still win over a file's auto.
+        if defaults and not skip_validation:
+            for prefix in ("", "fit.", "validate."):
+                if cfg.get(prefix + "trainer") is not None:
+                    resolve_config(cfg.get(prefix[:-1]) if prefix else cfg)
+        return super()._parse_common(cfg, env, defaults, skip_validation, *args, **kwargs)
+
+    def allow_auto_precision(self) -> None:
+        """Let ``trainer.precision`` take ``auto`` (Lightning's type lists its own values only)."""
+        for action in self._actions:
+            if action.dest == "trainer.precision" and hasattr(action, "_typehint"):
+                action._typehint = Union[Literal["auto"], action._typehint]
+
+
+class Float32Head(torch.nn.Module):
+    """A policy's output layer (``lm_head``) computed in float32 whatever the model's dtype or autocast: the
+    hidden states, weight and bias in float32 and ``torch.autocast`` off around the product, so the logits, and
+    the log-probs read from them, carry no bfloat16 rounding of the last layer. It holds the ``nn.Linear``'s own
+    parameters under the same names (``weight``, ``bias``): a tied weight stays tied to the input embedding, and
+    state dicts, checkpoints and exports keep their keys. TRL and prime-rl compute the output layer in float32
+    for the same reason: the engine/trainer log-prob mismatch under bfloat16 (see ``rllight.models.HFModel``'s
+    ``float32_lm_head``).
+
+    Shape: hidden (..., H) -> logits (..., V), float32.
+    """
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        with torch.autocast(hidden.device.type, enabled=False):
+            bias = None if self.bias is None else self.bias.float()
+            return torch.nn.functional.linear(hidden.float(), self.weight.float(), bias)
+
+    def chunked_logprobs_and_entropy(self, hidden: Tensor, targets: Tensor, temperature: float,
+                                     chunk_size: int) -> tuple[Tensor, Tensor]:
+        """``rllight.algorithms.chunked_logprobs_and_entropy`` through this layer, in float32.
+
+        Shapes: hidden (B, T, H), targets (B, T) -> (logprobs, entropy), each (B, T)."""
+        with torch.autocast(hidden.device.type, enabled=False):
+            bias = None if self.bias is None else self.bias.float()
+            return chunked_logprobs_and_entropy(hidden.float(), self.weight.float(), targets, temperature, bias=bias,
+                                                chunk_size=chunk_size)
