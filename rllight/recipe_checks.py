@@ -34,10 +34,15 @@ def check_recipe(advantage, critic, kl, sampler, critic_updates_first: int, ppo_
 
 def check_sharding(trainer, lora, engine) -> None:
     """Refuse with one line, before the model loads, what FSDP does not support yet: a LoRA policy with an
-    engine that holds merged weights of its own (vLLM, a rollout worker, a server), which a sharded peft model
-    cannot give yet (``HFEngine`` keeps a copy of the policy, adapters and all)."""
+    engine that holds merged weights of its own (vLLM with ``lora_sync: merged``, a rollout worker around an
+    engine that needs them, a server), which a sharded peft model cannot give yet. ``HFEngine`` keeps a copy of
+    the policy, adapters and all; an engine that syncs the adapter only (``syncs_lora_adapters``: ``VLLMEngine``'s
+    default) gathers the adapter tensors alone."""
     from rllight.fsdp import is_sharded
 
-    if is_sharded(trainer) and lora is not None and getattr(engine, "syncs_merged_weights", False):
+    if not (is_sharded(trainer) and lora is not None and getattr(engine, "syncs_merged_weights", False)):
+        return
+    if not getattr(engine, "syncs_lora_adapters", False):
         raise RecipeError(f"model.lora with trainer.strategy FSDP: {type(engine).__name__} needs merged weights, "
-                          "which a sharded LoRA policy cannot give yet; use model.rollout: rllight.rollout.HFEngine")
+                          "which a sharded LoRA policy cannot give yet; use model.rollout: rllight.rollout.HFEngine "
+                          "or rllight.rollout.vllm.VLLMEngine with lora_sync: adapter")

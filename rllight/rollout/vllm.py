@@ -12,8 +12,9 @@ Install: ``pip install 'rllight[vllm]'`` on GPU machines; on CPU ``pip install '
 and they break ``import transformers``).
 
 How it runs:
-- **Lazily**: constructing the engine imports nothing; the first ``generate`` saves the policy (LoRA merged) and
-  tokenizer to a temporary folder and starts ``vllm.LLM`` on it. Importing rllight never imports vllm.
+- **Lazily**: constructing the engine imports nothing; the first ``generate`` saves the policy (a LoRA policy's
+  base weights, or with ``lora_sync: merged`` its merged weights) and tokenizer to a temporary folder and starts
+  ``vllm.LLM`` on it. Importing rllight never imports vllm.
 - **In this process** (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by the engine): the weight sync hands vLLM the
   policy's tensors by reference instead of serialising them to another process, and on CPU vLLM then runs
   its model with the trainer's torch threads (its multi-process executor would pin OpenMP threads to cores
@@ -28,6 +29,10 @@ How it runs:
   ``reload_weights`` takes no weights). It is the checkpoint-format path: it re-runs the per-layer weight
   processing (e.g. the CPU backend's packed GEMM weights, quantisation) that a bare ``model.load_weights``
   would leave stale. Then it resets the prefix cache, whose KV entries were computed with the old weights.
+- **LoRA** (``lora_sync``): with a peft LoRA policy the engine starts from the base weights with vLLM's LoRA support
+  on, and each sync writes only the adapter (a peft adapter folder in the engine's temporary folder) and loads it
+  as a new ``LoRARequest`` that every later generation names; the base weights are sent once. Under FSDP only
+  the adapter tensors are gathered. ``lora_sync: merged`` keeps the full merged sync.
 """
 
 from __future__ import annotations
@@ -171,6 +176,78 @@ def _save_policy(model: torch.nn.Module, tokenizer, path: str) -> None:
     tokenizer.save_pretrained(path)
 
 
+LORA_SYNCS = ("adapter", "merged")
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks (0.32)
+
+
+def lora_config(model: torch.nn.Module):
+    """The ``peft.LoraConfig`` of a peft LoRA policy's active adapter; None for any other model."""
+    try:
+        from peft import LoraConfig, PeftModel
+    except ImportError:
+        return None
+    if not isinstance(model, PeftModel):
+        return None
+    config = model.peft_config[model.active_adapter]
+    return config if isinstance(config, LoraConfig) else None
+
+
+def base_state_dict(model: torch.nn.Module) -> Mapping[str, Tensor]:
+    """A peft LoRA policy's base weights under the names of its Hugging Face checkpoint, adapters left out
+    (not merged), detached; a sharded model's are gathered one at a time when read (``_Gathered``)."""
+    if lora_config(model).modules_to_save:  # their trained copies would have to travel with every adapter
+        raise RecipeError("model.lora: an adapter with modules_to_save cannot be synced to vLLM on its own; set "
+                          "lora_sync: merged on the VLLMEngine")
+    state = {key.replace(".base_layer.", "."): value for key, value in model.get_base_model().state_dict().items()
+             if ".lora_" not in key}
+    if any(is_dtensor(value) for value in state.values()):
+        return _Gathered(state)
+    return {name: value.detach() for name, value in state.items()}
+
+
+def adapter_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
+    """The active LoRA adapter's tensors, under the names of a peft adapter checkpoint
+    (``base_model.model.<module>.lora_A.weight``), detached. A sharded model's adapter tensors are gathered
+    (a collective: every rank calls it); they are all that is gathered, a few MB where the merged weights are
+    the whole model."""
+    from peft import get_peft_model_state_dict
+
+    adapter = model.active_adapter
+    state = {name: full_tensor(value).detach() for name, value in model.state_dict().items()
+             if ".lora_" in name and f".{adapter}" in name}
+    return get_peft_model_state_dict(model, state_dict=state, adapter_name=adapter, save_embedding_layers=False)
+
+
+def save_adapter(model: torch.nn.Module, path: str) -> int:
+    """Write the active LoRA adapter as a peft adapter folder (``adapter_config.json``,
+    ``adapter_model.safetensors``), which vLLM loads; returns the tensors' size in bytes."""
+    from safetensors.torch import save_file
+
+    tensors = {name: value.contiguous() for name, value in adapter_state_dict(model).items()}
+    os.makedirs(path, exist_ok=True)
+    lora_config(model).save_pretrained(path)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    return sum(value.numel() * value.element_size() for value in tensors.values())
+
+
+def _lora_engine_args(config) -> dict:
+    """``vllm.LLM`` arguments that serve one LoRA adapter of ``config``'s rank on the base weights."""
+    unsupported = [name for name, value in (("modules_to_save", config.modules_to_save), ("use_dora", config.use_dora),
+                                            ("lora_bias", getattr(config, "lora_bias", False))) if value]
+    if unsupported:  # what vLLM's LoRA refuses, said before it starts
+        raise RecipeError(f"model.rollout.init_args.lora_sync: vLLM's LoRA cannot serve an adapter with "
+                          f"{', '.join(unsupported)}; set lora_sync: merged")
+    rank = max([config.r, *config.rank_pattern.values()])
+    max_lora_rank = next((r for r in _VLLM_LORA_RANKS if r >= rank), rank)  # past 512: vLLM says it is too large
+    return {"enable_lora": True, "max_lora_rank": max_lora_rank, "max_loras": 1}
+
+
+def _save_base(model: torch.nn.Module, tokenizer, path: str) -> None:
+    """A peft LoRA policy's base weights (adapters left out) and tokenizer as a Hugging Face folder."""
+    model.get_base_model().save_pretrained(path, state_dict=dict(base_state_dict(model)))
+    tokenizer.save_pretrained(path)
+
+
 class _RotaryReloadFilter(logging.Filter):
     """vLLM 0.32's in-place reload counts the rotary embedding's cos/sin cache (a buffer computed from the
     config, absent from checkpoints) as a weight to load, logs "RotaryEmbedding: Failed to load weights" on
@@ -239,6 +316,14 @@ class VLLMEngine(RolloutEngine):
         seed: None: sampling draws from this process's torch RNG (seeded by ``seed_everything``). An int:
             every request gets its own generator seeded from (seed, call, row), reproducible whatever else
             the process draws.
+        lora_sync: With a peft LoRA policy: "adapter" (default) starts vLLM from the base weights with its LoRA
+            support on and then syncs only the adapter, written as a peft adapter folder and loaded as a new
+            ``LoRARequest`` at every sync (the base weights are never sent again); "merged" merges the adapter
+            into the weights and syncs them all, as for full fine-tuning. The adapter mode serves what vLLM's
+            LoRA serves (no DoRA, lora_bias or modules_to_save; it says which, with one line) and computes
+            ``x W + s (x A) B`` at every token, which generates somewhat slower than merged weights; the
+            merged mode sends the whole model at every sync and cannot be gathered from FSDP shards. Ignored
+            for a policy without LoRA.
     """
 
     syncs_merged_weights = True  # holds weights of its own, filled from the policy's full state dict
@@ -256,8 +341,12 @@ class VLLMEngine(RolloutEngine):
         enforce_eager: bool = False,
         max_model_len: int | None = None,
         seed: int | None = None,
+        lora_sync: str = "adapter",
     ):
         super().__init__(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
+        if lora_sync not in LORA_SYNCS:
+            raise RecipeError(
+                f"model.rollout.init_args.lora_sync must be one of {', '.join(LORA_SYNCS)}, got {lora_sync!r}")
         if not 0 < gpu_memory_utilization <= 1:
             raise RecipeError(
                 f"model.rollout.init_args.gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
@@ -275,6 +364,7 @@ class VLLMEngine(RolloutEngine):
         self.enforce_eager = enforce_eager
         self.max_model_len = max_model_len
         self.seed = seed
+        self.lora_sync = lora_sync
         self.llm = None
         """The running ``vllm.LLM`` (None until the first ``generate``)."""
         self.last_metrics: dict[str, float] = {}
@@ -283,6 +373,7 @@ class VLLMEngine(RolloutEngine):
         self._cleanup = None
         self._updates = 0
         self._calls = 0
+        self._lora = None  # the LoRARequest of the adapter last synced (None: no LoRA, or merged weights)
 
     # ------------------------------------------------------------------------------ engine
     def _start(self, model: torch.nn.Module, tokenizer):
@@ -292,8 +383,7 @@ class VLLMEngine(RolloutEngine):
         self._dir = tempfile.mkdtemp(prefix="rllight-vllm-")
         # Removed with the engine object, or at exit at the latest.
         self._cleanup = weakref.finalize(self, shutil.rmtree, self._dir, True)
-        _save_policy(model, tokenizer, self._dir)
-        kwargs = {}
+        kwargs = self._write_start_folder(model, tokenizer)
         if self.kv_cache_gb is not None:
             kwargs["kv_cache_memory_bytes"] = int(self.kv_cache_gb * 2**30)
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.") if self.dtype == "auto" else self.dtype
@@ -309,6 +399,8 @@ class VLLMEngine(RolloutEngine):
                 **kwargs,
             )
         _quiet_rotary_reload_warning()
+        if kwargs.get("enable_lora"):
+            self._push_adapter(model)
         # The weights now live in the engine and syncs never read the folder: free the disk copy, keep the
         # small config and tokenizer files.
         for weights_file in glob.glob(os.path.join(self._dir, "*.safetensors")):
@@ -326,7 +418,7 @@ class VLLMEngine(RolloutEngine):
         """Shut the engine down and delete its temporary folder (a later ``generate`` starts a new one)."""
         if self.llm is not None:
             self.llm.llm_engine.engine_core.shutdown()
-            self.llm = None
+            self.llm = self._lora = None
         if self._dir is not None:
             self._cleanup()
             self._dir = None
@@ -350,7 +442,8 @@ class VLLMEngine(RolloutEngine):
                           for i in range(len(prompts))]
         self._calls += 1
         t0 = time.perf_counter()
-        outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False,
+                               lora_request=self._lora)
         elapsed = time.perf_counter() - t0
 
         completions = [o.outputs[0] for o in outputs]
@@ -366,7 +459,8 @@ class VLLMEngine(RolloutEngine):
     # ------------------------------------------------------------------------- weight sync
     @torch.no_grad()
     def update_weights(self, model: torch.nn.Module) -> dict[str, float]:
-        """Push the policy's full weights (LoRA merged) into the engine every ``sync_every`` calls.
+        """Push the policy's full weights (LoRA merged), or with ``lora_sync: adapter`` its LoRA adapter only,
+        into the engine every ``sync_every`` calls.
 
         Returns ``{"rollout/sync_time": seconds}`` when it synced, ``{}`` otherwise (or before the engine
         has started: it starts from the then-current policy).
@@ -375,10 +469,50 @@ class VLLMEngine(RolloutEngine):
         if self.llm is None or self._updates % self.sync_every:
             return {}
         t0 = time.perf_counter()
-        weights = list(full_state_dict(model).items())
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        if self._lora is not None:
+            self._push_adapter(model)
+        else:
+            weights = list(full_state_dict(model).items())
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()
         return {"rollout/sync_time": time.perf_counter() - t0}
 
+    # --------------------------------------------------------------------------- LoRA sync
+    @property
+    def syncs_lora_adapters(self) -> bool:
+        """A LoRA policy's syncs carry its adapter only (``lora_sync: adapter``), which FSDP shards can give."""
+        return self.lora_sync == "adapter"
 
-__all__ = ["INSTALL_HINT", "VLLMEngine", "full_state_dict", "generation_from_samples", "import_vllm"]
+    def _write_start_folder(self, model: torch.nn.Module, tokenizer) -> dict:
+        """Save what vLLM starts from: the base weights with LoRA in adapter mode, else the merged policy;
+        returns the ``vllm.LLM`` arguments that serve the adapter (none for merged weights)."""
+        config = lora_config(model) if self.syncs_lora_adapters else None
+        if config is None:
+            _save_policy(model, tokenizer, self._dir)
+            return {}
+        engine_args = _lora_engine_args(config)
+        _save_base(model, tokenizer, self._dir)
+        return engine_args
+
+    def _push_adapter(self, model: torch.nn.Module) -> int:
+        """Write the policy's adapter and load it into vLLM under a new id, replacing the one before (the base
+        weights stay as they are); returns the adapter's size in bytes."""
+        from vllm.lora.request import LoRARequest
+
+        path = os.path.join(self._dir, "adapter")
+        size = save_adapter(model, path)
+        previous = self._lora
+        new = LoRARequest(f"rllight-policy-{self._updates}", 1 if previous is None else previous.lora_int_id + 1, path)
+        try:
+            self.llm.llm_engine.add_lora(new)
+        except Exception as err:  # noqa: BLE001 - vLLM's reason (e.g. DoRA, a module it cannot adapt), in one line
+            raise RecipeError(f"model.rollout.init_args.lora_sync: vLLM cannot load the policy's LoRA adapter "
+                              f"({' '.join(str(err).split())}); set lora_sync: merged") from err
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+        self._lora = new
+        return size
+
+
+__all__ = ["INSTALL_HINT", "LORA_SYNCS", "VLLMEngine", "adapter_state_dict", "base_state_dict", "full_state_dict",
+           "generation_from_samples", "import_vllm", "lora_config", "save_adapter"]

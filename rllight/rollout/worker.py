@@ -21,6 +21,10 @@ How it runs:
   the same buffers and copies them into its model, so nothing of the weights' size goes through the pipe. The
   buffers stay in the trainer as the last weights sent, to restart a worker that died with them (one CPU copy
   of the policy in ``/dev/shm``; in a container give it room, e.g. ``docker run --shm-size``).
+- **LoRA adapters only**, when the inner engine syncs adapters (``syncs_lora_adapters``: ``VLLMEngine`` with its
+  default ``lora_sync: adapter``) and the policy is a peft LoRA model: the base weights go once into buffers of
+  their own, the worker rebuilds the peft model on them from the adapter's config, and every sync writes and
+  loads the adapter tensors alone (under FSDP only they are gathered). Any other engine gets merged weights.
 - **Versions**: the policy version is the number of optimizer updates (``update_weights`` calls) the weights
   include. A sync, every ``sync_every`` updates, sets it to the update count; the worker acknowledges with the
   version it loaded. Every request to generate names the version the trainer expects (the last one sent) and
@@ -68,7 +72,7 @@ from torch import Tensor
 
 from rllight.errors import ComponentError, RecipeError
 from rllight.rollout.base import SAMPLING_SETTINGS, Generation, RolloutEngine, request_key
-from rllight.rollout.vllm import full_state_dict
+from rllight.rollout.vllm import adapter_state_dict, base_state_dict, full_state_dict, lora_config
 from rllight.safety import check_stop
 
 log = logging.getLogger(__name__)
@@ -130,6 +134,10 @@ class _WorkerSpec:
     version: int
     rng: Any = None
     """Asynchronous mode: the worker's own RNG, a seed (a new stream) or the states a previous worker left."""
+    lora: Any = None
+    """LoRA adapters only: the adapter's ``peft.LoraConfig``; ``weights`` then holds the adapter tensors."""
+    base: SharedWeights | None = None
+    """LoRA adapters only: the base weights, written once."""
 
 
 # --------------------------------------------------------------------------------------------- worker side
@@ -153,6 +161,34 @@ def _exit_with_parent() -> None:
     os._exit(0)
 
 
+def _build_policy(spec: _WorkerSpec) -> torch.nn.Module:
+    """The worker's copy of the policy: the model with the shared weights, or with LoRA adapters only the base
+    model with the shared base weights, wrapped in a peft model of the adapter's config."""
+    model = spec.model_class(spec.config).to(spec.dtype)
+    model.generation_config = spec.generation_config
+    if spec.lora is None:
+        model.load_state_dict(spec.weights.tensors())
+        return model
+    from peft import get_peft_model
+
+    model.load_state_dict(spec.base.tensors())
+    model = get_peft_model(model, spec.lora)
+    _load_weights(model, spec)
+    return model
+
+
+def _load_weights(model: torch.nn.Module, spec: _WorkerSpec) -> None:
+    """Copy the shared weights (with LoRA adapters only: the adapter tensors) into the worker's policy."""
+    if spec.lora is None:
+        model.load_state_dict(spec.weights.tensors())
+        return
+    from peft import set_peft_model_state_dict
+
+    result = set_peft_model_state_dict(model, spec.weights.tensors())
+    if result.unexpected_keys:
+        raise RuntimeError(f"adapter tensors the worker's peft model does not have: {result.unexpected_keys[:3]}")
+
+
 def _serve(conn, spec: _WorkerSpec) -> None:
     """The worker's main loop: build the policy, then answer one request at a time (``sync``: load the
     shared weights; ``generate``; ``stop``) until told to stop or the trainer's end of the pipe closes."""
@@ -161,9 +197,7 @@ def _serve(conn, spec: _WorkerSpec) -> None:
     torch.set_num_threads(spec.threads)
     device = torch.device(spec.device)
     try:
-        model = spec.model_class(spec.config).to(spec.dtype)
-        model.generation_config = spec.generation_config
-        model.load_state_dict(spec.weights.tensors())
+        model = _build_policy(spec)
         model.requires_grad_(False).eval().to(device)
     except Exception as err:  # noqa: BLE001 - whatever failed, the trainer raises it as one line
         conn.send(("error", _describe(err)))
@@ -181,7 +215,7 @@ def _serve(conn, spec: _WorkerSpec) -> None:
             return
         try:
             if message[0] == "sync":
-                model.load_state_dict(spec.weights.tensors())
+                _load_weights(model, spec)
                 engine.update_weights(model)  # e.g. HFEngine's copy in another dtype
                 version = message[1]
                 conn.send(("synced", version))
@@ -373,7 +407,8 @@ class ProcessEngine(RolloutEngine):
         self._worker: _Worker | None = None
         self._stop_worker_at_exit: weakref.finalize | None = None
         self._policy: dict[str, Any] | None = None  # what builds the worker's model, less the weights
-        self._weights: SharedWeights | None = None  # the last weights sent
+        self._weights: SharedWeights | None = None  # the last weights sent (with LoRA adapters only: the adapter)
+        self._base: SharedWeights | None = None  # with LoRA adapters only: the base weights, sent once
         self._version = 0  # optimizer updates included in the last weights sent
         self._sync_time = 0.0  # seconds spent on syncs since the last generate
         # Asynchronous mode
@@ -400,7 +435,7 @@ class ProcessEngine(RolloutEngine):
         except ImportError:
             PeftModel = None
         base = model.get_base_model() if PeftModel is not None and isinstance(model, PeftModel) else model
-        weights = full_state_dict(model)
+        adapter = lora_config(model) if self.syncs_lora_adapters else None
         self._policy = {
             "model_class": type(base),
             "config": base.config,
@@ -408,15 +443,17 @@ class ProcessEngine(RolloutEngine):
             "dtype": next(model.parameters()).dtype,
             "device": str(next(model.parameters()).device),
             "tokenizer": tokenizer,
+            "lora": adapter,
         }
-        self._weights = SharedWeights(weights)
+        self._base = None if adapter is None else SharedWeights(base_state_dict(model))
+        self._weights = SharedWeights(self._sync_weights(model))
         self._version = self._updates
         if self.asynchronous and self._worker_rng is None:  # a stream of its own, seeded from the trainer's
             self._worker_rng = int(torch.randint(2**62, ()).item())
 
     def _launch(self) -> None:
         """Start a worker on the last weights sent and wait until it is ready."""
-        spec = _WorkerSpec(engine=self.engine, threads=torch.get_num_threads(), weights=self._weights,
+        spec = _WorkerSpec(engine=self.engine, threads=torch.get_num_threads(), weights=self._weights, base=self._base,
                            version=self._version, rng=self._worker_rng, **self._policy)
         self._worker = _Worker(spec)
         self._stop_worker_at_exit = weakref.finalize(self, self._worker.stop)
@@ -508,7 +545,7 @@ class ProcessEngine(RolloutEngine):
         if self.asynchronous or self._updates % self.sync_every:  # asynchronous: sent with the next request
             return {}
         start = time.perf_counter()
-        self._weights.write(full_state_dict(model))
+        self._weights.write(self._sync_weights(model))
         self._version = self._updates
         if self._worker is not None:  # else the next start loads them
             reply = self._call(("sync", self._version), "load weights")
@@ -518,6 +555,16 @@ class ProcessEngine(RolloutEngine):
         seconds = time.perf_counter() - start
         self._sync_time += seconds
         return {"rollout/sync_time": seconds}
+
+    @property
+    def syncs_lora_adapters(self) -> bool:
+        """A LoRA policy's syncs carry its adapter only, as the inner engine's do (``VLLMEngine``'s default)."""
+        return getattr(self.engine, "syncs_lora_adapters", False)
+
+    def _sync_weights(self, model: torch.nn.Module):
+        """What a sync writes: the LoRA adapter's tensors when the worker holds base weights, else the full
+        weights (LoRA merged)."""
+        return full_state_dict(model) if self._base is None else adapter_state_dict(model)
 
     # ------------------------------------------------------------------------- asynchronous
     @property
@@ -565,7 +612,7 @@ class ProcessEngine(RolloutEngine):
         start = time.perf_counter()
         while any(r.kind == "sync" for r in self._outstanding):  # it may still be reading the buffers
             self._read_reply()
-        self._weights.write(full_state_dict(model))
+        self._weights.write(self._sync_weights(model))
         self._version = self._updates
         if self._worker is not None:  # else the next start loads them
             self._send("sync", ("sync", self._version))
