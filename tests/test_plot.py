@@ -251,9 +251,10 @@ def test_cli_prints_the_paths_written(runs, tmp_path, capsys):
     plot = _tool("plot")
     out = tmp_path / "figures"
     assert plot.main([runs[1], "--labels", "dapo", "--out", str(out)]) == 0
-    printed = capsys.readouterr().out.split()
+    *printed, last = capsys.readouterr().out.split()
     assert printed == [str(out / "reward.png"), str(out / "clipfrac.png")]
     assert all(os.path.isfile(p) for p in printed)
+    assert last == "figures=2"
 
 
 @needs_matplotlib

@@ -3,7 +3,8 @@
 Both compute GAE with one lambda per sequence (a (B,) tensor, as VAPO's length-adaptive lambda) on the
 same (B, T) float32 batch, on the GPU when there is one. The loop is how peer trainers write it:
 ``for t in reversed(range(T)): delta = r_t + gamma V_{t+1} - V_t; lastgaelam = delta + gamma lam lastgaelam``.
-Each is warmed up once, then timed ``--repeats`` times; the best (minimum) time counts. The last line is
+Each is warmed up once, then timed ``--repeats`` times; the best (minimum) time counts. The line before the
+last names the machine (``rllight.machine``); the last line is
 
     speedup=<loop time / gae time> max_abs_diff=<max |A_gae - A_loop|>
 
@@ -16,6 +17,7 @@ import time
 import torch
 
 from rllight.algorithms import gae
+from rllight.machine import machine_line
 
 
 def gae_loop(rewards, values, gamma, lam):
@@ -45,12 +47,16 @@ def best_time(fn, repeats, device):
     return min(times), out
 
 
-def main():
+def main(argv: list[str] | None = None) -> float:
+    """Run the benchmark; returns the speedup."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    for name in ("batch", "length", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1")
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
@@ -69,7 +75,9 @@ def main():
         t_loop, adv_loop = best_time(lambda: gae_loop(rewards, values, gamma, lam), args.repeats, device)
     diff = ((adv - adv_loop * mask).abs().max()).item()
     print(f"device={device} B={b} T={t} gae={t_gae * 1e3:.2f}ms loop={t_loop * 1e3:.2f}ms (best of {args.repeats})")
+    print(machine_line())
     print(f"speedup={t_loop / t_gae:.2f} max_abs_diff={diff:.3g}")
+    return t_loop / t_gae
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ weight. The direct path builds the full (B, T, V) float32 logits; the chunked pa
 (``rllight.algorithms.chunked_logprobs_and_entropy``) holds one chunk at a time.
 
 Each path runs in a fresh process so that peak memory is its own: on CUDA the allocator's peak, on CPU
-the process's peak resident set minus the resident set just before the computation. The last line is
+the process's peak resident set minus the resident set just before the computation. The line before the last
+names the machine (``rllight.machine``); the last line is
 
     memory_ratio=<chunked/direct> time_ratio=<chunked/direct> max_abs_diff=<x>
 
@@ -85,7 +86,8 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> float:
+    """Run the benchmark; returns the memory ratio (chunked / direct)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--length", type=int, default=1024)
@@ -94,10 +96,13 @@ def main() -> None:
     parser.add_argument("--chunk-size", type=int, default=1024)
     parser.add_argument("--path", choices=["direct", "chunked"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    for name in ("batch", "length", "vocab", "hidden", "chunk_size"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.path:
         _run_one(args)
-        return
+        return 0.0
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for path in ("direct", "chunked"):
@@ -110,7 +115,11 @@ def main() -> None:
             print(f"{path:8s} peak_memory={results[path]['peak'] / 2**20:9.1f} MiB time={results[path]['time']:.3f} s")
     d, c = results["direct"], results["chunked"]
     diff = max((d[k] - c[k]).abs().max().item() for k in ("lp", "ent", "gh", "gw"))
+    from rllight.machine import machine_line
+
+    print(machine_line())
     print(f"memory_ratio={c['peak'] / d['peak']:.4f} time_ratio={c['time'] / d['time']:.4f} max_abs_diff={diff:.3e}")
+    return c["peak"] / d["peak"]
 
 
 if __name__ == "__main__":

@@ -21,7 +21,9 @@ the truncation ratio of the greedy held-out responses after training and, for me
 much of the variance of the returns the critic explains: at the end of value pretraining (held out, on
 the last pretraining rollout, and how many rollouts it took) and over the last half of the RL steps
 (``train/value/explained_variance``: the critic as it enters each step, on the fresh rollout).
-The runs' curves, overlaid, go to ``<out>/figures/`` (one PNG per metric group, see tools/plot.py).
+The runs' curves, overlaid, go to ``<out>/figures/`` (one PNG per metric group, see tools/plot.py). The last
+two lines name the machine (``rllight.machine``) and give each method's accuracy after training:
+``grpo_accuracy_after=<x> dapo_accuracy_after=<x> vapo_accuracy_after=<x>``.
 
 Full run (SmolLM2-135M-Instruct, arithmetic, CPU; the quickstart's budget of 40 steps x 4 prompts x 8
 responses per method; GRPO takes about 15 minutes on 2 free cores, DAPO and
@@ -48,6 +50,8 @@ import sys
 import time
 
 import yaml
+
+from rllight.machine import machine_line
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METHODS = {"grpo": "recipes/grpo.yaml", "dapo": "recipes/dapo.yaml", "vapo": "recipes/vapo.yaml"}
@@ -264,6 +268,15 @@ def write_report(out_dir: str, stem: str, text: str, payload: dict, runs: list[d
     write_figures(runs, os.path.join(out_dir, "figures"))
 
 
+def final_line(results: list[dict]) -> str:
+    """``<method>_accuracy_after=<greedy held-out accuracy after training>`` for each method (``failed`` for one
+    that did not finish), space-separated: the line that tools/readme_numbers.py and the tests read."""
+    def value(r):
+        return "failed" if r.get("accuracy_after") is None else f"{r['accuracy_after']:.3f}"
+
+    return " ".join(f"{r['method']}_accuracy_after={value(r)}" for r in results)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     recipes = method_recipes(args.methods)
@@ -275,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
               f"greedy accuracy on {args.val_size} held-out problems")
     write_report(args.out, "compare", f"Budget: {budget}\n\n{table(results)}\n",
                  {"budget": vars(args), "results": results}, results)
+    print(machine_line())
+    print(final_line(results))
     return 0 if all(r["returncode"] == 0 for r in results) else 1
 
 

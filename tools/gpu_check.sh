@@ -5,21 +5,25 @@
 #   gpu_check: tests <pytest's closing line>; quickstart+vllm: <accuracy before -> after> in <s> s (<status>)
 # Run it after `bash tools/install.sh dev,quickstart,vllm` on the GPU machine:
 #   bash tools/gpu_check.sh            # logs in runs/gpu_check/
+# PYTHON=/path/to/python picks another environment than .venv (a python that cannot import torch is an error).
 # Exit status: 0 when both parts passed, 1 when one failed, 2 where there is no CUDA device.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=.venv/bin/python
+PY=${PYTHON:-.venv/bin/python}
 OUT=${GPU_CHECK_DIR:-runs/gpu_check}
-if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-    echo "gpu_check: no CUDA device here (torch.cuda.is_available() is False); nothing checked"
-    exit 2
-fi
+"$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 2)" 2>/dev/null
+case $? in
+    0) ;;
+    2) echo "gpu_check: no CUDA device here (torch.cuda.is_available() is False); nothing checked"; exit 2 ;;
+    *) echo "gpu_check: $PY cannot import torch; run bash tools/install.sh dev,quickstart,vllm first (or set PYTHON)"
+       exit 1 ;;
+esac
 mkdir -p "$OUT"
 status=0
 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py > "$OUT/tests.log" 2>&1 || status=1
 tests=$(grep -E "(passed|failed|skipped|error)" "$OUT/tests.log" | tail -n 1 | tr -d '=' | xargs)
 start=$(date +%s)
-timeout 420 .venv/bin/rllight fit --config recipes/quickstart.yaml --config recipes/overlays/vllm.yaml \
+timeout 420 "$PY" -m rllight.cli fit --config recipes/quickstart.yaml --config recipes/overlays/vllm.yaml \
     --trainer.accelerator gpu --trainer.default_root_dir "$OUT/quickstart-$(date +%s)" --model.export_dir null \
     > "$OUT/quickstart.log" 2>&1
 code=$?

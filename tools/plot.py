@@ -9,7 +9,8 @@ such as a single ``version_N``. Runs are overlaid, one colour each across every 
 a panel, told apart by line style and marker, and a metric logged with its standard error (``<metric>_se``: the
 evaluation's avg@k, pass@k and maj@k) is drawn with a band of one standard error either side. The x axis is the
 logged step (Lightning's ``global_step``: optimizer updates). A metric that no run logged is left out, and a
-panel or group with none is not drawn. Needs matplotlib (the extra ``plot``: ``pip install -e '.[plot]'``).
+panel or group with none is not drawn. Prints the paths written, then ``figures=<how many>``. Needs matplotlib
+(the extra ``plot``: ``pip install -e '.[plot]'``).
 """
 
 from __future__ import annotations
@@ -302,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         print("plot: none of the plotted metrics is in these runs; nothing written", file=sys.stderr)
     for path in paths:
         print(path)
+    print(f"figures={len(paths)}")
     return 0
 
 
