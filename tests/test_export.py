@@ -7,6 +7,7 @@ import os
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from conftest import RECIPES
 from helpers import fit_in_child, tiny_overrides
 from rllight.errors import RecipeError
 from rllight.export import MARKER, export_policy
@@ -71,27 +72,37 @@ def _fit(tmp_path, tiny_model_dir, *extra, steps="1"):
     return fit_in_child("grpo.yaml", "--config", overlay, "--trainer.max_steps", steps, *extra, timeout=600)
 
 
-@pytest.mark.slow
-def test_cli_refuses_export_over_user_files_or_the_run_folder_before_training(tmp_path, tiny_model_dir):
+def _refused(tmp_path, tiny_model_dir, capsys, *extra) -> str:
+    """``rllight fit`` in this process with ``extra``: it must stop with exit code 2 before any step; its last
+    line of stderr."""
+    from rllight.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", os.path.join(RECIPES, "grpo.yaml"), "--config",
+              tiny_overrides(tmp_path, tiny_model_dir), "--trainer.max_steps", "1", *extra])
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 2 and "train/" not in out, err[-2000:]
+    return err.strip().splitlines()[-1]
+
+
+def test_cli_refuses_export_over_user_files_or_the_run_folder_before_training(tmp_path, tiny_model_dir, capsys):
     users = tmp_path / "users"
     users.mkdir()
     (users / "thesis.tex").write_text("years of work")
-    run = _fit(tmp_path, tiny_model_dir, "--model.export_dir", str(users))
-    assert run.returncode == 2 and "rllight: error: model.export_dir:" in run.stderr, run.stderr[-2000:]
+    last = _refused(tmp_path, tiny_model_dir, capsys, "--model.export_dir", str(users))
+    assert last.startswith("rllight: error: model.export_dir:"), last
     assert os.listdir(users) == ["thesis.tex"]
 
     # The run's own folder as export folder: the export would replace the logs and checkpoints.
     root = tmp_path / "run"
-    run = _fit(tmp_path, tiny_model_dir, "--trainer.default_root_dir", str(root), "--model.export_dir", str(root))
-    assert run.returncode == 2 and "would hold the run's logs and checkpoints" in run.stderr, run.stderr[-2000:]
+    last = _refused(tmp_path, tiny_model_dir, capsys, "--trainer.default_root_dir", str(root),
+                    "--model.export_dir", str(root))
+    assert last.startswith("rllight: error:") and "would hold the run's logs and checkpoints" in last, last
 
     # A file as the export folder.
-    run = _fit(tmp_path, tiny_model_dir, "--model.export_dir", str(users / "thesis.tex"))
-    assert run.returncode == 2 and "is a file" in run.stderr
+    last = _refused(tmp_path, tiny_model_dir, capsys, "--model.export_dir", str(users / "thesis.tex"))
+    assert last.startswith("rllight: error:") and "is a file" in last, last
     assert (users / "thesis.tex").read_text() == "years of work"
-    # Refused before training: each error is the last line, and no model was loaded or step run.
-    assert run.stderr.strip().splitlines()[-1].startswith("rllight: error:")
-    assert "train/" not in run.stdout
 
 
 @pytest.mark.slow

@@ -74,14 +74,28 @@ ASYNC_ENGINE = {"class_path": "rllight.rollout.worker.ProcessEngine",
 flight; the checkpoint before it holds the ones generated ahead of it and the worker's RNG."""
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, tiny_model_dir):
+    """The metrics of 6 steps with the in-process engine and no stop: the reference of the resumed runs below (the
+    callbacks that stop them do nothing in it)."""
+    tmp_path = tmp_path_factory.mktemp("uninterrupted")
+    full = _fit(tmp_path, "full", tiny_overrides(tmp_path, tiny_model_dir, micro_batch_size=4))
+    assert full.returncode == 0, full.stderr[-3000:]
+    return _metrics(tmp_path / "full" / "version_0" / "metrics.csv")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", [None, ASYNC_ENGINE], ids=["in-process", "asynchronous-worker"])
-def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path, tiny_model_dir, engine):
+def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path, tiny_model_dir, engine, request):
     overlay = tiny_overrides(tmp_path, tiny_model_dir, micro_batch_size=4, **({"rollout": engine} if engine else {}))
     kill_cb = ["--trainer.callbacks+", "user_strategies.KillAt", "--trainer.callbacks.step"]
 
-    full = _fit(tmp_path, "full", overlay, *kill_cb, "-1")
-    assert full.returncode == 0, full.stderr[-3000:]
+    if engine:
+        full = _fit(tmp_path, "full", overlay, *kill_cb, "-1")
+        assert full.returncode == 0, full.stderr[-3000:]
+        a = _metrics(tmp_path / "full" / "version_0" / "metrics.csv")
+    else:
+        a = request.getfixturevalue("uninterrupted")
 
     killed = _fit(tmp_path, "killed", overlay, *kill_cb, "3")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
@@ -96,7 +110,6 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path, tiny_model_d
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
-    a = _metrics(tmp_path / "full" / "version_0" / "metrics.csv")
     b = _metrics(tmp_path / "killed" / "version_0" / "metrics.csv")
     c = _metrics(tmp_path / "killed" / "version_1" / "metrics.csv")
     # Metrics are logged under the step count at the start of their RL step: 3 is the first after resume.
@@ -135,14 +148,13 @@ def test_a_crash_while_writing_never_leaves_a_half_checkpoint(tmp_path, monkeypa
 
 
 @pytest.mark.slow
-def test_a_crash_mid_step_saves_the_last_completed_step_and_resuming_it_matches(tmp_path, tiny_model_dir):
+def test_a_crash_mid_step_saves_the_last_completed_step_and_resuming_it_matches(tmp_path, tiny_model_dir,
+                                                                               uninterrupted):
     """An exception in the step after step 3 (checkpoints every step are off: the last one is far back): the
     last completed step is saved as crashed-step=3.ckpt, the error names it, and the resume from it logs the same
     metrics as a run that never failed."""
     overlay = tiny_overrides(tmp_path, tiny_model_dir, micro_batch_size=4)
     fail_cb = ["--trainer.callbacks+", "user_strategies.FailAt", "--trainer.callbacks.step"]
-    full = _fit(tmp_path, "full", overlay, *fail_cb, "-1")
-    assert full.returncode == 0, full.stderr[-3000:]
     failed = _fit(tmp_path, "failed", overlay, *fail_cb, "3", every=100)
     assert failed.returncode != 0 and "a failure in the middle of a step" in failed.stderr
     saved = tmp_path / "failed_ckpt" / "crashed-step=3.ckpt"
@@ -151,7 +163,7 @@ def test_a_crash_mid_step_saves_the_last_completed_step_and_resuming_it_matches(
     resumed = _fit(tmp_path, "failed", overlay, *fail_cb, "-1", "--ckpt_path", str(saved),
                    "--trainer.logger.version", "1")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    a = _metrics(tmp_path / "full" / "version_0" / "metrics.csv")
+    a = uninterrupted
     c = _metrics(tmp_path / "failed" / "version_1" / "metrics.csv")
     assert sorted(c) == [3, 4, 5]
     for step in sorted(c):
