@@ -80,7 +80,7 @@ def test_fsdp_matches_one_process_on_the_same_rollouts(tmp_path, tiny_model_dir,
         torch.testing.assert_close(two["params"][name], p, **TOLERANCE, msg=name)
 
 
-def _fsdp_fit(tmp_path, overlay, name, steps, *extra):
+def _fsdp_fit(tmp_path, overlay, name, steps, *extra, keep_all=False):
     return fit_in_child("grpo.yaml", "--config", overlay, *FSDP, "--trainer.max_steps", str(steps),
                         "--model.minibatch_size", "null", "--data.batch_size", "4",
                         "--trainer.enable_checkpointing", "true",
@@ -88,41 +88,43 @@ def _fsdp_fit(tmp_path, overlay, name, steps, *extra):
                         str(tmp_path / name), "--trainer.logger.name", "", "--trainer.callbacks+",
                         "lightning.pytorch.callbacks.ModelCheckpoint", "--trainer.callbacks.dirpath",
                         str(tmp_path / f"{name}_ckpt"), "--trainer.callbacks.every_n_train_steps", "1",
-                        "--trainer.callbacks.save_last", "true", "--trainer.callbacks+", "user_strategies.DumpState",
+                        "--trainer.callbacks.save_last", "true",
+                        *(["--trainer.callbacks.save_top_k", "-1"] if keep_all else []),
+                        "--trainer.callbacks+", "user_strategies.DumpState",
                         "--trainer.callbacks+", "user_strategies.RankOwnDraws", *extra, timeout=600,
                         RLLIGHT_TEST_DUMP=str(tmp_path / f"{name}{{rank}}.pt"))
 
 
 @pytest.mark.slow
 def test_fsdp_sampling_checkpoint_resume_and_export(tmp_path, tiny_model_dir):
-    """With the in-process engine sampling from its full copy: a sharded checkpoint after 2 steps, resumed to 4,
-    gives the metrics and weights of 4 steps without a stop (each rank's random streams are its own); a full
+    """With the in-process engine sampling from its full copy: the sharded checkpoint after 2 of 4 steps, resumed,
+    gives the metrics and weights of the 4 steps without a stop (each rank's random streams are its own); a full
     checkpoint holds the whole policy; the export is the full policy, written by rank 0."""
     from transformers import AutoModelForCausalLM
 
     from test_resume import _metrics
 
     overlay = tiny_overrides(tmp_path, tiny_model_dir, micro_batch_size=4)
-    # The uninterrupted run writes full checkpoints (one file from rank 0), the interrupted one sharded folders.
+    # The uninterrupted run keeps a sharded checkpoint folder per step; the resumed one writes full checkpoints
+    # (one file from rank 0).
     full = _fsdp_fit(tmp_path, overlay, "full", 4, "--model.export_dir", str(tmp_path / "export"),
-                     "--trainer.strategy.init_args.save_distributed_checkpoint", "false")
+                     keep_all=True)
     assert full.returncode == 0, full.stderr[-4000:]
-    first = _fsdp_fit(tmp_path, overlay, "part", 2, "--trainer.logger.version", "0")
-    assert first.returncode == 0, first.stderr[-4000:]
-    last = tmp_path / "part_ckpt" / "last.ckpt"
-    assert last.is_dir() and len(list(last.glob("*.distcp"))) == 2  # one shard file per rank
-    resumed = _fsdp_fit(tmp_path, overlay, "part", 4, "--ckpt_path", str(last), "--trainer.logger.version", "1")
+    (second,) = (tmp_path / "full_ckpt").glob("*step=2.ckpt")
+    assert second.is_dir() and len(list(second.glob("*.distcp"))) == 2  # one shard file per rank
+    resumed = _fsdp_fit(tmp_path, overlay, "resumed", 4, "--ckpt_path", str(second),
+                        "--trainer.strategy.init_args.save_distributed_checkpoint", "false")
     assert resumed.returncode == 0, resumed.stderr[-4000:]
 
     a = _metrics(tmp_path / "full" / "version_0" / "metrics.csv")
-    c = _metrics(tmp_path / "part" / "version_1" / "metrics.csv")
+    c = _metrics(tmp_path / "resumed" / "version_0" / "metrics.csv")
     assert sorted(c) == [2, 3]
     for step in sorted(c):
         assert c[step] == a[step], (step, {k: (a[step].get(k), v) for k, v in c[step].items() if a[step].get(k) != v})
-    whole, parted = (torch.load(tmp_path / f"{name}0.pt", weights_only=True)["params"] for name in ("full", "part"))
+    whole, parted = (torch.load(tmp_path / f"{name}0.pt", weights_only=True)["params"] for name in ("full", "resumed"))
     for name, p in whole.items():
         torch.testing.assert_close(parted[name], p, rtol=0, atol=0, msg=name)
-    saved = torch.load(tmp_path / "full_ckpt" / "last.ckpt", weights_only=True)["state_dict"]
+    saved = torch.load(tmp_path / "resumed_ckpt" / "last.ckpt", weights_only=True)["state_dict"]
     for name, p in whole.items():
         torch.testing.assert_close(saved[name], p, rtol=0, atol=0, msg=name)
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export").state_dict()
