@@ -122,9 +122,14 @@ class HFEngine(RolloutEngine):
             log.warning("model.rollout.init_args.dtype is %s but this CPU (%s) has no AVX-512 BF16 or AMX units "
                         "for it: generation will be much slower than in float32; set dtype: null on this machine",
                         self.dtype, torch.backends.cpu.get_cpu_capability())
-        self._copy = copy.deepcopy(model)
-        if self.dtype is not None:
-            self._copy.to(_DTYPES[self.dtype])
+        # The parameters go straight into the copy's dtype (deepcopy takes them from the memo): a deepcopy followed
+        # by .to(dtype) would first hold a second full float32 policy.
+        dtype = _DTYPES[self.dtype] if self.dtype is not None else None
+        memo = {id(p): torch.nn.Parameter(p.detach().to(dtype, copy=True), requires_grad=p.requires_grad)
+                for p in model.parameters()} if dtype is not None else {}
+        self._copy = copy.deepcopy(model, memo)
+        if dtype is not None:
+            self._copy.to(dtype)  # the floating-point buffers (rotary frequencies ...)
             head = self._copy.get_output_embeddings()
             if isinstance(head, Float32Head):  # its own float32 weight (a tied one is the bfloat16 embedding now)
                 source = model.get_output_embeddings()
