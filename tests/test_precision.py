@@ -166,3 +166,22 @@ def test_float32_lm_head_narrows_the_engine_trainer_gap_under_bf16_precision(tmp
     # Measured (torch 2.13, AVX-512 BF16 CPU): mean 0.0026 -> 0.0020, max 0.023 -> 0.010.
     assert with_head["rollout/logprob_diff_mean"] < without["rollout/logprob_diff_mean"]
     assert with_head["rollout/logprob_diff_max"] < without["rollout/logprob_diff_max"]
+
+
+def test_bench_step_precision_reaches_both_sides(tmp_path, tiny_model_dir, cpu_only, monkeypatch):
+    """tools/bench_step.py --precision: rllight's trainer.precision and TRL's bf16 setting (TRL itself runs in its
+    own environment, which the tests do not have); auto is resolved once, for both."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("bench_step", os.path.join(os.path.dirname(RECIPES), "tools",
+                                                                             "bench_step.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(precision, "cpu_bf16_units", lambda: None)
+    for given, chosen in (("bf16-mixed", "bf16-mixed"), ("32-true", "32-true"), ("auto", "32-true")):
+        args = bench.parse_args(["--model-dir", tiny_model_dir, "--precision", given, "--out", str(tmp_path / given)])
+        assert bench.overlay(args)["trainer"]["precision"] == chosen
+        with open(bench.trl_inputs(args)) as f:
+            assert json.load(f)["bf16"] is (chosen == "bf16-mixed")
+    assert bench.parse_args(["--model-dir", tiny_model_dir]).precision == "32-true"  # the README's float32 table

@@ -1,15 +1,17 @@
 """Seconds per RL step of rllight, by phase, and optionally against TRL's GRPOTrainer on the same config and data.
 
 The config (TRL's GRPOTrainer baseline): SmolLM2-135M-Instruct (or ``--model-dir``), 4 prompts x 4 responses
-per step, at most 64 new tokens, temperature 1.0, lr 1e-5, one optimizer update per rollout, float32, the
-embedded arithmetic task (``ArithmeticTask(num_train=4 * steps, num_val=0, seed=0)``) and the integer-match
+per step, at most 64 new tokens, temperature 1.0, lr 1e-5, one optimizer update per rollout, float32 (or
+bf16-mixed on both sides with ``--precision``), the embedded arithmetic task (``ArithmeticTask(num_train=4 * steps, num_val=0, seed=0)``) and the integer-match
 reward (``rllight.rewards.IntegerMatch``).
 
 rllight side: ``rllight fit --config <recipe> --config <overlay>`` runs in a child process (cwd = the
 repository root). The overlay, written to ``<out>/overlay.yaml``, sets the config above on top of
 ``--recipe`` (default recipes/grpo.yaml: its GRPO, no KL, clip 0.2, seq-mean-token-mean), with
 ``ppo_epochs: 1`` and ``minibatch_size: null`` (one update per rollout, so ``trainer.max_steps`` = ``--steps``
-rollouts), ``micro_batch_size: 16``, no validation, no checkpoints, no export and a CSVLogger in ``<out>``;
+rollouts), ``micro_batch_size: 16``, ``trainer.precision`` from ``--precision`` (the engine's ``dtype: auto`` follows
+it: a bfloat16 copy of the policy generates under ``bf16-mixed``), no validation, no checkpoints, no export and a
+CSVLogger in ``<out>``;
 ``--set KEY=VALUE`` adds CLI overrides after it (to the rllight side only). Per-step numbers come from the
 logger's metrics.csv: ``train/time/step`` (the whole RL step) and its phases ``train/time/rollout``
 (generation), ``train/time/reward`` (scoring the responses), ``train/time/score`` (log-probs, values and
@@ -26,7 +28,10 @@ accepts, which may lie outside rllight's ``transformers<5.20``, so TRL's depende
 It gets, in ``<out>/trl/``, the plain Hugging Face model folder, the same prompts as a JSONL in TRL's
 conversational format, in the order rllight's dataloader draws them (TRL's shuffling off), so that step k of
 both sees the same 4 prompts, and the settings; see tools/trl_step.py for how GRPOConfig matches rllight's
-GRPO and where it differs. TRL's step is timed from ``on_step_begin`` to
+GRPO and where it differs. ``--precision bf16-mixed`` runs both sides in bfloat16 mixed precision: rllight's
+``trainer.precision: bf16-mixed`` and TRL's ``bf16=True`` (float32 weights, ``torch.autocast`` in bfloat16);
+``--precision 32-true`` (the default) both in float32; ``auto`` is what ``trainer.precision: auto`` chooses on this
+machine (``rllight.precision``). Each run prints ``rllight_over_trl`` for its precision: one run per precision. TRL's step is timed from ``on_step_begin`` to
 ``on_step_end`` of a TrainerCallback: it includes generation (TRL generates in ``_prepare_inputs`` of
 ``training_step``), reward, loss and the optimizer update. Its peak RSS is that of its process. The two sides
 sample independently, so their responses, and the tokens each step generates, differ: the comparison table
@@ -68,7 +73,7 @@ The last line is ``rllight_step_s=<rllight median s/step>`` or, with ``--trl``,
 Usage:
     .venv/bin/python tools/bench_step.py [--steps 6] [--engine hf|vllm] [--dtype bfloat16] [--out runs/bench_step]
     .venv/bin/python tools/bench_step.py --setup-trl        # once: TRL's environment in .venv-trl
-    .venv/bin/python tools/bench_step.py --trl [--steps 6]
+    .venv/bin/python tools/bench_step.py --trl [--steps 6] [--precision bf16-mixed]
     .venv/bin/python tools/bench_step.py --profile 2      # where step 2's time goes: <out>/profile/profile.md
     .venv/bin/python tools/bench_step.py --async 1 [--steps 8]   # async_over_sync
 """
@@ -94,6 +99,7 @@ TRL_VENV = ".venv-trl"
 TORCH_PIN = "torch==2.13.0"  # first, so that TRL's dependencies find torch met (a bare one pulls a CUDA build)
 ENGINES = {"hf": "rllight.rollout.HFEngine", "vllm": "rllight.rollout.vllm.VLLMEngine"}
 ENGINE_ARGS = "model.rollout.init_args."
+PRECISIONS = ("32-true", "bf16-mixed", "auto")
 # Set on a ProcessEngine too: there they replace the ones it keeps from the recipe's engine.
 SAMPLING_SETTINGS = ("max_new_tokens", "temperature", "top_p", "top_k")
 
@@ -136,7 +142,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=6, help="RL steps (rollouts with one update each) per side.")
     p.add_argument("--engine", choices=list(ENGINES), default="hf", help="rllight's rollout engine.")
     p.add_argument("--dtype", help="Generate with a copy of the policy in this dtype (model.rollout.init_args.dtype, "
-                                   "e.g. bfloat16); default: the float32 policy itself.")
+                                   "e.g. bfloat16); default: auto, which follows --precision (the policy itself "
+                                   "in float32, a bfloat16 copy under bf16-mixed).")
+    p.add_argument("--precision", choices=PRECISIONS, default="32-true",
+                   help="Both sides' precision: 32-true (float32), bf16-mixed (rllight's trainer.precision, TRL's "
+                        "bf16=True), or auto (what rllight's trainer.precision: auto chooses on this machine).")
     p.add_argument("--model-dir", help="A Hugging Face model folder to use instead of the quickstart model.")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                    help="Extra rllight CLI override, e.g. model.rollout.init_args.max_new_tokens=8 (repeatable; "
@@ -207,6 +217,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--fixed-length uses the HF engine's min_new_tokens; leave --engine at hf")
     if args.staleness is not None and args.engine != "hf":
         p.error("--async runs the Hugging Face engine in the worker; leave --engine at hf")
+    if args.precision == "auto":  # resolved here, so that both sides get the same value
+        from rllight.precision import resolve_precision
+
+        args.precision, reason = resolve_precision()
+        print(f"bench_step: --precision auto: {args.precision} ({reason})", flush=True)
     args.trl_python = os.path.abspath(args.trl_python)
     if args.trl and not args.setup_trl and not os.path.isfile(args.trl_python):
         p.error(f"--trl-python '{args.trl_python}': no such file; create TRL's environment with --setup-trl")
@@ -257,6 +272,7 @@ def overlay(args: argparse.Namespace, name: str = "rllight", staleness: int | No
         "evaluate_before_after": False,
         "trainer": {
             "max_steps": args.steps,
+            "precision": args.precision,
             "limit_val_batches": 0,
             "val_check_interval": None,
             "check_val_every_n_epoch": None,
@@ -405,6 +421,7 @@ def trl_inputs(args: argparse.Namespace) -> str:
         "lr": LR,
         "seed": args.seed,
         "loss_type": args.trl_loss_type,
+        "bf16": args.precision == "bf16-mixed",  # TRL's bf16=True: float32 weights, bfloat16 autocast
         # --heldout: where TRL saves its trained model, for the evaluation both sides share
         "final_dir": os.path.join(folder, "final") if args.heldout else None,
     }
@@ -440,7 +457,9 @@ def evaluate(args: argparse.Namespace, name: str, model_dir: str) -> dict[str, f
     the problem's source row. Every side's final model and the starting model go through this same code."""
     config = {
         "seed_everything": args.seed,
-        "trainer": {"limit_val_batches": 1.0, "enable_progress_bar": False, "enable_model_summary": False,
+        # float32 whatever --precision: every model folder evaluated by the same computation
+        "trainer": {"precision": "32-true", "limit_val_batches": 1.0, "enable_progress_bar": False,
+                    "enable_model_summary": False,
                     "default_root_dir": os.path.join(args.out, name),
                     "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
                                "init_args": {"save_dir": args.out, "name": name}}},
@@ -556,7 +575,10 @@ def describe(config_yaml: str) -> str:
     rollout = model["rollout"]
     sampling = rollout.get("init_args") or {}
     engine_dtype = sampling.get("dtype") or source.get("dtype")
+    if engine_dtype == "auto":  # the engine generates with the policy itself
+        engine_dtype = source.get("dtype")
     return (f"{source.get('path') or 'SmolLM2-135M-Instruct'} ({source.get('dtype')}), "
+            f"trainer.precision {config['trainer'].get('precision')}, "
             f"{rollout['class_path'].rsplit('.', 1)[-1]} (dtype {engine_dtype}), "
             f"{config['data']['batch_size']} prompts x {model['sampler']['init_args']['group_size']} responses, "
             f"max_new_tokens {sampling.get('max_new_tokens')}, temperature {sampling.get('temperature')}, "
@@ -580,7 +602,7 @@ def print_rllight(r: dict) -> None:
 
 def print_comparison(args: argparse.Namespace, rllight: dict, trl: dict) -> None:
     print(f"\nTRL {trl['trl']} (transformers {trl['transformers']}, torch {trl['torch']}): GRPOTrainer, same config "
-          "and prompts")
+          f"and prompts, both sides in {args.precision}" + (" (TRL's bf16=True)" if args.precision == "bf16-mixed" else ""))
     rllight_only = [option for option, given in (("--set", args.overrides), ("--dtype", args.dtype),
                                                   (f"--engine {args.engine}", args.engine != "hf")) if given]
     if rllight_only:

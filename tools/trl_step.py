@@ -7,8 +7,9 @@ and runs it. Its one
 argument is the settings file (JSON): the Hugging Face model folder, a JSONL of prompts in TRL's
 conversational format with their answers (in the order rllight's dataloader draws them), the number of steps,
 prompts per step, responses per prompt, response length (with ``--fixed-length`` also its least length),
-temperature, learning rate, seed, TRL's loss type and an output folder (and, for bench_step's held-out
-evaluation, ``final_dir``: the trained model and tokenizer are saved there).
+temperature, learning rate, seed, TRL's loss type, ``bf16`` (bench_step's ``--precision bf16-mixed``) and an
+output folder (and, for bench_step's held-out evaluation, ``final_dir``: the trained model and tokenizer are saved
+there).
 
 GRPOConfig, matched to rllight's GRPO recipe (recipes/grpo.yaml) under bench_step's overlay:
 - one step = ``prompts_per_step`` x ``group_size`` completions: ``per_device_train_batch_size`` = 16 completions,
@@ -22,8 +23,10 @@ GRPOConfig, matched to rllight's GRPO recipe (recipes/grpo.yaml) under bench_ste
   group's standard deviation (``scale_rewards="group"``, the recipe's ``scale_by_std``), ``loss_type="grpo"``
   (per-response mean, then the mean over responses: the recipe's seq-mean-token-mean);
 - AdamW (``adamw_torch``: torch's AdamW, as rllight's optimizer) at ``lr``, weight decay 0, a constant
-  learning rate (TRL's default decays linearly), gradient clipping at 1.0 (rllight's default), float32 (model
-  loaded in float32, ``bf16`` and ``fp16`` off), no gradient checkpointing, dropout off;
+  learning rate (TRL's default decays linearly), gradient clipping at 1.0 (rllight's default), the model loaded
+  in float32 and ``fp16`` off; ``bf16`` as the settings say: off (float32, rllight's ``trainer.precision:
+  32-true``) or on (bfloat16 autocast over float32 weights, as rllight's ``bf16-mixed``), no gradient
+  checkpointing, dropout off;
 - the prompts in the file's order (``shuffle_dataset=False``), logging every step, no saving, report_to none.
 The reward is rllight's ``IntegerMatch``: 1.0 when the last integer of the completion (or of its last
 ``\\boxed{}``) equals the answer, else 0.0. Differences that remain: TRL's generation and loss code are its own
@@ -129,7 +132,7 @@ def main(settings_path: str) -> None:
         epsilon=0.2,
         scale_rewards="group",
         loss_type=s.get("loss_type", "grpo"),
-        bf16=False,
+        bf16=bool(s.get("bf16", False)),
         fp16=False,
         use_cpu=True,
         use_vllm=False,
@@ -152,7 +155,7 @@ def main(settings_path: str) -> None:
         tokenizer.save_pretrained(s["final_dir"])
     result = {"step_s": timer.step_s, "completion_tokens": timer.completion_tokens, "logs": timer.logs,
               "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "trl": trl.__version__,
-              "transformers": transformers.__version__, "torch": torch.__version__,
+              "transformers": transformers.__version__, "torch": torch.__version__, "bf16": config.bf16,
               "torch_threads": torch.get_num_threads()}
     print("trl_result=" + json.dumps(result), flush=True)
 
