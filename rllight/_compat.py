@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
+import sys
 import warnings
 
 import lightning as L
@@ -34,6 +36,23 @@ def no_gradient_sync(trainer: L.Trainer | None):
     if isinstance(model, DistributedDataParallel):
         return model.no_sync()
     return contextlib.nullcontext()
+
+
+def lazy_default(class_type: type, **kwargs):
+    """``jsonargparse.lazy_instance(class_type, **kwargs)`` (the default a recipe shows as a ``class_path``),
+    without its lookup of the calling module through ``inspect.stack()``: that reads the source lines of every
+    frame on the stack, about a second per default in a process that has torch and transformers loaded, paid by
+    every process that imports rllight. The caller's frame is handed over instead, the one frame jsonargparse
+    reads from that stack."""
+    from jsonargparse import lazy_instance
+
+    caller = sys._getframe(1)
+    stack = inspect.stack
+    inspect.stack = lambda context=1: [None, (caller,)]
+    try:
+        return lazy_instance(class_type, **kwargs)
+    finally:
+        inspect.stack = stack
 
 
 def plain_instance(obj):

@@ -8,12 +8,11 @@ import time
 
 import lightning as L
 import torch
-from jsonargparse import lazy_instance
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 from torch.profiler import record_function
 
-from rllight._compat import forget_step_metrics, plain_instance
+from rllight._compat import forget_step_metrics, lazy_default, plain_instance
 from rllight.callbacks.base import in_rollout_order
 from rllight.checkpoint import REFERENCE_PREFIX, load_run_state, save_run_state
 from rllight.critics import Critic
@@ -112,16 +111,16 @@ class RLModule(L.LightningModule):
         model: HFModel,
         lora: LoRA | None = None,
         gradient_checkpointing: bool = False,
-        rollout: RolloutEngine = lazy_instance(HFEngine),
-        sampler: Sampler = lazy_instance(GroupSampler),
-        reward: Reward = lazy_instance(IntegerMatch),
+        rollout: RolloutEngine = lazy_default(HFEngine),
+        sampler: Sampler = lazy_default(GroupSampler),
+        reward: Reward = lazy_default(IntegerMatch),
         environment: Environment | None = None,
-        reward_runner: RewardRunner | None = lazy_instance(RewardRunner),
+        reward_runner: RewardRunner | None = lazy_default(RewardRunner),
         reward_preflight: int = 4,
-        advantage: AdvantageEstimator = lazy_instance(GroupRelative),
-        policy_loss: PolicyLoss = lazy_instance(ClippedSurrogate),
+        advantage: AdvantageEstimator = lazy_default(GroupRelative),
+        policy_loss: PolicyLoss = lazy_default(ClippedSurrogate),
         loss_terms: list[LossTerm] | None = None,
-        aggregation: Aggregation = lazy_instance(TokenMean),
+        aggregation: Aggregation = lazy_default(TokenMean),
         critic: Critic | None = None,
         critic_updates_first: int = 0,
         kl: KLPenalty | None = None,
@@ -138,7 +137,7 @@ class RLModule(L.LightningModule):
         logprob_chunk_size: int | None = 1024,
         optimizer: OptimizerCallable = _adamw,
         lr_scheduler: LRSchedulerCallable | None = None,
-        evaluation: EvalSettings = lazy_instance(EvalSettings),
+        evaluation: EvalSettings = lazy_default(EvalSettings),
         export_dir: str | None = None,
     ):
         super().__init__()

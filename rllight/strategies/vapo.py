@@ -13,9 +13,9 @@ import logging
 from collections.abc import Callable
 
 import torch
-from jsonargparse import lazy_instance
 from torch import Tensor
 
+from rllight._compat import lazy_default
 from rllight.algorithms import gae, masked_mean, masked_whiten
 from rllight.algorithms.lambdas import adaptive_lambda, vapo_lambda
 from rllight.errors import RecipeError
@@ -117,7 +117,7 @@ class DecoupledGAE(AdvantageEstimator):
     needs_values = True
     uses_token_rewards = True
 
-    def __init__(self, policy_lambda: LambdaSchedule = lazy_instance(AdaptiveLambda), value_lam: float | None = 1.0,
+    def __init__(self, policy_lambda: LambdaSchedule = lazy_default(AdaptiveLambda), value_lam: float | None = 1.0,
                  gamma: float = 1.0, whiten: bool = True):
         if value_lam is not None and not 0.0 <= value_lam <= 1.0:
             raise RecipeError(f"model.advantage.value_lam must be in [0, 1] or null, got {value_lam}")
@@ -172,7 +172,7 @@ class PositiveExampleNLL(PolicyLoss):
             token-mean aggregation.
     """
 
-    def __init__(self, loss: PolicyLoss = lazy_instance(ClippedSurrogate, clip_low=0.2, clip_high=0.28),
+    def __init__(self, loss: PolicyLoss = lazy_default(ClippedSurrogate, clip_low=0.2, clip_high=0.28),
                  coef: float = 0.1, normalize: str = "correct_tokens"):
         if coef < 0:
             raise RecipeError(f"model.policy_loss.coef must be >= 0, got {coef}")
