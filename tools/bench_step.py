@@ -2,8 +2,9 @@
 
 The config (TRL's GRPOTrainer baseline): SmolLM2-135M-Instruct (or ``--model-dir``), 4 prompts x 4 responses
 per step, at most 64 new tokens, temperature 1.0, lr 1e-5, one optimizer update per rollout, float32 (or
-bf16-mixed on both sides with ``--precision``), the embedded arithmetic task (``ArithmeticTask(num_train=4 * steps, num_val=0, seed=0)``) and the integer-match
-reward (``rllight.rewards.IntegerMatch``).
+bf16-mixed on both sides with ``--precision``), the embedded arithmetic task
+(``ArithmeticTask(num_train=4 * steps, num_val=0, seed=0)``) and the integer-match reward
+(``rllight.rewards.IntegerMatch``).
 
 rllight side: ``rllight fit --config <recipe> --config <overlay>`` runs in a child process (cwd = the
 repository root). The overlay, written to ``<out>/overlay.yaml``, sets the config above on top of
@@ -31,7 +32,8 @@ both sees the same 4 prompts, and the settings; see tools/trl_step.py for how GR
 GRPO and where it differs. ``--precision bf16-mixed`` runs both sides in bfloat16 mixed precision: rllight's
 ``trainer.precision: bf16-mixed`` and TRL's ``bf16=True`` (float32 weights, ``torch.autocast`` in bfloat16);
 ``--precision 32-true`` (the default) both in float32; ``auto`` is what ``trainer.precision: auto`` chooses on this
-machine (``rllight.precision``). Each run prints ``rllight_over_trl`` for its precision: one run per precision. TRL's step is timed from ``on_step_begin`` to
+machine (``rllight.precision``). Each run prints ``rllight_over_trl`` for its precision: one run per precision.
+TRL's step is timed from ``on_step_begin`` to
 ``on_step_end`` of a TrainerCallback: it includes generation (TRL generates in ``_prepare_inputs`` of
 ``training_step``), reward, loss and the optimizer update. Its peak RSS is that of its process. The two sides
 sample independently, so their responses, and the tokens each step generates, differ: the comparison table
@@ -602,7 +604,8 @@ def print_rllight(r: dict) -> None:
 
 def print_comparison(args: argparse.Namespace, rllight: dict, trl: dict) -> None:
     print(f"\nTRL {trl['trl']} (transformers {trl['transformers']}, torch {trl['torch']}): GRPOTrainer, same config "
-          f"and prompts, both sides in {args.precision}" + (" (TRL's bf16=True)" if args.precision == "bf16-mixed" else ""))
+          f"and prompts, both sides in {args.precision}"
+          + (" (TRL's bf16=True)" if args.precision == "bf16-mixed" else ""))
     rllight_only = [option for option, given in (("--set", args.overrides), ("--dtype", args.dtype),
                                                   (f"--engine {args.engine}", args.engine != "hf")) if given]
     if rllight_only:
