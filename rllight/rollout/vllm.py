@@ -308,8 +308,10 @@ class VLLMEngine(RolloutEngine):
             ``VLLM_CPU_KVCACHE_SPACE`` does on CPU).
         sync_every: Push the weights every k optimizer updates (1 = always on-policy; with k > 1 the engine
             samples from weights up to k - 1 updates old, and the importance ratio corrects for it).
-        dtype: Weight dtype in vLLM: float32, bfloat16, float16, or "auto" = the policy's dtype, so that both
-            sides compute the same function (vLLM's own "auto" would run a float32 policy in bfloat16).
+        dtype: Weight dtype in vLLM: float32, bfloat16, float16, or "auto" = what the trainer computes in, so that
+            both sides compute the same function: bfloat16 under ``trainer.precision: bf16-mixed`` (the ``rllight``
+            command resolves it when it reads the recipe, ``rllight.precision``), else the policy's dtype (vLLM's
+            own "auto" would run a float32 policy in bfloat16).
         enforce_eager: No CUDA graphs / torch.compile in vLLM (faster start, slower decoding).
         max_model_len: Longest prompt + response vLLM plans for (None = the model's maximum; smaller saves
             KV-cache memory).
