@@ -465,18 +465,23 @@ def test_bad_environment_settings_name_the_key(make, key):
 
 
 # ------------------------------------------------------------------------------ recipes, end to end
-ENV_RECIPES = ["env-arithmetic-feedback.yaml", "env-calculator.yaml"]
+ENV_RECIPES = ["env-arithmetic-feedback.yaml", "env-calculator.yaml", "env-reasoning-gym-feedback.yaml"]
 
 
 @pytest.mark.parametrize("recipe", ENV_RECIPES)
 def test_environment_recipe_trains_two_steps_with_groups(recipe, tmp_path, tiny_model_dir):
     """The recipe's environment and GroupSampler (G = 8) on the tiny model: every rollout is multi-turn
     episodes scored by the environment, and the run logs the episode metrics."""
+    extra = []
+    if "reasoning-gym" in recipe:  # its own tasks (smaller), whose answers its verifier reads
+        pytest.importorskip("reasoning_gym")
+        extra = ["--data.task", '{class_path: rllight.data.ReasoningGymTask, init_args: {tasks: {chain_sum: {}, '
+                 'leg_counting: {}}, train_size: 16, val_size: 4}}']
     cli = build(os.path.join(RECIPES, recipe), tiny_overrides(tmp_path, tiny_model_dir), "--trainer.max_steps", "2",
-                "--model.minibatch_size", "null")
+                "--model.minibatch_size", "null", *extra)
     env = cli.model.producer.environment
     assert type(env).__name__ == {"env-arithmetic-feedback.yaml": "ArithmeticFeedback",
-                                  "env-calculator.yaml": "Calculator"}[recipe]
+                                  "env-calculator.yaml": "Calculator", "env-reasoning-gym-feedback.yaml": "Feedback"}[recipe]
     seen = []
     sampler = cli.model.sampler
 
@@ -494,6 +499,7 @@ def test_environment_recipe_trains_two_steps_with_groups(recipe, tmp_path, tiny_
     metrics = cli.trainer.callback_metrics
     assert 1.0 <= float(metrics["train/episode/turns_mean"]) <= env.max_turns
     assert "train/episode/truncated_ratio" in metrics
+    assert float(metrics.get("train/episode/failures", 0.0)) == 0.0  # every call into an episode succeeded
 
 
 def test_dynamic_sampling_and_group_sampler_train_on_multi_turn_rollouts(tmp_path, tiny_model_dir):

@@ -89,3 +89,28 @@ def test_a_run_scores_in_the_reward_workers_and_evaluates_each_task(tmp_path, ti
     for name in MIX:
         assert f"val/{name}/avg@1" in metrics, sorted(metrics)
     assert metrics["val/prompts"] == 10
+
+
+def test_a_reasoning_gym_task_as_an_environment_gives_feedback_and_a_second_attempt():
+    """Multi-turn: ``rllight.envs.Feedback`` with the task's own verifier says a wrong answer is wrong and
+    takes a correction; a right first answer ends the episode at once, with full reward."""
+    from rllight.envs import Feedback
+
+    (row,) = ReasoningGymTask({"leg_counting": {}}, train_size=1, val_size=1).splits()[1]
+    answer = json.loads(row["answer"])["answer"]
+    env = Feedback(ReasoningGymScore(), max_turns=3, turn_discount=0.5, feedback="No. Try again.")
+    episode = env.spawn()
+    assert episode.reset(row) is None
+    first = episode.step("\\boxed{-1}")
+    assert (first.observation, first.reward, first.done, first.correct) == ("No. Try again.", 0.0, False, False)
+    second = episode.step(f"Counting again: \\boxed{{{answer}}}")
+    assert (second.observation, second.reward, second.done, second.correct) == (None, 0.5, True, True)
+    again = env.spawn()  # a fresh episode: the first attempt counts in full
+    again.reset(row)
+    assert again.step(f"<answer>{answer}</answer>").reward == 1.0
+    wrong = env.spawn()
+    wrong.reset(row)
+    results = [wrong.step("\\boxed{-1}") for _ in range(3)]
+    assert [r.done for r in results] == [False, False, True] and results[-1].reward == 0.0
+    with pytest.raises(RecipeError, match="verifier"):
+        Feedback(verifier=lambda response, answer: 1.0)

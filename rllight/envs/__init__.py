@@ -7,5 +7,7 @@ instead of single responses, token in and token out.
 from rllight.envs.arithmetic import ArithmeticFeedback
 from rllight.envs.base import Environment, StepResult
 from rllight.envs.calculator import CalcError, Calculator, evaluate, format_number
+from rllight.envs.feedback import Feedback
 
-__all__ = ["ArithmeticFeedback", "CalcError", "Calculator", "Environment", "StepResult", "evaluate", "format_number"]
+__all__ = ["ArithmeticFeedback", "CalcError", "Calculator", "Environment", "Feedback", "StepResult", "evaluate",
+           "format_number"]

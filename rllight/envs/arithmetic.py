@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-from rllight.envs.base import Environment, StepResult
-from rllight.errors import RecipeError
+from rllight.envs.base import Environment
+from rllight.envs.feedback import Feedback
 from rllight.rewards import IntegerMatch
 
 
-class ArithmeticFeedback(Environment):
-    """The embedded arithmetic task (or any task with integer answers) over several attempts.
-
-    Each model turn is an answer, read like ``IntegerMatch`` (the last integer, or that of the last
-    ``\\boxed{}``). A correct answer ends the episode with reward ``turn_discount ** (turn - 1)`` (1 at the
-    first attempt); a wrong one is answered with ``feedback`` and the model tries again, until ``max_turns``
-    attempts were wrong (reward 0, a finished episode, not a truncated one).
+class ArithmeticFeedback(Feedback):
+    """The embedded arithmetic task (or any task with integer answers) over several attempts: ``Feedback``
+    with ``IntegerMatch`` as the verifier (each answer read as the last integer, or that of the last
+    ``\\boxed{}``).
 
     Args:
         max_turns: Attempts per episode.
@@ -26,26 +23,5 @@ class ArithmeticFeedback(Environment):
     def __init__(self, max_turns: int = 3, max_total_tokens: int = 512, turn_discount: float = 1.0,
                  feedback: str = "That is not correct. Try again.",
                  timeout_seconds: float | None = Environment.DEFAULT_TIMEOUT):
-        super().__init__(max_turns=max_turns, max_total_tokens=max_total_tokens, timeout_seconds=timeout_seconds)
-        if not 0 < turn_discount <= 1:
-            raise RecipeError(f"model.environment.init_args.turn_discount must be in (0, 1], got {turn_discount}")
-        if not feedback.strip():
-            raise RecipeError("model.environment.init_args.feedback must not be empty")
-        self.turn_discount = turn_discount
-        self.feedback = feedback
-        self._verifier = IntegerMatch()
-        self.answer = ""
-        self.turn = 0
-
-    def reset(self, row: dict) -> str | None:
-        self.answer = str(row["answer"])
-        self.turn = 0
-        return None
-
-    def step(self, response_text: str) -> StepResult:
-        self.turn += 1
-        if self._verifier.is_correct(response_text, self.answer):
-            return StepResult(None, self.turn_discount ** (self.turn - 1), done=True, correct=True)
-        if self.turn >= self.max_turns:
-            return StepResult(None, 0.0, done=True, correct=False)
-        return StepResult(self.feedback, 0.0, done=False, correct=False)
+        super().__init__(IntegerMatch(), max_turns=max_turns, max_total_tokens=max_total_tokens,
+                         turn_discount=turn_discount, feedback=feedback, timeout_seconds=timeout_seconds)
