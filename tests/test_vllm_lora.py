@@ -53,6 +53,11 @@ def test_fsdp_refuses_a_lora_policy_only_with_the_merged_sync():
     check_sharding(trainer, None, VLLMEngine(lora_sync="merged"))  # no LoRA: the full weights are gathered
     with pytest.raises(RecipeError, match=r"model\.lora with trainer\.strategy FSDP: VLLMEngine.*lora_sync: adapter"):
         check_sharding(trainer, LoRA(rank=4), VLLMEngine(lora_sync="merged"))
+    from rllight.rollout.worker import ProcessEngine
+
+    check_sharding(trainer, LoRA(rank=4), ProcessEngine(VLLMEngine()))  # per-rank vLLM: the worker gets the adapter
+    with pytest.raises(RecipeError, match=r"FSDP: ProcessEngine needs merged weights"):
+        check_sharding(trainer, LoRA(rank=4), ProcessEngine(VLLMEngine(lora_sync="merged")))
 
 
 def test_adapter_and_base_weights_are_split_without_merging(tiny_model_dir):
@@ -106,6 +111,7 @@ def engines(model_dir):
     and pushed into both, each engine's sync calls recorded."""
     pytest.importorskip("vllm")
     module = RLModule(HFModel(model_dir), rollout=VLLMEngine(**ENGINE_ARGS), lora=LoRA(rank=4, alpha=8.0))
+    torch.manual_seed(0)  # the adapters' initial A, whatever ran before
     module.configure_model()
     merged = VLLMEngine(**ENGINE_ARGS, lora_sync="merged")
     producers = {"adapter": module.producer, "merged": RolloutProducer(merged, IntegerMatch())}
@@ -170,9 +176,9 @@ def test_a_rollout_worker_running_vllm_gets_the_base_weights_once_and_then_the_a
 
     engine = ProcessEngine(VLLMEngine(**ENGINE_ARGS))
     module = RLModule(HFModel(model_dir), rollout=engine, lora=LoRA(rank=4, alpha=8.0))
+    torch.manual_seed(0)  # the adapters' initial A, whatever ran before
     module.configure_model()
     try:
-        torch.manual_seed(0)
         assert _gap(module, module.producer.sample(ROWS, n=2)) < 1e-5
         adapter = adapter_state_dict(module.policy)
         assert set(engine._weights.layout) == set(adapter) and len(adapter) == 2 * 7 * 2
@@ -184,6 +190,46 @@ def test_a_rollout_worker_running_vllm_gets_the_base_weights_once_and_then_the_a
         torch.manual_seed(1)
         rollout = module.producer.sample(ROWS, n=2)
         assert engine.last_metrics["rollout/policy_version"] == 1
-        assert _gap(module, rollout) < 1e-5 and _gap(module, rollout, policy=before) > 1e-2
+        now, old = _gap(module, rollout), _gap(module, rollout, policy=before)
+        print(f"worker: max |delta logp| engine vs trained policy {now:.3g}, vs the policy before {old:.3g}")
+        assert now < 1e-5 and old > 1e-2
     finally:
         engine.close()
+
+
+def _sharded_split(rank: int, world: int, model_dir: str, init: str, out: str) -> None:
+    """One FSDP rank: the adapter and base weights of a sharded LoRA policy, gathered, against the unsharded."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForCausalLM
+
+    from rllight.fsdp import is_dtensor, shard
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    torch.manual_seed(0)
+    policy = LoRA(rank=4, alpha=8.0).apply(AutoModelForCausalLM.from_pretrained(model_dir))
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_()
+    adapter, base = adapter_state_dict(policy), {k: v.clone() for k, v in base_state_dict(policy).items()}
+    shard({"policy": policy}, init_device_mesh("cpu", (world,)))
+    assert any(is_dtensor(p) for n, p in policy.named_parameters() if "lora_A" in n)
+    gathered = adapter_state_dict(policy)
+    lazy = base_state_dict(policy)
+    ok = set(gathered) == set(adapter) and all(torch.equal(gathered[k], v) for k, v in adapter.items())
+    ok = ok and set(lazy) == set(base) and all(torch.equal(lazy[k], v) for k, v in base.items())
+    if rank == 0:
+        with open(out, "w") as f:
+            f.write(f"{ok} {len(gathered)} {type(lazy).__name__}")
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_sharded_lora_policy_gives_its_adapter_and_base_weights_gathered(tmp_path, tiny_model_dir):
+    """Under FSDP (2 CPU processes, gloo) the adapter sync gathers the adapter tensors and the engine's start the
+    base weights, one at a time: both equal the unsharded policy's."""
+    out = tmp_path / "out.txt"
+    torch.multiprocessing.spawn(_sharded_split, args=(2, tiny_model_dir, f"file://{tmp_path}/store", str(out)),
+                                nprocs=2)
+    assert out.read_text() == "True 28 _Gathered"  # 2 layers x 7 linear layers x (A, B)
