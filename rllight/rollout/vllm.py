@@ -323,9 +323,9 @@ class VLLMEngine(RolloutEngine):
             ``LoRARequest`` at every sync (the base weights are never sent again); "merged" merges the adapter
             into the weights and syncs them all, as for full fine-tuning. The adapter mode serves what vLLM's
             LoRA serves (no DoRA, lora_bias or modules_to_save; it says which, with one line) and computes
-            ``x W + s (x A) B`` at every token, which generates somewhat slower than merged weights; the
-            merged mode sends the whole model at every sync and cannot be gathered from FSDP shards. Ignored
-            for a policy without LoRA.
+            ``x W + s (x A) B`` at every token, where merged weights compute ``x W'`` (the cost in tokens/s is
+            not measured); the merged mode sends the whole model at every sync and cannot be gathered from FSDP
+            shards. Ignored for a policy without LoRA.
     """
 
     syncs_merged_weights = True  # holds weights of its own, filled from the policy's full state dict
