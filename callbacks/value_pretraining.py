@@ -54,8 +54,10 @@ class ValuePretraining(RolloutCallback):
         epochs: Passes of critic updates over each rollout.
         minibatch_size: Responses per critic update over all processes, each taking an equal share (None =
             ``model.minibatch_size``, or the whole rollout).
-        train_backbone: Also train the shared backbone of a ``ValueHead`` (False = head only, as note 000; the
-            policy would move before RL starts). A ``SeparateCritic`` trains whole either way.
+        train_backbone: Also train the shared backbone of a ``ValueHead`` (False = head only, as note 000 says of
+            its figure 5: "in value pretraining the backbone is frozen, only the value head trains"; True moves the
+            policy before RL starts). A ``SeparateCritic`` trains whole either way. Figure 5's backbone training
+            comes in RL: ``ValueHead.critic_first_trains_backbone``.
     """
 
     rollout_order = 30  # before SelfImitation: no replay while it consumes the rollouts

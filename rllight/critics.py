@@ -94,17 +94,36 @@ class ValueHead(_TokenValueLoss, Critic):
     """``V(s_t) = w . h_t + b`` on the policy's last hidden state, zero-initialised (training starts from
     V = 0, no random bias in the first advantages).
 
+    Where the value loss trains the shared backbone: in joint updates (``model.critic_updates_first: 0``)
+    always; in the critic-only updates that come first (VAPO's K_v, ``model.critic_updates_first`` > 0) only
+    with ``critic_first_trains_backbone``, else the head trains alone on fixed features there. That option is
+    the form of note 000's figure 5 (a shared backbone with a policy head and a linear value head; the note, in
+    translation: "in the RL phase the whole network trains, value and policy updates kept apart in time"); in value
+    pretraining the note keeps the backbone frozen (``ValuePretraining.train_backbone``). The price: the K_v
+    updates move the policy between sampling and its own update, so the rollout is slightly off-policy; its old
+    log-probs are then taken before them, from the policy that sampled, so that the policy update's ratio and
+    clip are against the sampler.
+
     Args:
         loss_coef: Weight of the value loss.
-        clip: Clip range of the value loss around the rollout's values (None = no clip).
+        clip: Clip range of the value loss around the rollout's values (None = no clip). Not from VAPO's note
+            or the PPO paper: OpenAI baselines' ppo2 (its ``vpredclipped``, at the policy's clip range), carried
+            into verl (``cliprange_value``). Engstrom et al. (arXiv:2005.12729) found no evidence that it helps,
+            Andrychowicz et al. (arXiv:2006.05990, decision C13) that it hurts; 0.2 is ppo2's default.
         lr: Learning rate of the head (None = the policy's).
+        critic_first_trains_backbone: Let the critic-only updates of ``model.critic_updates_first`` train the
+            shared backbone too (note 000's figure 5; False = the head alone there).
     """
 
     shared = True
 
-    def __init__(self, loss_coef: float = 0.5, clip: float | None = 0.2, lr: float | None = None):
+    def __init__(self, loss_coef: float = 0.5, clip: float | None = 0.2, lr: float | None = None,
+                 critic_first_trains_backbone: bool = False):
         super().__init__(loss_coef=loss_coef, lr=lr)
+        if clip is not None and clip <= 0:
+            raise RecipeError(f"model.critic.clip must be > 0 or null (no clipping), got {clip}")
         self.clip = clip
+        self.critic_first_trains_backbone = critic_first_trains_backbone
         self.head: nn.Linear | None = None
 
     def setup(self, policy: nn.Module, tokenizer, source: HFModel) -> None:
@@ -127,7 +146,8 @@ class SeparateCritic(_TokenValueLoss, Critic):
         model: Where the critic's backbone comes from (None = the policy's own source, ``model.model``: a
             second copy of the initial policy).
         loss_coef: Weight of the value loss.
-        clip: Clip range of the value loss (None = no clip).
+        clip: Clip range of the value loss around the rollout's values (None = no clip; not from VAPO: PPO2's
+            value clipping, see ``ValueHead``).
         lr: Learning rate of the critic's backbone (None = the policy's).
         head_lr: Learning rate of the value head (None = ``lr``). A zero-initialised head passes no gradient to
             the backbone until it has grown, so a head that learns faster than the backbone lets the whole
@@ -143,6 +163,8 @@ class SeparateCritic(_TokenValueLoss, Critic):
             raise RecipeError(f"model.critic.lr must be > 0 or null, got {lr}")
         if head_lr is not None and head_lr <= 0:
             raise RecipeError(f"model.critic.head_lr must be > 0 or null, got {head_lr}")
+        if clip is not None and clip <= 0:
+            raise RecipeError(f"model.critic.clip must be > 0 or null (no clipping), got {clip}")
         self.head_lr = head_lr
         self.source = model
         self.clip = clip

@@ -357,11 +357,11 @@ class RLModule(L.LightningModule):
         return metrics
 
     def _critic_first(self, rollout: Rollout) -> dict:
-        """VAPO note 000: fit the critic on the fresh rollout first, then recompute values and advantages with
-        it; the policy update that follows leaves the critic alone. A value head on the shared backbone trains
-        alone here: a backbone step would move the policy between sampling and its update (the rollout would no
-        longer be on-policy, the engine stale)."""
-        metrics = self.updater.critic_update(rollout, epochs=self.critic_updates_first, train_backbone=False)
+        """VAPO note 000: the critic fits the fresh rollout, then values and advantages are recomputed. A shared head
+        trains alone unless ``critic_first_trains_backbone`` (figure 5), which moves the policy: old log-probs first."""
+        backbone = getattr(self.critic, "critic_first_trains_backbone", False)
+        self.scoring.score(rollout, need_old=backbone and rollout.old_logprobs is None, need_values=False)
+        metrics = self.updater.critic_update(rollout, epochs=self.critic_updates_first, train_backbone=backbone)
         self.scoring.score(rollout, need_old=False, need_values=True)
         self.estimate_advantages(rollout)
         return metrics

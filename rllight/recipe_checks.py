@@ -20,6 +20,9 @@ def check_recipe(advantage, critic, kl, sampler, critic_updates_first: int, ppo_
                           "penalty in the reward would be ignored; put it in the loss (in_reward: false)")
     if critic_updates_first and critic is None:
         raise RecipeError("model.critic_updates_first needs model.critic")
+    if getattr(critic, "critic_first_trains_backbone", False) and not critic_updates_first:
+        raise RecipeError("model.critic.critic_first_trains_backbone needs model.critic_updates_first > 0 (with 0 the "
+                          "value loss trains the shared backbone in every update anyway)")
     if critic is not None and not advantage.needs_values:
         raise RecipeError(f"model.critic: {type(advantage).__name__} does not read values, so the critic would train "
                           "for nothing; remove model.critic or choose an estimator that uses it (e.g. GAE)")

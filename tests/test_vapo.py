@@ -16,6 +16,7 @@ from torch.testing import assert_close
 from rllight.algorithms import adaptive_lambda, gae, vapo_lambda
 from rllight.callbacks import SelfImitation, ValuePretraining
 from rllight.callbacks.replay import build_rollout
+from rllight.critics import SeparateCritic, ValueHead
 from rllight.errors import RecipeError
 from rllight.strategies import (
     AdaptiveLambda,
@@ -33,6 +34,7 @@ from test_dapo import make_rollout
 
 ABLATIONS = os.path.join(RECIPES, "ablations")
 SHARED_CRITIC = os.path.join(ABLATIONS, "vapo-shared-critic.yaml")  # a value head on the policy's backbone
+FIGURE_5 = os.path.join(ABLATIONS, "vapo-shared-backbone.yaml")  # ... whose critic-first updates train the backbone
 
 # --------------------------------------------------------------------------------------------------
 # Lambdas
@@ -168,6 +170,8 @@ def test_positive_example_nll_hand_computed():
     (lambda: SelfImitation(every_n_steps=0), "every_n_steps"),
     (lambda: SelfImitation(policy="lifo"), "policy"),
     (lambda: SelfImitation(coef=-0.1), "coef"),
+    (lambda: ValueHead(clip=0.0), "clip"),
+    (lambda: SeparateCritic(clip=-0.2), "clip"),
 ])
 def test_bad_values_are_one_line_recipe_errors_naming_the_field(make, field):
     with pytest.raises(RecipeError, match=field) as err:
@@ -611,34 +615,80 @@ def test_critic_updates_first_recompute_advantages_with_the_updated_critic(criti
         assert_close(module.policy_loss.seen[0], module.advantage.calls[0][1])
 
 
-def test_critic_first_updates_of_a_shared_value_head_leave_the_policy_where_it_sampled(tmp_path, tiny_model_dir):
-    # The K_v critic updates run between sampling and the policy update. Were the value loss to train the
-    # shared backbone there, the policy would move before its own update: the rollout would be off-policy
-    # while its "old" log-probs came from the moved policy, and the engine would sample from stale weights.
+class OldLogprobsSpy(ClippedSurrogate):
+    """Records the old log-probs each policy-loss call takes its ratio against."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seen = []
+
+    def __call__(self, logprobs, batch):
+        self.seen.append(batch.old_logprobs.detach().clone())
+        return super().__call__(logprobs, batch)
+
+
+@pytest.mark.parametrize("figure_5", [False, True])
+def test_critic_first_updates_train_the_shared_backbone_only_in_figure_5s_form(figure_5, tmp_path, tiny_model_dir):
+    # The K_v critic updates run between sampling and the policy update. With the head alone there
+    # (vapo-shared-critic.yaml) the backbone, which is the policy, stays where it sampled. In note 000's figure-5
+    # form (vapo-shared-backbone.yaml) the value loss trains the backbone too: the policy moves before its own
+    # update, so its old log-probs must be the sampling policy's, taken before those updates (one policy update
+    # per rollout here, where old log-probs are otherwise the live ones of the policy at its update).
     cli = build(os.path.join(RECIPES, "vapo.yaml"), tiny_overrides(tmp_path, tiny_model_dir), SHARED_CRITIC,
-                _callbacks(tmp_path), "--trainer.max_steps", "1", "--model.critic_updates_first", "3",
-                "--model.critic.init_args.lr", "0.1")
+                *([FIGURE_5] if figure_5 else []), _callbacks(tmp_path), "--trainer.max_steps", "1",
+                "--model.critic_updates_first", "3", "--model.critic.init_args.lr", "0.1")
     module = cli.model
+    assert module.critic.critic_first_trains_backbone is figure_5
+    assert module.critic.clip == 0.2  # the overlays merge: figure 5's keeps the shared critic's settings
+    module.policy_loss = OldLogprobsSpy(clip_low=0.2, clip_high=0.28)
     snapshots = []
     original = module.updater.critic_update
 
     def critic_update(rollout, **kwargs):
         before = {n: p.detach().clone() for n, p in module.policy.named_parameters()}
+        sampler = rollout.select(torch.arange(len(rollout)))
+        module.scoring.score(sampler, need_old=True, need_values=False, need_ref=False)  # the sampling policy's
         head = module.critic.head.weight.detach().clone()
         out = original(rollout, **kwargs)
-        snapshots.append((before, head))
+        after = {n: p.detach().clone() for n, p in module.policy.named_parameters()}
+        snapshots.append(([n for n in before if not torch.equal(before[n], after[n])], head, sampler.old_logprobs))
         return out
 
     module.updater.critic_update = critic_update
     cli.trainer.fit(module, datamodule=cli.datamodule)
-    ((before, head),) = snapshots
-    moved = [n for n, p in before.items() if not torch.equal(p, dict(module.policy.named_parameters())[n])]
-    assert moved  # the policy update that followed moved it ...
-    # ... and the log-probs it trained from equal the ones the engine sampled with (up to float noise).
-    logged = cli.trainer.callback_metrics
-    assert logged["train/rollout/logprob_diff_max"] < 1e-4
+    ((moved, head, sampler_logprobs),) = snapshots
+    if figure_5:  # the head's first update makes it non-zero, the next ones pass a gradient into the backbone
+        assert any(".layers." in n for n in moved)
+    else:
+        assert moved == []
     assert not torch.equal(head, module.critic.head.weight)  # the head did train
-    assert "train/value/explained_variance" in logged and "train/critic_only/explained_variance" in logged
+    # In both forms the policy update's ratio is against the policy that sampled.
+    (seen,) = module.policy_loss.seen
+    assert_close(seen, sampler_logprobs)
+    assert "train/critic_only/explained_variance" in cli.trainer.callback_metrics
+
+
+def test_figure_5s_backbone_option_without_critic_first_updates_is_a_recipe_error(tmp_path, tiny_model_dir):
+    # With critic_updates_first 0 the value loss trains the shared backbone in every joint update anyway.
+    with pytest.raises(RecipeError, match="critic_first_trains_backbone needs model.critic_updates_first"):
+        build(os.path.join(RECIPES, "vapo.yaml"), tiny_overrides(tmp_path, tiny_model_dir), SHARED_CRITIC, FIGURE_5,
+              "--model.critic_updates_first", "0")
+
+
+def test_value_loss_clip_of_the_critics_is_optional_and_acts():
+    # Rollout values 0, returns 1; the critic now says 0.5 and 0.1. Clip 0.2 around the rollout's values:
+    # token 0 moved 0.5 > 0.2, V_clip = 0.2: max((0.5 - 1)^2, (0.2 - 1)^2) = 0.64 -> 0.32, gradient 0 (the
+    # clipped branch is constant); token 1 moved 0.1, within: 0.5 * 0.81 = 0.405, gradient V - R = -0.9.
+    # No clip: 0.5 * (0.25, 0.81) = (0.125, 0.405), gradient (-0.5, -0.9).
+    batch = SimpleNamespace(response_mask=torch.ones(1, 2), values=torch.zeros(1, 2), returns=torch.ones(1, 2))
+    for critic, loss, grad in ((ValueHead(clip=0.2), [0.32, 0.405], [0.0, -0.9]),
+                               (ValueHead(clip=None), [0.125, 0.405], [-0.5, -0.9]),
+                               (SeparateCritic(clip=None), [0.125, 0.405], [-0.5, -0.9])):
+        values = torch.tensor([[0.5, 0.1]], requires_grad=True)
+        per_token, _ = critic.loss(values, batch)
+        assert_close(per_token, torch.tensor([loss]))
+        per_token.sum().backward()
+        assert_close(values.grad, torch.tensor([grad]))
 
 
 def _vapo_module_and_scored_rollout(tmp_path, tiny_model_dir):
