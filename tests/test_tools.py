@@ -122,7 +122,8 @@ def test_compare_runs_a_method_and_prints_its_accuracy_after(tmp_path, monkeypat
     model = build_tiny_model(str(tmp_path / "model"))
     overlay.write_text(yaml.safe_dump({"model": {
         "model": {"class_path": "rllight.models.HFModel", "init_args": {"path": model}},
-        "reward": {"class_path": "user_strategies.DigitReward"}, "reward_preflight": 0}}))
+        "reward": {"class_path": "user_strategies.DigitReward"}, "reward_preflight": 0,
+        "reward_runner": None}}))  # scored in the training process: no reward workers to start
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
     out = tmp_path / "compare"
     code = _tool("compare").main(["--methods", "grpo", "--steps", "1", "--batch-size", "1", "--group-size", "2",
