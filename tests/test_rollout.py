@@ -99,7 +99,8 @@ def test_select_and_cat_round_trip():
 
 def test_a_bfloat16_engine_copy_is_the_behaviour_policy_and_follows_updates(tiny_model_dir):
     """HFEngine(dtype=bfloat16) samples from a bfloat16 copy of the policy: its log-probs differ from the
-    float32 trainer's (an off-policy gap that truncated IS corrects), and after an update the copy follows."""
+    float32 trainer's (an off-policy gap that truncated IS corrects), and after an update the copy follows (its
+    weights are made from the policy's at each generation)."""
     torch.manual_seed(0)
     module = RLModule(HFModel(tiny_model_dir), rollout=HFEngine(max_new_tokens=6, dtype="bfloat16"))
     module.configure_model()
@@ -115,7 +116,11 @@ def test_a_bfloat16_engine_copy_is_the_behaviour_policy_and_follows_updates(tiny
     with torch.no_grad():
         for p in module.policy.parameters():
             p.add_(0.5)  # an "update"
-    assert module.rollout.update_weights(module.policy)["rollout/sync_time"] >= 0
+    # Between generations the copy holds no weights (the update runs without them) and has nothing to sync...
+    assert all(q.numel() == 0 for q in copy.parameters())
+    assert module.rollout.update_weights(module.policy) == {}
+    # ...the next generation fills it from the updated policy.
+    assert module.rollout._generator(module.policy) is copy
     for p, q in zip(module.policy.parameters(), copy.parameters()):
         torch.testing.assert_close(q, p.to(torch.bfloat16))
 

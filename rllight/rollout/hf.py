@@ -61,8 +61,9 @@ class HFEngine(RolloutEngine):
         batch_size: Prompts per ``generate`` call (bounds the KV cache memory).
         dtype: Generate with a copy of the policy in this dtype (``bfloat16``: faster on GPUs and on CPUs
             with AMX or AVX-512 BF16; on a CPU without them, e.g. AVX2 only, bfloat16 matrix products are
-            many times slower than float32 and the engine warns), refreshed after every update; None = the
-            policy itself; ``auto`` (the default) = what the trainer computes in: a bfloat16 copy under
+            many times slower than float32 and the engine warns), its weights made from the policy's at each
+            generation and freed after it, so that the trainer's update (where memory peaks) runs without them
+            (under FSDP the copy is kept and refreshed after every update); None = the policy itself; ``auto`` (the default) = what the trainer computes in: a bfloat16 copy under
             ``trainer.precision: bf16-mixed``, else the policy itself (the ``rllight`` command resolves it when
             it reads the recipe, ``rllight.precision``; an engine built in code treats ``auto`` as None). The
             engine's sampling log-probs then differ from the trainer's (``train/rollout/logprob_diff_*``): the
@@ -100,21 +101,29 @@ class HFEngine(RolloutEngine):
         self.dtype = None if dtype == AUTO else dtype  # unresolved auto (no trainer precision known): the policy
         self._copy: torch.nn.Module | None = None  # the policy in ``dtype``, for generation
         self._copy_of: int | None = None  # id() of the policy the copy was made from
+        self._kept = False  # keep_copy: the copy's weights stay between generations (else filled at each one)
 
     def _generator(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The model to generate with: the policy, or its copy (in ``dtype``, made on first use; under FSDP the
-        full copy ``keep_copy`` took before sharding)."""
+        """The model to generate with: the policy, or its copy in ``dtype`` (made on first use, its weights filled
+        from the policy at each generation; under FSDP the full copy ``keep_copy`` took before sharding)."""
+        if self.dtype is None:
+            return model
         if self._copy is None or self._copy_of != id(model):
-            if self.dtype is None:
-                return model
-            self.keep_copy(model)
+            self._make_copy(model)
+        elif not self._kept:
+            self._fill(model)
         device = next(model.parameters()).device
         if next(self._copy.parameters()).device != device:  # the trainer moved the policy (e.g. to its GPU)
             self._copy.to(device)
         return self._copy
 
     def keep_copy(self, model: torch.nn.Module) -> None:
-        """Generate from a copy of ``model`` (in ``dtype`` when set), refreshed by ``update_weights``."""
+        """Generate from a copy of ``model`` (in ``dtype`` when set) that stays between generations and is
+        refreshed by ``update_weights`` (FSDP: the copy is taken before the policy is sharded)."""
+        self._make_copy(model)
+        self._kept = True
+
+    def _make_copy(self, model: torch.nn.Module) -> None:
         import copy
 
         device = next(model.parameters()).device
@@ -139,13 +148,29 @@ class HFEngine(RolloutEngine):
         self._copy.eval().requires_grad_(False)
         self._copy_of = id(model)
 
+    def _fill(self, model: torch.nn.Module) -> None:
+        """The copy's weights from the policy's (a parameter already in the copy's dtype, e.g. a float32 output
+        layer's, is shared, not copied). By name, tied parameters under each of their names: a float32 output
+        layer's weight is a parameter of its own in the copy, while the policy's may be its input embedding's."""
+        sources = dict(model.named_parameters(remove_duplicate=False))
+        for name, target in self._copy.named_parameters():
+            target.data = sources[name].detach().to(target.dtype)
+
+    def _release(self) -> None:
+        """Free the copy's weights between generations (unless ``keep_copy`` keeps them): the trainer's update,
+        where memory peaks (gradients, optimizer state, activations), then runs without them."""
+        if self._copy is None or self._kept:
+            return
+        for p in self._copy.parameters():
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
     def update_weights(self, model: torch.nn.Module) -> dict[str, float]:
-        if self._copy is None or self._copy_of != id(model):
+        """Sync the copy ``keep_copy`` keeps; {} otherwise (the policy itself, or a copy filled at each
+        generation)."""
+        if self._copy is None or self._copy_of != id(model) or not self._kept:
             return {}
         start = time.perf_counter()
-        # By name, tied parameters under each of their names: a float32 output layer's weight is a parameter of
-        # its own in the copy, while the policy's may be its input embedding's.
-        sources = dict(model.named_parameters(remove_duplicate=False))
+        sources = dict(model.named_parameters(remove_duplicate=False))  # by name, as in _fill
         with torch.no_grad():
             for name, target in self._copy.named_parameters():
                 target.copy_(full_tensor(sources[name]))  # one parameter at a time: under FSDP a gather of its shards
@@ -154,7 +179,10 @@ class HFEngine(RolloutEngine):
     @torch.no_grad()
     def generate(self, model, tokenizer, prompts: list[list[int]], greedy: bool = False) -> Generation:
         start = time.perf_counter()
-        out = self._generate_all(self._generator(model), tokenizer, prompts, greedy)
+        try:
+            out = self._generate_all(self._generator(model), tokenizer, prompts, greedy)
+        finally:
+            self._release()
         self.last_metrics = {"rollout/tokens_per_s": out.response_mask.sum().item() / (time.perf_counter() - start)}
         return out
 
