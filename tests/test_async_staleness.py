@@ -1,6 +1,8 @@
-"""tools/async_staleness.py trains each loss at each max_staleness through the worker and tabulates the runs
-(a tiny model, a few steps: the pipeline and the staleness it reports, not the methods)."""
+"""tools/async_staleness.py: every loss name it offers builds a recipe the CLI accepts, bad arguments are refused,
+and one loss trains through the worker at max_staleness 0 and 1 and is tabulated (a tiny model, two steps: the
+pipeline and the staleness it reports, not the methods)."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -8,13 +10,54 @@ import sys
 
 import pytest
 import yaml
-from helpers import TESTS
+from helpers import TESTS, build
 
-TOOL = os.path.join(os.path.dirname(TESTS), "tools", "async_staleness.py")
+ROOT = os.path.dirname(TESTS)
+TOOL = os.path.join(ROOT, "tools", "async_staleness.py")
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("async_staleness_under_test", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_loss_name_builds_a_run_the_cli_accepts(tmp_path):
+    tool = _tool()
+    assert {"grpo", "grpo-tis", "vespo", "grpo-token-mask", "grpo-seq-mask", "grpo-icepop"} <= set(tool.LOSSES)
+    args = tool.parse_args(["--algos", ",".join(tool.LOSSES), "--staleness", "0,4", "--out", str(tmp_path)])
+    assert args.algos == list(tool.LOSSES) and args.staleness == [0, 4]
+    masks = {}
+    for algo in tool.LOSSES:
+        path = tmp_path / f"{algo}.yaml"
+        path.write_text(yaml.safe_dump(tool.overlay(args, algo, 4, str(tmp_path / algo))))
+        module = build(os.path.join(ROOT, "recipes", "quickstart.yaml"), str(path)).model
+        spec = tool.LOSSES[algo]
+        assert type(module.policy_loss).__name__ == spec["class_path"].rsplit(".", 1)[1]
+        assert module.rollout.max_staleness == 4
+        if spec["class_path"].endswith("MaskedIS"):
+            masks[algo] = (module.policy_loss.mask, module.policy_loss.low, module.policy_loss.high)
+    # MaskedIS's defaults: [0.5, 2] for the token and sequence masks, IcePop's [0.5, 5].
+    assert masks == {"grpo-token-mask": ("token", 0.5, 2.0), "grpo-seq-mask": ("sequence", 0.5, 2.0),
+                     "grpo-icepop": ("icepop", 0.5, 5.0)}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--algos", "grpo,nope"], "--algos: unknown nope"),
+    (["--staleness", "0,x"], "--staleness expects comma-separated integers"),
+    (["--staleness", "-1"], "--staleness values must be >= 0"),
+    (["--steps", "0"], "--steps must be >= 1"),
+    (["--config", "missing.yaml"], "--config 'missing.yaml': no such file"),
+])
+def test_bad_arguments_are_refused_with_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        _tool().parse_args(argv)
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.slow
-def test_async_staleness_runs_each_loss_and_staleness_and_reports_what_it_measured(tmp_path, tiny_model_dir):
+def test_async_staleness_runs_a_masked_loss_at_two_staleness_levels_and_reports_it(tmp_path, tiny_model_dir, capsys):
     extra = tmp_path / "tiny.yaml"
     # A reward the random model earns some of (digits in the response), so that its policy moves.
     extra.write_text(yaml.safe_dump({"model": {
@@ -22,10 +65,11 @@ def test_async_staleness_runs_each_loss_and_staleness_and_reports_what_it_measur
         "reward": {"class_path": "user_strategies.DigitReward"}, "reward_preflight": 0}}))
     out = tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([sys.executable, TOOL, "--steps", "2", "--staleness", "0,1", "--algos", "grpo-tis",
-                          "--val-size", "4", "--max-new-tokens", "4", "--lr", "0.01", "--parallel", "2",
-                          "--config", str(extra), "--out", str(out)],
-                         env=env, capture_output=True, text=True, timeout=900, check=False)
+    argv = ["--steps", "2", "--staleness", "0,1", "--algos", "grpo-seq-mask", "--batch-size", "2", "--group-size",
+            "4", "--val-size", "2", "--max-new-tokens", "4", "--lr", "0.01", "--parallel", "2",
+            "--config", str(extra), "--out", str(out)]
+    run = subprocess.run([sys.executable, TOOL, *argv], env=env, capture_output=True, text=True, timeout=900,
+                         check=False)
     assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
     results = {r["staleness"]: r for r in json.loads((out / "async_staleness.json").read_text())["results"]}
     # Synchronous: every step on-policy. One ahead: steps 0 and 1 train on rollouts 0 and 1 version old.
@@ -33,17 +77,16 @@ def test_async_staleness_runs_each_loss_and_staleness_and_reports_what_it_measur
     assert (results[1]["staleness_mean"], results[1]["staleness_max"]) == (0.5, 1)
     assert results[0]["lag_max"] < 1e-3 < results[1]["lag_max"]  # the policy moved while rollouts waited
     for r in results.values():
-        assert r["steps_logged"] == 2 and r["finite"] and r["num_val"] == 4
+        assert r["steps_logged"] == 2 and r["finite"] and r["num_val"] == 2
         config = yaml.safe_load(open(os.path.join(r["log_dir"], "config.yaml")))
-        assert config["model"]["policy_loss"]["class_path"] == "rllight.strategies.TruncatedIS"
-        assert config["model"]["minibatch_size"] == 32  # one update per step
+        assert config["model"]["policy_loss"]["init_args"]["mask"] == "sequence"
+        assert config["model"]["minibatch_size"] == 8  # one update per step
+        assert config["trainer"]["precision"] == "32-true"
     table = (out / "async_staleness.md").read_text()
-    assert "| grpo-tis | 1 |" in table and "| 0.50 / 1 |" in table
-    # --skip-done resumes an interrupted table: runs that finished with the same settings are not run again.
-    again = subprocess.run([*run.args, "--skip-done"], env=env, capture_output=True, text=True, timeout=300,
-                           check=False)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert again.stdout.count("finished before with the same settings, reused") == 2
+    assert "| grpo-seq-mask | 1 |" in table and "| 0.50 / 1 |" in table
+    assert table.strip() in run.stdout  # the report is printed too
+    # --skip-done resumes an interrupted table: runs that finished with the same settings are not run again
+    # (in this process: nothing is started, only the finished runs' logs are read).
+    assert _tool().main([*argv, "--skip-done"]) == 0
+    assert capsys.readouterr().out.count("finished before with the same settings, reused") == 2
     assert (out / "async_staleness.md").read_text() == table
-    with pytest.raises(subprocess.CalledProcessError):
-        subprocess.run([sys.executable, TOOL, "--algos", "nope"], capture_output=True, check=True)

@@ -1,4 +1,4 @@
-"""GRPO, GRPO + truncated importance sampling and VESPO trained on really stale rollouts.
+"""GRPO, GRPO + truncated or masked importance sampling, and VESPO trained on really stale rollouts.
 
 Each run is the quickstart (recipes/quickstart.yaml: SmolLM2-135M-Instruct, the embedded arithmetic task, 4
 prompts x 8 responses, 24 new tokens, temperature 0.7; here at lr 2e-5 with the per-response mean,
@@ -14,6 +14,11 @@ t - k (0 = synchronous, on-policy). Only the policy loss and k differ between ru
   (``rllight.strategies.TruncatedIS``), the sampler's log-probs being the worker's own.
 - ``vespo``: ``rllight.strategies.VESPO`` with recipes/vespo.yaml's kernel: a sequence-level weight against
   the worker's log-probs.
+- ``grpo-token-mask``, ``grpo-seq-mask``, ``grpo-icepop``: the clipped surrogate under
+  ``rllight.strategies.MaskedIS`` with its defaults, against the worker's log-probs: tokens whose ratio
+  ``pi_trainer / pi_sampler`` leaves [0.5, 2] dropped; whole responses dropped when the geometric mean of their
+  ratios leaves [0.5, 2]; IcePop's weight (the ratio inside [0.5, 5], 0 outside). Not in the default
+  ``--algos``: name them.
 
 Every run starts from the same weights with the same seed and prompt order, and is evaluated before and after
 training on the same 200 held-out problems (the quickstart's evaluation: a greedy answer and 4 samples each).
@@ -21,12 +26,15 @@ The table: greedy accuracy before and after (± standard error of the difference
 over the first and the last third of the steps, the measured staleness (mean over steps), and stability: the
 largest gap between the trainer's and the sampler's log-probs of the sampled tokens (a step's mean of
 ``|log pi_trainer - log pi_sampler|``, ``train/rollout/logprob_diff_mean``: how far the policy moved while
-its rollout waited), the largest gradient norm, and whether every logged number stayed finite. The runs' curves go to ``<out>/figures`` (tools/plot.py).
+its rollout waited), the largest gradient norm, and whether every logged number stayed finite. The runs' curves
+go to ``<out>/figures`` (tools/plot.py).
 
 Usage (on 2 CPU cores each run takes about as long as the quickstart, plus the worker's start):
 
     .venv/bin/python tools/async_staleness.py [--steps 40] [--staleness 0,1,4] [--algos grpo,grpo-tis,vespo]
-        [--parallel 1] [--out runs/async-staleness] [--config extra.yaml ...] [--skip-done]
+        [--parallel 1] [--out runs/async-staleness] [--config extra.yaml ...] [--skip-done] [--worker-timeout 3600]
+
+Every run is pinned to float32 (``trainer.precision: 32-true``), as the README's table was measured.
 
 Smoke test (a tiny model folder, seconds of training; proves the pipeline, not the methods):
 
@@ -87,6 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=2e-5)
     p.add_argument("--val-size", type=int, default=200, help="Held-out problems evaluated before and after.")
     p.add_argument("--parallel", type=int, default=1, help="Runs at once (each is a trainer and a worker).")
+    p.add_argument("--worker-timeout", type=float, default=3600.0,
+                   help="Longest wait for the worker (its evaluation of --val-size problems included), seconds.")
     p.add_argument("--config", action="append", default=[], help="Extra overlay for every run (repeatable).")
     p.add_argument("--out", default="runs/async-staleness")
     p.add_argument("--skip-done", action="store_true",
@@ -125,12 +135,16 @@ def overlay(args: argparse.Namespace, algo: str, staleness: int, run_dir: str) -
             "check_val_every_n_epoch": None,
             "val_check_interval": 10**9,
             "limit_val_batches": None,
+            # float32 whatever the CPU: the table was measured so (a recipe's precision auto picks bf16-mixed on a
+            # CPU with AVX-512 BF16 or AMX, which would change every number)
+            "precision": "32-true",
         },
         "model": {
             # The sampling settings on the ProcessEngine: there they replace the quickstart's, which it keeps.
             "rollout": {"class_path": "rllight.rollout.worker.ProcessEngine", "init_args": {
                 "engine": {"class_path": "rllight.rollout.HFEngine"}, "max_staleness": staleness,
-                "max_new_tokens": args.max_new_tokens, "temperature": args.temperature}},
+                "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+                "timeout_seconds": args.worker_timeout}},
             "sampler": {"class_path": "rllight.strategies.GroupSampler", "init_args": {"group_size": args.group_size}},
             "policy_loss": LOSSES[algo],
             # the per-response mean the README's table was measured with (the quickstart now uses a token mean)
