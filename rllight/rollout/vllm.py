@@ -248,20 +248,26 @@ def _save_base(model: torch.nn.Module, tokenizer, path: str) -> None:
     tokenizer.save_pretrained(path)
 
 
-class _RotaryReloadFilter(logging.Filter):
-    """vLLM 0.32's in-place reload counts the rotary embedding's cos/sin cache (a buffer computed from the
-    config, absent from checkpoints) as a weight to load, logs "RotaryEmbedding: Failed to load weights" on
-    every sync, and then puts the cache back unchanged. This drops that one message, nothing else."""
+class _VLLMNoiseFilter(logging.Filter):
+    """Drops two vLLM 0.32 messages that say nothing a recipe user can act on, nothing else:
+
+    - its in-place reload counts the rotary embedding's cos/sin cache (a buffer computed from the config, absent
+      from checkpoints) as a weight to load, logs "RotaryEmbedding: Failed to load weights" on every sync, and
+      then puts the cache back unchanged;
+    - with LoRA it warns once per process that a LoRA's own tokenizer is deprecated: rllight's adapters have
+      none, they use the policy's tokenizer."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        return not (message.startswith("RotaryEmbedding") and message.endswith("Failed to load weights"))
+        rotary = message.startswith("RotaryEmbedding") and message.endswith("Failed to load weights")
+        return not (rotary or message.startswith("vLLM has deprecated support for supporting different tokenizers"))
 
 
-def _quiet_rotary_reload_warning() -> None:
-    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-    if not any(isinstance(f, _RotaryReloadFilter) for f in logger.filters):
-        logger.addFilter(_RotaryReloadFilter())
+def _quiet_vllm_noise() -> None:
+    for name in ("vllm.model_executor.model_loader.reload.layerwise", "vllm.v1.engine.input_processor"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _VLLMNoiseFilter) for f in logger.filters):
+            logger.addFilter(_VLLMNoiseFilter())
 
 
 @contextlib.contextmanager
@@ -400,7 +406,7 @@ class VLLMEngine(RolloutEngine):
                 logprobs_mode="processed_logprobs",
                 **kwargs,
             )
-        _quiet_rotary_reload_warning()
+        _quiet_vllm_noise()
         if kwargs.get("enable_lora"):
             self._push_adapter(model)
         # The weights now live in the engine and syncs never read the folder: free the disk copy, keep the
