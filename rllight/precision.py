@@ -30,6 +30,7 @@ from lightning.pytorch.cli import LightningArgumentParser
 from torch import Tensor
 
 from rllight.algorithms.logprobs import chunked_logprobs_and_entropy
+from rllight.machine import cpu_flags
 
 log = logging.getLogger("rllight")
 
@@ -37,18 +38,6 @@ AUTO = "auto"
 ENGINE_KEYS = ("model.rollout",)
 """Where the rollout engine's config lives; a ``dtype: auto`` in its ``init_args`` (or in those of an engine it
 wraps, e.g. ``rllight.rollout.worker.ProcessEngine``'s ``engine``) follows the trainer's precision."""
-
-
-def _cpu_flags() -> set[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def cpu_bf16_units() -> str | None:
@@ -62,7 +51,7 @@ def cpu_bf16_units() -> str | None:
     if hasattr(cpu, "_is_avx512_bf16_supported") and hasattr(cpu, "_is_amx_tile_supported"):
         avx512_bf16, amx = cpu._is_avx512_bf16_supported(), cpu._is_amx_tile_supported()
     else:
-        flags = _cpu_flags()
+        flags = cpu_flags()
         avx512_bf16, amx = "avx512_bf16" in flags, "amx_bf16" in flags
     if avx512_bf16:
         return "AVX-512 BF16"

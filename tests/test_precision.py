@@ -47,7 +47,7 @@ def test_precision_cpu_units_from_torch_or_from_the_cpu_flags(monkeypatch):
     monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported")
     for flags, expected in (({"avx2", "avx512f"}, None), ({"avx512f", "avx512_bf16"}, "AVX-512 BF16"),
                             ({"amx_tile", "amx_bf16"}, "AMX")):
-        monkeypatch.setattr(precision, "_cpu_flags", lambda f=flags: f)
+        monkeypatch.setattr(precision, "cpu_flags", lambda f=flags: f)
         assert precision.cpu_bf16_units() == expected
 
 
