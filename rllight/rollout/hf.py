@@ -106,12 +106,13 @@ class HFEngine(RolloutEngine):
     def _generator(self, model: torch.nn.Module) -> torch.nn.Module:
         """The model to generate with: the policy, or its copy in ``dtype`` (made on first use, its weights filled
         from the policy at each generation; under FSDP the full copy ``keep_copy`` took before sharding)."""
-        if self.dtype is None:
-            return model
-        if self._copy is None or self._copy_of != id(model):
-            self._make_copy(model)
-        elif not self._kept:
-            self._fill(model)
+        if not self._kept:  # keep_copy's copy (FSDP) is the generator whatever the dtype
+            if self.dtype is None:
+                return model
+            if self._copy is None or self._copy_of != id(model):
+                self._make_copy(model)
+            else:
+                self._fill(model)
         device = next(model.parameters()).device
         if next(self._copy.parameters()).device != device:  # the trainer moved the policy (e.g. to its GPU)
             self._copy.to(device)
