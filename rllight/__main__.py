@@ -1,6 +1,15 @@
-"""``python -m rllight``: the same command as ``rllight``."""
+"""``python -m rllight`` and the ``rllight`` console script.
 
-from rllight.cli import main
+The command line is imported inside ``main``, not here: processes a run starts with ``multiprocessing`` (rollout
+and reward workers) import the parent's main module first, and this one costs them nothing, where
+``rllight.cli`` would load Lightning into each of them (seconds per worker)."""
+
+
+def main() -> None:
+    from rllight.cli import main as cli_main
+
+    cli_main()
+
 
 if __name__ == "__main__":
     main()

@@ -9,9 +9,10 @@ import re
 import shlex
 import signal
 import sys
+from typing import Literal, Union
 
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from rllight._compat import RunCheckpoint, resolve_last_checkpoint
 from rllight.checkpoint import AtomicCheckpointIO, CheckpointSettings, disk_size, human_size
@@ -21,7 +22,7 @@ from rllight.evaluation import before_after, column_notes, evaluation_table
 from rllight.export import check_export_dir, overlaps
 from rllight.module import RLModule
 from rllight.paths import add_user_import_paths, expand_config_paths, expand_path, model_path_args
-from rllight.precision import RecipeParser, check_float32_lm_head, resolve_config
+from rllight.precision import check_float32_lm_head, resolve_config
 from rllight.progress import progress_callbacks, quiet_lightning
 from rllight.safety import RECIPE_KEY, Interrupts, RecipeRecord, check_resume, check_writable, read_checkpoint
 
@@ -47,6 +48,28 @@ FIT_DESCRIPTION = (
     "Ctrl-C or SIGTERM saves one after the current step and prints the "
     "command that resumes (--ckpt_path FILE)."
 )
+
+
+class RecipeParser(LightningArgumentParser):
+    """Lightning's parser, with ``trainer.precision: auto`` and the engine's ``dtype: auto`` resolved as part of
+    parsing, before ``--print_config`` prints (jsonargparse prints inside ``_parse_common``, the one step every
+    parse goes through: ``tests/test_precision.py`` checks the printed value, so a jsonargparse that renames
+    it fails there)."""
+
+    def _parse_common(self, cfg, env, defaults, skip_validation, *args, **kwargs):
+        # The whole command line's parse, not that of one --config file inside it (defaults off, no validation):
+        # a later --trainer.precision must still win over a file's auto.
+        if defaults and not skip_validation:
+            for prefix in ("", "fit.", "validate."):
+                if cfg.get(prefix + "trainer") is not None:
+                    resolve_config(cfg.get(prefix[:-1]) if prefix else cfg)
+        return super()._parse_common(cfg, env, defaults, skip_validation, *args, **kwargs)
+
+    def allow_auto_precision(self) -> None:
+        """Let ``trainer.precision`` take ``auto`` (Lightning's type lists its own values only)."""
+        for action in self._actions:
+            if action.dest == "trainer.precision" and hasattr(action, "_typehint"):
+                action._typehint = Union[Literal["auto"], action._typehint]
 
 
 class RLLightCLI(LightningCLI):

@@ -26,6 +26,7 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor, nn
 
+from rllight.dtensor import full_tensor, is_dtensor
 from rllight.types import Rollout
 
 
@@ -95,19 +96,6 @@ def shard(models: dict[str, nn.Module], mesh) -> nn.Module:
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no pre-multiplied sum)
     return root
-
-
-def full_tensor(value: Tensor) -> Tensor:
-    """A parameter or gradient as one full tensor (gathered from the ranks when it is sharded: a collective)."""
-    from torch.distributed.tensor import DTensor
-
-    return value.full_tensor() if isinstance(value, DTensor) else value
-
-
-def is_dtensor(value: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(value, DTensor)
 
 
 def padding_row(like: Rollout) -> Rollout:

@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Literal, Union
 
 import torch
-from lightning.pytorch.cli import LightningArgumentParser
 from torch import Tensor
 
 from rllight.algorithms.logprobs import chunked_logprobs_and_entropy
@@ -158,28 +156,6 @@ def check_float32_lm_head(config) -> None:
         raise RecipeError(f"model.model.init_args.float32_lm_head: {name} holds weights of its own and computes the "
                           "output layer in its dtype, so only the trainer's would be float32; use model.rollout: "
                           "rllight.rollout.HFEngine, or set float32_lm_head: false")
-
-
-class RecipeParser(LightningArgumentParser):
-    """Lightning's parser, with ``trainer.precision: auto`` and the engine's ``dtype: auto`` resolved as part of
-    parsing, before ``--print_config`` prints (jsonargparse prints inside ``_parse_common``, the one step every
-    parse goes through: ``tests/test_precision.py`` checks the printed value, so a jsonargparse that renames
-    it fails there)."""
-
-    def _parse_common(self, cfg, env, defaults, skip_validation, *args, **kwargs):
-        # The whole command line's parse, not that of one --config file inside it (defaults off, no validation):
-        # a later --trainer.precision must still win over a file's auto.
-        if defaults and not skip_validation:
-            for prefix in ("", "fit.", "validate."):
-                if cfg.get(prefix + "trainer") is not None:
-                    resolve_config(cfg.get(prefix[:-1]) if prefix else cfg)
-        return super()._parse_common(cfg, env, defaults, skip_validation, *args, **kwargs)
-
-    def allow_auto_precision(self) -> None:
-        """Let ``trainer.precision`` take ``auto`` (Lightning's type lists its own values only)."""
-        for action in self._actions:
-            if action.dest == "trainer.precision" and hasattr(action, "_typehint"):
-                action._typehint = Union[Literal["auto"], action._typehint]
 
 
 class Float32Head(torch.nn.Module):

@@ -66,7 +66,7 @@ def start_fit(recipe: str, *args: str, cwd: str | None = None, log_file: str | N
     """Start ``rllight fit --config <recipes/recipe> <args>`` in a child process (in ``cwd``; output captured as
     text, or with ``log_file`` stdout and stderr written to that file, as a batch job's log). The child has this
     environment, the tests folder on PYTHONPATH (for the test strategies), and the ``env`` variables."""
-    cmd = [sys.executable, "-m", "rllight.cli", "fit", "--config", os.path.join(RECIPES, recipe), *args]
+    cmd = [sys.executable, "-m", "rllight", "fit", "--config", os.path.join(RECIPES, recipe), *args]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]), **env)
     if log_file is None:
         return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

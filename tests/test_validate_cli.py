@@ -18,7 +18,7 @@ from rllight.cli import RLLightCLI
 @pytest.mark.slow
 def test_rllight_validate_reports_pass_at_k_and_writes_the_rows(tmp_path, tiny_model_dir):
     overlay = tiny_overrides(tmp_path, tiny_model_dir, reward={"class_path": "user_strategies.EvenLength"})
-    cmd = [sys.executable, "-m", "rllight.cli", "validate", "--config", os.path.join(RECIPES, "grpo.yaml"),
+    cmd = [sys.executable, "-m", "rllight", "validate", "--config", os.path.join(RECIPES, "grpo.yaml"),
            "--config", overlay, "--trainer.limit_val_batches", "null", "--model.evaluation.n", "4",
            "--model.evaluation.temperature", "1.0", "--model.evaluation.ks", "[1, 2, 4]"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))

@@ -160,7 +160,7 @@ def run_method(name: str, recipe: str, args: argparse.Namespace) -> dict:
     overlay = os.path.join(run_dir, "compare_overlay.yaml")
     with open(overlay, "w") as f:
         yaml.safe_dump(shared_overlay(args, run_dir), f, sort_keys=False)
-    cmd = [sys.executable, "-m", "rllight.cli", "fit", "--config", recipe, "--config", overlay,
+    cmd = [sys.executable, "-m", "rllight", "fit", "--config", recipe, "--config", overlay,
            *[a for c in args.config for a in ("--config", c)]]
     per_rollout = updates_per_rollout(resolved_config(cmd))
     with open(overlay, "w") as f:

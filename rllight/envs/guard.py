@@ -5,7 +5,7 @@ thread and waits at most the environment's ``timeout_seconds`` for it. A call th
 or answers something unusable (``step`` returning None, a reward that is not finite in float32, ``done=False``
 without an observation) ends that episode with reward 0; the guard counts it (``episode/failures``,
 ``episode/timeouts``) and the rollout producer logs one warning per batch naming the environment class. While
-it waits, Ctrl-C and SIGTERM are honoured within seconds (``rllight.safety.wait_stoppable``).
+it waits, Ctrl-C and SIGTERM are honoured within seconds (``rllight.stopping.wait_stoppable``).
 
 A call past its limit cannot be killed (it runs in the trainer's process): it is asked to stop with an exception
 (which a pure-Python loop obeys) and left to its thread otherwise. After ``HUNG_IN_A_ROW`` timeouts of one
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from rllight.envs.base import Environment, StepResult
 from rllight.rewards.base import _finite_in_float32
-from rllight.safety import call_stoppable
+from rllight.stopping import call_stoppable
 
 HUNG_IN_A_ROW = 3
 """Timeouts of one method in a row, without a call of it that returned between them, after which a batch's

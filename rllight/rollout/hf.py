@@ -10,7 +10,7 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from rllight.errors import RecipeError
-from rllight.fsdp import full_tensor
+from rllight.dtensor import full_tensor
 from rllight.precision import AUTO, Float32Head, cpu_bf16_units
 from rllight.rollout.base import (
     Generation,

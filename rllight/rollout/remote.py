@@ -56,7 +56,7 @@ from rllight.errors import ComponentError, RecipeError
 from rllight.rollout.base import Generation, RolloutEngine, request_key
 from rllight.rollout.hf import eos_token_ids
 from rllight.rollout.vllm import full_state_dict, generation_from_samples
-from rllight.safety import call_stoppable, wait_stoppable
+from rllight.stopping import call_stoppable, wait_stoppable
 
 
 class VLLMServerEngine(RolloutEngine):

@@ -53,7 +53,7 @@ import torch
 from torch import Tensor
 
 from rllight.errors import RecipeError
-from rllight.fsdp import full_tensor, is_dtensor
+from rllight.dtensor import full_tensor, is_dtensor
 from rllight.rollout.base import Generation, RolloutEngine, pad_left
 from rllight.rollout.hf import eos_token_ids
 

@@ -73,7 +73,7 @@ from torch import Tensor
 from rllight.errors import ComponentError, RecipeError
 from rllight.rollout.base import SAMPLING_SETTINGS, Generation, RolloutEngine, request_key
 from rllight.rollout.vllm import adapter_state_dict, base_state_dict, full_state_dict, lora_config
-from rllight.safety import check_stop
+from rllight.stopping import check_stop
 
 log = logging.getLogger(__name__)
 
