@@ -112,7 +112,8 @@ def test_staleness_trains_and_reports_each_run(monkeypatch, capsys):
     out = capsys.readouterr().out.strip().splitlines()
     (row,) = [line for line in out if line.startswith("grpo  N=2")]
     assert "finite=yes skipped_steps=0" in row
-    assert out[-1] == "all finite"
+    assert out[-3] == "all finite" and out[-2].startswith("machine: ")
+    assert _pairs(out[-1]) == {"finite_runs": "1/1"}
 
 
 @pytest.mark.slow  # two `rllight fit` child processes (the configuration, then the run)

@@ -164,7 +164,7 @@ def start_run(args: argparse.Namespace, algo: str, staleness: int) -> dict:
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, "overlay.yaml")
     text = yaml.safe_dump(overlay(args, algo, staleness, run_dir), sort_keys=False)
-    cmd = [sys.executable, "-m", "rllight.cli", "fit", "--config", os.path.join(ROOT, "recipes", "quickstart.yaml"),
+    cmd = [sys.executable, "-m", "rllight", "fit", "--config", os.path.join(ROOT, "recipes", "quickstart.yaml"),
            "--config", path, *[a for c in args.config for a in ("--config", c)]]
     done = os.path.join(run_dir, "finished.json")
     if args.skip_done and os.path.isfile(done) and os.path.isfile(path):
@@ -260,6 +260,10 @@ def main(argv: list[str] | None = None) -> int:
              f"{args.val_size} held-out problems")
     compare.write_report(args.out, "async_staleness", f"Setup: {setup}\n\n{table(results)}\n",
                          {"setup": vars(args), "results": results}, [{**r, "method": r["name"]} for r in results])
+    from rllight.machine import machine_line
+
+    print(machine_line())
+    print(f"runs_finished={sum(r['returncode'] == 0 for r in results)}/{len(results)}")
     return 0 if all(r["returncode"] == 0 for r in results) else 1
 
 

@@ -30,6 +30,7 @@ import lightning as L
 import torch
 
 from rllight.data import RLDataModule
+from rllight.machine import machine_line
 from rllight.data.arithmetic import ArithmeticTask
 from rllight.models import HFModel
 from rllight.module import RLModule
@@ -159,6 +160,8 @@ def main() -> None:
                 print(f"      stopped: {r['error']}", flush=True)
     print("all finite" if all(r["finite"] for r in results) else
           "NOT finite: " + ", ".join(f"{r['algo']} N={r['n']}" for r in results if not r["finite"]))
+    print(machine_line())
+    print(f"finite_runs={sum(r['finite'] for r in results)}/{len(results)}")
 
 
 if __name__ == "__main__":
