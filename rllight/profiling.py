@@ -70,7 +70,8 @@ def to_markdown(summary: dict) -> str:
 
 
 class ProfileStep(L.Callback):
-    """Profile one training step (the ``step``-th rollout, 0-based) on the CPU and write its summary.
+    """Profile one training step (the ``step``-th rollout of this run, 0-based, counted across epochs; a resumed
+    run counts from its resume) on the CPU and write its summary.
 
     Args:
         step: Which training batch (rollout) to profile.
@@ -86,10 +87,12 @@ class ProfileStep(L.Callback):
         self.row_limit = row_limit
         self._prof = None
         self._start = 0.0
+        self._batches = 0  # training batches started in this run (batch_idx starts again at 0 every epoch)
         self.summary: dict | None = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
-        if batch_idx == self.step and self._prof is None:
+        self._batches += 1
+        if self._batches - 1 == self.step and self._prof is None:
             self._prof = profile(activities=[ProfilerActivity.CPU])
             self._prof.__enter__()
             self._start = time.perf_counter()

@@ -3,6 +3,7 @@ generated tokens/s and peak memory (its TRL side needs TRL's own environment and
 
 import csv
 import glob
+import importlib.util
 import os
 import re
 import subprocess
@@ -29,10 +30,14 @@ def logged_steps(run_dir) -> list[dict[str, str]]:
 
 
 @pytest.mark.slow
-def test_bench_step_prints_the_phase_medians_tokens_per_s_and_peak_memory(tmp_path, tiny_model_dir):
+def test_bench_step_prints_the_phase_medians_tokens_per_s_peak_memory_and_the_heldout_gain(tmp_path, tiny_model_dir,
+                                                                                            capsys):
+    """Also ``--heldout``: the starting model and rllight's exported final model are evaluated greedily on the
+    held-out problems; learning.json holds the per-step reward, entropy and length rllight logged; ``--summarize``
+    prints each run and the mean over runs (one run of the tool for all of it: each start costs seconds)."""
     out = tmp_path / "bench"
     run = bench("--model-dir", tiny_model_dir, "--steps", "3", "--set", "model.rollout.init_args.max_new_tokens=8",
-                "--out", str(out), "--profile", "1")
+                "--out", str(out), "--profile", "1", "--train-prompts", "4", "--heldout", "6", "--seed", "2")
     assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
     rows = re.findall(r"^  (\w[\w /]*?) {2,}([\d.e+-]+)$", run.stdout, re.MULTILINE)
     table = {name: float(value) for name, value in rows}
@@ -52,6 +57,7 @@ def test_bench_step_prints_the_phase_medians_tokens_per_s_and_peak_memory(tmp_pa
     assert [int(r["step"]) for r in logged_steps(out / "rllight")] == [0, 1, 2]
     # --profile 1: step 1's phases, generation per token among them.
     assert "| rllight.generate.token |" in (out / "profile" / "profile.md").read_text()
+    _check_heldout(tmp_path, out, run, capsys)
 
 
 @pytest.mark.slow
@@ -136,17 +142,9 @@ def test_trl_gets_the_prompts_in_the_order_rllight_trains_on_them_over_epochs(tm
     assert settings["seed"] == seed and settings["final_dir"] and settings["loss_type"] == "grpo"
 
 
-@pytest.mark.slow
-def test_heldout_evaluates_the_start_and_the_trained_model_and_summarize_averages_runs(tmp_path, tiny_model_dir):
-    """``--heldout``: the starting model and rllight's exported final model are evaluated greedily on the held-out
-    problems; learning.json holds the per-step reward, entropy and length rllight logged; ``--summarize`` prints
-    each run and the mean over runs."""
+def _check_heldout(tmp_path, out, run, capsys):
     import json
 
-    out = tmp_path / "bench"
-    run = bench("--model-dir", tiny_model_dir, "--steps", "3", "--train-prompts", "4", "--heldout", "6",
-                "--seed", "2", "--set", "model.rollout.init_args.max_new_tokens=8", "--out", str(out))
-    assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
     learned = json.loads((out / "learning.json").read_text())
     steps = logged_steps(out / "rllight")
     side = learned["sides"]["rllight"]
@@ -163,9 +161,15 @@ def test_heldout_evaluates_the_start_and_the_trained_model_and_summarize_average
     # The row names the recipe's loss aggregation (recipes/grpo.yaml's), read from the config the run saved.
     assert re.search(r"^  rllight/SeqMeanTokenMean +2  [\d.]+ -> [\d.]+", run.stdout, re.MULTILINE), run.stdout[-2000:]
     outs = [out, out]
-    summary = bench("--summarize", *map(str, outs))
-    assert summary.returncode == 0, summary.stderr[-3000:]
-    assert re.search(r"^  rllight/SeqMeanTokenMean +2 runs: held-out gain", summary.stdout, re.MULTILINE)
-    assert len(re.findall(r"^  rllight/SeqMeanTokenMean +2  ", summary.stdout, re.MULTILINE)) == 2
-    missing = bench("--summarize", str(tmp_path / "nothing"))
-    assert missing.returncode == 2 and "--summarize" in missing.stderr.strip().splitlines()[-1]
+    # --summarize reads the folders only: in this process.
+    spec = importlib.util.spec_from_file_location("rllight_tool_bench_step", BENCH)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    capsys.readouterr()
+    assert tool.main(["--summarize", *map(str, outs)]) in (0, None)
+    summary = capsys.readouterr().out
+    assert re.search(r"^  rllight/SeqMeanTokenMean +2 runs: held-out gain", summary, re.MULTILINE), summary
+    assert len(re.findall(r"^  rllight/SeqMeanTokenMean +2  ", summary, re.MULTILINE)) == 2
+    with pytest.raises(SystemExit) as missing:
+        tool.main(["--summarize", str(tmp_path / "nothing")])
+    assert missing.value.code == 2 and "--summarize" in capsys.readouterr().err.strip().splitlines()[-1]
