@@ -481,7 +481,8 @@ def test_environment_recipe_trains_two_steps_with_groups(recipe, tmp_path, tiny_
                 "--model.minibatch_size", "null", *extra)
     env = cli.model.producer.environment
     assert type(env).__name__ == {"env-arithmetic-feedback.yaml": "ArithmeticFeedback",
-                                  "env-calculator.yaml": "Calculator", "env-reasoning-gym-feedback.yaml": "Feedback"}[recipe]
+                                  "env-calculator.yaml": "Calculator",
+                                  "env-reasoning-gym-feedback.yaml": "Feedback"}[recipe]
     seen = []
     sampler = cli.model.sampler
 

@@ -326,7 +326,8 @@ def test_truncation_flags_and_response_masks(trained):
 @pytest.mark.parametrize("recipe,lora", [("grpo.yaml", None), ("quickstart-lora.yaml", LORA)], ids=["full", "lora"])
 def test_two_training_steps_through_the_overlay(recipe, lora, tmp_path, vllm_model_dir):
     """The CLI path: a recipe + the vLLM overlay trains two steps; the module syncs after each update (LoRA:
-    the adapter, vLLM's LoRA support), so the engine ends on the trained weights: its log-probs are the trained policy's."""
+    the adapter, vLLM's LoRA support), so the engine ends on the trained weights: its log-probs are the trained
+    policy's."""
     pytest.importorskip("vllm")
     from transformers import AutoModelForCausalLM
 

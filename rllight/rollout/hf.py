@@ -63,7 +63,8 @@ class HFEngine(RolloutEngine):
             with AMX or AVX-512 BF16; on a CPU without them, e.g. AVX2 only, bfloat16 matrix products are
             many times slower than float32 and the engine warns), its weights made from the policy's at each
             generation and freed after it, so that the trainer's update (where memory peaks) runs without them
-            (under FSDP the copy is kept and refreshed after every update); None = the policy itself; ``auto`` (the default) = what the trainer computes in: a bfloat16 copy under
+            (under FSDP the copy is kept and refreshed after every update); None = the policy itself;
+            ``auto`` (the default) = what the trainer computes in: a bfloat16 copy under
             ``trainer.precision: bf16-mixed``, else the policy itself (the ``rllight`` command resolves it when
             it reads the recipe, ``rllight.precision``; an engine built in code treats ``auto`` as None). The
             engine's sampling log-probs then differ from the trainer's (``train/rollout/logprob_diff_*``): the
