@@ -27,6 +27,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor, nn
 
 from rllight.dtensor import full_tensor, is_dtensor
+from rllight.errors import RecipeError
 from rllight.types import Rollout
 
 
@@ -38,16 +39,45 @@ class FSDP(ModelParallelStrategy):
         save_distributed_checkpoint: Each rank saves its own shard into a checkpoint folder (default); False
             gathers a single full checkpoint file on rank 0.
         process_group_backend: None = NCCL on GPUs, gloo on CPUs.
+        param_dtype: FSDP2's mixed precision (``MixedPrecisionPolicy``): the decoder layers gather their weights
+            in this dtype and compute in it (e.g. ``bfloat16``), while the shards, the gradients the optimizer
+            sees and its state stay float32. The root unit (embeddings, final norm, output layer, value heads)
+            stays in the weights' dtype, so the log-probs are read from a float32 output layer. None (default):
+            the weights' own dtype; ``trainer.precision: bf16-mixed`` then computes under autocast instead. The two
+            compose; with ``param_dtype`` the usual pairing is ``trainer.precision: 32-true`` (no autocast).
+        reduce_dtype: The dtype the gradients are summed over ranks in (with ``param_dtype``); float32 by default,
+            as torchtitan and verl do, so the sum carries no bfloat16 rounding.
     """
 
-    def __init__(self, save_distributed_checkpoint: bool = True, process_group_backend: str | None = None, **kwargs):
+    def __init__(self, save_distributed_checkpoint: bool = True, process_group_backend: str | None = None,
+                 param_dtype: str | None = None, reduce_dtype: str = "float32", **kwargs):
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, **kwargs)
+        self.param_dtype = _dtype(param_dtype, "param_dtype") if param_dtype is not None else None
+        self.reduce_dtype = _dtype(reduce_dtype, "reduce_dtype")
+
+    def mixed_precision(self):
+        """The ``MixedPrecisionPolicy`` of the decoder layers (None: the weights' own dtype)."""
+        if self.param_dtype is None:
+            return None
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
 
     def setup_environment(self) -> None:
         world = self.num_nodes * self.num_processes
         self._data_parallel_size, self._tensor_parallel_size = world, 1
         super().setup_environment()
+
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _dtype(name: str, key: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise RecipeError(f"trainer.strategy.init_args.{key}={name!r} is not a dtype FSDP can compute in; use one of "
+                          f"{', '.join(DTYPES)}")
+    return DTYPES[name]
 
 
 def is_sharded(trainer) -> bool:
@@ -68,7 +98,7 @@ class _Pass(nn.Module):
         return fn()
 
 
-def _layers(model: nn.Module) -> list[nn.Module]:
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The decoder layers of a causal LM (a peft model's too), of a critic's backbone, or none (a value head)."""
     owner = getattr(model, "backbone", None)
     owner = model if owner is None else owner
@@ -79,17 +109,18 @@ def _layers(model: nn.Module) -> list[nn.Module]:
     return []
 
 
-def shard(models: dict[str, nn.Module], mesh) -> nn.Module:
-    """Shard ``models`` (the policy, a critic) over the data-parallel ``mesh``: one unit per decoder layer and a
-    root unit (returned) holding the rest. Gradients are summed over ranks."""
+def shard(models: dict[str, nn.Module], mesh, mixed_precision=None) -> nn.Module:
+    """Shard ``models`` (the policy, a critic) over the data-parallel ``mesh``: one unit per decoder layer (with
+    ``mixed_precision``, a ``MixedPrecisionPolicy``, if given) and a root unit (returned) holding the rest.
+    Gradients are summed over ranks."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     # The root's outputs are views (log-probs of the response positions); nothing changes them in place, which
     # is what torch warns about on every pass.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     for model in models.values():
-        for layer in _layers(model):
-            fully_shard(layer, mesh=mesh)
+        for layer in decoder_layers(model):
+            fully_shard(layer, mesh=mesh, **({"mp_policy": mixed_precision} if mixed_precision is not None else {}))
     root = fully_shard(_Pass(**models), mesh=mesh)
     for module in root.modules():
         if isinstance(module, FSDPModule):
@@ -145,5 +176,5 @@ def gathered_policy(policy: nn.Module, lora=None) -> nn.Module | None:
     return plain
 
 
-__all__ = ["FSDP", "full_tensor", "gathered_policy", "is_dtensor", "is_sharded", "padding_passes", "padding_row",
-           "shard"]
+__all__ = ["DTYPES", "FSDP", "decoder_layers", "full_tensor", "gathered_policy", "is_dtensor", "is_sharded",
+           "padding_passes", "padding_row", "shard"]

@@ -229,7 +229,8 @@ class RLModule(L.LightningModule):
         if is_sharded(self._trainer):  # FSDP: the engine copies the full policy first; then each rank keeps a shard
             self.rollout.keep_copy(self.policy)
             models = {"policy": self.policy, **({"critic": self.critic} if self.critic is not None else {})}
-            self.scoring.net = shard(models, self.device_mesh["data_parallel"])
+            mixed_precision = getattr(self._trainer.strategy, "mixed_precision", lambda: None)()
+            self.scoring.net = shard(models, self.device_mesh["data_parallel"], mixed_precision)
         self.producer.bind(self.policy, self.tokenizer)
 
     def configure_optimizers(self):

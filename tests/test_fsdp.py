@@ -148,3 +148,28 @@ def test_a_sharded_lora_policy_with_an_engine_that_needs_merged_weights_is_refus
     check_sharding(SimpleNamespace(strategy=None), LoRA(rank=4), ProcessEngine(HFEngine()))  # not sharded
     with pytest.raises(RecipeError, match=r"model\.lora with trainer\.strategy FSDP: ProcessEngine needs merged"):
         check_sharding(trainer, LoRA(rank=4), ProcessEngine(HFEngine()))
+
+
+@pytest.mark.slow
+def test_fsdp_param_dtype_computes_the_layers_in_bfloat16_over_float32_shards(tmp_path, tiny_model_dir):
+    """FSDP's mixed-precision policy (``param_dtype: bfloat16``, float32 reduction): the decoder layers compute in
+    bfloat16 while their shards stay float32, and GRPO's losses on the same rollouts stay within bfloat16's
+    rounding of the float32 one-process run's (two 8-bit-mantissa layers: a few per cent)."""
+    _run.model_dir = tiny_model_dir
+    one = _run(tmp_path, "grpo", "grpo.yaml", sharded=False)
+    two = _run(tmp_path, "bf16", "grpo.yaml", "--trainer.strategy.init_args.param_dtype", "bfloat16", sharded=True)
+    assert (one["compute_dtype"], one["stored_dtype"]) == ("torch.float32", "torch.float32")
+    assert (two["compute_dtype"], two["stored_dtype"]) == ("torch.bfloat16", "torch.float32")
+    for key, value in one["losses"].items():
+        assert two["losses"][key] == pytest.approx(value, rel=5e-2, abs=1e-3), key
+    moved = max(float((two["params"][n] - p).abs().max()) for n, p in one["params"].items())
+    assert moved > 0  # the bfloat16 layers changed the updates
+
+
+def test_fsdp_param_dtype_is_checked_before_the_model_loads():
+    from rllight.errors import RecipeError
+    from rllight.fsdp import FSDP
+
+    with pytest.raises(RecipeError, match=r"^trainer\.strategy\.init_args\.param_dtype='bf16' is not a dtype FSDP can "
+                                          r"compute in; use one of bfloat16, float16, float32$"):
+        FSDP(param_dtype="bf16")

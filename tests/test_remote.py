@@ -16,6 +16,7 @@ import urllib.request
 import pytest
 import torch
 from conftest import RECIPES
+from helpers import fit_in_child, tiny_overrides
 
 from rllight.errors import ComponentError, RecipeError
 from rllight.models import HFModel
@@ -303,3 +304,34 @@ def test_asynchronous_generation_from_the_server_is_the_old_policys_and_tagged(s
     rollout = module.producer.sample(ROWS, n=2)  # nothing ahead: the update is pushed, then it generates
     assert (engine.last_metrics["rollout/generated_ahead"], engine.last_metrics["rollout/policy_version"]) == (0, 1)
     assert _trainer_logprobs(module, rollout) < 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_two_fsdp_ranks_share_one_server_and_each_samples_its_trainers_policy(server, tmp_path):
+    """All ranks share one vLLM server: two FSDP processes each send their own prompts, tagged with their rank. A
+    push is made once per update (the ranks gather the weights together, rank 0 writes and loads them), and
+    every step each rank's sampled log-probs are its trainer's within the single-process test's tolerance; the
+    server ends on the version of the last update and the ranks with the same weights."""
+    url, model_dir = server
+    engine = {"class_path": "rllight.rollout.remote.VLLMServerEngine",
+              "init_args": {"url": url, "weights_dir": str(tmp_path / "weights"), "max_new_tokens": 6,
+                            "temperature": 0.7}}
+    overlay = tiny_overrides(tmp_path, model_dir, rollout=engine)
+    run = fit_in_child("grpo.yaml", "--config", overlay, "--trainer.strategy", "{class_path: rllight.fsdp.FSDP}",
+                       "--trainer.devices", "2", "--trainer.callbacks+", "user_strategies.DumpState",
+                       "--trainer.max_steps", "3", timeout=900, RLLIGHT_TEST_DUMP=str(tmp_path / "rank{rank}.pt"),
+                       RLLIGHT_TEST_LOGPROB_GAP="1")
+    assert run.returncode == 0, run.stderr[-4000:]
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+    for name, p in r0["params"].items():
+        torch.testing.assert_close(r1["params"][name], p, rtol=0, atol=0, msg=name)
+    assert r0["prompts"] != r1["prompts"]
+    for rank, record in enumerate((r0, r1)):
+        assert len(record["logprob_gap"]) == 3 and max(record["logprob_gap"]) < 1e-4, record["logprob_gap"]
+        assert len(set(record["request_ids"])) == 3, record["request_ids"]
+        assert all(tag.startswith(f"cmpl-rllight-rank{rank}-") for tag in record["request_ids"]), record
+    with urllib.request.urlopen(f"{url}/weight_info", timeout=30) as answer:
+        assert json.loads(answer.read())["weight_version"] == str(r0["final_step"]) != "0"
+    # Under FSDP the engine cannot run a forward pass of its own to check the server's log-prob mode: it says so.
+    assert run.stderr.count("is not checked for processed log-probs under FSDP") == 2, run.stderr[-4000:]

@@ -232,4 +232,4 @@ def test_a_sharded_lora_policy_gives_its_adapter_and_base_weights_gathered(tmp_p
     out = tmp_path / "out.txt"
     torch.multiprocessing.spawn(_sharded_split, args=(2, tiny_model_dir, f"file://{tmp_path}/store", str(out)),
                                 nprocs=2)
-    assert out.read_text() == "True 28 _Gathered"  # 2 layers x 7 linear layers x (A, B)
+    assert out.read_text() == "True 28 GatheredState"  # 2 layers x 7 linear layers x (A, B)

@@ -105,6 +105,16 @@ class DumpState(RolloutCallback):
         self.record.setdefault("generated_ahead", []).append(float(rollout.extras.get("rollout/generated_ahead", -1)))
         self.record.setdefault("staleness", []).append(float(rollout.extras.get("rollout/staleness", -1)))
         self.record.setdefault("global_steps", []).append(int(trainer.global_step))
+        if "compute_dtype" not in self.record:  # the dtype the first decoder layer computes in (its output's)
+            from rllight.fsdp import decoder_layers
+
+            self.record["compute_dtype"] = ""
+            hook = lambda layer, args, out: self.record.__setitem__(  # noqa: E731
+                "compute_dtype", str((out[0] if isinstance(out, tuple) else out).dtype))
+            decoder_layers(module.policy)[0].register_forward_hook(hook)
+        tag = getattr(module.rollout, "last_request_id", None)  # a vLLM server's id of the step's completion
+        if tag is not None:
+            self.record.setdefault("request_ids", []).append(tag)
         if os.environ.get("RLLIGHT_TEST_LOGPROB_GAP"):  # the trainer's log-probs against the engine's sampling ones
             from rllight.rollout.metrics import logprob_mismatch
 
@@ -119,14 +129,16 @@ class DumpState(RolloutCallback):
 
         import torch
 
-        from rllight.fsdp import full_tensor
+        from rllight.fsdp import decoder_layers, full_tensor
 
         params = {f"policy.{n}": full_tensor(p).detach().clone() for n, p in module.policy.named_parameters()}
         if module.critic is not None:
             params.update({f"critic.{n}": full_tensor(p).detach().clone() for n, p in module.critic.named_parameters()})
         losses = {k: float(v) for k, v in trainer.callback_metrics.items() if k.endswith(("policy/loss", "total_loss"))}
         path = os.environ["RLLIGHT_TEST_DUMP"].format(rank=trainer.global_rank)
-        torch.save({**self.record, "params": params, "losses": losses}, path)
+        stored = str(next(decoder_layers(module.policy)[0].parameters()).dtype)  # the first layer's weights (shards)
+        torch.save({**self.record, "params": params, "losses": losses, "final_step": int(trainer.global_step),
+                    "stored_dtype": stored}, path)
 
 
 class AlwaysFails(Reward):

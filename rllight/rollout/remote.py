@@ -36,6 +36,14 @@ How it runs:
   versions old when its step comes is generated again. Weights are pushed with the next request after an
   update, and only when no request is in flight, so no response mixes two versions. A checkpoint waits for the
   responses in flight and saves them (exact resume of what the next steps train on).
+- **Several training processes share one server** (DDP or FSDP, ``trainer.devices`` x ``trainer.num_nodes`` > 1):
+  each rank sends its own share of the prompts, tagged with its rank (the ``request_id``
+  ``rllight-rank<r>-<n>-<random>``, in the server's log and its answer's ``id``), and the server batches the
+  ranks' requests together. A push is made once per version: the ranks read the full weights together (under
+  FSDP a gather, one weight at a time), then rank 0 alone writes them and asks the server to load them, between
+  two barriers (no request in flight during the load, none sent before it is done). A model too large for one
+  device is served with the server's own parallelism (``vllm serve ... --tensor-parallel-size N``), which the
+  trainer does not see.
 - **Faults never hang the trainer**: every request waits at most ``timeout_seconds``; a server that does not
   answer, or answers with an error, stops the step with one line naming the URL and the route.
 """
@@ -43,20 +51,33 @@ How it runs:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from rllight.dtensor import is_dtensor
 from rllight.errors import ComponentError, RecipeError
 from rllight.rollout.base import Generation, RolloutEngine, request_key
 from rllight.rollout.hf import eos_token_ids
-from rllight.rollout.vllm import full_state_dict, generation_from_samples
+from rllight.rollout.vllm import GatheredState, full_state_dict, generation_from_samples
 from rllight.stopping import call_stoppable, wait_stoppable
+
+log = logging.getLogger(__name__)
+
+
+def _rank_and_world() -> tuple[int, int]:
+    """This training process's rank and the number of processes (0 and 1 outside a distributed run)."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 class VLLMServerEngine(RolloutEngine):
@@ -108,6 +129,8 @@ class VLLMServerEngine(RolloutEngine):
         self._pool: ThreadPoolExecutor | None = None
         self._ahead: list[tuple[tuple, int, Future]] = []  # (request key, version, answer), oldest first
         self._discarded = 0
+        self._requests = 0  # completions requested by this process (its part of each request's tag)
+        self.last_request_id: str | None = None  # the server's id of the last completion, e.g. cmpl-rllight-rank1-7-...
 
     def __getstate__(self) -> dict:  # copies (checkpoints, deep copies) carry the settings, not the threads
         state = dict(self.__dict__)
@@ -179,24 +202,40 @@ class VLLMServerEngine(RolloutEngine):
     # ---------------------------------------------------------------------------- weights
     @torch.no_grad()
     def _push(self, model: torch.nn.Module) -> None:
-        """Write the weights to ``weights_dir`` and have the server load them as version ``self._updates``."""
+        """Write the weights to ``weights_dir`` and have the server load them as version ``self._updates``.
+
+        With several training processes sharing the server, every rank calls this at the same point: the ranks
+        read the full weights together (under FSDP a collective, one weight at a time), rank 0 alone writes them
+        and asks the server to load them, between two barriers, so that no rank's request is in flight during
+        the load and none generates before it is done."""
         if self.weights_dir is None:
             raise RecipeError("model.rollout.init_args.weights_dir is not set: the trainer cannot send its weights "
                               "to the vLLM server; name a folder both can read (a shared filesystem)")
         from safetensors.torch import save_file
 
         start = time.perf_counter()
-        os.makedirs(self.weights_dir, exist_ok=True)
-        # Copies: tied weights (the embedding and the output layer) share memory, which safetensors refuses.
-        weights = {name: value.detach().to("cpu", copy=True).contiguous() for name, value in
-                   full_state_dict(model).items()}
-        path = os.path.join(self.weights_dir, "model.safetensors")
-        save_file(weights, f"{path}.tmp{os.getpid()}")  # the server never reads a half-written file
-        os.replace(f"{path}.tmp{os.getpid()}", path)
-        self._request("/collective_rpc", {"method": "reload_weights",
-                                          "kwargs": {"weights_path": os.path.abspath(self.weights_dir)}})
-        self._request("/reset_prefix_cache", {})
-        self._request("/update_weight_version", {"new_version": str(self._updates)})
+        rank, world = _rank_and_world()
+        state = full_state_dict(model)
+        if rank == 0:
+            os.makedirs(self.weights_dir, exist_ok=True)
+            # Copies: tied weights (the embedding and the output layer) share memory, which safetensors refuses.
+            weights = {name: value.detach().to("cpu", copy=True).contiguous() for name, value in state.items()}
+        elif isinstance(state, GatheredState):  # every rank takes part in each weight's gather
+            for name in state:
+                state[name]
+        if world > 1:
+            torch.distributed.barrier()  # every rank's requests have been answered (``_current`` waited for them)
+        if rank == 0:
+            path = os.path.join(self.weights_dir, "model.safetensors")
+            save_file(weights, f"{path}.tmp{os.getpid()}")  # the server never reads a half-written file
+            del weights
+            os.replace(f"{path}.tmp{os.getpid()}", path)
+            self._request("/collective_rpc", {"method": "reload_weights",
+                                              "kwargs": {"weights_path": os.path.abspath(self.weights_dir)}})
+            self._request("/reset_prefix_cache", {})
+            self._request("/update_weight_version", {"new_version": str(self._updates)})
+        if world > 1:
+            torch.distributed.barrier()  # the server holds the new version before any rank asks it again
         self._version = self._updates
         self._sync_time += time.perf_counter() - start
 
@@ -226,9 +265,14 @@ class VLLMServerEngine(RolloutEngine):
     def _complete(self, prompts: list[list[int]], greedy: bool, eos: list[int]) -> list[dict]:
         sampling = ({"temperature": 0.0} if greedy else
                     {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k or -1})
+        rank, _ = _rank_and_world()
+        self._requests += 1
+        tag = f"rllight-rank{rank}-{self._requests}-{uuid.uuid4().hex[:8]}"  # in the server's log and its answer
         answer = self._request("/v1/completions", {
             "model": self._served_model(), "prompt": prompts, "max_tokens": self.max_new_tokens, "logprobs": 0,
-            "return_token_ids": True, "stop_token_ids": eos, "skip_special_tokens": False, **sampling})
+            "return_token_ids": True, "stop_token_ids": eos, "skip_special_tokens": False, "request_id": tag,
+            **sampling})
+        self.last_request_id = str(answer.get("id", tag))
         try:
             choices = sorted(answer.get("choices") or [], key=lambda c: c["index"])
             complete = all(c.get("token_ids") is not None and c["logprobs"]["token_logprobs"] is not None
@@ -251,6 +295,14 @@ class VLLMServerEngine(RolloutEngine):
         (a server started without ``--logprobs-mode processed_logprobs``): one forward pass over it."""
         response = gen.response_ids[0][gen.response_mask[0].bool()]
         if len(response) == 0:
+            return
+        if any(is_dtensor(p) for p in model.parameters()):
+            # A sharded policy runs forward passes only together with the other ranks (``Scoring``), so the engine
+            # cannot run one of its own; the trainer's gap to the server is logged as train/rollout/logprob_diff_max.
+            log.warning("the vLLM server at %s is not checked for processed log-probs under FSDP: start it with "
+                        "--logprobs-mode processed_logprobs, or the ratios are wrong at temperature %g",
+                        self.url, self.temperature)
+            self._checked_logprobs = True
             return
         device = next(model.parameters()).device
         ids = torch.cat([torch.tensor(prompt, device=device), response.to(device)])[None]

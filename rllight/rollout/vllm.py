@@ -90,7 +90,7 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
     if PeftModel is None or not isinstance(model, PeftModel):
         state = model.state_dict()
         if any(is_dtensor(value) for value in state.values()):
-            return _Gathered(state)
+            return GatheredState(state)
         return {name: value.detach() for name, value in state.items()}
     if any(is_dtensor(p) for p in model.parameters()):
         raise RecipeError("model.lora: a LoRA policy sharded by FSDP cannot be merged for a vLLM engine or worker yet; "
@@ -127,7 +127,7 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
     return weights
 
 
-class _Gathered(Mapping):
+class GatheredState(Mapping):
     """A sharded model's state dict whose values are gathered one at a time, when read (``full_tensor``, a
     collective: every rank reads the same names in the same order): a sync never holds more than one full
     weight beyond the engine's own copy."""
@@ -194,14 +194,14 @@ def lora_config(model: torch.nn.Module):
 
 def base_state_dict(model: torch.nn.Module) -> Mapping[str, Tensor]:
     """A peft LoRA policy's base weights under the names of its Hugging Face checkpoint, adapters left out
-    (not merged), detached; a sharded model's are gathered one at a time when read (``_Gathered``)."""
+    (not merged), detached; a sharded model's are gathered one at a time when read (``GatheredState``)."""
     if lora_config(model).modules_to_save:  # their trained copies would have to travel with every adapter
         raise RecipeError("model.lora: an adapter with modules_to_save cannot be synced to vLLM on its own; set "
                           "lora_sync: merged on the VLLMEngine")
     state = {key.replace(".base_layer.", "."): value for key, value in model.get_base_model().state_dict().items()
              if ".lora_" not in key}
     if any(is_dtensor(value) for value in state.values()):
-        return _Gathered(state)
+        return GatheredState(state)
     return {name: value.detach() for name, value in state.items()}
 
 
@@ -522,5 +522,5 @@ class VLLMEngine(RolloutEngine):
         return size
 
 
-__all__ = ["INSTALL_HINT", "LORA_SYNCS", "VLLMEngine", "adapter_state_dict", "base_state_dict", "full_state_dict",
-           "generation_from_samples", "import_vllm", "lora_config", "save_adapter"]
+__all__ = ["INSTALL_HINT", "GatheredState", "LORA_SYNCS", "VLLMEngine", "adapter_state_dict", "base_state_dict",
+           "full_state_dict", "generation_from_samples", "import_vllm", "lora_config", "save_adapter"]

@@ -72,7 +72,7 @@ from torch import Tensor
 
 from rllight.errors import ComponentError, RecipeError
 from rllight.rollout.base import SAMPLING_SETTINGS, Generation, RolloutEngine, request_key
-from rllight.rollout.vllm import adapter_state_dict, base_state_dict, full_state_dict, lora_config
+from rllight.rollout.vllm import GatheredState, adapter_state_dict, base_state_dict, full_state_dict, lora_config
 from rllight.stopping import check_stop
 
 log = logging.getLogger(__name__)
@@ -94,7 +94,8 @@ class SharedWeights:
         sizes: dict[torch.dtype, int] = {}
         self.layout: dict[str, tuple[torch.dtype, int, torch.Size]] = {}
         """Where each tensor lives: ``name -> (dtype, offset in that dtype's buffer, shape)``."""
-        shapes = getattr(weights, "state", weights)  # a sharded model's weights: their full shapes, not gathered
+        # A sharded model's weights: their full shapes (a DTensor's shape is the full one), read without a gather.
+        shapes = weights.state if isinstance(weights, GatheredState) else weights
         for name, value in shapes.items():
             offset = sizes.get(value.dtype, 0)
             self.layout[name] = (value.dtype, offset, value.shape)
