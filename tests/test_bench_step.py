@@ -173,3 +173,147 @@ def _check_heldout(tmp_path, out, run, capsys):
     with pytest.raises(SystemExit) as missing:
         tool.main(["--summarize", str(tmp_path / "nothing")])
     assert missing.value.code == 2 and "--summarize" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def _load(path: str, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+RG_RECIPE = os.path.join(os.path.dirname(TESTS), "recipes", "reasoning-gym.yaml")
+TRL_STEP = os.path.join(os.path.dirname(TESTS), "tools", "trl_step.py")
+
+
+def test_trl_gets_the_reasoning_gym_rows_rllight_trains_on_each_with_its_entry_key_and_task(tmp_path, tiny_model_dir):
+    """``--recipe recipes/reasoning-gym.yaml``: both sides train on the recipe's task mix (not the arithmetic
+    task); TRL's prompt file holds rllight's batches in order, each row with the key that rebuilds its
+    reasoning-gym entry and its task, and TRL scores with the recipe's reward."""
+    import json
+
+    import reasoning_gym
+    import yaml
+
+    from rllight.data import ReasoningGymTask, RLDataModule
+
+    bench_step = _load(BENCH, "bench_step")
+    args = bench_step.parse_args(["--recipe", RG_RECIPE, "--model-dir", tiny_model_dir, "--out", str(tmp_path),
+                                  "--steps", "3", "--train-prompts", "8", "--heldout", "4", "--seed", "1"])
+    with open(bench_step.trl_inputs(args)) as f:
+        settings = json.load(f)
+    with open(settings["prompts"]) as f:
+        rows = [json.loads(line) for line in f]
+    assert settings["reward"] == {"class_path": "rllight.rewards.ReasoningGymScore", "init_args": {}}
+    with open(RG_RECIPE) as f:
+        mix = yaml.safe_load(f)["data"]["task"]["init_args"]
+    data = RLDataModule(task=ReasoningGymTask(**{**mix, "train_size": 8, "val_size": 4}), batch_size=4, seed=1)
+    data.setup()
+    trained = [row for batch in data.upcoming_batches(0, 3) for row in batch]
+    assert [(r["prompt"], r["answer"], r["data_source"]) for r in rows] == [
+        (r["messages"], r["answer"], r["data_source"]) for r in trained]
+    assert len({r["data_source"] for r in rows}) > 1
+    for row in rows:  # the key rebuilds the very entry the prompt asks
+        key = json.loads(row["answer"])
+        entry = reasoning_gym.create_dataset(key["task"], seed=key["seed"], size=key["size"], **key["config"])[
+            key["index"]]
+        assert key["task"] == row["data_source"] and str(entry["answer"]) == key["answer"]
+        assert row["prompt"][-1]["content"].startswith(entry["question"].strip())
+    assert not {r["prompt"] for r in trained} & {r["prompt"] for r in data.val_rows}
+    # The rllight side and the held-out evaluation use the same task, sized the same.
+    for section in (bench_step.overlay(args)["data"], bench_step.data_config(args, val_size=4)):
+        assert section["task"]["init_args"] == {**mix, "train_size": 8, "val_size": 4}
+
+
+def test_trls_reward_function_is_reasoning_gyms_own_score_of_the_final_answer():
+    """tools/trl_step.py's reward function (importable without TRL) for recipes/reasoning-gym.yaml's reward
+    gives each hand-written completion the score reasoning-gym's own ``score_answer`` gives its final answer
+    (extracted here by hand), scaled by the reward's settings; plain and conversational completions alike."""
+    import reasoning_gym
+
+    from rllight.rewards.reasoning_gym import row_answer
+
+    trl_step = _load(TRL_STEP, "trl_step")
+    reward = trl_step.reward_function({"class_path": "rllight.rewards.ReasoningGymScore", "init_args": {}})
+    scaled = trl_step.reward_function({"class_path": "rllight.rewards.ReasoningGymScore",
+                                       "init_args": {"correct": 2.0, "wrong": -1.0}})
+    completions, keys, expected = [], [], []
+    for task, config in (("chain_sum", {"min_terms": 2, "max_terms": 3}), ("leg_counting", {}),
+                         ("gsm_symbolic", {})):
+        dataset = reasoning_gym.create_dataset(task, seed=5, size=3, **config)
+        entry = dataset[1]
+        answer = str(entry["answer"])
+        wrong = str(int(answer) + 1)
+        for text, extracted in ((f"Adding up.\n\\boxed{{{answer}}}", answer),  # right
+                                (f"Answer: {answer}.", answer),
+                                (f"<answer>{answer}</answer>\n", answer),
+                                (f"\\boxed{{{answer}}} ... no, \\boxed{{{wrong}}}", wrong),  # wrong
+                                (f"The answer is {answer}, I think", f"The answer is {answer}, I think"),  # malformed
+                                (f"\\boxed{{{answer}", f"\\boxed{{{answer}"),
+                                ("", "")):
+            completions.append(text)
+            keys.append(row_answer(task, config, 5, 3, 1, answer))
+            expected.append(float(dataset.score_answer(extracted, entry)))
+    # Seven completions per task: the right ones solved, the wrong one and the empty one not, partial credit
+    # (which a 0/1 reward would not give) for some malformed ones.
+    assert [score for i, score in enumerate(expected) if i % 7 < 3] == [1.0] * 9
+    assert all(score < 1.0 for score in expected[3::7]) and expected[6::7] == [0.0] * 3
+    assert any(0.0 < score < 1.0 for score in expected)
+    assert reward(completions, answer=keys) == expected
+    conversational = [[{"role": "assistant", "content": text}] for text in completions]
+    assert reward(conversational, answer=keys, data_source=["x"] * len(keys)) == expected
+    assert scaled(completions, answer=keys) == [-1.0 + 3.0 * score for score in expected]
+    assert trl_step.reward_function(None)(["so 12", "so 13"], answer=["12", "12"]) == [1.0, 0.0]  # IntegerMatch
+    with pytest.raises(SystemExit, match="not a class of rllight.rewards"):
+        trl_step.reward_function({"class_path": "rllight.data.ArithmeticTask"})
+
+
+def test_summarize_prints_the_heldout_accuracy_of_each_task_and_its_mean_over_runs(tmp_path, capsys):
+    import json
+
+    bench_step = _load(BENCH, "bench_step")
+    assert bench_step.by_task({"a": 1.0, "b": 0.0, "c": 1.0}, {"a": "x", "b": "x", "c": "y"}) == {"x": 0.5, "y": 1.0}
+    folders = []
+    for seed, (rllight_x, trl_x) in enumerate(((0.5, 0.25), (1.0, 0.75))):
+        curve = {"reward": [0.1, 0.2, 0.3], "entropy": [1.0, 1.0, 1.0], "length": [10, 10, 10]}
+        run = {"seed": seed, "steps": 3, "train_prompts": 12, "heldout": 8, "trl_loss_type": "dapo", "start": 0.25,
+               "start_by_task": {"x": 0.25, "y": 0.25}, "task_sizes": {"x": 4, "y": 4},
+               "sides": {"rllight": {"accuracy": 0.5, "accuracy_by_task": {"x": rllight_x, "y": 0.0}, **curve},
+                         "trl": {"accuracy": 0.5, "accuracy_by_task": {"x": trl_x, "y": 0.5}, **curve}}}
+        folders.append(tmp_path / f"s{seed}")
+        folders[-1].mkdir()
+        (folders[-1] / "learning.json").write_text(json.dumps(run))
+    assert bench_step.main(["--summarize", *map(str, folders)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^  rllight +0  0.250 -> 0.500.*\n    x +0.250 -> 0.500  \(4 problems\)\n"
+                     r"    y +0.250 -> 0.000  \(4 problems\)$", out, re.MULTILINE), out
+    assert re.search(r"^  trl/dapo +1  .*\n    x +0.250 -> 0.750  \(4 problems\)$", out, re.MULTILINE), out
+    # Means over the two runs: rllight's x 0.75 (gain 0.5 ± 0.25), TRL's y 0.5 (gain 0.25 ± 0).
+    assert re.search(r"^  rllight +2 runs: .*\n    x +accuracy 0.750 ± 0.250, gain 0.500 ± 0.250\n"
+                     r"    y +accuracy 0.000 ± 0.000, gain -0.250 ± 0.000$", out, re.MULTILINE), out
+    assert re.search(r"^    y +accuracy 0.500 ± 0.000, gain 0.250 ± 0.000$", out, re.MULTILINE), out
+
+
+def test_setup_trl_installs_the_reasoning_gym_version_rllight_has_and_trl_refuses_a_reward_it_cannot_build(
+        tmp_path, monkeypatch, capsys):
+    from importlib.metadata import version
+
+    bench_step = _load(BENCH, "bench_step")
+    calls = []
+
+    def run(cmd, **kwargs):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, stdout="trl 1, transformers 2, torch 3, reasoning-gym 4\n")
+
+    monkeypatch.setattr(bench_step.subprocess, "run", run)
+    python = str(tmp_path / "venv" / "bin" / "python")
+    bench_step.setup_trl(python)
+    installs = [cmd[4] for cmd in calls if cmd[:4] == [python, "-m", "pip", "install"]]
+    assert installs == [bench_step.TORCH_PIN, "trl", f"reasoning-gym=={version('reasoning-gym')}"]
+    recipe = tmp_path / "mixed.yaml"
+    recipe.write_text("model:\n  reward:\n    class_path: rllight.rewards.Weighted\n    init_args:\n"
+                      "      rewards: [{class_path: rllight.rewards.IntegerMatch}]\n")
+    bench_step.parse_args(["--recipe", str(recipe)])  # only the TRL side cannot build it
+    with pytest.raises(SystemExit):
+        bench_step.parse_args(["--recipe", str(recipe), "--trl", "--trl-python", python])
+    assert "--recipe" in capsys.readouterr().err.strip().splitlines()[-1]

@@ -3,8 +3,11 @@
 The config (TRL's GRPOTrainer baseline): SmolLM2-135M-Instruct (or ``--model-dir``), 4 prompts x 4 responses
 per step, at most 64 new tokens, temperature 1.0, lr 1e-5, one optimizer update per rollout, float32 (or
 bf16-mixed on both sides with ``--precision``), the embedded arithmetic task
-(``ArithmeticTask(num_train=4 * steps, num_val=0, seed=0)``) and the integer-match reward
-(``rllight.rewards.IntegerMatch``).
+(``ArithmeticTask(num_train=4 * steps, num_val=0, seed=0)``) and the recipe's reward (recipes/grpo.yaml's
+integer match, ``rllight.rewards.IntegerMatch``), on both sides. A recipe whose ``data.task`` is
+``rllight.data.ReasoningGymTask`` (``--recipe recipes/reasoning-gym.yaml``) keeps its reasoning-gym tasks
+instead, their settings and seed, with ``--train-prompts`` training rows and ``--heldout`` held-out ones shared
+among the tasks by weight; see "reasoning-gym" below.
 
 rllight side: ``rllight fit --config <recipe> --config <overlay>`` runs in a child process (cwd = the
 repository root). The overlay, written to ``<out>/overlay.yaml``, sets the config above on top of
@@ -44,8 +47,9 @@ synchronously, the engine in the training process with every core (the default s
 ``rllight.rollout.worker.ProcessEngine(max_staleness=K)``: the engine in a worker process that generates the
 next ``K`` steps' rollouts (one update per step here) while the trainer updates, the cores split between them
 (``OMP_NUM_THREADS`` = half the cores each; the worker takes the trainer's thread count; on CUDA both share the
-device); ``--set model.rollout.init_args.X=V`` then sets the worker's engine's X. The per-step time of the asynchronous run is what the trainer waits: for its rollout (often already
-generated), its scoring and its update. It prints both and ends with
+device); ``--set model.rollout.init_args.X=V`` then sets the worker's engine's X. The per-step time of the
+asynchronous run is what the trainer waits: for its rollout (often already generated), its scoring and its
+update. It prints both and ends with
 
     async_over_sync=<synchronous median s/step / asynchronous median s/step>
 
@@ -66,6 +70,26 @@ and loss over them. The comparison in the README:
         --train-prompts 64 --heldout 200 --seed $seed --set model.micro_batch_tokens=400 --out runs/learn/s$seed; done
     .venv/bin/python tools/bench_step.py --summarize runs/learn/s0 runs/learn/s1 runs/learn/s2
 
+reasoning-gym (``--recipe recipes/reasoning-gym.yaml``): the recipe's mix (chain_sum, basic_arithmetic,
+leg_counting, gsm_symbolic) on both sides. TRL's prompt file carries each row's reasoning-gym key as its
+answer (task, generator settings, seed, size, index and expected answer: what rebuilds the row's entry) and
+its task as ``data_source``, and TRL's reward function is the recipe's ``model.reward``,
+``rllight.rewards.ReasoningGymScore``: the task's own ``score_answer`` on the final answer that rllight
+extracts (``rllight.rewards.reasoning_gym.final_answer``), the code rllight's reward workers run (it needs only
+the standard library and reasoning-gym, which ``--setup-trl`` installs in TRL's environment at the version
+rllight's has, so that both rebuild the same entries). The held-out evaluation scores with the same reward and
+reports the accuracy on each task's problems too (``start_by_task`` and each side's ``accuracy_by_task`` in
+learning.json; ``--summarize`` prints the mean per task). The overlay replaces the recipe's sampling (4 x 4
+responses of at most 64 tokens at temperature 1.0, lr 1e-5, one update per rollout), so that only its tasks,
+reward and loss aggregation remain: its token-level mean (``TokenMean``) is TRL's ``--trl-loss-type dapo``; its
+clip-higher (0.28) never acts with one update per rollout (the ratio is 1), as TRL's clip. Two seeds each side,
+about an hour a seed on 2 free cores (TRL's steps are the slower; the three evaluations of 200 problems take
+minutes each):
+
+    for seed in 0 1; do .venv/bin/python tools/bench_step.py --recipe recipes/reasoning-gym.yaml --trl \
+        --trl-loss-type dapo --steps 36 --train-prompts 144 --heldout 200 --seed $seed --out runs/learn-rg/s$seed; done
+    .venv/bin/python tools/bench_step.py --summarize runs/learn-rg/s0 runs/learn-rg/s1
+
 The last line is ``rllight_step_s=<rllight median s/step>`` or, with ``--trl``,
 
     rllight_over_trl=<TRL median s/step / rllight median s/step>
@@ -76,6 +100,8 @@ Usage:
     .venv/bin/python tools/bench_step.py [--steps 6] [--engine hf|vllm] [--dtype bfloat16] [--out runs/bench_step]
     .venv/bin/python tools/bench_step.py --setup-trl        # once: TRL's environment in .venv-trl
     .venv/bin/python tools/bench_step.py --trl [--steps 6] [--precision bf16-mixed]
+    .venv/bin/python tools/bench_step.py --recipe recipes/reasoning-gym.yaml --trl --trl-loss-type dapo \
+        --heldout 200 [--steps 36]   # reasoning-gym's tasks, held-out accuracy per task on both sides
     .venv/bin/python tools/bench_step.py --profile 2      # where step 2's time goes: <out>/profile/profile.md
     .venv/bin/python tools/bench_step.py --async 1 [--steps 8]   # async_over_sync
 """
@@ -112,6 +138,8 @@ TEMPERATURE = 1.0
 LR = 1e-5
 LEARNING = "learning.json"
 EVAL_BATCH = 100
+REASONING_GYM_TASK = "rllight.data.ReasoningGymTask"
+DEFAULT_REWARD = {"class_path": "rllight.rewards.IntegerMatch"}
 
 PHASES = {"rollout": "train/time/rollout", "reward": "train/time/reward", "score": "train/time/score",
           "update": "train/time/train"}
@@ -199,6 +227,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not os.path.isfile(recipe):
         p.error(f"--recipe '{args.recipe}': no such file")
     args.recipe = os.path.abspath(recipe)
+    try:
+        args.task, args.reward = recipe_task_and_reward(args.recipe, args.trl)
+    except ValueError as err:
+        p.error(f"--recipe '{args.recipe}': {err}")
     if args.model_dir is not None:
         args.model_dir = os.path.abspath(args.model_dir)
         if not os.path.isfile(os.path.join(args.model_dir, "config.json")):
@@ -231,19 +263,52 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def recipe_task_and_reward(recipe: str, trl: bool) -> tuple[dict | None, dict]:
+    """The recipe's ``data.task`` when it is ``rllight.data.ReasoningGymTask`` (else None: the embedded
+    arithmetic task) and its ``model.reward`` (``IntegerMatch`` when it names none), the reward TRL's side
+    scores with; ValueError when ``trl`` and tools/trl_step.py cannot build that reward (it imports only
+    ``rllight.rewards``, and takes one class with plain settings)."""
+    with open(recipe) as f:
+        config = yaml.safe_load(f) or {}
+    task = (config.get("data") or {}).get("task")
+    task = task if isinstance(task, dict) and task.get("class_path") == REASONING_GYM_TASK else None
+    reward = (config.get("model") or {}).get("reward") or DEFAULT_REWARD
+    reward = {"class_path": reward} if isinstance(reward, str) else reward
+    settings = reward.get("init_args") or {}
+    if trl and (not str(reward.get("class_path")).startswith("rllight.rewards.")
+                or any(isinstance(v, (dict, list)) for v in settings.values())):
+        raise ValueError(f"TRL's side cannot score with its model.reward {reward.get('class_path')} (tools/trl_step.py "
+                         "takes one rllight.rewards class with plain settings); use a recipe with such a reward")
+    return task, {"class_path": reward["class_path"], "init_args": dict(settings)}
+
+
+def reasoning_gym_requirement() -> str:
+    """reasoning-gym at the version installed here: its generators rebuild the same rows on TRL's side, and
+    ``ReasoningGymScore`` refuses a row another version rebuilds differently."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"reasoning-gym=={version('reasoning-gym')}"
+    except PackageNotFoundError:
+        return "reasoning-gym>=0.1.25"
+
+
 def setup_trl(python: str) -> None:
     """Create the virtual environment of ``python`` (``<venv>/bin/python``), install the CPU torch, then TRL
-    and its dependencies (pip chooses their versions), and print the installed versions."""
+    and its dependencies (pip chooses their versions) and reasoning-gym (the version rllight's environment
+    has, for ``--recipe recipes/reasoning-gym.yaml``), and print the installed versions."""
     venv = os.path.dirname(os.path.dirname(python))
     steps = [[sys.executable, "-m", "venv", venv],
              [python, "-m", "pip", "install", TORCH_PIN],
-             [python, "-m", "pip", "install", "trl"]]
+             [python, "-m", "pip", "install", "trl"],
+             [python, "-m", "pip", "install", reasoning_gym_requirement()]]
     for cmd in steps:
         print(f"bench_step: {' '.join(cmd)}", flush=True)
         if subprocess.run(cmd, cwd=ROOT, check=False).returncode != 0:
             raise SystemExit(f"bench_step: --setup-trl: '{' '.join(cmd)}' failed")
-    report = ("import torch, transformers, trl; "
-              "print(f'trl {trl.__version__}, transformers {transformers.__version__}, torch {torch.__version__}')")
+    report = ("import torch, transformers, trl, importlib.metadata as m; "
+              "print(f'trl {trl.__version__}, transformers {transformers.__version__}, torch {torch.__version__}, '"
+              "f'reasoning-gym {m.version(\"reasoning-gym\")}')")
     versions = subprocess.run([python, "-c", report], capture_output=True, text=True, check=False)
     if versions.returncode != 0:
         raise SystemExit(f"bench_step: --setup-trl: trl does not import: {versions.stderr.strip().splitlines()[-1]}")
@@ -305,11 +370,22 @@ def overlay(args: argparse.Namespace, name: str = "rllight", staleness: int | No
 
 def data_config(args: argparse.Namespace, val_size: int) -> dict:
     """The data section: ``--train-prompts`` training problems in ``--seed``'s order and ``--heldout`` held-out
-    ones (drawn first from the same stream, so no training question is among them), of which ``val_size`` are
-    evaluated."""
+    ones (no training question is among them), of which ``val_size`` are evaluated."""
     return {"batch_size": PROMPTS_PER_STEP, "val_size": val_size, "val_batch_size": EVAL_BATCH, "seed": args.seed,
-            "task": {"class_path": "rllight.data.ArithmeticTask",
-                     "init_args": {"num_train": args.train_prompts, "num_val": args.heldout, "seed": 0}}}
+            "task": task_config(args)}
+
+
+def task_config(args: argparse.Namespace) -> dict:
+    """The embedded arithmetic task (the held-out problems drawn first from its stream), or the recipe's
+    reasoning-gym task with its tasks, settings and seed, ``--train-prompts`` and ``--heldout`` rows shared
+    among its tasks by weight (a training row that is also a held-out question is dropped, so an epoch may hold
+    a few rows fewer: the same on both sides)."""
+    if args.task is None:
+        return {"class_path": "rllight.data.ArithmeticTask",
+                "init_args": {"num_train": args.train_prompts, "num_val": args.heldout, "seed": 0}}
+    return {"class_path": REASONING_GYM_TASK, "init_args": {**(args.task.get("init_args") or {}),
+                                                            "train_size": args.train_prompts,
+                                                            "val_size": args.heldout}}
 
 
 def run_child(cmd: list[str], log_path: str, what: str, env: dict[str, str] | None = None) -> str:
@@ -397,22 +473,29 @@ def run_rllight(args: argparse.Namespace, name: str = "rllight", staleness: int 
 def trl_inputs(args: argparse.Namespace) -> str:
     """Write what tools/trl_step.py reads into ``<out>/trl/`` and return the settings file: the model folder, the
     prompts in rllight's order (conversational format) and the config."""
-    from rllight.data import ArithmeticTask, RLDataModule
+    import importlib
+
+    from rllight.data import RLDataModule
     from rllight.models import SmolLM2Package
 
     folder = os.path.join(args.out, "trl")
     os.makedirs(folder, exist_ok=True)
     # The batches rllight's dataloader yields for --steps steps (its data section, epoch after epoch).
-    data = RLDataModule(task=ArithmeticTask(num_train=args.train_prompts, num_val=args.heldout, seed=0),
+    task = task_config(args)
+    module, _, name = task["class_path"].rpartition(".")
+    data = RLDataModule(task=getattr(importlib.import_module(module), name)(**task["init_args"]),
                         batch_size=PROMPTS_PER_STEP, seed=args.seed)
     data.setup()
     prompts = os.path.join(folder, "prompts.jsonl")
+    # Each row's answer is what rllight's reward reads (a reasoning-gym row's: the key that rebuilds its entry).
     with open(prompts, "w") as f:
-        f.writelines(json.dumps({"prompt": row["messages"], "answer": row["answer"]}) + "\n"
+        f.writelines(json.dumps({"prompt": row["messages"], "answer": row["answer"],
+                                 "data_source": row["data_source"]}) + "\n"
                      for batch in data.upcoming_batches(0, args.steps) for row in batch)
     settings = {
         "model_dir": args.model_dir or SmolLM2Package().resolve(),
         "prompts": prompts,
+        "reward": args.reward,  # the recipe's model.reward, as rllight scores with it
         "output_dir": os.path.join(folder, "trainer"),
         "steps": args.steps,
         "prompts_per_step": PROMPTS_PER_STEP,
@@ -453,10 +536,11 @@ def run_trl(args: argparse.Namespace) -> dict:
     return result
 
 
-def evaluate(args: argparse.Namespace, name: str, model_dir: str) -> dict[str, float]:
+def evaluate(args: argparse.Namespace, name: str, model_dir: str) -> tuple[dict[str, float], dict[str, str]]:
     """Greedy correctness (0/1) of the model folder on each of the ``--heldout`` problems, by ``rllight
-    validate`` (the recipe with the HF engine at ``MAX_NEW_TOKENS``, one greedy response per problem), keyed by
-    the problem's source row. Every side's final model and the starting model go through this same code."""
+    validate`` (the recipe with the HF engine at ``MAX_NEW_TOKENS``, one greedy response per problem, scored by
+    the recipe's reward), keyed by the problem's source row, and each problem's task (its ``data_source``).
+    Every side's final model and the starting model go through this same code."""
     config = {
         "seed_everything": args.seed,
         # float32 whatever --precision: every model folder evaluated by the same computation
@@ -468,7 +552,7 @@ def evaluate(args: argparse.Namespace, name: str, model_dir: str) -> dict[str, f
         "model": {"model": {"class_path": "rllight.models.HFModel", "init_args": {"path": model_dir}},
                   "rollout": {"class_path": ENGINES["hf"],
                               "init_args": {"max_new_tokens": MAX_NEW_TOKENS, "temperature": TEMPERATURE}},
-                  "evaluation": {"n": 1, "temperature": 0.0, "ks": [1]},
+                  "evaluation": {"n": 1, "temperature": 0.0, "ks": [1], "also_greedy": False},
                   "export_dir": None},
         "data": data_config(args, val_size=args.heldout),
     }
@@ -485,7 +569,15 @@ def evaluate(args: argparse.Namespace, name: str, model_dir: str) -> dict[str, f
     if len(records) != args.heldout:
         raise SystemExit(f"bench_step: {name} evaluated {len(records)} of the {args.heldout} held-out problems; "
                          f"see {rows[0]}")
-    return {r["source"]: float(r["correct"][0]) for r in records}
+    return {r["source"]: float(r["correct"][0]) for r in records}, {r["source"]: r["data_source"] for r in records}
+
+
+def by_task(correct: dict[str, float], tasks: dict[str, str]) -> dict[str, float]:
+    """Accuracy on each task's problems (``correct`` and ``tasks`` keyed by problem), tasks by name."""
+    grouped: dict[str, list[float]] = {}
+    for source, value in correct.items():
+        grouped.setdefault(tasks[source], []).append(value)
+    return {task: statistics.fmean(grouped[task]) for task in sorted(grouped)}
 
 
 def learning(args: argparse.Namespace, rllight: dict, trl: dict | None) -> dict:
@@ -495,18 +587,20 @@ def learning(args: argparse.Namespace, rllight: dict, trl: dict | None) -> dict:
     from rllight.evaluation import paired_se
     from rllight.models import SmolLM2Package
 
-    base = evaluate(args, "eval-start", args.model_dir or SmolLM2Package().resolve())
+    base, tasks = evaluate(args, "eval-start", args.model_dir or SmolLM2Package().resolve())
     out = {"seed": args.seed, "steps": args.steps, "train_prompts": args.train_prompts, "heldout": args.heldout,
            "recipe": os.path.relpath(args.recipe, ROOT), "overrides": args.overrides,
            "trl_loss_type": args.trl_loss_type if trl is not None else None,
-           "start": statistics.fmean(base.values()), "sides": {}}
+           "start": statistics.fmean(base.values()), "start_by_task": by_task(base, tasks),
+           "task_sizes": {task: sum(t == task for t in tasks.values()) for task in sorted(set(tasks.values()))},
+           "sides": {}}
     sides = [("rllight", os.path.join(args.out, "rllight", "final"), rllight["curve"])]
     if trl is not None:
         sides.append(("trl", os.path.join(args.out, "trl", "final"),
                       {name: trl["logs"][key] for name, key in TRL_CURVE.items()}))
     for name, folder, curve in sides:
-        after = evaluate(args, f"eval-{name}", folder)
-        out["sides"][name] = {"accuracy": statistics.fmean(after.values()),
+        after, _ = evaluate(args, f"eval-{name}", folder)
+        out["sides"][name] = {"accuracy": statistics.fmean(after.values()), "accuracy_by_task": by_task(after, tasks),
                               "gain_se": paired_se(base, after), **curve}
     with open(os.path.join(args.out, LEARNING), "w") as f:
         json.dump(out, f, indent=2)
@@ -534,8 +628,9 @@ def rllight_loss(out: str) -> str:
 
 def print_learning(runs: list[dict], folders: list[str]) -> None:
     """One row per run (its ``--out`` folder) and side: held-out greedy accuracy before -> after (± paired
-    standard error of the gain), and the first -> last third of the steps' reward, entropy and response length;
-    with several runs, the mean over the runs of each side and loss (± standard error over the runs)."""
+    standard error of the gain), and the first -> last third of the steps' reward, entropy and response length,
+    then, with several tasks (reasoning-gym's), the accuracy on each task's held-out problems; with several
+    runs, the mean over the runs of each side and loss (± standard error over the runs), also per task."""
     first = runs[0]
     print(f"\nlearning: {first['steps']} steps on {first['train_prompts']} training problems, greedy accuracy on "
           f"{first['heldout']} held-out ones; reward, entropy and length: first -> last third of the steps")
@@ -543,7 +638,8 @@ def print_learning(runs: list[dict], folders: list[str]) -> None:
     by_side: dict[str, list[dict]] = {}
     for run, folder in zip(runs, folders):
         for side, r in run["sides"].items():
-            row = {"start": run["start"], "accuracy": r["accuracy"]}
+            row = {"start": run["start"], "accuracy": r["accuracy"], "start_by_task": run.get("start_by_task", {}),
+                   "by_task": r.get("accuracy_by_task", {})}
             for key in CURVE:
                 row[key] = thirds(r[key])
             label = rllight_loss(folder) if side == "rllight" else f"trl/{run['trl_loss_type']}"
@@ -552,6 +648,11 @@ def print_learning(runs: list[dict], folders: list[str]) -> None:
             print(f"  {label:<26}{run['seed']:>5}  {run['start']:.3f} -> {r['accuracy']:.3f}{se:<10}"
                   + "".join(f"{row[key][0]:.2f} -> {row[key][1]:<7.2f}" for key in ("reward", "entropy"))
                   + f"{row['length'][0]:.0f} -> {row['length'][1]:.0f}")
+            if len(row["by_task"]) > 1:
+                sizes = run.get("task_sizes", {})
+                for task, accuracy in row["by_task"].items():
+                    print(f"    {task:<31}{row['start_by_task'][task]:.3f} -> {accuracy:.3f}  "
+                          f"({sizes.get(task, '?')} problems)")
     if len(runs) < 2:
         return
     print("  mean over the runs of each (± standard error over the runs):")
@@ -562,6 +663,10 @@ def print_learning(runs: list[dict], folders: list[str]) -> None:
         gains = [r["accuracy"] - r["start"] for r in rows]
         print(f"  {side:<26}{len(rows)} runs: held-out gain {mean(gains)}; last-third reward "
               f"{mean([r['reward'][1] for r in rows])}; last-third entropy {mean([r['entropy'][1] for r in rows])}")
+        tasks = set(rows[0]["by_task"]) if all(r["by_task"].keys() == rows[0]["by_task"].keys() for r in rows) else ()
+        for task in sorted(tasks) if len(tasks) > 1 else ():
+            print(f"    {task:<31}accuracy {mean([r['by_task'][task] for r in rows])}, gain "
+                  f"{mean([r['by_task'][task] - r['start_by_task'][task] for r in rows])}")
 
 
 def gib(kb: float | None) -> str:

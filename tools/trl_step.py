@@ -2,10 +2,11 @@
 
 Runs with the python of TRL's own virtual environment (tools/bench_step.py --setup-trl makes it), which
 lacks rllight's dependencies: it imports only ``rllight.rewards`` from this checkout (the standard library
-suffices for it), so that both sides score with the same code. tools/bench_step.py --trl writes the inputs
-and runs it. Its one
-argument is the settings file (JSON): the Hugging Face model folder, a JSONL of prompts in TRL's
-conversational format with their answers (in the order rllight's dataloader draws them), the number of steps,
+suffices for it, and reasoning-gym for ``ReasoningGymScore``), so that both sides score with the same code.
+tools/bench_step.py --trl writes the inputs and runs it. Its one argument is the settings file (JSON): the
+Hugging Face model folder, a JSONL of prompts in TRL's conversational format with their answers and
+``data_source`` (in the order rllight's dataloader draws them), the reward (the recipe's ``model.reward``: a
+``class_path`` in ``rllight.rewards`` and its ``init_args``), the number of steps,
 prompts per step, responses per prompt, response length (with ``--fixed-length`` also its least length),
 temperature, learning rate, seed, TRL's loss type, ``bf16`` (bench_step's ``--precision bf16-mixed``) and an
 output folder (and, for bench_step's held-out evaluation, ``final_dir``: the trained model and tokenizer are saved
@@ -28,8 +29,17 @@ GRPOConfig, matched to rllight's GRPO recipe (recipes/grpo.yaml) under bench_ste
   32-true``) or on (bfloat16 autocast over float32 weights, as rllight's ``bf16-mixed``), no gradient
   checkpointing, dropout off;
 - the prompts in the file's order (``shuffle_dataset=False``), logging every step, no saving, report_to none.
-The reward is rllight's ``IntegerMatch``: 1.0 when the last integer of the completion (or of its last
-``\\boxed{}``) equals the answer, else 0.0. Differences that remain: TRL's generation and loss code are its own
+The reward is the recipe's rllight reward, called on each completion's text and its row's answer, as rllight's
+reward workers call it (``reward_function``): recipes/grpo.yaml's ``IntegerMatch`` gives 1.0 when the last
+integer of the completion (or of its last ``\\boxed{}``) equals the answer, else 0.0; recipes/reasoning-gym.yaml's
+``ReasoningGymScore`` rebuilds the row's reasoning-gym entry from the key in its answer and gives the task's own
+``score_answer`` on the completion's final answer (its last ``\\boxed{}``, else ``<answer>`` tag, else last
+line). The comparison on reasoning-gym's tasks:
+
+    .venv/bin/python tools/bench_step.py --recipe recipes/reasoning-gym.yaml --trl --trl-loss-type dapo \
+        --steps 36 --train-prompts 144 --heldout 200 --seed 0 --out runs/learn-rg/s0
+
+Differences that remain: TRL's generation and loss code are its own
 (e.g. TRL computes the per-token entropy in the loss pass, as rllight does for its metrics), and rllight scores
 rewards in worker processes while TRL scores them in the training process.
 
@@ -56,51 +66,70 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import torch
-import transformers
-import trl
-from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from rllight.rewards import IntegerMatch  # this checkout's, found through the path above
+import rllight.rewards  # this checkout's, found through the path above
 
-_REWARD = IntegerMatch()
+# torch, transformers, TRL and datasets are imported in main() and step_timer(): the reward functions import
+# without them (rllight's tests run them in rllight's environment, which has no TRL).
 LOGGED = ("reward", "entropy", "completions/mean_length")
 """TRL's per-step metrics returned in ``logs``: mean reward, mean per-token entropy and mean completion length."""
+DEFAULT_REWARD = {"class_path": "rllight.rewards.IntegerMatch"}
 
 
-def integer_match(completions, answer, **kwargs) -> list[float]:
-    """1.0 for each completion whose last integer equals its row's answer, else 0.0 (``IntegerMatch``)."""
-    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-    return [1.0 if _REWARD.is_correct(text, expected) else 0.0 for text, expected in zip(texts, answer)]
+def reward_function(spec: dict | None):
+    """TRL's reward function for an rllight reward (``{"class_path": "rllight.rewards.<Name>", "init_args":
+    {...}}``, default ``IntegerMatch``): the reward of each completion (its last message's text) against its
+    row's ``answer`` column, as rllight scores one response. TRL logs it as ``rewards/<Name>/mean``."""
+    spec = spec or DEFAULT_REWARD
+    module, _, name = spec["class_path"].rpartition(".")
+    if module != "rllight.rewards" or not isinstance(getattr(rllight.rewards, name, None), type):
+        raise SystemExit(f"trl_step: reward {spec['class_path']!r} is not a class of rllight.rewards")
+    reward = getattr(rllight.rewards, name)(**(spec.get("init_args") or {}))
+
+    def score(completions, answer, **kwargs) -> list[float]:
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [float(reward(text, expected)) for text, expected in zip(texts, answer)]
+
+    score.__name__ = name
+    return score
 
 
-class StepTimer(TrainerCallback):
-    """Wall-clock seconds of each optimizer step and the completion tokens it generated."""
+def step_timer(completions_per_step: int):
+    """A TrainerCallback that takes the wall-clock seconds of each optimizer step and the completion tokens it
+    generated."""
+    from transformers import TrainerCallback
 
-    def __init__(self, completions_per_step: int):
-        self.completions_per_step = completions_per_step
-        self.step_s: list[float] = []
-        self.completion_tokens: list[float] = []
-        self.logs: dict[str, list[float]] = {key: [] for key in LOGGED}
-        self._start = 0.0
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.completions_per_step = completions_per_step
+            self.step_s: list[float] = []
+            self.completion_tokens: list[float] = []
+            self.logs: dict[str, list[float]] = {key: [] for key in LOGGED}
+            self._start = 0.0
 
-    def on_step_begin(self, args, state, control, **kwargs):
-        self._start = time.perf_counter()
+        def on_step_begin(self, args, state, control, **kwargs):
+            self._start = time.perf_counter()
 
-    def on_step_end(self, args, state, control, **kwargs):
-        self.step_s.append(time.perf_counter() - self._start)
-        print(f"trl_step: step {len(self.step_s)}: {self.step_s[-1]:.3f} s", flush=True)
+        def on_step_end(self, args, state, control, **kwargs):
+            self.step_s.append(time.perf_counter() - self._start)
+            print(f"trl_step: step {len(self.step_s)}: {self.step_s[-1]:.3f} s", flush=True)
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs and "completions/mean_length" in logs:
-            self.completion_tokens.append(logs["completions/mean_length"] * self.completions_per_step)
-            for key, values in self.logs.items():
-                values.append(logs.get(key))
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "completions/mean_length" in logs:
+                self.completion_tokens.append(logs["completions/mean_length"] * self.completions_per_step)
+                for key, values in self.logs.items():
+                    values.append(logs.get(key))
+
+    return StepTimer()
 
 
 def main(settings_path: str) -> None:
+    import torch
+    import transformers
+    import trl
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     with open(settings_path) as f:
         s = json.load(f)
     with open(s["prompts"]) as f:
@@ -146,8 +175,8 @@ def main(settings_path: str) -> None:
     )
     model = AutoModelForCausalLM.from_pretrained(s["model_dir"], dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(s["model_dir"])
-    timer = StepTimer(completions_per_step)
-    trainer = trl.GRPOTrainer(model=model, reward_funcs=integer_match, args=config,
+    timer = step_timer(completions_per_step)
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=reward_function(s.get("reward")), args=config,
                               train_dataset=Dataset.from_list(rows), processing_class=tokenizer, callbacks=[timer])
     trainer.train()
     if s.get("final_dir"):  # the trained model, for bench_step's held-out evaluation
