@@ -6,11 +6,10 @@ suffices for it, and reasoning-gym for ``ReasoningGymScore``), so that both side
 tools/bench_step.py --trl writes the inputs and runs it. Its one argument is the settings file (JSON): the
 Hugging Face model folder, a JSONL of prompts in TRL's conversational format with their answers and
 ``data_source`` (in the order rllight's dataloader draws them), the reward (the recipe's ``model.reward``: a
-``class_path`` in ``rllight.rewards`` and its ``init_args``), the number of steps,
-prompts per step, responses per prompt, response length (with ``--fixed-length`` also its least length),
-temperature, learning rate, seed, TRL's loss type, ``bf16`` (bench_step's ``--precision bf16-mixed``) and an
-output folder (and, for bench_step's held-out evaluation, ``final_dir``: the trained model and tokenizer are saved
-there).
+``class_path`` in ``rllight.rewards`` and its ``init_args``), the number of steps, prompts per step, responses
+per prompt, response length (with ``--fixed-length`` also its least length), temperature, learning rate, seed,
+TRL's loss type, ``bf16`` (bench_step's ``--precision bf16-mixed``) and an output folder (and, for bench_step's
+held-out evaluation, ``final_dir``: the trained model and tokenizer are saved there).
 
 GRPOConfig, matched to rllight's GRPO recipe (recipes/grpo.yaml) under bench_step's overlay:
 - one step = ``prompts_per_step`` x ``group_size`` completions: ``per_device_train_batch_size`` = 16 completions,
@@ -34,14 +33,15 @@ reward workers call it (``reward_function``): recipes/grpo.yaml's ``IntegerMatch
 integer of the completion (or of its last ``\\boxed{}``) equals the answer, else 0.0; recipes/reasoning-gym.yaml's
 ``ReasoningGymScore`` rebuilds the row's reasoning-gym entry from the key in its answer and gives the task's own
 ``score_answer`` on the completion's final answer (its last ``\\boxed{}``, else ``<answer>`` tag, else last
-line). The comparison on reasoning-gym's tasks:
+line). The comparison on reasoning-gym's tasks (one seed; tools/bench_step.py's docstring has the two-seed
+measurement; its token-level loss is TRL's ``dapo``):
 
     .venv/bin/python tools/bench_step.py --recipe recipes/reasoning-gym.yaml --trl --trl-loss-type dapo \
         --steps 36 --train-prompts 144 --heldout 200 --seed 0 --out runs/learn-rg/s0
 
-Differences that remain: TRL's generation and loss code are its own
-(e.g. TRL computes the per-token entropy in the loss pass, as rllight does for its metrics), and rllight scores
-rewards in worker processes while TRL scores them in the training process.
+Differences that remain: TRL's generation and loss code are its own (e.g. TRL computes the per-token entropy
+in the loss pass, as rllight does for its metrics), and rllight scores rewards in worker processes while TRL
+scores them in the training process.
 
 Timing: a TrainerCallback takes the wall clock at ``on_step_begin`` and ``on_step_end``. TRL generates the
 completions in ``_prepare_inputs``, called by ``training_step``, so a step covers generation, reward,
