@@ -49,6 +49,17 @@ def test_the_tasks_own_verifier_scores_the_final_answer():
         assert reward.is_correct(f"<answer>{answer}</answer>", row["answer"])
 
 
+def test_the_preflight_check_states_the_answer_a_rows_key_stands_for():
+    """The pre-flight boxes the answer a reasoning-gym row's key stands for (not the key itself), so the task's
+    verifier passes the right response and fails the one with a changed digit, on every task of the mix."""
+    from rllight.rewards import IntegerMatch, RewardRunner
+
+    train, _ = ReasoningGymTask(MIX, train_size=16, val_size=4).splits()
+    RewardRunner(workers=0).preflight(ReasoningGymScore(), train, k=8)
+    with pytest.raises(RecipeError, match=r"^model\.reward: IntegerMatch does not give the reference answer"):
+        RewardRunner(workers=0).preflight(IntegerMatch(), train, k=8)  # it would compare with the key
+
+
 @pytest.mark.parametrize("response, expected", [
     ("so \\boxed{12} and later \\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
     ("<answer> 7 </answer> and more text", "7"),
@@ -82,7 +93,8 @@ def test_a_run_scores_in_the_reward_workers_and_evaluates_each_task(tmp_path, ti
     task = json.dumps({"class_path": "rllight.data.ReasoningGymTask",
                        "init_args": {"tasks": MIX, "train_size": 16, "val_size": 10}})
     cli = build(os.path.join(RECIPES, "grpo.yaml"), overlay, "--data.task", task, "--data.val_size", "10",
-                "--trainer.max_steps", "1", "--trainer.limit_val_batches", "1.0")
+                "--trainer.max_steps", "1", "--trainer.limit_val_batches", "1.0",
+                "--model.reward_preflight", "4")  # the recipes' pre-flight check passes on these rows
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     assert cli.trainer.global_step == 1
     metrics = cli.trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)[0]

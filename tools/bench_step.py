@@ -77,8 +77,8 @@ its task as ``data_source``, and TRL's reward function is the recipe's ``model.r
 ``rllight.rewards.ReasoningGymScore``: the task's own ``score_answer`` on the final answer that rllight
 extracts (``rllight.rewards.reasoning_gym.final_answer``), the code rllight's reward workers run (it needs only
 the standard library and reasoning-gym, which ``--setup-trl`` installs in TRL's environment at the version
-rllight's has, so that both rebuild the same entries). rllight's reward pre-flight is off (it boxes a row's
-answer field, here the key, which no reward reads as an answer; TRL has none). The held-out evaluation scores
+rllight's has, so that both rebuild the same entries). rllight's reward pre-flight boxes the answer a row's key
+stands for (``ReasoningGymScore.reference_answer``); TRL has no such check. The held-out evaluation scores
 with the same reward and reports the accuracy on each task's problems too (``start_by_task`` and each side's
 ``accuracy_by_task`` in learning.json; ``--summarize`` prints the mean per task). The overlay replaces the
 recipe's sampling (4 x 4 responses of at most 64 tokens at temperature 1.0, lr 1e-5, one update per rollout),
@@ -364,9 +364,6 @@ def overlay(args: argparse.Namespace, name: str = "rllight", staleness: int | No
             "micro_batch_size": PROMPTS_PER_STEP * GROUP_SIZE,
             # --heldout: the trained policy, for the evaluation of both sides' final models by the same code
             "export_dir": os.path.join(args.out, name, "final") if args.heldout and staleness is None else None,
-            # The reward pre-flight boxes a row's answer field, which for a reasoning-gym row is the key that
-            # rebuilds its entry, not an answer ReasoningGymScore can read: off, as TRL has none.
-            **({"reward_preflight": 0} if args.task is not None else {}),
         },
         "data": data_config(args, val_size=0),
     }

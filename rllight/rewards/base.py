@@ -40,6 +40,12 @@ class Reward:
         """
         return None
 
+    def reference_answer(self, answer: str) -> str:
+        """What a correct response states as its final answer for the row whose ``answer`` field is ``answer``:
+        the field itself, unless the field is a key to the answer (e.g. a reasoning-gym row's). The pre-flight
+        check (``RewardRunner.preflight``) builds its right and wrong responses from it."""
+        return answer
+
     def __call__(self, response: str, answer: str) -> float:
         return self.correct if self.is_correct(response, answer) else self.wrong
 

@@ -114,3 +114,6 @@ class Weighted(Reward):
 
     def check_answer(self, answer: str) -> str | None:
         return self.rewards[self.correct_from].check_answer(answer)
+
+    def reference_answer(self, answer: str) -> str:
+        return self.rewards[self.correct_from].reference_answer(answer)

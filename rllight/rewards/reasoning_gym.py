@@ -103,6 +103,10 @@ class ReasoningGymScore(Reward):
     def is_correct(self, response: str, answer: str) -> bool:
         return self.score(response, answer) >= 1.0
 
+    def reference_answer(self, answer: str) -> str:
+        """The task's answer of the row whose key is ``answer`` (what a right response's final answer says)."""
+        return str(json.loads(answer)["answer"])
+
     def check_answer(self, answer: str) -> str | None:
         try:
             key = json.loads(answer)

@@ -391,7 +391,8 @@ class RewardRunner:
     def preflight(self, reward: Reward, rows: list[dict], k: int = 4, field: str = "answer") -> None:
         """Before training, check that the reward tells right from wrong on ``k`` of the rows (spread evenly).
 
-        For each, the response ``REFERENCE_RESPONSE`` ("The answer is \\boxed{<answer>}.") must be correct
+        For each, the response ``REFERENCE_RESPONSE`` ("The answer is \\boxed{<answer>}.", with the answer the
+        row's field stands for: ``reward.reference_answer``) must be correct
         (the full reward, ``reward.correct``; for ``Weighted``, of its ``correct_from`` component) and the
         same response with a wrong answer must not: the answer's last digit changed (7 -> 8, 9 -> 0), or
         "<answer> + 1" when it has no digit. Otherwise raises ``RecipeError`` in one line naming the reward
@@ -402,8 +403,10 @@ class RewardRunner:
             return
         picks = sorted({i * len(rows) // min(k, len(rows)) for i in range(min(k, len(rows)))})
         answers = [str(rows[i].get(field, "")).strip() for i in picks]
-        right = [REFERENCE_RESPONSE.format(answer=a) for a in answers]
-        wrong = [REFERENCE_RESPONSE.format(answer=_wrong_answer(a)) for a in answers]
+        # The answer a right response states (a reward whose rows hold a key to it says what the key stands for).
+        stated = [getattr(reward, "reference_answer", lambda a: a)(a) for a in answers]
+        right = [REFERENCE_RESPONSE.format(answer=a) for a in stated]
+        wrong = [REFERENCE_RESPONSE.format(answer=_wrong_answer(a)) for a in stated]
         scores = self.score(reward, right + wrong, answers + answers)
         name = type(reward).__name__
         full = f"its full reward {reward.correct:g}" if isinstance(reward, Reward) else "a positive reward"
