@@ -35,6 +35,16 @@ def test_recipe_parses_and_instantiates(recipe):
     cli = build(*recipe_configs(recipe))
     assert isinstance(cli.model, RLModule)
     assert cli.model.policy is None  # weights load in configure_model, not at construction
+    # A recipe whose rows come from its own task: its reward passes the pre-flight the run makes on them (the
+    # right answer earns the full reward, a changed one does not), as the module runs it before training.
+    module, data = cli.model, cli.datamodule
+    if module.reward_preflight and data.task is not None and not data.train_files:
+        from rllight.rewards import RewardRunner, by_source
+
+        data.setup("fit")
+        rows = data.train_rows
+        for reward, index in by_source(module.reward, [r.get("data_source") for r in rows]):
+            RewardRunner(workers=0).preflight(reward, [rows[i] for i in index], k=module.reward_preflight)
 
 
 @pytest.mark.parametrize("recipe", ALL_RECIPES, ids=os.path.basename)
