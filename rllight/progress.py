@@ -391,6 +391,10 @@ def quiet_lightning() -> None:
     # recent torch deprecates; nothing in a recipe calls or avoids it (a Lightning release will change the call).
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
                             category=FutureWarning)
+    # Under bf16-mixed the weights stay float32, so the model summary's 32-bit size, which Lightning warns may be
+    # inaccurate for that precision, is the weights' true size.
+    warnings.filterwarnings("ignore", message=r"Precision .* is not supported by the model summary",
+                            category=UserWarning)
     logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     if not any(isinstance(f, _DropTips) for f in logger.filters):
         logger.addFilter(_DropTips())
