@@ -17,6 +17,15 @@ def share(total: int, world: int, name: str) -> int:
     return total // world
 
 
+def process_rank_and_world() -> tuple[int, int]:
+    """This process's rank and the number of processes of the run's process group (0 and 1 outside one); for
+    code that has no trainer at hand (an engine, an evaluation)."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 class Ranks:
     """Sums and maxima over the ranks of a run (the identity on one process). Every method is a collective
     where there are several ranks: every rank must call it, in the same order.

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from rllight.algorithms.evaluation import Estimate, avg_at_k, bootstrap_interval, maj_at_k, pass_at_k_over_prompts
+from rllight.distributed import process_rank_and_world
 from rllight.errors import RecipeError
 
 _NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?|[-+]?\.\d+")
@@ -446,8 +447,7 @@ class Evaluator:
         cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []):
             if self._stream is None:
-                distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-                rank = torch.distributed.get_rank() if distributed else 0
+                rank, _ = process_rank_and_world()
                 torch.manual_seed(seed + rank)
             else:
                 torch.set_rng_state(self._stream[0])

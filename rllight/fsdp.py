@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from rllight.dtensor import full_tensor, is_dtensor
 from rllight.errors import RecipeError
+from rllight.precision import DTYPES
 from rllight.types import Rollout
 
 
@@ -68,9 +69,6 @@ class FSDP(ModelParallelStrategy):
         world = self.num_nodes * self.num_processes
         self._data_parallel_size, self._tensor_parallel_size = world, 1
         super().setup_environment()
-
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def _dtype(name: str, key: str) -> torch.dtype:
@@ -176,5 +174,5 @@ def gathered_policy(policy: nn.Module, lora=None) -> nn.Module | None:
     return plain
 
 
-__all__ = ["DTYPES", "FSDP", "decoder_layers", "full_tensor", "gathered_policy", "is_dtensor", "is_sharded",
+__all__ = ["FSDP", "decoder_layers", "full_tensor", "gathered_policy", "is_dtensor", "is_sharded",
            "padding_passes", "padding_row", "shard"]

@@ -13,11 +13,11 @@ import re
 import torch
 
 from rllight.errors import RecipeError
+from rllight.precision import DTYPES
 from rllight.rollout.base import distinct_prompts, position_ids
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 
 
@@ -63,8 +63,8 @@ class HFModel:
         self, path: str, dtype: str = "float32", trust_remote_code: bool = False, gguf_file: str | None = None,
         float32_lm_head: bool = False,
     ):
-        if dtype not in _DTYPES:
-            raise RecipeError(f"model.dtype: '{dtype}' is not one of {', '.join(_DTYPES)}")
+        if dtype not in DTYPES:
+            raise RecipeError(f"model.dtype: '{dtype}' is not one of {', '.join(DTYPES)}")
         self.path = path
         self.dtype = dtype
         self.trust_remote_code = trust_remote_code
@@ -107,7 +107,7 @@ class HFModel:
             kwargs["gguf_file"] = self.gguf_file
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[self.dtype], **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[self.dtype], **kwargs)
         except OSError as err:
             if os.path.exists(path):
                 raise

@@ -33,6 +33,8 @@ from rllight.machine import cpu_flags
 log = logging.getLogger("rllight")
 
 AUTO = "auto"
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+"""The dtypes a recipe names by string (a model's, an engine copy's, FSDP's compute dtype)."""
 ENGINE_KEYS = ("model.rollout",)
 """Where the rollout engine's config lives; a ``dtype: auto`` in its ``init_args`` (or in those of an engine it
 wraps, e.g. ``rllight.rollout.worker.ProcessEngine``'s ``engine``) follows the trainer's precision."""

@@ -11,7 +11,7 @@ from torch.profiler import record_function
 
 from rllight.errors import RecipeError
 from rllight.dtensor import full_tensor
-from rllight.precision import AUTO, Float32Head, cpu_bf16_units
+from rllight.precision import AUTO, DTYPES, Float32Head, cpu_bf16_units
 from rllight.rollout.base import (
     Generation,
     RolloutEngine,
@@ -41,9 +41,6 @@ def eos_token_ids(model, tokenizer) -> list[int]:
 def _cpu_has_low_precision_units() -> bool:
     """Whether this CPU computes bfloat16 natively (AVX-512 BF16 or AMX, ``rllight.precision.cpu_bf16_units``)."""
     return cpu_bf16_units() is not None
-
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 class HFEngine(RolloutEngine):
@@ -95,8 +92,8 @@ class HFEngine(RolloutEngine):
             raise RecipeError(f"model.rollout.init_args.min_new_tokens must be in 0..max_new_tokens "
                               f"({max_new_tokens}), got {min_new_tokens}")
         self.min_new_tokens = min_new_tokens
-        if dtype is not None and dtype != AUTO and dtype not in _DTYPES:
-            raise RecipeError(f"model.rollout.init_args.dtype: '{dtype}' is not one of {', '.join(_DTYPES)}, "
+        if dtype is not None and dtype != AUTO and dtype not in DTYPES:
+            raise RecipeError(f"model.rollout.init_args.dtype: '{dtype}' is not one of {', '.join(DTYPES)}, "
                               f"{AUTO} or null")
         self.batch_size = batch_size
         self.dtype = None if dtype == AUTO else dtype  # unresolved auto (no trainer precision known): the policy
@@ -135,7 +132,7 @@ class HFEngine(RolloutEngine):
                         self.dtype, torch.backends.cpu.get_cpu_capability())
         # The parameters go straight into the copy's dtype (deepcopy takes them from the memo): a deepcopy followed
         # by .to(dtype) would first hold a second full float32 policy.
-        dtype = _DTYPES[self.dtype] if self.dtype is not None else None
+        dtype = DTYPES[self.dtype] if self.dtype is not None else None
         memo = {id(p): torch.nn.Parameter(p.detach().to(dtype, copy=True), requires_grad=p.requires_grad)
                 for p in model.parameters()} if dtype is not None else {}
         self._copy = copy.deepcopy(model, memo)

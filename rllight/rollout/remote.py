@@ -62,6 +62,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from rllight.distributed import process_rank_and_world
 from rllight.dtensor import is_dtensor
 from rllight.errors import ComponentError, RecipeError
 from rllight.rollout.base import Generation, RolloutEngine, request_key
@@ -70,14 +71,6 @@ from rllight.rollout.vllm import GatheredState, full_state_dict, generation_from
 from rllight.stopping import call_stoppable, wait_stoppable
 
 log = logging.getLogger(__name__)
-
-
-def _rank_and_world() -> tuple[int, int]:
-    """This training process's rank and the number of processes (0 and 1 outside a distributed run)."""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 class VLLMServerEngine(RolloutEngine):
@@ -214,7 +207,7 @@ class VLLMServerEngine(RolloutEngine):
         from safetensors.torch import save_file
 
         start = time.perf_counter()
-        rank, world = _rank_and_world()
+        rank, world = process_rank_and_world()
         state = full_state_dict(model)
         if rank == 0:
             os.makedirs(self.weights_dir, exist_ok=True)
@@ -265,7 +258,7 @@ class VLLMServerEngine(RolloutEngine):
     def _complete(self, prompts: list[list[int]], greedy: bool, eos: list[int]) -> list[dict]:
         sampling = ({"temperature": 0.0} if greedy else
                     {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k or -1})
-        rank, _ = _rank_and_world()
+        rank, _ = process_rank_and_world()
         self._requests += 1
         tag = f"rllight-rank{rank}-{self._requests}-{uuid.uuid4().hex[:8]}"  # in the server's log and its answer
         answer = self._request("/v1/completions", {
