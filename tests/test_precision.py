@@ -126,6 +126,25 @@ def test_two_bf16_mixed_precision_steps_on_cpu(tmp_path, tiny_model_dir):
         assert float(step["train/rollout/logprob_diff_max"]) < 5e-2
 
 
+def test_precision_bf16_engine_prompt_pass_never_copies_the_output_weight_per_row(tiny_model_dir):
+    """bfloat16 costs no extra memory in generation: the prompt pass keeps only the last position's logits, a
+    non-contiguous (B, 1, H) view of the hidden states, on which a CPU bfloat16 ``linear`` would broadcast the
+    output weight to a (B, H, V) copy (3.4 GB for 64 SmolLM2 prompts; float32 folds the view instead). No single
+    allocation of the generation may reach that copy's size."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompts = [tokenizer(f"question {i} is {i * 7} and {i + 3}")["input_ids"] for i in range(16)]
+    engine = HFEngine(max_new_tokens=3, dtype="bfloat16")
+    vocab, hidden = model.config.vocab_size, model.config.hidden_size
+    broadcast_copy = len(prompts) * hidden * vocab * 2  # bytes
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        engine.generate(model, tokenizer, prompts, greedy=True)
+    largest = max(e.cpu_memory_usage for e in prof.events())
+    assert 0 < largest < broadcast_copy / 2, (largest, broadcast_copy)
+
+
 def _peaky_model(tmp_path, tiny_model_dir: str) -> str:
     """The tiny model with its output layer scaled 8x: logits of a trained model's size (a few units, entropy about
     3.5 nats), where rounding them to bfloat16 shows; the random model's are near 0, where it does not."""

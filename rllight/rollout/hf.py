@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -36,6 +37,27 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return sorted(ids)
+
+
+@contextlib.contextmanager
+def contiguous_head_input(model: torch.nn.Module):
+    """Within the block, the output layer gets a contiguous input.
+
+    The prompt pass asks for the last position's logits only (``logits_to_keep=1``), and the model slices its
+    hidden states to that position: a non-contiguous (B, 1, H) view. On CPU, a bfloat16 ``linear`` on such a view
+    broadcasts the (V, H) weight to a (B, H, V) copy (49152 x 576 x 2 bytes per row for SmolLM2: 3.4 GB for 64
+    prompts, and seconds to write), where a contiguous input is one (B, H) x (H, V) product. float32 folds the view
+    itself, so this showed as bfloat16 taking GBs more memory than float32 (``tests/test_precision.py``).
+    """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None:
+        yield
+        return
+    handle = head.register_forward_pre_hook(lambda module, args: (args[0].contiguous(), *args[1:]))
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _cpu_has_low_precision_units() -> bool:
@@ -217,7 +239,9 @@ class HFEngine(RolloutEngine):
         was_training = model.training
         model.eval()
         try:
-            response_ids, logprobs = self._decode(model, prompt_ids, prompt_mask, eos, tokenizer.pad_token_id, greedy)
+            with contiguous_head_input(model):
+                response_ids, logprobs = self._decode(model, prompt_ids, prompt_mask, eos, tokenizer.pad_token_id,
+                                                      greedy)
         finally:
             model.train(was_training)
         mask, truncated = response_mask_from_ids(response_ids, eos)
