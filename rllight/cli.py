@@ -23,7 +23,7 @@ from rllight.export import check_export_dir, overlaps
 from rllight.module import RLModule
 from rllight.paths import add_user_import_paths, expand_config_paths, expand_path, model_path_args
 from rllight.precision import check_float32_lm_head, resolve_config
-from rllight.progress import progress_callbacks, quiet_lightning
+from rllight.progress import StepLog, progress_callbacks, quiet_lightning
 from rllight.safety import RECIPE_KEY, Interrupts, RecipeRecord, check_resume, check_writable, read_checkpoint
 
 log = logging.getLogger("rllight")
@@ -289,7 +289,14 @@ class RLLightCLI(LightningCLI):
         self._check_outputs()
         self._check_resume()
         evaluate = self.config.fit.evaluate_before_after and self._no_validation() is None
-        self._before = self._evaluate() if evaluate else None
+        step_logs = [cb for cb in self.trainer.callbacks if isinstance(cb, StepLog)]
+        for step_log in step_logs:
+            step_log.before_fit = True
+        try:
+            self._before = self._evaluate() if evaluate else None
+        finally:
+            for step_log in step_logs:
+                step_log.before_fit = False
         self._before_per_prompt = dict(getattr(self.model, "last_val_per_prompt", {}))
 
     def after_fit(self) -> None:

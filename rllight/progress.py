@@ -133,6 +133,9 @@ class StepLog(L.Callback):
         self.window = window
         self.count = RolloutCount()
         self.durations: list[float] = []
+        self.before_fit = False
+        """Set by the ``rllight`` command around ``evaluate_before_after``'s first evaluation (a ``validate`` alone
+        is not "before training")."""
         self.active = False
         self._step_start = 0.0
         self._eval: dict | None = None
@@ -217,7 +220,7 @@ class StepLog(L.Callback):
     def _evaluation_name(self, trainer) -> str:
         if trainer.state.fn == "fit":
             return f"evaluation at step {self.count.done(trainer)}"
-        if trainer.state.fn == "validate" and trainer.global_step == 0 and not trainer.ckpt_path:
+        if trainer.state.fn == "validate" and self.before_fit:
             return "evaluation before training"
         return f"evaluation after {trainer.global_step} updates" if trainer.global_step else "evaluation"
 

@@ -179,6 +179,7 @@ def test_a_long_evaluation_prints_at_least_every_heartbeat():
                               callback_metrics={"val/accuracy": 0.5})
     log = StepLog(heartbeat=0.3)
     log.active = True
+    log.before_fit = True  # as the rllight command sets it for evaluate_before_after's first evaluation
     out = io.StringIO()
     with redirect_stdout(out):
         log.on_validation_start(trainer, None)
@@ -194,6 +195,20 @@ def test_a_long_evaluation_prints_at_least_every_heartbeat():
     assert lines[len(beats) + 1].startswith("rllight: evaluation: 1/2 batches in ")
     assert lines[len(beats) + 2].startswith("rllight: evaluation: 2/2 batches in ")
     assert lines[-1].startswith("rllight: evaluation done in ") and lines[-1].endswith("accuracy 0.500")
+
+
+def test_a_validate_alone_is_not_called_before_training():
+    """``rllight validate`` evaluates at global step 0 too: it is "evaluation", not "evaluation before training"."""
+    trainer = SimpleNamespace(sanity_checking=False, num_val_batches=[1], datamodule=SimpleNamespace(val_rows=[{}] * 4),
+                              state=SimpleNamespace(fn="validate"), global_step=0, ckpt_path=None,
+                              callback_metrics={})
+    log = StepLog(heartbeat=60)
+    log.active = True
+    out = io.StringIO()
+    with redirect_stdout(out):
+        log.on_validation_start(trainer, None)
+        log.on_validation_end(trainer, None)
+    assert out.getvalue().splitlines()[0] == "rllight: evaluation: 1 batch (4 prompts)"
 
 
 def test_durations_read_at_a_glance():
