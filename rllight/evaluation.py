@@ -30,8 +30,8 @@ from torch import Tensor
 from rllight.algorithms.evaluation import Estimate, avg_at_k, bootstrap_interval, maj_at_k, pass_at_k_over_prompts
 from rllight.distributed import process_rank_and_world
 from rllight.errors import RecipeError
+from rllight.rewards.base import last_number
 
-_NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?|[-+]?\.\d+")
 
 
 def _canonical_number(text: str) -> str | None:
@@ -71,8 +71,8 @@ def extract_answer(text: str) -> str | None:
     if boxed is not None:
         content = "".join(boxed.replace("$", "").split())
         return _canonical_number(content) or content or None
-    numbers = _NUMBER.findall(text)
-    return _canonical_number(numbers[-1]) if numbers else None
+    number = last_number(text)
+    return _canonical_number(number) if number is not None else None
 
 
 class EvalSettings:

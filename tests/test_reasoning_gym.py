@@ -47,6 +47,11 @@ def test_the_tasks_own_verifier_scores_the_final_answer():
         # A wrong answer: not solved; some tasks give a little credit for the form (gsm_symbolic: 0.01).
         assert reward("\\boxed{-99999}", row["answer"]) < -0.9 and not reward.is_correct("-99999", row["answer"])
         assert reward.is_correct(f"<answer>{answer}</answer>", row["answer"])
+        # A numeric answer is read as its final line's last number, as a small model writes it.
+        assert reward.is_correct(f"Adding them up:\n1 + 2 = {answer}", row["answer"])
+        assert reward.is_correct(f"The answer is {answer}.", row["answer"])
+        assert not reward.is_correct(f"The answer is {answer}1.", row["answer"])
+        assert not reward.is_correct(f"{answer} is what I first thought, but it is 99999", row["answer"])
 
 
 def test_the_preflight_check_states_the_answer_a_rows_key_stands_for():
@@ -68,6 +73,17 @@ def test_the_preflight_check_states_the_answer_a_rows_key_stands_for():
 ])
 def test_final_answer(response, expected):
     assert final_answer(response) == expected
+
+
+@pytest.mark.parametrize("response, expected", [
+    ("2 + 5 = 7", "7"),
+    ("The final answer is -1,200.", "-1,200"),
+    ("\\boxed{x = 3}", "3"),
+    ("12 legs in all\nno number here", "no number here"),  # the final line has none: unchanged, and wrong
+    ("3.5", "3.5"),
+])
+def test_final_answer_of_a_numeric_task_is_the_last_number_of_the_final_line(response, expected):
+    assert final_answer(response, numeric=True) == expected
 
 
 def test_without_the_extra_a_recipe_naming_it_is_one_line_with_the_install_command(monkeypatch):

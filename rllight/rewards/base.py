@@ -15,6 +15,8 @@ log = logging.getLogger(__name__)
 _INT = re.compile(r"-?\d[\d,]*")
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 _PLAIN_NUMBER = re.compile(r"\s*-?[0-9][0-9,]*(\.[0-9]+)?\s*")  # ASCII digits: what math-verify reads
+NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?|[-+]?\.\d+")
+"""A number as written in a response: sign, digits with thousands separators, decimals."""
 
 
 class Reward:
@@ -48,6 +50,12 @@ class Reward:
 
     def __call__(self, response: str, answer: str) -> float:
         return self.correct if self.is_correct(response, answer) else self.wrong
+
+
+def last_number(text: str) -> str | None:
+    """The last number written in ``text`` (``NUMBER``), as written; None when there is none."""
+    numbers = NUMBER.findall(text)
+    return numbers[-1] if numbers else None
 
 
 def last_integer(text: str) -> int | None:

@@ -14,12 +14,13 @@ import json
 import re
 
 from rllight.errors import RecipeError
-from rllight.rewards.base import Reward
+from rllight.rewards.base import NUMBER, Reward, last_number
 
 INSTALL = "pip install 'rllight[reasoning-gym]' (or pip install reasoning-gym)"
 
 _BOXED = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}")
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_IS_NUMBER = re.compile(rf"(?:{NUMBER.pattern})")
 _FINAL = re.compile(r"^\s*(?:final answer|answer)\s*[:=]\s*", re.IGNORECASE)
 
 
@@ -32,10 +33,12 @@ def import_reasoning_gym(key: str):
     return reasoning_gym
 
 
-def final_answer(response: str) -> str:
+def final_answer(response: str, numeric: bool = False) -> str:
     """The answer a response commits to: the content of its last ``\\boxed{}``, else of its last
     ``<answer>...</answer>`` (reasoning-gym's own format), else its last non-empty line without a leading
-    ``Answer:`` / ``Final answer:``; stripped of spaces and a trailing full stop."""
+    ``Answer:`` / ``Final answer:``; stripped of spaces and a trailing full stop. ``numeric`` (the task's answer
+    is a number): that text's last number when it is not a number itself, as GSM8K graders read a final line
+    ("2 + 5 = 7" and "The answer is 7." answer 7); the text unchanged when it holds no number."""
     boxed = _BOXED.findall(response)
     if boxed:
         text = boxed[-1]
@@ -43,7 +46,10 @@ def final_answer(response: str) -> str:
         tagged = _ANSWER_TAG.findall(response)
         lines = [line for line in response.splitlines() if line.strip()]
         text = tagged[-1] if tagged else (_FINAL.sub("", lines[-1]) if lines else "")
-    return text.strip().rstrip(".").strip()
+    text = text.strip().rstrip(".").strip()
+    if numeric and not _IS_NUMBER.fullmatch(text):
+        text = last_number(text) or text
+    return text
 
 
 def row_answer(task: str, config: dict, seed: int, size: int, index: int, answer: str) -> str:
@@ -95,7 +101,8 @@ class ReasoningGymScore(Reward):
     def score(self, response: str, answer: str) -> float:
         """The task's score in [0, 1] of ``response`` against the row whose key is ``answer``."""
         dataset, entry = self._entry(json.loads(answer))
-        return float(dataset.score_answer(final_answer(response), entry))
+        numeric = _IS_NUMBER.fullmatch(str(entry["answer"]).strip()) is not None
+        return float(dataset.score_answer(final_answer(response, numeric), entry))
 
     def __call__(self, response: str, answer: str) -> float:
         return self.wrong + (self.correct - self.wrong) * self.score(response, answer)
