@@ -338,12 +338,14 @@ class EvalAccumulator:
     def per_prompt(self, ks: Sequence[int]) -> dict[str, dict[str, float]]:
         """The overall metrics prompt by prompt, for a paired comparison of two evaluations of the same rows:
         ``{"<key>/avg@k": {source: value, ...}, "<key>/pass@k": ..., "<key>/maj@k": ...}`` for each k, keyed
-        by each row's ``source``. Empty when a record has no ``source`` or two records share one."""
+        by each row's ``source``; and the same per data source (``"<key>/<data_source>/avg@k"``). Empty when a
+        record has no ``source`` or two records share one."""
         sources = [r.get("source") for r in self.records]
         if not self.records or None in sources or len(set(sources)) != len(sources):
             return {}
-        return {f"{self.key}/{name}@{k}": dict(zip(sources, est.per_prompt.tolist()))
-                for k in ks for name, est in self._estimates(self.records, k).items()}
+        return {f"{prefix}{name}@{k}": dict(zip([r["source"] for r in records], est.per_prompt.tolist()))
+                for prefix, records in self._groups() for k in ks
+                for name, est in self._estimates(records, k).items()}
 
     def compute(
         self, ks: Sequence[int], bootstrap: int = 0, confidence: float = 0.95, seed: int = 0
@@ -395,6 +397,19 @@ class EvalAccumulator:
         _write_atomic(json_path, json.dumps(summary, indent=2, allow_nan=False) + "\n")
         _write_atomic(rows_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in self.records))
         return json_path, rows_path
+
+
+def read_evaluation(directory: str, name: str) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """An evaluation ``EvalAccumulator.write`` saved as ``<directory>/<name>.json`` and ``<name>_rows.jsonl``,
+    read back: its metrics (as logged) and its per-prompt values (``EvalAccumulator.per_prompt``), recomputed from
+    the rows, for ``before_after``. A greedy pass (``<name>_greedy``) is read as ``val/greedy/...``."""
+    with open(os.path.join(directory, f"{name}.json")) as f:
+        saved = json.load(f)
+    acc = EvalAccumulator("val/greedy" if name.endswith("_greedy") else "val")
+    with open(os.path.join(directory, f"{name}_rows.jsonl")) as f:
+        acc.records = [json.loads(line) for line in f if line.strip()]
+    acc.n, acc.dropped = saved["n"], saved.get("dropped", [])
+    return acc.compute(saved["ks"]), acc.per_prompt(saved["ks"])
 
 
 class Evaluator:
@@ -599,25 +614,63 @@ def before_after(
     says which (``paired``).
     """
     summary: dict[str, dict] = {}
-    lines = [f"{'metric':<16} {'before':>15} {'after':>15} {'difference':>16}"]
+    by_source = _per_source_row(before, after)
+    w = max([16] + [2 + len(source) for source in (by_source[2] if by_source else [])])  # the label column
+
+    def add(label: str, name: str, key: str) -> None:
+        row = summary[name] = _difference(before, after, key, before_per_prompt, after_per_prompt)
+        lines.append(f"{label:<{w}} {_cell(row, 'before')} {_cell(row, 'after')} "
+                     f"{row['difference']:>+8.3f} ± {_se(row['difference_se']):<5}")
+
+    lines = [f"{'metric':<{w}} {'before':>15} {'after':>15} {'difference':>16}"]
     for label, key in _headline_rows([key for key in after if key in before]):
-        b, a = float(before[key]), float(after[key])
-        se_b, se_a = float(before.get(key + "_se", math.nan)), float(after.get(key + "_se", math.nan))
-        se_d = paired_se((before_per_prompt or {}).get(key), (after_per_prompt or {}).get(key))
-        paired = se_d is not None
-        if not paired:
-            se_d = math.sqrt(se_b**2 + se_a**2)
-        summary[label] = {"before": b, "after": a, "before_se": _finite_or_none(se_b),
-                          "after_se": _finite_or_none(se_a), "difference": a - b,
-                          "difference_se": _finite_or_none(se_d), "paired": paired}
-        lines.append(f"{label:<16} {b:>7.3f} ± {se_b:<5.3f} {a:>7.3f} ± {se_a:<5.3f} {a - b:>+8.3f} ± {se_d:<5.3f}")
+        add(label, label, key)
+    if by_source is not None:
+        label, key, sources = by_source
+        lines.append(f"{label}, per data source:")
+        for source in sources:
+            add(f"  {source}", f"{label} / {source}", _in_source(key, source))
     for name in _PLAIN:
         key = f"val/{name}"
         if key in before and key in after:
             b, a = float(before[key]), float(after[key])
             summary[name] = {"before": b, "after": a, "difference": a - b}
-            lines.append(f"{name:<16} {b:>15.3f} {a:>15.3f} {a - b:>+16.3f}")
+            lines.append(f"{name:<{w}} {b:>15.3f} {a:>15.3f} {a - b:>+16.3f}")
     return summary, lines
+
+
+def _per_source_row(before: dict[str, float], after: dict[str, float]) -> tuple[str, str, list[str]] | None:
+    """The metric ``before_after`` also shows per data source, ``(label, overall key, sources)``: the greedy accuracy
+    where there is one, else avg@k for the largest k (every sample); None with fewer than two data sources."""
+    sources = sorted({m.group(1) for m in map(_SOURCE.fullmatch, after) if m and m.group(0) in before})
+    if len(sources) < 2:
+        return None
+    if "val/greedy/avg@1" in after:
+        return "greedy accuracy", "val/greedy/avg@1", sources
+    ks = [int(m.group(3)) for m in map(_HEADLINE.fullmatch, after) if m and not m.group(1) and m.group(2) == "avg"]
+    return (f"avg@{max(ks)}", f"val/avg@{max(ks)}", sources) if ks else None
+
+
+def _difference(before: dict[str, float], after: dict[str, float], key: str,
+                before_per_prompt: dict | None, after_per_prompt: dict | None) -> dict:
+    """``key`` before and after with standard errors, and their difference with its own (paired when both
+    evaluations give ``key`` prompt by prompt on the same prompts, else as if independent)."""
+    b, a = float(before.get(key, math.nan)), float(after.get(key, math.nan))
+    se_b, se_a = float(before.get(key + "_se", math.nan)), float(after.get(key + "_se", math.nan))
+    se_d = paired_se((before_per_prompt or {}).get(key), (after_per_prompt or {}).get(key))
+    paired = se_d is not None
+    if not paired:
+        se_d = math.sqrt(se_b**2 + se_a**2)
+    return {"before": b, "after": a, "before_se": _finite_or_none(se_b), "after_se": _finite_or_none(se_a),
+            "difference": a - b, "difference_se": _finite_or_none(se_d), "paired": paired}
+
+
+def _se(value: float | None) -> str:
+    return "nan" if value is None else f"{value:.3f}"
+
+
+def _cell(row: dict, which: str) -> str:
+    return f"{row[which]:>7.3f} ± {_se(row[which + '_se']):<5}"
 
 
 def paired_se(before: dict[str, float] | None, after: dict[str, float] | None) -> float | None:

@@ -366,6 +366,33 @@ def test_before_after_difference_is_paired_over_the_same_prompts():
     assert acc.per_prompt([1]) == {}
 
 
+def test_before_after_shows_each_data_source_with_its_own_paired_difference():
+    """Two tasks of three prompts each, one greedy answer per prompt: the accuracy (avg@1) per task, before and after, with the standard error of
+    that task's per-prompt differences (hand-computed); one task alone gets no per-task rows."""
+    from rllight.evaluation import before_after
+
+    rows = [{"source": f"row {i}", "prompt": f"p{i}", "answer": "1", "data_source": "sums" if i < 3 else "legs"}
+            for i in range(6)]
+    accs = []
+    for correct in ([0, 0, 1, 0, 0, 0], [1, 1, 1, 0, 1, 0]):
+        acc = EvalAccumulator("val")
+        acc.update(rows, 1, correct, texts=["1" if c else "2" for c in correct])
+        accs.append(acc)
+    (before, after), (before_pp, after_pp) = ([a.compute([1]) for a in accs], [a.per_prompt([1]) for a in accs])
+    assert before_pp["val/sums/avg@1"] == {"row 0": 0.0, "row 1": 0.0, "row 2": 1.0}
+    summary, lines = before_after(before, after, before_pp, after_pp)
+    sums, legs = summary["avg@1 / sums"], summary["avg@1 / legs"]
+    # sums: 1/3 -> 1, differences 1, 1, 0 (se sqrt(1/3) / sqrt(3) = 1/3); legs: 0 -> 1/3, differences 0, 1, 0 (1/3)
+    assert sums["difference"] == pytest.approx(2 / 3) and sums["difference_se"] == pytest.approx(1 / 3)
+    assert legs["difference"] == pytest.approx(1 / 3) and legs["difference_se"] == pytest.approx(1 / 3)
+    assert sums["paired"] and legs["paired"]
+    assert "avg@1, per data source:" in lines
+    assert [line.split()[:3] for line in lines if line.startswith("  ")] == [["legs", "0.000", "±"],
+                                                                               ["sums", "0.333", "±"]]
+    one = {k: v for k, v in before.items() if "/legs/" not in k}
+    assert not any(name.startswith("avg@1 /") for name in before_after(one, after)[0])
+
+
 def test_also_greedy_needs_sampling():
     with pytest.raises(RecipeError, match="also_greedy"):
         EvalSettings(also_greedy=True)

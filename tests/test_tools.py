@@ -139,6 +139,31 @@ def test_compare_runs_a_method_and_prints_its_accuracy_after(tmp_path, monkeypat
     assert (out / "figures" / "reward.png").is_file()
 
 
+def test_before_after_reads_a_runs_saved_evaluations_back_into_its_table(tmp_path, capsys):
+    """Two saved evaluations (a sampled pass and a greedy one at steps 0 and 6, two tasks): the tool's table is the
+    one ``before_after`` makes from the evaluations in memory, per-task paired rows included."""
+    from rllight.evaluation import EvalAccumulator, before_after
+
+    rows = [{"source": f"row {i}", "prompt": f"p{i}", "answer": "1", "data_source": "sums" if i < 3 else "legs"}
+            for i in range(6)]
+    results = []
+    for step, sampled, greedy in ((0, [0, 1] * 6, [0, 0, 1, 0, 0, 0]), (6, [1, 1] * 6, [1, 1, 1, 0, 1, 0])):
+        metrics, per_prompt = {}, {}
+        for key, ks, correct, name in (("val", [1, 2], sampled, f"val_step{step}"),
+                                       ("val/greedy", [1], greedy, f"val_step{step}_greedy")):
+            acc = EvalAccumulator(key)
+            acc.update(rows, max(ks), correct, texts=["1" if c else "2" for c in correct])
+            acc.write(str(tmp_path / "evaluation"), ks, name=name)
+            metrics.update(acc.compute(ks))
+            per_prompt.update(acc.per_prompt(ks))
+        results.append((metrics, per_prompt))
+    expected = before_after(results[0][0], results[1][0], results[0][1], results[1][1])[1]
+    assert _tool("before_after").main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.strip() for line in out[1 : 1 + len(expected)]] == [line.strip() for line in expected]
+    assert "  sums" in "\n".join(out) and re.search(r" greedy_accuracy_/_sums 0\.333 1\.000 \+0\.667 0\.333$", out[-1])
+
+
 def test_gpu_check_without_cuda_says_so_in_one_line():
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is here: tools/gpu_check.sh would run the GPU tests (minutes)")
