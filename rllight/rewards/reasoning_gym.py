@@ -20,7 +20,6 @@ INSTALL = "pip install 'rllight[reasoning-gym]' (or pip install reasoning-gym)"
 
 _BOXED = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}")
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-_IS_NUMBER = re.compile(rf"(?:{NUMBER.pattern})")
 _FINAL = re.compile(r"^\s*(?:final answer|answer)\s*[:=]\s*", re.IGNORECASE)
 
 
@@ -47,7 +46,7 @@ def final_answer(response: str, numeric: bool = False) -> str:
         lines = [line for line in response.splitlines() if line.strip()]
         text = tagged[-1] if tagged else (_FINAL.sub("", lines[-1]) if lines else "")
     text = text.strip().rstrip(".").strip()
-    if numeric and not _IS_NUMBER.fullmatch(text):
+    if numeric and not NUMBER.fullmatch(text):
         text = last_number(text) or text
     return text
 
@@ -101,7 +100,7 @@ class ReasoningGymScore(Reward):
     def score(self, response: str, answer: str) -> float:
         """The task's score in [0, 1] of ``response`` against the row whose key is ``answer``."""
         dataset, entry = self._entry(json.loads(answer))
-        numeric = _IS_NUMBER.fullmatch(str(entry["answer"]).strip()) is not None
+        numeric = NUMBER.fullmatch(str(entry["answer"]).strip()) is not None
         return float(dataset.score_answer(final_answer(response, numeric), entry))
 
     def __call__(self, response: str, answer: str) -> float:
