@@ -248,15 +248,15 @@ def test_trls_reward_function_is_reasoning_gyms_own_score_of_the_final_answer():
                                 (f"Answer: {answer}.", answer),
                                 (f"<answer>{answer}</answer>\n", answer),
                                 (f"\\boxed{{{answer}}} ... no, \\boxed{{{wrong}}}", wrong),  # wrong
-                                (f"The answer is {answer}, I think", f"The answer is {answer}, I think"),  # malformed
-                                (f"\\boxed{{{answer}", f"\\boxed{{{answer}"),
+                                (f"The answer is {answer}, I think", answer),  # a numeric task: the last number
+                                (f"\\boxed{{{answer}", f"\\boxed{{{answer}"),  # malformed: cut inside the box
                                 ("", "")):
             completions.append(text)
             keys.append(row_answer(task, config, 5, 3, 1, answer))
             expected.append(float(dataset.score_answer(extracted, entry)))
-    # Seven completions per task: the right ones solved, the wrong one and the empty one not, partial credit
-    # (which a 0/1 reward would not give) for some malformed ones.
-    assert [score for i, score in enumerate(expected) if i % 7 < 3] == [1.0] * 9
+    # Seven completions per task: the right ones solved (the sentence's last number too), the wrong one and the
+    # empty one not, partial credit (which a 0/1 reward would not give) for the box cut open.
+    assert [score for i, score in enumerate(expected) if i % 7 in (0, 1, 2, 4)] == [1.0] * 12
     assert all(score < 1.0 for score in expected[3::7]) and expected[6::7] == [0.0] * 3
     assert any(0.0 < score < 1.0 for score in expected)
     assert reward(completions, answer=keys) == expected

@@ -81,6 +81,8 @@ def test_final_answer(response, expected):
     ("\\boxed{x = 3}", "3"),
     ("12 legs in all\nno number here", "no number here"),  # the final line has none: unchanged, and wrong
     ("3.5", "3.5"),
+    ("It is 30, I think", "30"),
+    ("\\boxed{12", "\\boxed{12"),  # cut inside the box: unchanged, and wrong
 ])
 def test_final_answer_of_a_numeric_task_is_the_last_number_of_the_final_line(response, expected):
     assert final_answer(response, numeric=True) == expected

@@ -53,9 +53,10 @@ class Reward:
 
 
 def last_number(text: str) -> str | None:
-    """The last number written in ``text`` (``NUMBER``), as written; None when there is none."""
+    """The last number written in ``text`` (``NUMBER``), as written but for a trailing comma ("30, I think" -> "30");
+    None when there is none."""
     numbers = NUMBER.findall(text)
-    return numbers[-1] if numbers else None
+    return numbers[-1].rstrip(",") if numbers else None
 
 
 def last_integer(text: str) -> int | None:

@@ -37,7 +37,8 @@ def final_answer(response: str, numeric: bool = False) -> str:
     ``<answer>...</answer>`` (reasoning-gym's own format), else its last non-empty line without a leading
     ``Answer:`` / ``Final answer:``; stripped of spaces and a trailing full stop. ``numeric`` (the task's answer
     is a number): that text's last number when it is not a number itself, as GSM8K graders read a final line
-    ("2 + 5 = 7" and "The answer is 7." answer 7); the text unchanged when it holds no number."""
+    ("2 + 5 = 7" and "The answer is 7." answer 7); the text unchanged when it holds no number, or a ``\\boxed{``
+    left open (the response was cut inside its answer)."""
     boxed = _BOXED.findall(response)
     if boxed:
         text = boxed[-1]
@@ -46,7 +47,7 @@ def final_answer(response: str, numeric: bool = False) -> str:
         lines = [line for line in response.splitlines() if line.strip()]
         text = tagged[-1] if tagged else (_FINAL.sub("", lines[-1]) if lines else "")
     text = text.strip().rstrip(".").strip()
-    if numeric and not NUMBER.fullmatch(text):
+    if numeric and not NUMBER.fullmatch(text) and "\\boxed" not in text:  # an open box: cut inside its answer
         text = last_number(text) or text
     return text
 
