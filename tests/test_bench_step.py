@@ -275,7 +275,7 @@ def test_summarize_prints_the_heldout_accuracy_of_each_task_and_its_mean_over_ru
     assert bench_step.by_task({"a": 1.0, "b": 0.0, "c": 1.0}, {"a": "x", "b": "x", "c": "y"}) == {"x": 0.5, "y": 1.0}
     folders = []
     for seed, (rllight_x, trl_x) in enumerate(((0.5, 0.25), (1.0, 0.75))):
-        curve = {"reward": [0.1, 0.2, 0.3], "entropy": [1.0, 1.0, 1.0], "length": [10, 10, 10]}
+        curve = {"reward": [0.1 + 0.2 * seed, 0.2 + 0.2 * seed, 0.3 + 0.2 * seed], "entropy": [1.0, 1.0, 1.0], "length": [10, 10, 10]}
         run = {"seed": seed, "steps": 3, "train_prompts": 12, "heldout": 8, "trl_loss_type": "dapo", "start": 0.25,
                "start_by_task": {"x": 0.25, "y": 0.25}, "task_sizes": {"x": 4, "y": 4},
                "sides": {"rllight": {"accuracy": 0.5, "accuracy_by_task": {"x": rllight_x, "y": 0.0}, **curve},
@@ -292,6 +292,10 @@ def test_summarize_prints_the_heldout_accuracy_of_each_task_and_its_mean_over_ru
     assert re.search(r"^  rllight +2 runs: .*\n    x +accuracy 0.750 ± 0.250, gain 0.500 ± 0.250\n"
                      r"    y +accuracy 0.000 ± 0.000, gain -0.250 ± 0.000$", out, re.MULTILINE), out
     assert re.search(r"^    y +accuracy 0.500 ± 0.000, gain 0.250 ± 0.000$", out, re.MULTILINE), out
+    # The reward curve: 3 steps in 3 blocks, each the mean over the two runs (0.1 and 0.3, then 0.2 and 0.4...).
+    assert len(re.findall(r"^    reward curve +0.200 0.300 0.400  \(mean reward of 3 consecutive blocks", out,
+                          re.MULTILINE)) == 2, out
+    assert bench_step.blocks([1.0, None, 3.0, 5.0, 7.0, 9.0, 11.0], 3) == [1.0, 4.0, 9.0]  # the last takes the rest
 
 
 def test_setup_trl_installs_the_reasoning_gym_version_rllight_has_and_trl_refuses_a_reward_it_cannot_build(

@@ -138,6 +138,7 @@ MAX_NEW_TOKENS = 64
 TEMPERATURE = 1.0
 LR = 1e-5
 LEARNING = "learning.json"
+CURVE_BLOCKS = 6  # --summarize prints each side's reward curve as the means of this many blocks of steps
 EVAL_BATCH = 100
 REASONING_GYM_TASK = "rllight.data.ReasoningGymTask"
 DEFAULT_REWARD = {"class_path": "rllight.rewards.IntegerMatch"}
@@ -158,7 +159,7 @@ RLLIGHT_CHILD = """\
 import resource, sys
 from rllight.cli import main
 try:
-    main(sys.argv[1:])
+    main()  # reads sys.argv, as the console script does (an explicit list would repeat it and draw Lightning's warning)
 finally:
     print(f"bench_step: peak_rss_kb={resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}", flush=True)
     torch = sys.modules.get("torch")
@@ -615,6 +616,19 @@ def thirds(values: list[float | None]) -> tuple[float, float]:
     return (statistics.fmean(first) if first else float("nan"), statistics.fmean(last) if last else float("nan"))
 
 
+def blocks(values: list[float | None], n: int = CURVE_BLOCKS) -> list[float]:
+    """The mean of each of ``n`` consecutive blocks of the steps (missing values left out; NaN for a block
+    without any), the last block taking the remainder: a reward curve short enough to print."""
+    n = max(1, min(n, len(values)))
+    size = len(values) // n
+    edges = [min(i * size, len(values)) for i in range(n)] + [len(values)]
+    means = []
+    for lo, hi in zip(edges, edges[1:]):
+        present = [v for v in values[lo:hi] if v is not None]
+        means.append(statistics.fmean(present) if present else float("nan"))
+    return means
+
+
 def rllight_loss(out: str) -> str:
     """``rllight/<aggregation>`` of the rllight run in ``out`` (from the config it saved), e.g.
     ``rllight/SeqMeanTokenMean``: the loss aggregation is what the learning comparison varies."""
@@ -631,7 +645,8 @@ def print_learning(runs: list[dict], folders: list[str]) -> None:
     """One row per run (its ``--out`` folder) and side: held-out greedy accuracy before -> after (± paired
     standard error of the gain), and the first -> last third of the steps' reward, entropy and response length,
     then, with several tasks (reasoning-gym's), the accuracy on each task's held-out problems; with several
-    runs, the mean over the runs of each side and loss (± standard error over the runs), also per task."""
+    runs, the mean over the runs of each side and loss (± standard error over the runs), also per task, and its
+    reward curve (the mean reward of ``CURVE_BLOCKS`` consecutive blocks of the steps, averaged over the runs)."""
     first = runs[0]
     print(f"\nlearning: {first['steps']} steps on {first['train_prompts']} training problems, greedy accuracy on "
           f"{first['heldout']} held-out ones; reward, entropy and length: first -> last third of the steps")
@@ -640,7 +655,7 @@ def print_learning(runs: list[dict], folders: list[str]) -> None:
     for run, folder in zip(runs, folders):
         for side, r in run["sides"].items():
             row = {"start": run["start"], "accuracy": r["accuracy"], "start_by_task": run.get("start_by_task", {}),
-                   "by_task": r.get("accuracy_by_task", {})}
+                   "by_task": r.get("accuracy_by_task", {}), "reward_blocks": blocks(r["reward"])}
             for key in CURVE:
                 row[key] = thirds(r[key])
             label = rllight_loss(folder) if side == "rllight" else f"trl/{run['trl_loss_type']}"
@@ -668,6 +683,9 @@ def print_learning(runs: list[dict], folders: list[str]) -> None:
         for task in sorted(tasks) if len(tasks) > 1 else ():
             print(f"    {task:<31}accuracy {mean([r['by_task'][task] for r in rows])}, gain "
                   f"{mean([r['by_task'][task] - r['start_by_task'][task] for r in rows])}")
+        curve = [statistics.fmean(column) for column in zip(*(r["reward_blocks"] for r in rows))]
+        print(f"    {'reward curve':<31}" + " ".join(f"{v:.3f}" for v in curve)
+              + f"  (mean reward of {len(curve)} consecutive blocks of the steps)")
 
 
 def gib(kb: float | None) -> str:
