@@ -355,7 +355,8 @@ class EvalAccumulator:
         For each k: ``avg@k``, ``pass@k`` and (when answers were extracted) ``maj@k``, each with ``_se``
         (standard error across prompts; NaN with a single prompt) and, with ``bootstrap`` resamples,
         ``_ci_low`` / ``_ci_high``. Also per group: ``prompts``, ``reward_mean``, ``response_length`` (mean
-        tokens), ``truncated_ratio``, ``turns_mean`` (multi-turn episodes only); overall:
+        tokens), ``truncated_ratio``, ``turns_mean`` and ``first_turn_accuracy`` (multi-turn episodes only: the
+        model's turns per episode, and the share of episodes solved at the first turn); overall:
         ``dropped_prompts``. ``ks`` must each be in 1..n.
         """
         out: dict[str, float] = {f"{self.key}/dropped_prompts": float(len(self.dropped))}
@@ -380,6 +381,9 @@ class EvalAccumulator:
                 if all(r.get(field) is not None for r in records):
                     values = [float(v) for r in records for v in r[field]]
                     out[f"{prefix}{name}"] = sum(values) / len(values)
+            if all(r.get("turns") is not None for r in records):  # did the model need the environment's feedback
+                first = [bool(c) and t == 1 for r in records for c, t in zip(r["correct"], r["turns"])]
+                out[f"{prefix}first_turn_accuracy"] = sum(first) / len(first)
         return out
 
     def write(self, directory: str, ks: Sequence[int], name: str = "eval", extra: dict | None = None,
@@ -511,7 +515,7 @@ def _write_atomic(path: str, text: str) -> None:
 
 
 _HEADLINE = re.compile(r"val/(greedy/)?(avg|pass|maj)@(\d+)")
-_PLAIN = ("response_length", "truncated_ratio", "turns_mean")
+_PLAIN = ("response_length", "truncated_ratio", "turns_mean", "first_turn_accuracy")
 _SOURCE = re.compile(r"val/(?!greedy/)(.+)/prompts")
 
 

@@ -310,6 +310,8 @@ def test_accumulator_reports_the_turns_of_multi_turn_episodes():
     acc.update_rollout(ROWS[:2], 2, rollout)
     m = acc.compute([1])
     assert m["val/turns_mean"] == pytest.approx(7 / 4)
+    # Solved at the first turn: episodes 1 and 4; episode 3 was solved after feedback, episode 2 never.
+    assert m["val/first_turn_accuracy"] == 0.5
     assert acc.records[0]["turns"] == [1, 3] and acc.records[1]["turns"] == [2, 1]
 
 
