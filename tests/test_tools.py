@@ -162,6 +162,19 @@ def test_before_after_reads_a_runs_saved_evaluations_back_into_its_table(tmp_pat
     out = capsys.readouterr().out.splitlines()
     assert [line.strip() for line in out[1 : 1 + len(expected)]] == [line.strip() for line in expected]
     assert "  sums" in "\n".join(out) and re.search(r" greedy_accuracy_/_sums 0\.333 1\.000 \+0\.667 0\.333$", out[-1])
+    # The last lines: the headline (the metric shown per task) overall, then per task; no other metric.
+    assert re.fullmatch(r".* greedy_accuracy 0\.167 0\.667 \+0\.500 0\.\d+", out[-3]), out[-3:]
+    assert re.fullmatch(r".* greedy_accuracy_/_legs 0\.000 0\.333 \+0\.333 0\.\d+", out[-2]), out[-3:]
+    assert not out[-4].startswith(str(tmp_path))
+    # A run whose only evaluation is greedy avg@1 (n = 1, temperature 0: the environment recipes): avg@1 is its headline.
+    single = tmp_path / "single"
+    for step, correct in ((0, [0, 0, 1, 0, 0, 0]), (6, [1, 1, 1, 0, 1, 0])):
+        acc = EvalAccumulator("val")
+        acc.update(rows, 1, correct, texts=["1" if c else "2" for c in correct])
+        acc.write(str(single / "evaluation"), [1], name=f"val_step{step}")
+    assert _tool("before_after").main([str(single)]) == 0
+    tail = [line.split()[1:4] for line in capsys.readouterr().out.splitlines() if line.startswith(str(single) + " ")]
+    assert tail == [["avg@1", "0.167", "0.667"], ["avg@1_/_legs", "0.000", "0.333"], ["avg@1_/_sums", "0.333", "1.000"]]
 
 
 def test_gpu_check_without_cuda_says_so_in_one_line():

@@ -9,7 +9,8 @@ the saved rows, so runs made before a row was added to that table can be read wi
     .venv/bin/python tools/before_after.py runs/reasoning-gym-s0/lightning_logs/version_0 [more run folders]
 
 The first evaluation (the lowest step) is "before", the last "after". Each run's last line is
-``<folder> <metric> <before> <after> <difference> <se>`` for the headline metric overall and per data source.
+``<folder> <metric> <before> <after> <difference> <se>`` for the headline metric overall and per data source (the
+metric the table shows per data source: the greedy accuracy, else avg@k, e.g. an environment recipe's greedy avg@1).
 """
 
 from __future__ import annotations
@@ -56,8 +57,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{folder}: step {steps[0]} -> step {steps[-1]}, {int(after.get('val/prompts', 0))} prompts")
         for line in lines:
             print("  " + line)
+        # The headline: the metric shown per data source (greedy accuracy, else avg@k), else the first one of the table.
+        paired = [name for name, row in summary.items() if "difference_se" in row]
+        per_source = [name for name in paired if " / " in name]
+        headline = per_source[0].split(" / ")[0] if per_source else paired[0] if paired else None
         for name, row in summary.items():
-            if "difference_se" in row and (name.startswith("greedy accuracy") or " / " in name):
+            if name in paired and (name == headline or name.startswith(f"{headline} / ")):
                 print(f"{folder} {name.replace(' ', '_')} {row['before']:.3f} {row['after']:.3f} "
                       f"{row['difference']:+.3f} {row['difference_se']:.3f}")
     return 0
