@@ -34,7 +34,7 @@ integer of the completion (or of its last ``\\boxed{}``) equals the answer, else
 ``ReasoningGymScore`` rebuilds the row's reasoning-gym entry from the key in its answer and gives the task's own
 ``score_answer`` on the completion's final answer (its last ``\\boxed{}``, else ``<answer>`` tag, else last
 line). The comparison on reasoning-gym's tasks (one seed; tools/bench_step.py's docstring has the two-seed
-measurement; its token-level loss is TRL's ``dapo``):
+command and the README, Data, its result; the recipe's token-level loss is TRL's ``dapo``):
 
     .venv/bin/python tools/bench_step.py --recipe recipes/reasoning-gym.yaml --trl --trl-loss-type dapo \
         --steps 36 --train-prompts 144 --heldout 200 --seed 0 --out runs/learn-rg/s0
