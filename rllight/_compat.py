@@ -153,3 +153,28 @@ def step_metrics(trainer: L.Trainer) -> dict[str, float]:
     if results is None:
         return {}
     return {k: float(v) for k, v in results.metrics(on_step=True)["callback"].items() if v.numel() == 1}
+
+
+_LIBC = None
+
+
+def return_free_memory() -> None:
+    """Give the C heap's free pages back to the operating system (glibc's ``malloc_trim``; nothing elsewhere).
+
+    PyTorch's CPU tensors come from ``malloc``. glibc raises its mmap threshold to the size of each large block
+    freed (up to 32 MB), so a model's weight-sized tensors then live on the heap, and a phase that frees many of
+    them (the rollout engine's bfloat16 copy of the policy after a generation, an update's activations and
+    gradients) leaves its pages resident, free but counted in the process's RSS, until a later phase happens to
+    reuse them. Called where a phase ends (after a generation, after an RL step's updates), it costs a few
+    milliseconds and keeps the peak RSS to what the tensors alive at once need (``tests/test_precision.py``)."""
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+
+        try:
+            _LIBC = ctypes.CDLL("libc.so.6")
+            _LIBC.malloc_trim  # noqa: B018 (glibc only: musl and macOS have none)
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)

@@ -192,3 +192,58 @@ class Float32Head(torch.nn.Module):
             bias = None if self.bias is None else self.bias.float()
             return chunked_logprobs_and_entropy(hidden.float(), self.weight.float(), targets, temperature, bias=bias,
                                                 chunk_size=chunk_size)
+
+
+class _RecastLinear(torch.autograd.Function):
+    """``linear`` in the autocast dtype that saves the full-precision ``weight`` for the backward pass, not its
+    cast, and casts it again there: the same products as autocast's (inputs, weight and bias cast to ``dtype``;
+    the gradients of full-precision inputs returned in their own dtype), without a low-precision copy of every
+    weight alive from the forward pass to the backward one.
+
+    Shapes: x (..., in), weight (out, in), bias (out,) or None -> (..., out) in ``dtype``."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> Tensor:
+        x_low = x.to(dtype)
+        with torch.autocast(x.device.type, enabled=False):
+            out = torch.nn.functional.linear(x_low, weight.to(dtype), None if bias is None else bias.to(dtype))
+        ctx.save_for_backward(x_low if ctx.needs_input_grad[1] else None, weight)
+        ctx.dtype, ctx.x_dtype, ctx.has_bias = dtype, x.dtype, bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x_low, weight = ctx.saved_tensors
+        grad = grad.to(ctx.dtype)
+        grad_x = grad_w = grad_b = None
+        with torch.autocast(grad.device.type, enabled=False):
+            if ctx.needs_input_grad[0]:
+                grad_x = (grad @ weight.to(ctx.dtype)).to(ctx.x_dtype)
+            flat = grad.reshape(-1, grad.shape[-1])
+            if ctx.needs_input_grad[1]:
+                grad_w = (flat.t() @ x_low.reshape(-1, x_low.shape[-1])).to(weight.dtype)
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                grad_b = flat.sum(0).to(weight.dtype)
+        return grad_x, grad_w, grad_b, None
+
+
+class RecastWeights(torch.overrides.TorchFunctionMode):
+    """Inside this context, a ``linear`` with a full-precision parameter as its weight, run with gradients under
+    ``torch.autocast`` to a lower dtype, saves the parameter for the backward pass and casts it again there
+    (``_RecastLinear``) instead of keeping autocast's cast of it: under ``bf16-mixed`` that cast is 2 bytes a
+    parameter (0.2 GB for a 135M model) held from the forward pass until the backward one reaches its layer,
+    on top of the float32 training state, which made a bfloat16 update peak higher than a float32 one. The
+    price: one more cast of each weight in the backward pass, a small share of the products it feeds. Other calls,
+    and every call without autocast or gradients, run unchanged. Not used on sharded (FSDP) policies, whose
+    mixed precision is FSDP's own (``rllight.fsdp``)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear and torch.is_grad_enabled():
+            x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            device = x.device.type
+            if (type(weight) is torch.nn.Parameter and torch.is_autocast_enabled(device)  # not DTensor, 4-bit ...
+                    and weight.dtype.itemsize > torch.get_autocast_dtype(device).itemsize):
+                return _RecastLinear.apply(x, weight, bias, torch.get_autocast_dtype(device))
+        return func(*args, **kwargs)

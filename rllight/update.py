@@ -3,6 +3,7 @@ an RL step runs (the policy's epochs over minibatches, critic-only fits, NLL upd
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 
@@ -10,9 +11,10 @@ import torch
 from torch import Tensor
 from torch.profiler import record_function
 
-from rllight._compat import no_gradient_sync
+from rllight._compat import no_gradient_sync, return_free_memory
 from rllight.distributed import Ranks, share
 from rllight.fsdp import full_tensor
+from rllight.precision import RecastWeights
 from rllight.rollout.metrics import critic_explained_variance, reduce_stats
 from rllight.scoring import Outputs, Scoring
 from rllight.strategies import Aggregation
@@ -168,6 +170,10 @@ class Updater:
         else:
             optimizer.optimizer.step()  # the raw optimizer: these steps do not count as global steps
         self.updates += 1
+        # The gradients are spent (the next update starts from none): freed now, they do not sit beside the
+        # generation's caches and the engine's copy of the policy until then.
+        optimizer.zero_grad(set_to_none=True)
+        return_free_memory()  # the update's activations, casts and gradients, freed: else resident through the next phase
         if any("policy" in term.trains for term in terms):  # the policy moved
             synced = self.scoring.engine.update_weights(self.scoring.policy)
             out.update({k: torch.tensor(float(v)) for k, v in synced.items()})
@@ -194,7 +200,10 @@ class Updater:
                 record("perf/padding_share", 1.0 - tokens.float() / max(positions, 1))
             out = Outputs(None, None, None)
             if with_logprobs or with_values:
-                with record_function("rllight.update.forward"):
+                # Under autocast the weights' low-precision casts are made again in the backward pass, not kept.
+                autocast = torch.is_autocast_enabled(mask.device.type)
+                recast = RecastWeights() if autocast and not self.scoring.sharded else contextlib.nullcontext()
+                with record_function("rllight.update.forward"), recast:
                     out = self.scoring.forward(micro, with_values=with_values, with_logprobs=with_logprobs)
             loss = torch.zeros((), device=mask.device)
             for term in terms:

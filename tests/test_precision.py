@@ -2,6 +2,7 @@
 over ``auto``, a two-step bf16-mixed fit on the CPU, and the float32 output layer's effect on the engine/trainer
 log-prob mismatch."""
 
+import contextlib
 import logging
 import math
 import os
@@ -15,6 +16,7 @@ from helpers import CaptureLogger, build, tiny_overrides
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import rllight.precision as precision
+from rllight._compat import return_free_memory
 from rllight.cli import main
 from rllight.models import HFModel
 from rllight.module import RLModule
@@ -102,7 +104,7 @@ def test_precision_float32_lm_head_with_an_engine_of_its_own_is_refused(capsys):
     assert err[-1].startswith("rllight: error: model.model.init_args.float32_lm_head: VLLMEngine holds weights")
 
 
-def test_two_bf16_mixed_precision_steps_on_cpu(tmp_path, tiny_model_dir):
+def test_two_bf16_mixed_precision_steps_on_cpu(tmp_path, tiny_model_dir, monkeypatch):
     """Two RL steps of two updates each in bf16-mixed: finite losses, a bfloat16 engine copy, and the engine's
     log-probs of its samples within bfloat16 tolerance of the trainer's, after the updates too (a copy that missed
     a sync would be off by the updates' change, at lr 1e-2 far more than that)."""
@@ -112,9 +114,15 @@ def test_two_bf16_mixed_precision_steps_on_cpu(tmp_path, tiny_model_dir):
     assert cli.model.rollout.dtype == "bfloat16"  # the engine's auto followed the trainer
     recorder = CaptureLogger(tmp_path)
     cli.trainer.loggers = [recorder]
+    recast = []  # the update's linears recast their weights in backward (RecastWeights), not kept by autocast
+    forward = precision._RecastLinear.forward
+    monkeypatch.setattr(precision._RecastLinear, "forward",
+                        staticmethod(lambda ctx, *a: recast.append(a[1].shape) or forward(ctx, *a)))
     lightning.seed_everything(0, verbose=False)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     assert type(cli.trainer.precision_plugin).__name__ == "MixedPrecision"
+    linears = [m for m in cli.model.policy.modules() if type(m) is torch.nn.Linear]
+    assert len(recast) >= 4 * len(linears)  # every linear, in each of the 4 updates
     assert next(cli.model.rollout._copy.parameters()).dtype == torch.bfloat16
     steps = [c for c in recorder.calls if "train/rollout/logprob_diff_mean" in c]
     assert len(steps) == 2
@@ -124,6 +132,58 @@ def test_two_bf16_mixed_precision_steps_on_cpu(tmp_path, tiny_model_dir):
         # bfloat16 keeps 8 bits of mantissa: per-token log-prob errors of ~1e-2 at most on this tiny model.
         assert 0 < float(step["train/rollout/logprob_diff_mean"]) < 1e-2
         assert float(step["train/rollout/logprob_diff_max"]) < 5e-2
+
+
+def _saved_bytes_and_grads(model, ids: torch.Tensor, recast: bool) -> tuple[int, list[torch.Tensor]]:
+    """Bytes the forward pass under bfloat16 autocast saves for the backward pass, parameters themselves left out
+    (they are alive anyway), and the parameters' gradients after it."""
+    params = {p.data_ptr() for p in model.parameters()}
+    saved = []
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            saved.append(t.untyped_storage().nbytes())
+        return t
+
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with precision.RecastWeights() if recast else contextlib.nullcontext():
+            logits = model(ids).logits
+    logits.float().logsumexp(-1).sum().backward()
+    return sum(saved), [p.grad.clone() for p in model.parameters()]
+
+
+def test_precision_bf16_update_keeps_no_bf16_copy_of_the_weights(tiny_model_dir):
+    """Under ``bf16-mixed`` the update's forward pass keeps no bfloat16 cast of the weights for the backward pass
+    (``RecastWeights``): autocast's own saves one per linear (2 bytes a parameter, 0.2 GB for SmolLM2), which made a
+    bfloat16 update peak above a float32 one. The gradients are bit for bit autocast's."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    linear_bytes = sum(m.weight.numel() * 2 for m in model.modules() if isinstance(m, torch.nn.Linear))
+    kept, grads = _saved_bytes_and_grads(model, ids, recast=False)
+    recast, recast_grads = _saved_bytes_and_grads(model, ids, recast=True)
+    assert kept - recast >= 0.95 * linear_bytes, (kept, recast, linear_bytes)
+    assert all(torch.equal(a, b) for a, b in zip(grads, recast_grads))
+
+
+def test_precision_freed_heap_pages_go_back_to_the_system():
+    """``return_free_memory`` (called after each generation and update) gives freed heap pages back: glibc keeps
+    free blocks between live ones resident, so weight-sized tensors freed by one phase (the engine's bfloat16 copy,
+    an update's casts) would count in the RSS through the next."""
+    def rss() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+
+    block = torch.ones(30 * 2**20 // 4)
+    del block  # freeing a 30 MB block raises glibc's mmap threshold: 1 MB blocks then go on the heap
+    parts, pins = [], []
+    for _ in range(300):  # 300 MB of 1 MB tensors, each followed by a small live one that pins the heap
+        parts.append(torch.ones(2**18))
+        pins.append(torch.ones(2**12))
+    del parts
+    freed = rss()
+    return_free_memory()
+    assert freed - rss() > 240 * 2**20, (freed, rss())
 
 
 def test_precision_bf16_engine_prompt_pass_never_copies_the_output_weight_per_row(tiny_model_dir):

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 from torch.profiler import record_function
 
+from rllight._compat import return_free_memory
 from rllight.errors import RecipeError
 from rllight.dtensor import full_tensor
 from rllight.precision import AUTO, DTYPES, Float32Head, cpu_bf16_units
@@ -204,6 +205,7 @@ class HFEngine(RolloutEngine):
             out = self._generate_all(self._generator(model), tokenizer, prompts, greedy)
         finally:
             self._release()
+            return_free_memory()  # the copy's weights and the caches, freed: else resident through the update
         self.last_metrics = {"rollout/tokens_per_s": out.response_mask.sum().item() / (time.perf_counter() - start)}
         return out
 
