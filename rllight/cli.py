@@ -22,7 +22,7 @@ from rllight.evaluation import before_after, column_notes, evaluation_table
 from rllight.export import check_export_dir, overlaps
 from rllight.module import RLModule
 from rllight.paths import add_user_import_paths, expand_config_paths, expand_path, model_path_args
-from rllight.precision import check_float32_lm_head, resolve_config
+from rllight.precision import bound_onednn_cache, check_float32_lm_head, resolve_config
 from rllight.progress import StepLog, progress_callbacks, quiet_lightning
 from rllight.safety import RECIPE_KEY, Interrupts, RecipeRecord, check_resume, check_writable, read_checkpoint
 
@@ -510,6 +510,7 @@ def main(args: list[str] | None = None) -> None:
     if argv[:1] in (["--version"], ["-V"]):
         print(version())
         return
+    bound_onednn_cache()
     # A module of the user's own next to the recipe or in the working directory is importable by class_path.
     add_user_import_paths(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

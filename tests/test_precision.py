@@ -264,3 +264,41 @@ def test_bench_step_precision_reaches_both_sides(tmp_path, tiny_model_dir, cpu_o
         with open(bench.trl_inputs(args)) as f:
             assert json.load(f)["bf16"] is (chosen == "bf16-mixed")
     assert bench.parse_args(["--model-dir", tiny_model_dir]).precision == "32-true"  # the README's float32 table
+
+
+def test_precision_rllight_bounds_onednn_cache_unless_the_environment_names_one(monkeypatch, tmp_path):
+    """The command bounds oneDNN's primitive cache (bfloat16 products on a CPU compile a kernel per shape, and an
+    unbounded-looking default of 1024 held about 0.2 GB more than float32 by the quickstart's end); a value in the
+    environment is kept."""
+    missing = str(tmp_path / "missing.yaml")
+    for preset, expected in ((None, precision.ONEDNN_CACHE), ("4096", "4096")):
+        monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "x")  # restored at teardown
+        monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+        if preset is not None:
+            monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", preset)
+        with pytest.raises(SystemExit):
+            main(["validate", "--config", missing])
+        assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == expected
+
+
+def test_precision_phase_memory_reports_each_phase_peak(capsys):
+    """``tools/phase_memory.py`` prints a phase's peak RSS, not the RSS after it: 256 MB allocated and freed inside
+    the call show in its peak only."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("phase_memory", os.path.join(RECIPES, "..", "tools", "phase_memory.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+
+    class Phase:
+        def run(self):
+            block = torch.ones(64 * 2**20)  # 256 MB, touched
+            del block
+
+    calls = {}
+    tool.wrap(Phase, "run", "run", calls)
+    Phase().run()
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    before, peak, after = (float(line.split(word)[1].split()[0]) for word in (" before ", " peak ", " after "))
+    assert peak - before >= 250 and peak - after >= 250, line
+    assert tool.summary(calls).startswith("memory summary: run peak")
