@@ -16,7 +16,6 @@ from helpers import CaptureLogger, build, tiny_overrides
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import rllight.precision as precision
-from rllight._compat import return_free_memory
 from rllight.cli import main
 from rllight.models import HFModel
 from rllight.module import RLModule
@@ -166,24 +165,38 @@ def test_precision_bf16_update_keeps_no_bf16_copy_of_the_weights(tiny_model_dir)
     assert all(torch.equal(a, b) for a, b in zip(grads, recast_grads))
 
 
+FREED_HEAP = """
+import torch
+from rllight._compat import return_free_memory
+
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+
+block = torch.ones(30 * 2**20 // 4)
+del block  # freeing a 30 MB block raises glibc's mmap threshold: 1 MB blocks then go on the heap
+parts, pins = [], []
+for _ in range(300):  # 300 MB of 1 MB tensors, each followed by a small live one that pins the heap
+    parts.append(torch.ones(2**18))
+    pins.append(torch.ones(2**12))
+del parts
+freed = rss()
+return_free_memory()
+print(freed - rss())
+"""
+
+
 def test_precision_freed_heap_pages_go_back_to_the_system():
     """``return_free_memory`` (called after each generation and update) gives freed heap pages back: glibc keeps
     free blocks between live ones resident, so weight-sized tensors freed by one phase (the engine's bfloat16 copy,
-    an update's casts) would count in the RSS through the next."""
-    def rss() -> int:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+    an update's casts) would count in the RSS through the next. In a fresh interpreter, whose heap is laid out as
+    the script says (in this one, earlier tests' free blocks would take the tensors)."""
+    import subprocess
+    import sys
 
-    block = torch.ones(30 * 2**20 // 4)
-    del block  # freeing a 30 MB block raises glibc's mmap threshold: 1 MB blocks then go on the heap
-    parts, pins = [], []
-    for _ in range(300):  # 300 MB of 1 MB tensors, each followed by a small live one that pins the heap
-        parts.append(torch.ones(2**18))
-        pins.append(torch.ones(2**12))
-    del parts
-    freed = rss()
-    return_free_memory()
-    assert freed - rss() > 240 * 2**20, (freed, rss())
+    out = subprocess.run([sys.executable, "-c", FREED_HEAP], capture_output=True, text=True, timeout=120, check=True)
+    returned = int(out.stdout.strip().splitlines()[-1])
+    assert returned > 240 * 2**20, out.stdout
 
 
 def test_precision_bf16_engine_prompt_pass_never_copies_the_output_weight_per_row(tiny_model_dir):
