@@ -12,6 +12,18 @@ from conftest import RECIPES
 from rllight.cli import RLLightCLI
 
 
+def load_tool(name: str):
+    """``tools/<name>.py`` as a module (the tools are scripts, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"rllight_{name}_tool", os.path.join(os.path.dirname(RECIPES), "tools",
+                                                                                      f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
 def tiny_overrides(tmp_path, model_dir: str, **model_overrides) -> str:
     """A recipe overlay that swaps in the tiny model, a varying reward and a 2-step CPU budget."""
     cfg = {

@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 from conftest import RECIPES
-from helpers import CaptureLogger, build, tiny_overrides
+from helpers import CaptureLogger, build, load_tool, tiny_overrides
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import rllight.precision as precision
@@ -263,13 +263,9 @@ def test_float32_lm_head_narrows_the_engine_trainer_gap_under_bf16_precision(tmp
 def test_bench_step_precision_reaches_both_sides(tmp_path, tiny_model_dir, cpu_only, monkeypatch):
     """tools/bench_step.py --precision: rllight's trainer.precision and TRL's bf16 setting (TRL itself runs in its
     own environment, which the tests do not have); auto is resolved once, for both."""
-    import importlib.util
     import json
 
-    spec = importlib.util.spec_from_file_location("bench_step", os.path.join(os.path.dirname(RECIPES), "tools",
-                                                                             "bench_step.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_tool("bench_step")
     monkeypatch.setattr(precision, "cpu_bf16_units", lambda: None)
     for given, chosen in (("bf16-mixed", "bf16-mixed"), ("32-true", "32-true"), ("auto", "32-true")):
         args = bench.parse_args(["--model-dir", tiny_model_dir, "--precision", given, "--out", str(tmp_path / given)])
@@ -297,11 +293,7 @@ def test_precision_rllight_bounds_onednn_cache_unless_the_environment_names_one(
 def test_precision_phase_memory_reports_each_phase_peak(capsys):
     """``tools/phase_memory.py`` prints a phase's peak RSS, not the RSS after it: 256 MB allocated and freed inside
     the call show in its peak only."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("phase_memory", os.path.join(RECIPES, "..", "tools", "phase_memory.py"))
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_tool("phase_memory")
 
     class Phase:
         def run(self):

@@ -10,7 +10,6 @@ what the tools compute exactly (the GAE and log-prob paths agree with their refe
 log-probs with the trainer's), and that tools/readme_numbers.py still knows every README command.
 """
 
-import importlib.util
 import json
 import os
 import re
@@ -20,7 +19,7 @@ import sys
 import pytest
 import torch
 import yaml
-from helpers import TESTS
+from helpers import TESTS, load_tool
 
 from rllight.testing import build_tiny_model
 
@@ -28,12 +27,7 @@ ROOT = os.path.dirname(TESTS)
 NUMBER = r"-?[\d.]+(?:e[+-]?\d+)?"
 
 
-def _tool(name: str):
-    spec = importlib.util.spec_from_file_location(f"rllight_{name}_tool", os.path.join(ROOT, "tools", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+_tool = load_tool
 
 
 def _pairs(line: str) -> dict[str, str]:
