@@ -307,3 +307,42 @@ def test_precision_phase_memory_reports_each_phase_peak(capsys):
     before, peak, after = (float(line.split(word)[1].split()[0]) for word in (" before ", " peak ", " after "))
     assert peak - before >= 250 and peak - after >= 250, line
     assert tool.summary(calls).startswith("memory summary: run peak")
+
+
+def test_precision_bf16_chunked_head_matches_autocast_without_a_bf16_copy_of_the_output_layer(monkeypatch):
+    """Under ``bf16-mixed`` the chunked output layer (``chunked_logprobs_and_entropy``) computes in bfloat16 as
+    autocast's direct path does, within bfloat16 rounding of its products, but casts the weight a slice at a time:
+    a whole bfloat16 copy of it (57 MB for SmolLM2, live next to the update's peak in the backward pass) made a
+    bfloat16 update hold more than a float32 one. No allocation of the forward or backward pass is that copy's
+    size."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from rllight.algorithms import chunked_logprobs_and_entropy, logprobs, logprobs_and_entropy
+
+    monkeypatch.setattr(logprobs, "LOW_PRECISION_SLICE", 1000)
+    g = torch.Generator().manual_seed(0)
+    vocab, width = 5003, 48  # 6 slices, the last one short
+    hidden = torch.randn(2, 5, width, generator=g, requires_grad=True)
+    weight = (torch.randn(vocab, width, generator=g) / 2).requires_grad_()
+    targets = torch.randint(0, vocab, (2, 5), generator=g)
+    g_lp, g_ent = torch.randn(2, 5, generator=g), torch.randn(2, 5, generator=g)
+
+    def run(chunked: bool):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if chunked:
+                lp, ent = chunked_logprobs_and_entropy(hidden, weight, targets, 0.7, chunk_size=4)
+            else:
+                lp, ent = logprobs_and_entropy(torch.nn.functional.linear(hidden, weight), targets, 0.7)
+            grads = torch.autograd.grad((lp * g_lp + ent * g_ent).sum(), [hidden, weight])
+        return lp, ent, grads
+
+    lp, ent, grads = run(chunked=False)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        lp2, ent2, grads2 = run(chunked=True)
+    torch.testing.assert_close(lp2, lp)  # the same bfloat16 products: the logits agree to float32 rounding
+    torch.testing.assert_close(ent2, ent)
+    for got, expected in zip(grads2, grads):  # bfloat16 gradients: 2**-8 relative per product
+        torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+    weight_copy = vocab * width * 2
+    sizes = [e.cpu_memory_usage for e in prof.events() if e.name in ("aten::_to_copy", "aten::empty_strided")]
+    assert sizes and max(sizes) < weight_copy / 4, (max(sizes), weight_copy)

@@ -27,20 +27,59 @@ def logprobs_and_entropy(logits: Tensor, targets: Tensor, temperature: float = 1
     return token_logp, entropy
 
 
-def _chunk_logp(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
-    """log-softmax of one chunk's logits, in place in the logits buffer (one (rows, V) allocation)."""
-    logits = torch.nn.functional.linear(h, weight, bias)
-    if logits.dtype not in (torch.float32, torch.float64):
-        logits = logits.float()  # at least float32
+# Output-layer rows per product when a chunk's logits are computed in a lower dtype (autocast): each product casts
+# this many rows of the weight (4.7 MB at H = 576 in bfloat16), never the whole matrix (57 MB for SmolLM2).
+LOW_PRECISION_SLICE = 4096
+
+
+def _low_precision(device: torch.device) -> torch.dtype | None:
+    """The dtype autocast computes products in on ``device``, None where autocast is off."""
+    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+
+
+def _chunk_logp(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float,
+                low: torch.dtype | None = None) -> Tensor:
+    """log-softmax of one chunk's logits, in place in the logits buffer (one (rows, V) allocation).
+
+    With ``low`` (the autocast dtype) the products run in ``low`` as autocast's would, a slice of the output
+    layer at a time written into the float32 buffer: no full low-precision copy of the weight, nor of the logits,
+    exists at once. Shapes: h (rows, H), weight (V, H) -> (rows, V)."""
+    if low is None or h.dtype == low:
+        logits = torch.nn.functional.linear(h, weight, bias)
+        if logits.dtype not in (torch.float32, torch.float64):
+            logits = logits.float()  # at least float32
+    else:
+        logits = h.new_empty(h.shape[0], weight.shape[0], dtype=torch.promote_types(h.dtype, torch.float32))
+        h_low = h.to(low)
+        with torch.autocast(h.device.type, enabled=False):
+            for v in range(0, weight.shape[0], LOW_PRECISION_SLICE):
+                part = slice(v, v + LOW_PRECISION_SLICE)
+                logits[:, part] = torch.nn.functional.linear(h_low, weight[part].to(low),
+                                                             None if bias is None else bias[part].to(low))
     if temperature != 1.0:
         logits.div_(temperature)
     return logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True))
 
 
+def _grad_hidden(g: Tensor, weight: Tensor, low: torch.dtype | None) -> Tensor:
+    """``g @ weight`` (the gradient of a chunk's hidden states), its products in ``low`` a slice of the output
+    layer at a time when given, summed in float32. Shapes: g (rows, V), weight (V, H) -> (rows, H)."""
+    if low is None or g.dtype == low:
+        return g @ weight.to(g.dtype)
+    out = g.new_zeros(g.shape[0], weight.shape[1])
+    with torch.autocast(g.device.type, enabled=False):
+        for v in range(0, weight.shape[0], LOW_PRECISION_SLICE):
+            part = slice(v, v + LOW_PRECISION_SLICE)
+            out += g[:, part].to(low) @ weight[part].to(low)
+    return out
+
+
 class _ChunkedLogprobs(torch.autograd.Function):
     """Forward and backward over row chunks; only one chunk's (rows, V) logits exist at a time and
     nothing of size V is saved for backward (the chunk is recomputed there). Element-wise work is done
-    in place: at V = 49152 every extra (rows, V) pass costs about as much as the matmul saved."""
+    in place: at V = 49152 every extra (rows, V) pass costs about as much as the matmul saved. Under autocast
+    the products run in its dtype, as they would outside this function, with the output layer cast a slice at a
+    time (``_chunk_logp``): a bfloat16 update then holds no more memory here than a float32 one."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size):
@@ -48,14 +87,16 @@ class _ChunkedLogprobs(torch.autograd.Function):
         dtype = torch.promote_types(hidden.dtype, torch.float32)
         token_logp = hidden.new_empty(rows, dtype=dtype)
         entropy = hidden.new_empty(rows, dtype=dtype)
+        low = _low_precision(hidden.device)
         with torch.no_grad():
             for s in range(0, rows, chunk_size):
-                logp = _chunk_logp(hidden[s : s + chunk_size], weight, bias, temperature)
+                logp = _chunk_logp(hidden[s : s + chunk_size], weight, bias, temperature, low)
                 token_logp[s : s + chunk_size] = logp.gather(-1, targets[s : s + chunk_size, None]).squeeze(-1)
                 entropy[s : s + chunk_size] = -(logp.exp().mul_(logp)).sum(-1)
         ctx.save_for_backward(hidden, weight, bias, targets, entropy)
         ctx.temperature = temperature
         ctx.chunk_size = chunk_size
+        ctx.low = low  # the backward pass computes in the forward pass's dtype, as autocast's backward does
         return token_logp, entropy
 
     @staticmethod
@@ -73,7 +114,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             h = hidden[s : s + c]
             g_lp, g_ent = grad_logp[s : s + c, None], grad_entropy[s : s + c, None]
             with torch.no_grad():
-                g = _chunk_logp(h, weight, bias, t)
+                g = _chunk_logp(h, weight, bias, t, ctx.low)
                 p = g.exp()
                 # dL/dz = g_lp (onehot(y) - p) + g_ent (-p (log p + H)), z = logits / t, built in place:
                 # g = p * (-(log p + H) g_ent - g_lp) + g_lp onehot(y).
@@ -83,7 +124,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 if t != 1.0:
                     g.div_(t)
                 if grad_hidden is not None:
-                    grad_hidden[s : s + c] = (g @ w).to(hidden.dtype)
+                    grad_hidden[s : s + c] = _grad_hidden(g, w, ctx.low).to(hidden.dtype)
                 if grad_weight is not None:
                     grad_weight.addmm_(g.t(), h.to(acc))
                 if grad_bias is not None:
