@@ -2,7 +2,6 @@
 and one loss trains through the worker at max_staleness 0 and 1 and is tabulated (a tiny model, two steps: the
 pipeline and the staleness it reports, not the methods)."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -10,17 +9,14 @@ import sys
 
 import pytest
 import yaml
-from helpers import TESTS, build
+from helpers import TESTS, build, load_tool
 
 ROOT = os.path.dirname(TESTS)
 TOOL = os.path.join(ROOT, "tools", "async_staleness.py")
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("async_staleness_under_test", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("async_staleness")
 
 
 def test_every_loss_name_builds_a_run_the_cli_accepts(tmp_path):

@@ -3,14 +3,13 @@ generated tokens/s and peak memory (its TRL side needs TRL's own environment and
 
 import csv
 import glob
-import importlib.util
 import os
 import re
 import subprocess
 import sys
 
 import pytest
-from helpers import TESTS
+from helpers import TESTS, load_tool
 
 BENCH = os.path.join(os.path.dirname(TESTS), "tools", "bench_step.py")
 PHASES = ("rollout", "reward", "score", "update")
@@ -94,12 +93,9 @@ def test_bench_step_refuses_bad_options_in_one_line_naming_the_option(args, opti
 def test_fixed_length_asks_both_sides_for_responses_of_the_longest_length(tmp_path, tiny_model_dir, monkeypatch):
     """``--fixed-length``: rllight's HF engine gets ``min_new_tokens`` equal to its ``max_new_tokens`` (also when
     ``--set`` changes it) and TRL's settings the same for its own length; without it, neither side gets one."""
-    import importlib.util
     import json
 
-    spec = importlib.util.spec_from_file_location("bench_step", BENCH)
-    bench_step = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_step)
+    bench_step = load_tool("bench_step")
     monkeypatch.chdir(tmp_path)
     base = ["--model-dir", tiny_model_dir, "--out", str(tmp_path / "bench")]
     for extra, rllight_min, trl_min in (
@@ -119,14 +115,11 @@ def test_trl_gets_the_prompts_in_the_order_rllight_trains_on_them_over_epochs(tm
     """``--train-prompts`` fewer than the steps need: TRL's prompt file (read in order, unshuffled) repeats them
     in exactly the batches rllight's dataloader yields, epoch after epoch, for ``--seed``'s order; the held-out
     problems are none of them."""
-    import importlib.util
     import json
 
     from rllight.data import ArithmeticTask, RLDataModule
 
-    spec = importlib.util.spec_from_file_location("bench_step", BENCH)
-    bench_step = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_step)
+    bench_step = load_tool("bench_step")
     args = bench_step.parse_args(["--model-dir", tiny_model_dir, "--out", str(tmp_path / "bench"), "--steps", "7",
                                   "--train-prompts", "10", "--heldout", "5", "--seed", str(seed)])
     with open(bench_step.trl_inputs(args)) as f:
@@ -162,9 +155,7 @@ def _check_heldout(tmp_path, out, run, capsys):
     assert re.search(r"^  rllight/SeqMeanTokenMean +2  [\d.]+ -> [\d.]+", run.stdout, re.MULTILINE), run.stdout[-2000:]
     outs = [out, out]
     # --summarize reads the folders only: in this process.
-    spec = importlib.util.spec_from_file_location("rllight_tool_bench_step", BENCH)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_tool("bench_step")
     capsys.readouterr()
     assert tool.main(["--summarize", *map(str, outs)]) in (0, None)
     summary = capsys.readouterr().out
@@ -175,15 +166,7 @@ def _check_heldout(tmp_path, out, run, capsys):
     assert missing.value.code == 2 and "--summarize" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
-def _load(path: str, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 RG_RECIPE = os.path.join(os.path.dirname(TESTS), "recipes", "reasoning-gym.yaml")
-TRL_STEP = os.path.join(os.path.dirname(TESTS), "tools", "trl_step.py")
 
 
 def test_trl_gets_the_reasoning_gym_rows_rllight_trains_on_each_with_its_entry_key_and_task(tmp_path, tiny_model_dir):
@@ -197,7 +180,7 @@ def test_trl_gets_the_reasoning_gym_rows_rllight_trains_on_each_with_its_entry_k
 
     from rllight.data import ReasoningGymTask, RLDataModule
 
-    bench_step = _load(BENCH, "bench_step")
+    bench_step = load_tool("bench_step")
     args = bench_step.parse_args(["--recipe", RG_RECIPE, "--model-dir", tiny_model_dir, "--out", str(tmp_path),
                                   "--steps", "3", "--train-prompts", "8", "--heldout", "4", "--seed", "1"])
     with open(bench_step.trl_inputs(args)) as f:
@@ -233,7 +216,7 @@ def test_trls_reward_function_is_reasoning_gyms_own_score_of_the_final_answer():
 
     from rllight.rewards.reasoning_gym import row_answer
 
-    trl_step = _load(TRL_STEP, "trl_step")
+    trl_step = load_tool("trl_step")
     reward = trl_step.reward_function({"class_path": "rllight.rewards.ReasoningGymScore", "init_args": {}})
     scaled = trl_step.reward_function({"class_path": "rllight.rewards.ReasoningGymScore",
                                        "init_args": {"correct": 2.0, "wrong": -1.0}})
@@ -271,7 +254,7 @@ def test_trls_reward_function_is_reasoning_gyms_own_score_of_the_final_answer():
 def test_summarize_prints_the_heldout_accuracy_of_each_task_and_its_mean_over_runs(tmp_path, capsys):
     import json
 
-    bench_step = _load(BENCH, "bench_step")
+    bench_step = load_tool("bench_step")
     assert bench_step.by_task({"a": 1.0, "b": 0.0, "c": 1.0}, {"a": "x", "b": "x", "c": "y"}) == {"x": 0.5, "y": 1.0}
     folders = []
     for seed, (rllight_x, trl_x) in enumerate(((0.5, 0.25), (1.0, 0.75))):
@@ -302,7 +285,7 @@ def test_setup_trl_installs_the_reasoning_gym_version_rllight_has_and_trl_refuse
         tmp_path, monkeypatch, capsys):
     from importlib.metadata import version
 
-    bench_step = _load(BENCH, "bench_step")
+    bench_step = load_tool("bench_step")
     calls = []
 
     def run(cmd, **kwargs):

@@ -11,6 +11,7 @@ import sys
 import tomllib
 
 import pytest
+from helpers import load_tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -32,13 +33,6 @@ RUN_B = {
     "train/reward/mean": [(0, 0.5), (1, 0.25), (2, 0.0), (3, 0.5)],
     "train/policy/clipfrac_high": [(1, 0.0625), (3, 0.125)],
 }
-
-
-def _tool(name: str):
-    spec = importlib.util.spec_from_file_location(f"rllight_{name}_tool", os.path.join(ROOT, "tools", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _write_run(log_dir: str, scalars: dict) -> str:
@@ -95,7 +89,7 @@ def _has_colour(path: str, rgb: tuple[int, int, int]) -> bool:
 
 
 def test_read_scalars_returns_what_was_written(runs):
-    plot = _tool("plot")
+    plot = load_tool("plot")
     a = plot.read_scalars(runs[0])
     assert set(a) == set(RUN_A)
     for tag, points in RUN_A.items():
@@ -111,7 +105,7 @@ def test_a_resumed_runs_versions_are_joined_into_one_curve(tmp_path):
     """version_0 trained steps 0-5 and stopped; version_1 resumed from the checkpoint at step 4 and redid steps
     4-5: the curve is version_0's steps 0-3 then version_1's 4-7, and version_0's evaluation before training
     (step 0) stays."""
-    plot = _tool("plot")
+    plot = load_tool("plot")
     root = tmp_path / "run"
     logs = root / "lightning_logs"
     _write_run(str(logs / "version_0"), {"train/reward/mean": [(s, 0.125) for s in range(6)],
@@ -129,7 +123,7 @@ def test_a_resumed_runs_versions_are_joined_into_one_curve(tmp_path):
 
 
 def test_a_fresh_run_in_the_same_folder_replaces_the_earlier_versions(tmp_path):
-    plot = _tool("plot")
+    plot = load_tool("plot")
     root = tmp_path / "run"
     _write_run(str(root / "lightning_logs" / "version_9"), {"train/reward/mean": [(0, 0.25), (1, 0.5)]})
     _write_run(str(root / "lightning_logs" / "version_10"), {"train/reward/mean": [(0, 0.75)]})
@@ -138,7 +132,7 @@ def test_a_fresh_run_in_the_same_folder_replaces_the_earlier_versions(tmp_path):
 
 
 def test_validation_is_one_figure_of_four_panels_whatever_the_number_of_metrics():
-    plot = _tool("plot")
+    plot = load_tool("plot")
     logged = set(_evaluation(0.5))
     assert len([t for t in logged if t.startswith("val/")]) >= 60
     figures = {name: panels for name, _, panels in plot.figure_panels(logged)}
@@ -161,7 +155,7 @@ def test_a_metric_with_a_standard_error_is_drawn_with_a_band_of_one_se_either_si
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
 
-    plot = _tool("plot")
+    plot = load_tool("plot")
     run = {"val/avg@4": [(0, 0.25), (80, 0.5)], "val/avg@4_se": [(0, 0.0625), (80, 0.125)],
            "val/response_length": [(0, 12.0), (80, 9.0)]}  # no _se: no band
     ax = Figure().subplots()
@@ -176,7 +170,7 @@ def test_a_metric_with_a_standard_error_is_drawn_with_a_band_of_one_se_either_si
 
 @needs_matplotlib
 def test_a_full_evaluation_plots_to_a_readable_figure(tmp_path):
-    plot = _tool("plot")
+    plot = load_tool("plot")
     metrics = [_evaluation(0.25), _evaluation(0.625)]
     run = _write_run(str(tmp_path / "run" / "lightning_logs" / "version_0"),
                      {tag: [(0, metrics[0][tag]), (80, metrics[1][tag])] for tag in metrics[0]})
@@ -189,7 +183,7 @@ def test_a_full_evaluation_plots_to_a_readable_figure(tmp_path):
 
 @needs_matplotlib
 def test_plot_runs_writes_one_png_per_group_with_data(runs, tmp_path):
-    plot = _tool("plot")
+    plot = load_tool("plot")
     out = tmp_path / "figures"
     paths = plot.plot_runs(runs, str(out))
     # response, kl and step_time: logged by neither run, so no file.
@@ -207,7 +201,7 @@ def test_plot_runs_writes_one_png_per_group_with_data(runs, tmp_path):
 
 
 def test_labels_default_to_the_run_folder(runs, tmp_path):
-    plot = _tool("plot")
+    plot = load_tool("plot")
     assert [plot.default_label(d) for d in runs] == ["a/version_0", "b/version_0"]
     assert plot.default_label(str(tmp_path / "my-run")) == "my-run"
     with pytest.raises(ValueError, match="1 labels for 2 runs"):
@@ -216,7 +210,7 @@ def test_labels_default_to_the_run_folder(runs, tmp_path):
 
 @needs_matplotlib
 def test_a_folder_without_events_is_one_error_line(runs, tmp_path, capsys):
-    plot = _tool("plot")
+    plot = load_tool("plot")
     empty = tmp_path / "empty-run"
     empty.mkdir()
     out = tmp_path / "figures"
@@ -235,7 +229,7 @@ def test_without_matplotlib_one_line_names_the_extra_and_the_command(runs, tmp_p
     # As if matplotlib were not installed: a None entry in sys.modules makes its import fail.
     for name in [n for n in sys.modules if n.split(".")[0] == "matplotlib"] + ["matplotlib"]:
         monkeypatch.setitem(sys.modules, name, None)
-    plot = _tool("plot")
+    plot = load_tool("plot")
     out = tmp_path / "figures"
     assert plot.main([runs[0], "--out", str(out)]) == 2
     captured = capsys.readouterr()
@@ -248,7 +242,7 @@ def test_without_matplotlib_one_line_names_the_extra_and_the_command(runs, tmp_p
 
 @needs_matplotlib
 def test_cli_prints_the_paths_written(runs, tmp_path, capsys):
-    plot = _tool("plot")
+    plot = load_tool("plot")
     out = tmp_path / "figures"
     assert plot.main([runs[1], "--labels", "dapo", "--out", str(out)]) == 0
     *printed, last = capsys.readouterr().out.split()
@@ -259,7 +253,7 @@ def test_cli_prints_the_paths_written(runs, tmp_path, capsys):
 
 @needs_matplotlib
 def test_compare_writes_figures_next_to_its_table(runs, tmp_path, capsys):
-    compare = _tool("compare")
+    compare = load_tool("compare")
     results = [{"method": "grpo", "log_dir": runs[0]}, {"method": "dapo", "log_dir": runs[1]},
                {"method": "vapo", "returncode": 1}]  # a failed run has no log folder: left out
     out = tmp_path / "figures"

@@ -29,7 +29,7 @@ from rllight.strategies import (
 )
 
 from conftest import RECIPES
-from helpers import CaptureLogger, build, tiny_overrides, unchanged_parameters
+from helpers import CaptureLogger, build, load_tool, tiny_overrides, unchanged_parameters
 from test_dapo import make_rollout
 
 ABLATIONS = os.path.join(RECIPES, "ablations")
@@ -831,18 +831,8 @@ def test_replay_buffer_and_value_pretraining_state_survive_a_checkpoint(tmp_path
 # --------------------------------------------------------------------------------------------------
 
 
-def _compare_tool():
-    import importlib.util
-
-    path = os.path.join(os.path.dirname(RECIPES), "tools", "compare.py")
-    spec = importlib.util.spec_from_file_location("rllight_compare_tool", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_compare_counts_the_budget_in_rollouts():
-    compare = _compare_tool()
+    compare = load_tool("compare")
 
     def config(batch_size, group_size, minibatch_size, ppo_epochs):
         return {"data": {"batch_size": batch_size}, "model": {"sampler": {"init_args": {"group_size": group_size}},
@@ -858,7 +848,7 @@ def test_compare_counts_the_budget_in_rollouts():
 
 
 def test_compare_summarises_the_critic():
-    compare = _compare_tool()
+    compare = load_tool("compare")
     nan = math.nan
     summary = compare.critic_summary({
         "train/value_pretraining/explained_variance": [0.0, 0.2, 0.35],

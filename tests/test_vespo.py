@@ -2,7 +2,6 @@
 bound K = sup phi(w)/w against the closed form, finiteness for |log W| up to 500, the per-token loss and
 its gradient, and a two-step run of recipes/vespo.yaml on a tiny model."""
 
-import importlib.util
 import math
 import os
 
@@ -11,7 +10,7 @@ import torch
 from torch.testing import assert_close
 
 from conftest import RECIPES
-from helpers import build, tiny_overrides, unchanged_parameters
+from helpers import build, load_tool, tiny_overrides, unchanged_parameters
 from rllight.algorithms import effective_sample_size, vespo_weight
 from rllight.errors import RecipeError
 from rllight.strategies import VESPO
@@ -162,10 +161,7 @@ def test_vespo_recipe_trains_two_steps_and_changes_every_parameter(tmp_path, tin
 
 
 def test_staleness_tool_runs_and_reports(tiny_model_dir):
-    path = os.path.join(os.path.dirname(RECIPES), "tools", "staleness.py")
-    spec = importlib.util.spec_from_file_location("staleness", path)
-    staleness = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(staleness)
+    staleness = load_tool("staleness")
     result = staleness.run(tiny_model_dir, "vespo", n=4, steps=2, lr=1e-3, seed=0)
     assert result["finite"] and result["skipped_steps"] == 0
     assert len(result["rewards"]) == 2 and all(0 <= r <= 1 for r in result["rewards"])
