@@ -146,3 +146,34 @@ def test_each_rank_samples_from_its_own_vllm_engine_synced_after_every_update(tm
     for record in (r0, r1):
         assert len(record["logprob_gap"]) == 3
         assert max(record["logprob_gap"]) < 1e-5, record["logprob_gap"]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_two_ranks_share_one_tensor_parallel_vllm_engine_and_each_samples_its_own_prompts(tmp_path):
+    """Tensor parallelism inside colocated engines: the two DDP ranks' rollout workers run one vLLM engine split
+    in two (``tensor_parallel_size: 2``, vLLM's external launcher over gloo). Each rank still trains on its own
+    prompts, its rows of the group's generation; after every sync (steps 2 and 3) each rank's sampled log-probs
+    are its trainer's within the single-process test's tolerance, and the ranks end with the same weights."""
+    pytest.importorskip("vllm")
+    from rllight.testing import build_tiny_model
+
+    model_dir = build_tiny_model(str(tmp_path / "model"), hidden_size=64)  # 2 heads: one on each part
+    engine = {"class_path": "rllight.rollout.worker.ProcessEngine",
+              "init_args": {"engine": {"class_path": "rllight.rollout.vllm.VLLMEngine",
+                                       "init_args": {"kv_cache_gb": 0.0625, "enforce_eager": True,
+                                                     "max_model_len": 256, "tensor_parallel_size": 2}},
+                            "max_new_tokens": 6}}
+    (tmp_path / "tp").mkdir()
+    overlay = _ddp_overlay(tmp_path, model_dir, "tp", rollout=engine)
+    run = fit_in_child("grpo.yaml", "--config", overlay, *DDP, "--trainer.max_steps", "3", timeout=900,
+                       RLLIGHT_TEST_DUMP=str(tmp_path / "rank{rank}.pt"), RLLIGHT_TEST_LOGPROB_GAP="1")
+    assert run.returncode == 0, run.stderr[-4000:]
+    r0, r1 = _same_weights_on_both_ranks(tmp_path)
+    assert (r0["tensor_parallel_rank"], r1["tensor_parallel_rank"]) == (0, 1)
+    assert r0["prompts"] != r1["prompts"]
+    # Each rank's rows are the ones generated for its own prompts, not the other rank's.
+    assert not {tuple(p) for p in r0["prompt_ids"]} & {tuple(p) for p in r1["prompt_ids"]}
+    for record in (r0, r1):
+        assert len(record["logprob_gap"]) == 3
+        assert max(record["logprob_gap"]) < 1e-5, record["logprob_gap"]

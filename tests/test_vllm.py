@@ -407,3 +407,48 @@ def test_an_in_process_engine_with_several_training_processes_is_one_line_naming
     from rllight.rollout.worker import ProcessEngine
 
     ProcessEngine(engine).check_processes(2)  # one engine per rank, each in its own worker
+
+
+def test_a_tensor_parallel_engine_is_refused_in_one_line_where_its_groups_cannot_form():
+    """``tensor_parallel_size`` n > 1 spans the rollout workers of n training processes: in the training process
+    itself, with a number of processes n does not divide, with asynchronous rollouts (groups generate together)
+    or below 1 it is refused before the model loads, each in one line naming the option."""
+    pytest.importorskip("vllm")
+    from rllight.rollout.worker import ProcessEngine
+
+    def refused(action) -> str:
+        with pytest.raises(RecipeError) as err:
+            action()
+        assert len(str(err.value).splitlines()) == 1
+        return str(err.value)
+
+    engine = VLLMEngine(max_new_tokens=8, tensor_parallel_size=2)
+    assert "ProcessEngine" in refused(lambda: engine.check_processes(1))
+    worker = ProcessEngine(engine)
+    worker.check_processes(2)
+    worker.check_processes(4)  # two groups of two
+    assert "tensor_parallel_size=2" in refused(lambda: worker.check_processes(3))
+    assert "tensor_parallel_size=2" in refused(lambda: worker.check_processes(1))
+    assert "max_staleness" in refused(lambda: ProcessEngine(engine, max_staleness=1))
+    assert "tensor_parallel_size" in refused(lambda: VLLMEngine(tensor_parallel_size=0))
+
+
+def test_a_groups_generation_gives_each_rank_its_rows_without_the_others_padding():
+    """A tensor-parallel group generates its ranks' prompts together, padded to the longest of all; each rank
+    keeps its rows and only the padding columns its own rows need (prompts left-padded, responses right-padded)."""
+    from rllight.rollout.base import Generation
+    from rllight.rollout.worker import _own_rows
+
+    pad = 0
+    gen = Generation(prompt_ids=torch.tensor([[0, 0, 7, 8], [0, 0, 0, 9], [5, 6, 7, 8]]),
+                     prompt_mask=torch.tensor([[0, 0, 1, 1], [0, 0, 0, 1], [1, 1, 1, 1]]),
+                     response_ids=torch.tensor([[3, pad, pad], [4, 4, pad], [2, 2, 2]]),
+                     response_mask=torch.tensor([[1, 0, 0], [1, 1, 0], [1, 1, 1]]),
+                     logprobs=torch.tensor([[-0.1, 0.0, 0.0], [-0.2, -0.3, 0.0], [-1.0, -1.0, -1.0]]),
+                     truncated=torch.tensor([False, False, True]))
+    mine = _own_rows(gen, slice(0, 2))  # rank 0 of two: its two rows
+    assert mine.prompt_ids.tolist() == [[7, 8], [0, 9]] and mine.prompt_mask.tolist() == [[1, 1], [0, 1]]
+    assert mine.response_ids.tolist() == [[3, pad], [4, 4]] and mine.response_mask.tolist() == [[1, 0], [1, 1]]
+    assert torch.equal(mine.logprobs, gen.logprobs[:2, :2]) and mine.truncated.tolist() == [False, False]
+    theirs = _own_rows(gen, slice(2, 3))  # rank 1: the last row, already as wide as the group's
+    assert theirs.prompt_ids.tolist() == [[5, 6, 7, 8]] and theirs.response_ids.tolist() == [[2, 2, 2]]

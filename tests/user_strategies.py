@@ -112,6 +112,10 @@ class DumpState(RolloutCallback):
             hook = lambda layer, args, out: self.record.__setitem__(  # noqa: E731
                 "compute_dtype", str((out[0] if isinstance(out, tuple) else out).dtype))
             decoder_layers(module.policy)[0].register_forward_hook(hook)
+        if getattr(module.rollout, "tensor_parallel_rank", None) is not None:  # a tensor-parallel engine's part
+            self.record["tensor_parallel_rank"] = module.rollout.tensor_parallel_rank
+            self.record.setdefault("prompt_ids", []).extend(  # the prompts the rank's rows were generated for
+                [ids[mask.bool()].tolist() for ids, mask in zip(rollout.prompt_ids, rollout.prompt_mask)])
         tag = getattr(module.rollout, "last_request_id", None)  # a vLLM server's id of the step's completion
         if tag is not None:
             self.record.setdefault("request_ids", []).append(tag)

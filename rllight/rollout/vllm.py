@@ -324,6 +324,11 @@ class VLLMEngine(RolloutEngine):
         seed: None: sampling draws from this process's torch RNG (seeded by ``seed_everything``). An int:
             every request gets its own generator seeded from (seed, call, row), reproducible whatever else
             the process draws.
+        tensor_parallel_size: Devices one engine spans, its layers split across them (vLLM's tensor
+            parallelism), for a model too large for one device. Only in rollout workers of several training
+            processes (``rllight.rollout.worker.ProcessEngine``): each group of this many consecutive ranks on one
+            machine shares one engine, whose parts run in their workers (vLLM's ``external_launcher``); each
+            rank's prompts are generated together with its group's, and each takes its own rows back.
         lora_sync: With a peft LoRA policy: "adapter" (default) starts vLLM from the base weights with its LoRA
             support on and then syncs only the adapter, written as a peft adapter folder and loaded as a new
             ``LoRARequest`` at every sync (the base weights are never sent again); "merged" merges the adapter
@@ -350,6 +355,7 @@ class VLLMEngine(RolloutEngine):
         max_model_len: int | None = None,
         seed: int | None = None,
         lora_sync: str = "adapter",
+        tensor_parallel_size: int = 1,
     ):
         super().__init__(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
         if lora_sync not in LORA_SYNCS:
@@ -361,6 +367,8 @@ class VLLMEngine(RolloutEngine):
             )
         if sync_every < 1:
             raise RecipeError(f"model.rollout.init_args.sync_every must be >= 1, got {sync_every}")
+        if tensor_parallel_size < 1:
+            raise RecipeError(f"model.rollout.init_args.tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
         # Found without importing it (importing vllm is slow and has side effects): a missing vLLM is
         # reported when the recipe is read, before any model loads.
         if importlib.util.find_spec("vllm") is None:
@@ -373,6 +381,7 @@ class VLLMEngine(RolloutEngine):
         self.max_model_len = max_model_len
         self.seed = seed
         self.lora_sync = lora_sync
+        self.tensor_parallel_size = tensor_parallel_size
         self.llm = None
         """The running ``vllm.LLM`` (None until the first ``generate``)."""
         self.last_metrics: dict[str, float] = {}
@@ -394,6 +403,9 @@ class VLLMEngine(RolloutEngine):
         kwargs = self._write_start_folder(model, tokenizer)
         if self.kv_cache_gb is not None:
             kwargs["kv_cache_memory_bytes"] = int(self.kv_cache_gb * 2**30)
+        if self.tensor_parallel_size > 1:  # the group's processes and port: set by its rollout worker
+            kwargs.update(tensor_parallel_size=self.tensor_parallel_size,
+                          distributed_executor_backend="external_launcher")
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.") if self.dtype == "auto" else self.dtype
         with _keep_process_state():
             self.llm = vllm.LLM(
@@ -416,6 +428,12 @@ class VLLMEngine(RolloutEngine):
         return self.llm
 
     def check_processes(self, world_size: int) -> None:
+        if self.tensor_parallel_size > 1:
+            raise RecipeError(
+                f"model.rollout.init_args.tensor_parallel_size={self.tensor_parallel_size}: a tensor-parallel "
+                "VLLMEngine spans the rollout workers of several training processes; make it the engine of "
+                "rllight.rollout.worker.ProcessEngine (recipes/overlays/vllm-per-rank.yaml) with trainer.devices a "
+                "multiple of it")
         if world_size > 1:  # vLLM in the process would join the trainer's process group as its own world
             raise RecipeError(
                 f"model.rollout: VLLMEngine runs inside one training process; with {world_size} processes give each "

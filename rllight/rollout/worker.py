@@ -44,6 +44,13 @@ How it runs:
   samples from its own RNG stream, seeded from the trainer's; ``state_dict`` (saved in checkpoints) waits for the
   requests in flight and keeps their results and the worker's RNG state, so a resumed run continues exactly. A
   worker that dies loses the requests in flight: they are generated again when asked for.
+- **Tensor parallelism** (the inner ``VLLMEngine``'s ``tensor_parallel_size`` n > 1, with several training
+  processes): each group of n consecutive ranks on one machine runs one engine split across their workers, which
+  join vLLM's group as its ``external_launcher`` expects (the environment each worker gets names its place in the
+  group and a port the group's first rank chose). Every generation gathers the group's prompts (over a gloo group
+  of its ranks), each worker generates them all from the first rank's RNG state (so the parts agree), and each
+  rank takes its own rows back. Synchronous only; a worker of such a group that dies ends the run with one line
+  (its group cannot go on without it): resume from the last checkpoint.
 - **Faults never hang the trainer**: every wait for the worker lasts at most ``timeout_seconds``; past it the
   worker is killed and the call raises. A worker that dies (its pipe closes or its process ends) is restarted
   once with the last weights and version and the request is sent again; if the new one dies on the same
@@ -139,6 +146,8 @@ class _WorkerSpec:
     """LoRA adapters only: the adapter's ``peft.LoraConfig``; ``weights`` then holds the adapter tensors."""
     base: SharedWeights | None = None
     """LoRA adapters only: the base weights, written once."""
+    env: dict[str, str] | None = None
+    """Set in the worker's environment before anything else: a tensor-parallel engine's place in its group."""
 
 
 # --------------------------------------------------------------------------------------------- worker side
@@ -194,12 +203,16 @@ def _serve(conn, spec: _WorkerSpec) -> None:
     """The worker's main loop: build the policy, then answer one request at a time (``sync``: load the
     shared weights; ``generate``; ``stop``) until told to stop or the trainer's end of the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it then stops us
+    os.environ.update(spec.env or {})
     threading.Thread(target=_exit_with_parent, daemon=True).start()
     torch.set_num_threads(spec.threads)
-    device = torch.device(spec.device)
+    device = torch.device(spec.device)  # the trainer's: requests carry its random streams
+    # An engine with weights of its own (vLLM) reads the copy only to fill them: it stays in host memory, so that
+    # the device holds the engine's weights alone (a tensor-parallel engine's part of them).
+    home = torch.device("cpu") if getattr(spec.engine, "syncs_merged_weights", False) else device
     try:
         model = _build_policy(spec)
-        model.requires_grad_(False).eval().to(device)
+        model.requires_grad_(False).eval().to(home)
     except Exception as err:  # noqa: BLE001 - whatever failed, the trainer raises it as one line
         conn.send(("error", _describe(err)))
         return
@@ -299,6 +312,65 @@ class _Worker:
         self.conn.close()
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _TensorParallelGroup:
+    """The training ranks whose rollout workers run one tensor-parallel engine: ``size`` consecutive ranks, on one
+    machine. ``gather`` collects an object from each (over a gloo group of these ranks, whatever the trainer's
+    backend); ``env`` is what the rank's worker sets to join vLLM's group (``external_launcher``: ``env://``)."""
+
+    def __init__(self, size: int):
+        import socket
+
+        import torch.distributed as dist
+
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if world % size:  # also refused before the model loads (ProcessEngine.check_processes)
+            raise RecipeError(_groups_message(size, world))
+        self.size = size
+        self.group, _ = dist.new_subgroups(group_size=size, backend="gloo")  # a collective: every rank, at once
+        self.rank = dist.get_rank(self.group)
+        members = self.gather((socket.gethostname(), _free_port() if self.rank == 0 else None))
+        if len({host for host, _ in members}) > 1:
+            raise RecipeError(f"{TENSOR_PARALLEL}={size}: the {size} ranks of one engine run on different machines "
+                              f"({', '.join(sorted({h for h, _ in members}))}); make trainer.devices a multiple of it")
+        self.env = {"RANK": str(self.rank), "WORLD_SIZE": str(size), "LOCAL_RANK": os.environ.get("LOCAL_RANK", "0"),
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(members[0][1])}
+
+    def gather(self, obj: Any) -> list:
+        """``obj`` of every rank of the group, in rank order."""
+        out = [None] * self.size
+        torch.distributed.all_gather_object(out, obj, group=self.group)
+        return out
+
+
+TENSOR_PARALLEL = "model.rollout.init_args.engine.init_args.tensor_parallel_size"
+
+
+def _groups_message(size: int, world: int) -> str:
+    return (f"{TENSOR_PARALLEL}={size}: each engine spans {size} training processes, and {world} do not make groups "
+            f"of {size}; make trainer.devices x trainer.num_nodes a multiple of it")
+
+
+def _own_rows(gen: Generation, rows: slice) -> Generation:
+    """Rows ``rows`` of a generation made for a whole group, less the padding columns only other rows needed
+    (prompts are left-padded, responses right-padded): what generating these rows alone gives."""
+    prompt_mask, response_mask = gen.prompt_mask[rows], gen.response_mask[rows]
+    used = prompt_mask.bool().any(0).nonzero()
+    first = int(used[0]) if len(used) else 0
+    used = response_mask.bool().any(0).nonzero()
+    end = int(used[-1]) + 1 if len(used) else response_mask.shape[1]
+    return Generation(prompt_ids=gen.prompt_ids[rows, first:], prompt_mask=prompt_mask[:, first:],
+                      response_ids=gen.response_ids[rows, :end], response_mask=response_mask[:, :end],
+                      logprobs=gen.logprobs[rows, :end], truncated=gen.truncated[rows])
+
+
 def _forwarded(name: str) -> property:
     """An attribute of the inner engine, read and set through the ``ProcessEngine``."""
     return property(lambda self: getattr(self.engine, name), lambda self, value: setattr(self.engine, name, value),
@@ -380,6 +452,10 @@ class ProcessEngine(RolloutEngine):
             raise RecipeError(f"{key}.timeout_seconds must be a positive number of seconds, got {timeout_seconds}")
         if max_staleness < 0:
             raise RecipeError(f"{key}.max_staleness must be >= 0 (0 = synchronous), got {max_staleness}")
+        if max_staleness and getattr(engine, "tensor_parallel_size", 1) > 1:
+            raise RecipeError(f"{key}: max_staleness={max_staleness} with a tensor-parallel engine "
+                              f"({TENSOR_PARALLEL}={engine.tensor_parallel_size}); its groups generate synchronously: "
+                              "set max_staleness: 0")
         if max_staleness and sync_every != 1:
             raise RecipeError(f"{key}: max_staleness={max_staleness} with sync_every={sync_every}; asynchronous "
                               "rollouts send the weights with every request, so leave sync_every at 1 and bound "
@@ -401,6 +477,7 @@ class ProcessEngine(RolloutEngine):
         self.timeout_seconds = float(timeout_seconds)
         super().__init__(**sampling)  # validated as any engine's, and set on the inner engine (the properties above)
         self._updates = 0  # update_weights calls so far
+        self._group: _TensorParallelGroup | None = None  # a tensor-parallel engine's ranks (made at the first start)
         self._reset()
 
     def _reset(self) -> None:
@@ -426,7 +503,22 @@ class ProcessEngine(RolloutEngine):
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+        self._group = None
         self._reset()
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Devices (training processes) the inner engine spans: its ``tensor_parallel_size``, else 1."""
+        return int(getattr(self.engine, "tensor_parallel_size", 1))
+
+    @property
+    def tensor_parallel_rank(self) -> int | None:
+        """This rank's place in its engine's group once it has started (None without tensor parallelism)."""
+        return None if self._group is None else self._group.rank
+
+    def check_processes(self, world_size: int) -> None:
+        if world_size % self.tensor_parallel_size:
+            raise RecipeError(_groups_message(self.tensor_parallel_size, world_size))
 
     # ------------------------------------------------------------------------------- worker
     def _start(self, model: torch.nn.Module, tokenizer) -> None:
@@ -451,11 +543,14 @@ class ProcessEngine(RolloutEngine):
         self._version = self._updates
         if self.asynchronous and self._worker_rng is None:  # a stream of its own, seeded from the trainer's
             self._worker_rng = int(torch.randint(2**62, ()).item())
+        if self.tensor_parallel_size > 1 and self._group is None:
+            self._group = _TensorParallelGroup(self.tensor_parallel_size)
 
     def _launch(self) -> None:
         """Start a worker on the last weights sent and wait until it is ready."""
         spec = _WorkerSpec(engine=self.engine, threads=torch.get_num_threads(), weights=self._weights, base=self._base,
-                           version=self._version, rng=self._worker_rng, **self._policy)
+                           version=self._version, rng=self._worker_rng,
+                           env=None if self._group is None else self._group.env, **self._policy)
         self._worker = _Worker(spec)
         self._stop_worker_at_exit = weakref.finalize(self, self._worker.stop)
         self._check(self._worker.receive(self.timeout_seconds, "start"), "start")
@@ -493,6 +588,11 @@ class ProcessEngine(RolloutEngine):
         try:
             return self._attempt(message, what)
         except _WorkerDied as died:
+            if self._group is not None:
+                raise ComponentError(
+                    f"model.rollout: the rollout worker died ({died}) trying to {what}; it ran part of a "
+                    f"tensor-parallel engine, whose other parts cannot go on without it. Resume from the last "
+                    "checkpoint") from None
             log.warning("the rollout worker died (%s) trying to %s; restarting it with policy version %d",
                         died, what, self._version)
         try:
@@ -518,14 +618,22 @@ class ProcessEngine(RolloutEngine):
         device = next(model.parameters()).device
         expected = self._version
         settings = {name: getattr(self, name) for name in SAMPLING_SETTINGS}
-        reply = self._call(("generate", expected, prompts, greedy, settings, _rng_states(device)), "generate")
+        rng, own = _rng_states(device), slice(0, len(prompts))
+        if self._group is not None:  # the group's prompts, all sampled from its first rank's stream
+            parts = self._group.gather((prompts, rng))
+            start = sum(len(part) for part, _ in parts[: self._group.rank])
+            prompts, rng, own = [p for part, _ in parts for p in part], parts[0][1], slice(start, start + len(prompts))
+        reply = self._call(("generate", expected, prompts, greedy, settings, rng), "generate")
         if reply[0] != "generated" or reply[1] != expected:
             raise ComponentError(
                 f"model.rollout: the rollout worker answered with policy version {reply[1]} where {expected} was "
                 "sent (a weight sync was lost); its samples are not used. Resume from the last checkpoint"
             )
         _, version, out, metrics, rng = reply
-        _set_rng_states(rng, device)
+        if self._group is None or self._group.rank == 0:  # the other ranks' streams were not drawn from
+            _set_rng_states(rng, device)
+        if self._group is not None:
+            out = _own_rows(out, own)
         self.last_metrics = {**metrics, "rollout/policy_version": float(version),
                              "rollout/staleness": float(self._updates - version), "rollout/sync_time": self._sync_time}
         self._sync_time = 0.0
