@@ -111,9 +111,11 @@ def test_observation_ids_are_the_template_render_on_the_quickstart_tokenizer():
     before an observation."""
     from transformers import AutoTokenizer
 
-    from rllight.models import SmolLM2Package
+    from rllight.models import SmolLM2Package, smollm2_folder
 
-    tok = AutoTokenizer.from_pretrained(SmolLM2Package().resolve())
+    # The package's own tokenizer, read from the GGUF file as the conversion reads it (without converting the
+    # weights, which takes seconds more).
+    tok = AutoTokenizer.from_pretrained(smollm2_folder(), gguf_file=SmolLM2Package.GGUF)
     _observation_ids_match_the_template(tok)
     text = ChatTurns(tok).observation_text(FEEDBACK)
     assert text == f"<|im_start|>user\n{FEEDBACK}<|im_end|>\n<|im_start|>assistant\n" and "system" not in text
