@@ -165,13 +165,28 @@ def test_precision_bf16_update_keeps_no_bf16_copy_of_the_weights(tiny_model_dir)
     assert all(torch.equal(a, b) for a, b in zip(grads, recast_grads))
 
 
-FREED_HEAP = """
-import torch
-from rllight._compat import return_free_memory
-
+RSS = """
 def rss():
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+"""
+
+
+def _in_a_fresh_interpreter(script: str, timeout: float = 300, **env: str | None) -> int:
+    """The number ``script`` prints last, run in a new Python (``RSS`` defines ``rss()`` in it); ``env`` changes the
+    environment, a None value removing the variable."""
+    import subprocess
+    import sys
+
+    environment = {k: v for k, v in {**os.environ, **env}.items() if v is not None}
+    out = subprocess.run([sys.executable, "-c", RSS + script], capture_output=True, text=True, timeout=timeout,
+                         check=True, env=environment)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+FREED_HEAP = """
+import torch
+from rllight._compat import return_free_memory
 
 block = torch.ones(30 * 2**20 // 4)
 del block  # freeing a 30 MB block raises glibc's mmap threshold: 1 MB blocks then go on the heap
@@ -191,12 +206,8 @@ def test_precision_freed_heap_pages_go_back_to_the_system():
     free blocks between live ones resident, so weight-sized tensors freed by one phase (the engine's bfloat16 copy,
     an update's casts) would count in the RSS through the next. In a fresh interpreter, whose heap is laid out as
     the script says (in this one, earlier tests' free blocks would take the tensors)."""
-    import subprocess
-    import sys
-
-    out = subprocess.run([sys.executable, "-c", FREED_HEAP], capture_output=True, text=True, timeout=120, check=True)
-    returned = int(out.stdout.strip().splitlines()[-1])
-    assert returned > 240 * 2**20, out.stdout
+    returned = _in_a_fresh_interpreter(FREED_HEAP, timeout=120)
+    assert returned > 240 * 2**20, returned
 
 
 def test_precision_bf16_engine_prompt_pass_never_copies_the_output_weight_per_row(tiny_model_dir):
@@ -293,27 +304,23 @@ def test_precision_rllight_bounds_onednn_cache_unless_the_environment_names_one(
 
 
 NEW_SHAPES = """
-import ctypes
 import rllight.precision
 import torch
+from rllight._compat import return_free_memory
 
 rllight.precision.bound_onednn_cache()  # as the rllight command does, before the first product
 torch.set_num_threads(1)
 
-def rss():
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
-
 up, down = torch.nn.Linear(576, 1536, bias=False), torch.nn.Linear(1536, 576, bias=False)
 for rows in (1, 8):
     down(torch.relu(up(torch.randn(rows, 576))))
-ctypes.CDLL("libc.so.6").malloc_trim(0)
+return_free_memory()
 start = rss()
 for rows in range(20, 320):  # 300 new shapes, as micro-batches of new lengths make
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = down(torch.relu(up(torch.randn(rows, 576, requires_grad=True)))).float().sum()
     loss.backward()
-ctypes.CDLL("libc.so.6").malloc_trim(0)
+return_free_memory()
 print(rss() - start)
 """
 
@@ -323,13 +330,7 @@ def test_precision_bf16_products_of_new_shapes_keep_little_memory():
     pair) leave under 64 MB resident; at the libraries' defaults they left about 400 MB on a CPU with AMX (oneDNN
     computes its bfloat16 products; on a CPU without bfloat16 units nothing is cached to begin with). In a fresh
     interpreter, whose caches start empty."""
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
-    out = subprocess.run([sys.executable, "-c", NEW_SHAPES], capture_output=True, text=True, timeout=300, check=True,
-                         env=env)
-    kept = int(out.stdout.strip().splitlines()[-1])
+    kept = _in_a_fresh_interpreter(NEW_SHAPES, ONEDNN_PRIMITIVE_CACHE_CAPACITY=None, LRU_CACHE_CAPACITY=None)
     assert kept < 64 * 2**20, kept
 
 

@@ -27,8 +27,6 @@ ROOT = os.path.dirname(TESTS)
 NUMBER = r"-?[\d.]+(?:e[+-]?\d+)?"
 
 
-_tool = load_tool
-
 
 def _pairs(line: str) -> dict[str, str]:
     """``{"a": "1", "b": "x"}`` for the line ``a=1 b=x``; fails on anything else."""
@@ -48,7 +46,7 @@ def vllm_ready_model(tmp_path_factory) -> str:
 
 
 def test_bench_gae_matches_the_loop_and_prints_speedup(capsys):
-    speedup = _tool("bench_gae").main(["--batch", "4", "--length", "16", "--repeats", "1"])
+    speedup = load_tool("bench_gae").main(["--batch", "4", "--length", "16", "--repeats", "1"])
     machine, last = _last_lines(capsys)
     values = _pairs(last)
     assert set(values) == {"speedup", "max_abs_diff"}
@@ -59,7 +57,7 @@ def test_bench_gae_matches_the_loop_and_prints_speedup(capsys):
 
 @pytest.mark.slow  # two child processes, one per path, each measuring its own peak memory
 def test_bench_logprobs_chunked_equals_direct_and_prints_the_ratios(capsys):
-    _tool("bench_logprobs").main(["--batch", "1", "--length", "8", "--vocab", "64", "--hidden", "8",
+    load_tool("bench_logprobs").main(["--batch", "1", "--length", "8", "--vocab", "64", "--hidden", "8",
                                   "--chunk-size", "4"])
     out = capsys.readouterr().out.strip().splitlines()
     values = _pairs(out[-1])
@@ -72,7 +70,7 @@ def test_bench_logprobs_chunked_equals_direct_and_prints_the_ratios(capsys):
 def test_bench_rollout_says_when_the_engine_did_not_sync():
     from rllight.rollout.vllm import VLLMEngine
 
-    sync_line = _tool("bench_rollout").sync_line
+    sync_line = load_tool("bench_rollout").sync_line
     engine = VLLMEngine(sync_every=2)
     assert sync_line({"rollout/sync_time": 0.25}, engine) == "vllm: weight sync 0.250 s"
     assert "did not sync (the engine had not started)" in sync_line({}, engine)
@@ -84,7 +82,7 @@ def test_bench_rollout_says_when_the_engine_did_not_sync():
 def test_bench_rollout_measures_both_engines_and_prints_vllm_over_hf(vllm_ready_model, capsys):
     pytest.importorskip("vllm")
     # --sync-every 2: the one update_weights call does not sync, the case that used to end in a KeyError.
-    ratio = _tool("bench_rollout").main(["--model-dir", vllm_ready_model, "--prompts", "2", "--warmup", "2",
+    ratio = load_tool("bench_rollout").main(["--model-dir", vllm_ready_model, "--prompts", "2", "--warmup", "2",
                                          "--max-new-tokens", "4", "--repeats", "1", "--kv-cache-gb", "0.0625",
                                          "--sync-every", "2"])
     out = capsys.readouterr().out
@@ -100,7 +98,7 @@ def test_bench_rollout_measures_both_engines_and_prints_vllm_over_hf(vllm_ready_
 
 @pytest.mark.slow  # one training run in this process (Lightning, a few seconds)
 def test_staleness_trains_and_reports_each_run(monkeypatch, capsys):
-    staleness = _tool("staleness")
+    staleness = load_tool("staleness")
     monkeypatch.setattr(sys, "argv", ["staleness.py", "--steps", "1", "--ns", "2", "--algos", "grpo"])
     staleness.main()
     out = capsys.readouterr().out.strip().splitlines()
@@ -121,7 +119,7 @@ def test_compare_runs_a_method_and_prints_its_accuracy_after(tmp_path, monkeypat
         "reward_runner": None}}))  # scored in the training process: no reward workers to start
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
     out = tmp_path / "compare"
-    code = _tool("compare").main(["--methods", "grpo", "--steps", "1", "--batch-size", "1", "--group-size", "2",
+    code = load_tool("compare").main(["--methods", "grpo", "--steps", "1", "--batch-size", "1", "--group-size", "2",
                                   "--val-size", "2", "--max-new-tokens", "4", "--config", str(overlay),
                                   "--out", str(out)])
     assert code == 0
@@ -152,7 +150,7 @@ def test_before_after_reads_a_runs_saved_evaluations_back_into_its_table(tmp_pat
             per_prompt.update(acc.per_prompt(ks))
         results.append((metrics, per_prompt))
     expected = before_after(results[0][0], results[1][0], results[0][1], results[1][1])[1]
-    assert _tool("before_after").main([str(tmp_path)]) == 0
+    assert load_tool("before_after").main([str(tmp_path)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert [line.strip() for line in out[1 : 1 + len(expected)]] == [line.strip() for line in expected]
     assert "  sums" in "\n".join(out) and re.search(r" greedy_accuracy_/_sums 0\.333 1\.000 \+0\.667 0\.333$", out[-1])
@@ -166,7 +164,7 @@ def test_before_after_reads_a_runs_saved_evaluations_back_into_its_table(tmp_pat
         acc = EvalAccumulator("val")
         acc.update(rows, 1, correct, texts=["1" if c else "2" for c in correct])
         acc.write(str(single / "evaluation"), [1], name=f"val_step{step}")
-    assert _tool("before_after").main([str(single)]) == 0
+    assert load_tool("before_after").main([str(single)]) == 0
     tail = [line.split()[1:4] for line in capsys.readouterr().out.splitlines() if line.startswith(str(single) + " ")]
     assert tail == [["avg@1", "0.167", "0.667"], ["avg@1_/_legs", "0.000", "0.333"], ["avg@1_/_sums", "0.333", "1.000"]]
 
@@ -194,10 +192,10 @@ def test_install_sh_parses():
 @pytest.mark.slow  # TRL's GRPOTrainer, two steps
 def test_trl_step_trains_and_prints_trl_result(tmp_path, tiny_model_dir, capsys):
     pytest.importorskip("trl")
-    bench_step = _tool("bench_step")
+    bench_step = load_tool("bench_step")
     settings = bench_step.trl_inputs(bench_step.parse_args(["--model-dir", tiny_model_dir, "--steps", "2",
                                                             "--out", str(tmp_path / "bench")]))
-    _tool("trl_step").main(settings)
+    load_tool("trl_step").main(settings)
     (last,) = _last_lines(capsys, 1)
     assert last.startswith("trl_result=")
     result = json.loads(last.removeprefix("trl_result="))
@@ -207,7 +205,7 @@ def test_trl_step_trains_and_prints_trl_result(tmp_path, tiny_model_dir, capsys)
 def test_readme_numbers_knows_every_readme_command_and_reruns_one(tmp_path, capsys):
     """Each command the tool reruns is in the README verbatim (one changed without the other fails here), and
     ``--tiny --only speedup`` runs bench_gae through it into a table row."""
-    readme_numbers = _tool("readme_numbers")
+    readme_numbers = load_tool("readme_numbers")
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
     assert [e.command for e in readme_numbers.ENTRIES if e.command not in readme] == []

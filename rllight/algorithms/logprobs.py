@@ -37,6 +37,13 @@ def _low_precision(device: torch.device) -> torch.dtype | None:
     return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
 
 
+def _weight_slices(weight: Tensor, low: torch.dtype):
+    """The output layer ``LOW_PRECISION_SLICE`` rows at a time: (the rows, their weight cast to ``low``)."""
+    for v in range(0, weight.shape[0], LOW_PRECISION_SLICE):
+        part = slice(v, v + LOW_PRECISION_SLICE)
+        yield part, weight[part].to(low)
+
+
 def _chunk_logp(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float,
                 low: torch.dtype | None = None) -> Tensor:
     """log-softmax of one chunk's logits, in place in the logits buffer (one (rows, V) allocation).
@@ -52,10 +59,8 @@ def _chunk_logp(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: flo
         logits = h.new_empty(h.shape[0], weight.shape[0], dtype=torch.promote_types(h.dtype, torch.float32))
         h_low = h.to(low)
         with torch.autocast(h.device.type, enabled=False):
-            for v in range(0, weight.shape[0], LOW_PRECISION_SLICE):
-                part = slice(v, v + LOW_PRECISION_SLICE)
-                logits[:, part] = torch.nn.functional.linear(h_low, weight[part].to(low),
-                                                             None if bias is None else bias[part].to(low))
+            for part, w_low in _weight_slices(weight, low):
+                logits[:, part] = torch.nn.functional.linear(h_low, w_low, None if bias is None else bias[part].to(low))
     if temperature != 1.0:
         logits.div_(temperature)
     return logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True))
@@ -68,9 +73,8 @@ def _grad_hidden(g: Tensor, weight: Tensor, low: torch.dtype | None) -> Tensor:
         return g @ weight.to(g.dtype)
     out = g.new_zeros(g.shape[0], weight.shape[1])
     with torch.autocast(g.device.type, enabled=False):
-        for v in range(0, weight.shape[0], LOW_PRECISION_SLICE):
-            part = slice(v, v + LOW_PRECISION_SLICE)
-            out += g[:, part].to(low) @ weight[part].to(low)
+        for part, w_low in _weight_slices(weight, low):
+            out += g[:, part].to(low) @ w_low
     return out
 
 

@@ -68,6 +68,7 @@ import math
 import multiprocessing
 import os
 import signal
+import socket
 import threading
 import time
 import weakref
@@ -313,8 +314,6 @@ class _Worker:
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -326,8 +325,6 @@ class _TensorParallelGroup:
     backend); ``env`` is what the rank's worker sets to join vLLM's group (``external_launcher``: ``env://``)."""
 
     def __init__(self, size: int):
-        import socket
-
         import torch.distributed as dist
 
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
