@@ -5,7 +5,8 @@ run used, and the Trainer only ever sees one of Lightning's own values):
 
 - ``bf16-mixed`` where the device computes bfloat16 natively: a CUDA device for which
   ``torch.cuda.is_bf16_supported()`` holds (Ampere and newer), or a CPU for which torch reports AVX-512 BF16 or
-  AMX (``cpu_bf16_units``). Lightning then runs the forward passes under ``torch.autocast`` (matrix products in
+  AMX (``cpu_bf16_units``) and whose oneDNN, which computes the CPU's bfloat16 products, is not held below those
+  instructions by ``ONEDNN_MAX_CPU_ISA`` (``onednn_isa_cap``; ``cpu_bf16``). Lightning then runs the forward passes under ``torch.autocast`` (matrix products in
   bfloat16, float32 weights, gradients and optimizer state), and the rollout engine's ``dtype: auto`` generates
   with a bfloat16 copy of the policy (``engine_dtype``).
 - ``32-true`` elsewhere: an AVX2-only CPU multiplies bfloat16 matrices several times slower than float32
@@ -69,6 +70,37 @@ def cpu_bf16_units() -> str | None:
     return "AMX" if amx else None
 
 
+ONEDNN_BELOW_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI")
+"""oneDNN's ISA names (``ONEDNN_MAX_CPU_ISA``) below its first with bfloat16 products (``AVX512_CORE_BF16``). Held at
+one of them, oneDNN computes bfloat16 without the CPU's units; measured on an AMD EPYC with AVX-512 BF16 (a
+512x576 by 576x1536 product, one thread): 432 GFLOP/s in bfloat16 as it is, 2.1 at ``AVX2`` (as on an AVX2-only
+CPU), 74 at ``AVX512_CORE``, against 84-97 in float32 at any of them."""
+
+
+def onednn_isa_cap() -> str | None:
+    """``ONEDNN_MAX_CPU_ISA=VALUE`` (or oneDNN's older name for it, ``DNNL_MAX_CPU_ISA``, which it reads where the
+    first is unset) where the environment holds oneDNN below its bfloat16 instructions (``ONEDNN_BELOW_BF16``), else
+    None: torch's own checks read the CPU, not the bound its oneDNN kernels keep to."""
+    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        value = os.environ.get(name, "").strip().upper()
+        if value:
+            return f"{name}={value}" if value in ONEDNN_BELOW_BF16 else None
+    return None
+
+
+def cpu_bf16() -> tuple[bool, str]:
+    """``(whether this process's bfloat16 products on the CPU run on its native units, why)``: e.g. ``(True, "CPU
+    has AVX-512 BF16")``, ``(False, "CPU has AVX-512 BF16, which ONEDNN_MAX_CPU_ISA=AVX2 keeps oneDNN from using")``,
+    ``(False, "CPU has no AVX-512 BF16 or AMX (AVX2)")``."""
+    units = cpu_bf16_units()
+    if units is None:
+        return False, f"CPU has no AVX-512 BF16 or AMX ({torch.backends.cpu.get_cpu_capability()})"
+    cap = onednn_isa_cap()
+    if cap is not None:
+        return False, f"CPU has {units}, which {cap} keeps oneDNN from using"
+    return True, f"CPU has {units}"
+
+
 def cuda_bf16() -> tuple[bool, str]:
     """``(whether the CUDA device computes bfloat16 natively, its name)``; only called where CUDA is available."""
     return bool(torch.cuda.is_bf16_supported(including_emulation=False)), torch.cuda.get_device_name()
@@ -84,7 +116,7 @@ def _device(accelerator) -> str | None:
 
 def resolve_precision(accelerator=None) -> tuple[str, str]:
     """What ``trainer.precision: auto`` becomes on this machine for ``accelerator``: ``(precision, reason)``,
-    e.g. ``("bf16-mixed", "CPU has AVX-512 BF16")`` or ``("32-true", "CPU has no AVX-512 BF16 or AMX")``."""
+    e.g. ``("bf16-mixed", "CPU has AVX-512 BF16")`` or ``("32-true", "CPU has no AVX-512 BF16 or AMX (AVX2)")``."""
     device = _device(accelerator)
     if device == "cuda":
         native, name = cuda_bf16()
@@ -92,10 +124,8 @@ def resolve_precision(accelerator=None) -> tuple[str, str]:
             return "bf16-mixed", f"CUDA device {name} computes bfloat16"
         return "32-true", f"CUDA device {name} has no native bfloat16"
     if device == "cpu":
-        units = cpu_bf16_units()
-        if units is not None:
-            return "bf16-mixed", f"CPU has {units}"
-        return "32-true", f"CPU has no AVX-512 BF16 or AMX ({torch.backends.cpu.get_cpu_capability()})"
+        native, reason = cpu_bf16()
+        return ("bf16-mixed" if native else "32-true"), reason
     return "32-true", f"accelerator {accelerator!r}: auto chooses bfloat16 only on CPUs and CUDA devices"
 
 

@@ -28,6 +28,8 @@ QUICKSTART = os.path.join(RECIPES, "quickstart.yaml")
 @pytest.fixture
 def cpu_only(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):  # a bound of the machine's would change the choice
+        monkeypatch.delenv(name, raising=False)
 
 
 def test_auto_precision_on_a_cpu_follows_its_bf16_units(cpu_only, monkeypatch):
@@ -37,6 +39,62 @@ def test_auto_precision_on_a_cpu_follows_its_bf16_units(cpu_only, monkeypatch):
         monkeypatch.setattr(precision, "cpu_bf16_units", lambda: None)
         chosen, reason = precision.resolve_precision(accelerator)
         assert chosen == "32-true" and reason.startswith("CPU has no AVX-512 BF16 or AMX")
+
+
+@pytest.mark.parametrize("environment, chosen", [
+    ({"ONEDNN_MAX_CPU_ISA": "AVX2"}, "32-true"),  # as on an AVX2-only CPU: bfloat16 at about 2 GFLOP/s
+    ({"ONEDNN_MAX_CPU_ISA": "avx512_core"}, "32-true"),  # AVX-512 without BF16: emulated, slower than float32
+    ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI"}, "32-true"),
+    ({"DNNL_MAX_CPU_ISA": "AVX2"}, "32-true"),  # oneDNN's older name, read where the new one is unset
+    ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "DNNL_MAX_CPU_ISA": "AVX2"}, "bf16-mixed"),  # the new one first
+    ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}, "bf16-mixed"),
+    ({"ONEDNN_MAX_CPU_ISA": "DEFAULT"}, "bf16-mixed"),
+    ({"ONEDNN_MAX_CPU_ISA": "NO_SUCH_ISA"}, "bf16-mixed"),  # oneDNN ignores a name it does not know
+])
+def test_precision_auto_keeps_float32_where_onednn_is_held_below_bf16(environment, chosen, cpu_only, monkeypatch):
+    """A CPU with AVX-512 BF16 whose oneDNN the environment holds below its bfloat16 instructions computes bfloat16
+    products without those units: ``auto`` chooses float32 there, and says which variable did it."""
+    monkeypatch.setattr(precision, "cpu_bf16_units", lambda: "AVX-512 BF16")
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    resolved, reason = precision.resolve_precision("cpu")
+    assert resolved == chosen
+    if chosen == "32-true":
+        name, value = next(iter(environment.items()))
+        assert reason == f"CPU has AVX-512 BF16, which {name}={value.upper()} keeps oneDNN from using", reason
+    else:
+        assert reason == "CPU has AVX-512 BF16"
+
+
+ONEDNN_UNITS = """
+import ctypes, os, sys, tempfile
+import torch
+from rllight.precision import cpu_bf16
+
+# oneDNN's verbose mode prints the instruction set its kernels use (the 'isa:' line) to the C stdout, here a file.
+log = tempfile.TemporaryFile(mode="w+")
+saved = os.dup(1)
+sys.stdout.flush()
+os.dup2(log.fileno(), 1)
+torch.ones(64, 64, dtype=torch.bfloat16) @ torch.ones(64, 64, dtype=torch.bfloat16)
+ctypes.CDLL(None).fflush(None)
+os.dup2(saved, 1)
+log.seek(0)
+isa = [line for line in log.read().splitlines() if ",cpu,isa:" in line]
+on_units = bool(isa) and ("bfloat16" in isa[0] or "AMX" in isa[0])  # no line: torch did not call oneDNN
+print(2 * cpu_bf16()[0] + on_units)
+"""
+
+
+def test_precision_cpu_bf16_agrees_with_the_kernels_onednn_runs():
+    """``cpu_bf16`` says native exactly where oneDNN's kernels for a bfloat16 product use the CPU's bfloat16
+    instructions (its verbose mode names them), as the machine is and under two bounds below them, each in a fresh
+    interpreter (oneDNN reads its bound once). On a CPU with AVX-512 BF16 or AMX the first is native, the two
+    bounded ones are not; on one without, none is."""
+    for isa in (None, "AVX512_CORE_VNNI", "AVX2"):
+        answer = _in_a_fresh_interpreter(ONEDNN_UNITS, timeout=120, ONEDNN_VERBOSE="1", ONEDNN_MAX_CPU_ISA=isa,
+                                         DNNL_MAX_CPU_ISA=None)
+        assert answer in (0, 3), (isa, "cpu_bf16 says native" if answer == 2 else "oneDNN used bfloat16 units")
 
 
 def test_precision_cpu_units_from_torch_or_from_the_cpu_flags(monkeypatch):

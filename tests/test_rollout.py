@@ -217,8 +217,9 @@ def test_a_low_precision_copy_on_a_cpu_without_units_for_it_warns(tiny_model_dir
     import rllight.rollout.hf as hf
 
     policy, tok = HFModel(tiny_model_dir).load()
-    for has_units, warned in ((False, True), (True, False)):
-        monkeypatch.setattr(hf, "_cpu_has_low_precision_units", lambda: has_units)
+    for native, warned in ((False, True), (True, False)):
+        monkeypatch.setattr(hf, "cpu_bf16", lambda: (native, "CPU has no AVX-512 BF16 or AMX (AVX2)"))
         caplog.clear()
         HFEngine(max_new_tokens=2, dtype="bfloat16").generate(policy, tok, [[5, 6]], greedy=True)
         assert ("much slower" in caplog.text) == warned
+        assert ("the CPU has no AVX-512 BF16 or AMX (AVX2): generation" in caplog.text) == warned

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import atexit
 import functools
-import sys
 import time
 
 
@@ -70,7 +69,7 @@ def main() -> None:
     wrap(HFEngine, "generate", "generate", calls)
     wrap(Updater, "update", "update", calls)
     atexit.register(lambda: print(summary(calls), flush=True))
-    rllight(sys.argv[1:])
+    rllight()  # reads sys.argv, as the console script does (an explicit list would repeat it and draw Lightning's warning)
 
 
 if __name__ == "__main__":

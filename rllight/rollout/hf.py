@@ -13,7 +13,7 @@ from torch.profiler import record_function
 from rllight._compat import return_free_memory
 from rllight.errors import RecipeError
 from rllight.dtensor import full_tensor
-from rllight.precision import AUTO, DTYPES, Float32Head, cpu_bf16_units
+from rllight.precision import AUTO, DTYPES, Float32Head, cpu_bf16
 from rllight.rollout.base import (
     Generation,
     RolloutEngine,
@@ -59,11 +59,6 @@ def contiguous_head_input(model: torch.nn.Module):
         yield
     finally:
         handle.remove()
-
-
-def _cpu_has_low_precision_units() -> bool:
-    """Whether this CPU computes bfloat16 natively (AVX-512 BF16 or AMX, ``rllight.precision.cpu_bf16_units``)."""
-    return cpu_bf16_units() is not None
 
 
 class HFEngine(RolloutEngine):
@@ -149,10 +144,10 @@ class HFEngine(RolloutEngine):
         import copy
 
         device = next(model.parameters()).device
-        if device.type == "cpu" and self.dtype not in (None, "float32") and not _cpu_has_low_precision_units():
-            log.warning("model.rollout.init_args.dtype is %s but this CPU (%s) has no AVX-512 BF16 or AMX units "
-                        "for it: generation will be much slower than in float32; set dtype: null on this machine",
-                        self.dtype, torch.backends.cpu.get_cpu_capability())
+        native, reason = cpu_bf16() if device.type == "cpu" and self.dtype not in (None, "float32") else (True, "")
+        if not native:
+            log.warning("model.rollout.init_args.dtype is %s but the %s: generation will be much slower than in "
+                        "float32; set dtype: null on this machine", self.dtype, reason)
         # The parameters go straight into the copy's dtype (deepcopy takes them from the memo): a deepcopy followed
         # by .to(dtype) would first hold a second full float32 policy.
         dtype = DTYPES[self.dtype] if self.dtype is not None else None
