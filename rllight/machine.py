@@ -57,8 +57,20 @@ def gpu_name() -> str | None:
     return torch.cuda.get_device_name(0)
 
 
+ISA_BOUNDS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY")
+"""Environment variables that hold torch's CPU kernels below the CPU's instruction set (oneDNN's, under its new and
+old name, MKL's, ATen's own): set, they make a CPU compute as an older one would (e.g. all at AVX2 on a CPU with
+AVX-512 BF16, where a bfloat16 product then runs some 200 times slower), so a number measured under them says so."""
+
+
+def isa_bounds() -> str:
+    """``ONEDNN_MAX_CPU_ISA=AVX2 ...``: the ``ISA_BOUNDS`` the environment sets, or ``""``."""
+    return " ".join(f"{name}={os.environ[name]}" for name in ISA_BOUNDS if os.environ.get(name))
+
+
 def machine_line(path: str = "/proc/cpuinfo") -> str:
-    """``machine: <CPU model>, <n> cores, AVX-512 BF16 yes|no, AMX yes|no, GPU <name>|none, load <1-min load>``.
+    """``machine: <CPU model>, <n> cores, AVX-512 BF16 yes|no, AMX yes|no, GPU <name>|none, load <1-min load>``,
+    followed by ``, kernels held at <ISA_BOUNDS set>`` where the environment bounds the kernels' instructions.
 
     The load average counts every process on the machine: near the core count or above means the cores were
     shared while the tool ran (read it with the tool's numbers: a shared machine makes them slower and noisier).
@@ -66,8 +78,10 @@ def machine_line(path: str = "/proc/cpuinfo") -> str:
     cpu = cpu_info(path)
     yes = {True: "yes", False: "no"}
     load = f"{os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else "?"
+    bounds = isa_bounds()
     return (f"machine: {cpu['model']}, {cpu['cores']} cores, AVX-512 BF16 {yes[cpu['avx512_bf16']]}, "
-            f"AMX {yes[cpu['amx']]}, GPU {gpu_name() or 'none'}, load {load}")
+            f"AMX {yes[cpu['amx']]}, GPU {gpu_name() or 'none'}, load {load}"
+            + (f", kernels held at {bounds}" if bounds else ""))
 
 
-__all__ = ["cpu_flags", "cpu_info", "gpu_name", "machine_line"]
+__all__ = ["ISA_BOUNDS", "cpu_flags", "cpu_info", "gpu_name", "isa_bounds", "machine_line"]

@@ -55,6 +55,23 @@ def test_bench_gae_matches_the_loop_and_prints_speedup(capsys):
     assert machine.startswith("machine: ") and "AVX-512 BF16 " in machine
 
 
+def test_machine_line_names_the_kernel_bounds_the_environment_sets(tmp_path, monkeypatch):
+    """A number measured with the kernels held below the CPU (``ONEDNN_MAX_CPU_ISA=AVX2`` on a CPU with AVX-512
+    BF16 computes as an AVX2-only one) says so in its machine line; without a bound the line has no such part."""
+    from rllight.machine import ISA_BOUNDS, machine_line
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("model name\t: AMD EPYC\nflags\t\t: avx2 avx512f avx512_bf16\n")
+    for name in ISA_BOUNDS:
+        monkeypatch.delenv(name, raising=False)
+    line = machine_line(str(cpuinfo))
+    assert line.startswith("machine: AMD EPYC, ") and "AVX-512 BF16 yes, AMX no" in line
+    assert "kernels held" not in line
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert machine_line(str(cpuinfo)).endswith(", kernels held at ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2")
+
+
 @pytest.mark.slow  # two child processes, one per path, each measuring its own peak memory
 def test_bench_logprobs_chunked_equals_direct_and_prints_the_ratios(capsys):
     load_tool("bench_logprobs").main(["--batch", "1", "--length", "8", "--vocab", "64", "--hidden", "8",
