@@ -6,9 +6,9 @@ run used, and the Trainer only ever sees one of Lightning's own values):
 - ``bf16-mixed`` where the device computes bfloat16 natively: a CUDA device for which
   ``torch.cuda.is_bf16_supported()`` holds (Ampere and newer), or a CPU for which torch reports AVX-512 BF16 or
   AMX (``cpu_bf16_units``) and whose oneDNN, which computes the CPU's bfloat16 products, is not held below those
-  instructions by ``ONEDNN_MAX_CPU_ISA`` (``onednn_isa_cap``; ``cpu_bf16``). Lightning then runs the forward passes under ``torch.autocast`` (matrix products in
-  bfloat16, float32 weights, gradients and optimizer state), and the rollout engine's ``dtype: auto`` generates
-  with a bfloat16 copy of the policy (``engine_dtype``).
+  instructions by ``ONEDNN_MAX_CPU_ISA`` (``onednn_isa_cap``; ``cpu_bf16``). Lightning then runs the forward
+  passes under ``torch.autocast`` (matrix products in bfloat16, float32 weights, gradients and optimizer state),
+  and the rollout engine's ``dtype: auto`` generates with a bfloat16 copy of the policy (``engine_dtype``).
 - ``32-true`` elsewhere: an AVX2-only CPU multiplies bfloat16 matrices several times slower than float32
   (the README's measurement: 0.4-3 against 15-25 GFLOP/s), and GPUs before Ampere have no bfloat16 units
   (float16 there needs loss scaling, which is no default to choose silently).
