@@ -69,7 +69,8 @@ def main() -> None:
     wrap(HFEngine, "generate", "generate", calls)
     wrap(Updater, "update", "update", calls)
     atexit.register(lambda: print(summary(calls), flush=True))
-    rllight()  # reads sys.argv, as the console script does (an explicit list would repeat it and draw Lightning's warning)
+    # reads sys.argv, as the console script does (an explicit list would repeat it and draw Lightning's warning)
+    rllight()
 
 
 if __name__ == "__main__":
