@@ -33,7 +33,8 @@ model (DAPO's overlong filter, see ``RUNS``) changes. What each run covers (grad
 Metrics whose values depend on the clock (``time/*``, ``*_time``, ``*per_s``) are left out of the comparison.
 The numbers are those of PyTorch's CPU kernels on one thread: another PyTorch version or CPU instruction
 set may round differently and, through sampling, change a run; regenerate the reference there before
-reading a failure as a change of behaviour.
+reading a failure as a change of behaviour. The final weights are compared within 1e-4, which an Intel Xeon's
+and an AMD EPYC's rounding stay within (up to 3.5e-5 apart); the metrics to float32 rounding.
 """
 
 from __future__ import annotations
@@ -217,8 +218,12 @@ def test_same_metrics_and_weights_as_before_the_redesign(recipe, tmp_path, same_
                                        msg=lambda m, key=key, step=step: f"step {step}, {key}: {m}")
     weights, expected = got["weights"], reference["weights"]
     assert sorted(weights) == sorted(expected), "parameter names"
+    # The weights within 1e-4 (about 0.1 % of their scale, 0.1): the reference's CPU (an Intel Xeon) and an AMD
+    # EPYC round the 3 steps' products differently, by up to 3.5e-5 in vapo's weights (its many passes at lr 1e-2
+    # carry the rounding furthest), while one update at lr 1e-2 moves a weight by about 1e-2.
     for name in sorted(expected):
-        torch.testing.assert_close(weights[name], expected[name], msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(weights[name], expected[name], atol=1e-4, rtol=1.3e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 def write(out: str, recipes=RECIPE_NAMES) -> None:
