@@ -144,10 +144,11 @@ class HFEngine(RolloutEngine):
         import copy
 
         device = next(model.parameters()).device
-        native, reason = cpu_bf16() if device.type == "cpu" and self.dtype not in (None, "float32") else (True, "")
-        if not native:
-            log.warning("model.rollout.init_args.dtype is %s but the %s: generation will be much slower than in "
-                        "float32; set dtype: null on this machine", self.dtype, reason)
+        if device.type == "cpu" and self.dtype not in (None, "float32"):
+            native, reason = cpu_bf16()
+            if not native:
+                log.warning("model.rollout.init_args.dtype is %s but the %s: generation will be much slower than in "
+                            "float32; set dtype: null on this machine", self.dtype, reason)
         # The parameters go straight into the copy's dtype (deepcopy takes them from the memo): a deepcopy followed
         # by .to(dtype) would first hold a second full float32 policy.
         dtype = DTYPES[self.dtype] if self.dtype is not None else None
