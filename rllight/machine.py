@@ -57,7 +57,10 @@ def gpu_name() -> str | None:
     return torch.cuda.get_device_name(0)
 
 
-ISA_BOUNDS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY")
+ONEDNN_ISA_BOUNDS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+"""oneDNN's bound on its kernels' instruction set, under its current name and the older one it reads where the first
+is unset (``rllight.precision.onednn_isa_cap`` reads them for ``auto``)."""
+ISA_BOUNDS = (*ONEDNN_ISA_BOUNDS, "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY")
 """Environment variables that hold torch's CPU kernels below the CPU's instruction set (oneDNN's, under its new and
 old name, MKL's, ATen's own): set, they make a CPU compute as an older one would (e.g. all at AVX2 on a CPU with
 AVX-512 BF16, where a bfloat16 product then runs some 200 times slower), so a number measured under them says so."""
@@ -84,4 +87,5 @@ def machine_line(path: str = "/proc/cpuinfo") -> str:
             + (f", kernels held at {bounds}" if bounds else ""))
 
 
-__all__ = ["ISA_BOUNDS", "cpu_flags", "cpu_info", "gpu_name", "isa_bounds", "machine_line"]
+__all__ = ["ISA_BOUNDS", "ONEDNN_ISA_BOUNDS", "cpu_flags", "cpu_info", "gpu_name", "isa_bounds",
+           "machine_line"]

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from rllight.algorithms.logprobs import chunked_logprobs_and_entropy
-from rllight.machine import cpu_flags
+from rllight.machine import ONEDNN_ISA_BOUNDS, cpu_flags
 
 log = logging.getLogger("rllight")
 
@@ -81,7 +81,7 @@ def onednn_isa_cap() -> str | None:
     """``ONEDNN_MAX_CPU_ISA=VALUE`` (or oneDNN's older name for it, ``DNNL_MAX_CPU_ISA``, which it reads where the
     first is unset) where the environment holds oneDNN below its bfloat16 instructions (``ONEDNN_BELOW_BF16``), else
     None: torch's own checks read the CPU, not the bound its oneDNN kernels keep to."""
-    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+    for name in ONEDNN_ISA_BOUNDS:
         value = os.environ.get(name, "").strip().upper()
         if value:
             return f"{name}={value}" if value in ONEDNN_BELOW_BF16 else None

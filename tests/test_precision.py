@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import rllight.precision as precision
 from rllight.cli import main
+from rllight.machine import ONEDNN_ISA_BOUNDS
 from rllight.models import HFModel
 from rllight.module import RLModule
 from rllight.rollout import HFEngine
@@ -28,7 +29,7 @@ QUICKSTART = os.path.join(RECIPES, "quickstart.yaml")
 @pytest.fixture
 def cpu_only(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):  # a bound of the machine's would change the choice
+    for name in ONEDNN_ISA_BOUNDS:  # a bound of the machine's would change the choice
         monkeypatch.delenv(name, raising=False)
 
 
