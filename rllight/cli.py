@@ -489,18 +489,6 @@ NOT_OFFERED = {
 }
 
 
-def version() -> str:
-    """``rllight <version>`` and the versions of what it runs on."""
-    import lightning
-    import torch
-    import transformers
-
-    from rllight import __version__
-
-    return (f"rllight {__version__} (python {sys.version.split()[0]}, torch {torch.__version__}, "
-            f"lightning {lightning.__version__}, transformers {transformers.__version__})")
-
-
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``rllight`` console script (and of ``python -m rllight``)."""
     from jsonargparse import ArgumentError
@@ -508,6 +496,8 @@ def main(args: list[str] | None = None) -> None:
 
     argv = list(sys.argv[1:] if args is None else args)
     if argv[:1] in (["--version"], ["-V"]):
+        from rllight.__main__ import version
+
         print(version())
         return
     bound_onednn_cache()

@@ -36,12 +36,41 @@ def restore_sys_path(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------- the command itself
-@pytest.mark.slow
-def test_python_m_rllight_prints_the_version(tmp_path):
+def test_python_m_rllight_prints_the_version_of_what_it_runs_on_without_importing_it(tmp_path, capsys):
+    """``--version`` names the versions that import (torch's local tag included), and answers from the packages'
+    metadata: torch, Lightning and transformers, seconds to import, stay unloaded."""
+    import lightning
+    import torch
+    import transformers
+
+    expected = (f"rllight {__version__} (python {sys.version.split()[0]}, torch {torch.__version__}, "
+                f"lightning {lightning.__version__}, transformers {transformers.__version__})")
     run = _rllight("--version", cwd=tmp_path)
     assert run.returncode == 0, run.stderr.decode()[-2000:]
-    assert run.stdout.decode().startswith(f"rllight {__version__} (python ")
-    assert "torch" in run.stdout.decode() and "lightning" in run.stdout.decode()
+    assert run.stdout.decode().strip() == expected
+    probe = ("import sys; sys.argv = ['rllight', '-V']; from rllight.__main__ import main; main(); "
+             "print(sorted({'torch', 'lightning', 'transformers'} & set(sys.modules)))")
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.splitlines() == [expected, "[]"]
+    main(["--version"])  # the in-process entry point gives the same line
+    assert capsys.readouterr().out.strip() == expected
+
+
+def test_version_names_a_package_that_is_not_installed(monkeypatch):
+    from importlib import metadata
+
+    from rllight import __main__ as entry
+
+    real = metadata.version
+
+    def version(name):
+        if name == "transformers":
+            raise metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(entry.metadata, "version", version)
+    assert entry.version().endswith(", transformers not installed)")
 
 
 def test_help_offers_fit_validate_generate_and_chat_but_not_test_or_predict(capsys, restore_sys_path):
