@@ -69,9 +69,13 @@ def plain_instance(obj):
 
 class RunCheckpoint(ModelCheckpoint):
     """The checkpoint callback rllight adds to a run (``rllight.checkpoint.CheckpointSettings``): Lightning's
-    ``ModelCheckpoint`` keeping the newest ``keep`` checkpoints (1: ``last.ckpt`` alone; more: ``step=K.ckpt``
-    ranked by step, Lightning's way to keep the latest N, with ``last.ckpt`` a link to the newest), which also
+    ``ModelCheckpoint`` keeping the newest ``keep`` checkpoints (1: ``last.ckpt`` alone; more: ``step=K.ckpt``, K
+    the optimizer updates (Lightning's step), ranked by it, Lightning's way to keep the latest N, with ``last.ckpt``
+    a link to the newest), which also
 
+    - saves every ``every_n_train_steps`` RL steps (rollouts, ``datamodule.batches_trained``), not optimizer
+      updates: Lightning's test ``global_step % n == 0`` under manual optimisation saved every 5 rollouts of 2
+      updates with n = 10, and with 3 updates a rollout only where 3 x rollouts is a multiple of n;
     - saves the run's last step when that is not a multiple of ``every_n_train_steps`` (Lightning's own
       ``on_train_end`` saves only when no checkpoint was saved at all: a 12-step run checkpointed every 10 ended
       with step 10 in ``last.ckpt``), with ``final_weights_only`` without the optimizer's state;
@@ -91,6 +95,15 @@ class RunCheckpoint(ModelCheckpoint):
         self.keep, self.final_weights_only = keep, final_weights_only
         self.announced = False
 
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        if self._every_n_train_steps < 1 or rl_steps_done(trainer) % self._every_n_train_steps:
+            return
+        if self._should_skip_saving_checkpoint(trainer):  # e.g. no update since the last save
+            return
+        candidates = self._monitor_candidates(trainer)
+        self._save_topk_checkpoint(trainer, candidates)
+        self._save_last_checkpoint(trainer, candidates)
+
     def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
         super()._save_checkpoint(trainer, filepath)
         if not self.announced and trainer.is_global_zero:
@@ -102,11 +115,12 @@ class RunCheckpoint(ModelCheckpoint):
 
         size = disk_size(filepath)
         what = "the weights only" if self.save_weights_only else "the weights and the optimizer's state"
-        line = f"rllight: checkpoint of step {trainer.global_step} saved to {filepath}: {human_size(size)}, {what}; "
+        line = (f"rllight: checkpoint after step {rl_steps_done(trainer)} (update {trainer.global_step}) saved to "
+                f"{filepath}: {human_size(size)}, {what}; ")
         if self.keep == 1:
-            return line + (f"replaced every {self._every_n_train_steps} steps and at the end (checkpoint.keep 1, "
+            return line + (f"replaced every {self._every_n_train_steps} RL steps and at the end (checkpoint.keep 1, "
                            "checkpoint.every_n_steps)")
-        return line + (f"one every {self._every_n_train_steps} steps and at the end, the newest {self.keep} kept in "
+        return line + (f"one every {self._every_n_train_steps} RL steps and at the end, the newest {self.keep} kept in "
                        f"{self.dirpath}: about {human_size(self.keep * size)} (checkpoint.keep)")
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -130,6 +144,13 @@ class RunCheckpoint(ModelCheckpoint):
                       "checkpoint saved before (step %d) is intact", where, err, self._last_global_step_saved)
         finally:
             self.save_weights_only = False
+
+
+def rl_steps_done(trainer: L.Trainer) -> int:
+    """The RL steps (rollouts) the run has trained, a resume's earlier ones included: ``datamodule.batches_trained``
+    (counted in the training step, before the callbacks see it), else the batches Lightning's loop has processed."""
+    done = getattr(trainer.datamodule, "batches_trained", None)
+    return int(done) if done is not None else trainer.fit_loop.epoch_loop.batch_progress.total.processed
 
 
 def resolve_last_checkpoint(trainer: L.Trainer) -> str | None:

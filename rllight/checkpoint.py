@@ -108,7 +108,8 @@ class CheckpointSettings:
     of which the weights are 4. The first one saved says its folder and size.
 
     Args:
-        every_n_steps: RL steps (rollouts) between checkpoints; the run's last step is saved too.
+        every_n_steps: RL steps (rollouts) between checkpoints, however many optimizer updates each makes; the
+            run's last step is saved too.
         keep: How many to keep. 1: ``last.ckpt`` alone, replaced at each save. N > 1: the newest N as
             ``step=K.ckpt``, and ``last.ckpt`` a link to the newest (no extra space).
         final_weights_only: The checkpoint of the run's last step holds the weights without the optimizer's state

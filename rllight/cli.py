@@ -42,7 +42,8 @@ FIT_DESCRIPTION = (
     "Rollout callbacks go in trainer.callbacks (class_path + init_args): rllight.callbacks.OverlongFilter, "
     "rllight.callbacks.SoftOverlongPunishment, rllight.callbacks.SelfImitation, "
     "rllight.callbacks.ValuePretraining (see recipes/dapo.yaml and recipes/vapo.yaml). "
-    "A checkpoint (last.ckpt) is saved every 10 steps and at the end (--checkpoint.every_n_steps; --checkpoint.keep N "
+    "A checkpoint (last.ckpt) is saved every 10 RL steps (rollouts) and at the end (--checkpoint.every_n_steps; "
+    "--checkpoint.keep N "
     "keeps the newest N; --checkpoint.final_weights_only true saves the last without the optimizer state) unless "
     "the recipe configures a ModelCheckpoint or sets trainer.enable_checkpointing: false; "
     "Ctrl-C or SIGTERM saves one after the current step and prints the "
@@ -84,7 +85,7 @@ class RLLightCLI(LightningCLI):
     checkpoint), ``rllight.safety.RecipeRecord`` (the recipe stored in each checkpoint) and, unless the
     recipe configures a ``ModelCheckpoint`` or sets ``trainer.enable_checkpointing: false``, a
     ``rllight._compat.RunCheckpoint`` set by the top-level ``checkpoint`` options
-    (``rllight.checkpoint.CheckpointSettings``: ``last.ckpt`` every 10 steps and at the end). What a run prints
+    (``rllight.checkpoint.CheckpointSettings``: ``last.ckpt`` every 10 RL steps and at the end). What a run prints
     (``rllight.progress.progress_callbacks``): a line per RL step and evaluation progress in a log file, a bar that
     counts rollouts in a terminal, the model summary without FLOPs; messages a recipe cannot act on are filtered
     (``rllight.progress.quiet_lightning``).

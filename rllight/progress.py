@@ -24,7 +24,7 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelSummary, ProgressBar, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 
-from rllight._compat import step_metrics
+from rllight._compat import rl_steps_done, step_metrics
 
 STEP_FIELDS = (
     ("reward", "train/reward/mean", "{:.3f}"),
@@ -76,22 +76,19 @@ class RolloutCount:
     def __init__(self):
         self.updates = 0  # optimizer updates made by this run's rollouts that made any
         self.rollouts = 0  # ... and how many rollouts those were
-        self.batches = 0  # this run's rollouts (when the datamodule does not count them)
         self._step_at_start = 0
 
     def batch_start(self, trainer) -> None:
         self._step_at_start = trainer.global_step
 
     def batch_end(self, trainer) -> None:
-        self.batches += 1
         made = trainer.global_step - self._step_at_start
         if made > 0:
             self.updates += made
             self.rollouts += 1
 
     def done(self, trainer) -> int:
-        counted = getattr(trainer.datamodule, "batches_trained", None)
-        return int(counted) if counted is not None else self.batches
+        return rl_steps_done(trainer)
 
     def per_rollout(self, trainer) -> float:
         if self.rollouts:

@@ -117,16 +117,28 @@ def test_the_newest_checkpoint_keep_stay_and_the_first_says_its_folder_and_size(
     assert sorted(os.listdir(folder)) == ["last.ckpt", "step=2.ckpt", "step=3.ckpt"]
     assert os.readlink(folder / "last.ckpt") == "step=3.ckpt"
     assert torch.load(folder / "step=2.ckpt", weights_only=True)["global_step"] == 2 and _last(tmp_path) == 3
-    said = [line for line in capsys.readouterr().out.splitlines() if "rllight: checkpoint of step" in line]
+    said = [line for line in capsys.readouterr().out.splitlines() if "rllight: checkpoint after step" in line]
     assert len(said) == 1, said
-    head = f"rllight: checkpoint of step 1 saved to {folder / 'step=1.ckpt'}: "
+    head = f"rllight: checkpoint after step 1 (update 1) saved to {folder / 'step=1.ckpt'}: "
     assert said[0].startswith(head)
     size, rest = said[0][len(head):].split(", ", 1)
     size, unit = size.split()
     # The same tensors at every step (a few bytes of counters apart): step 1's size is step 2's to 3 digits.
     assert unit == "kB" and float(size) * 1000 == pytest.approx(os.path.getsize(folder / "step=2.ckpt"), rel=0.01)
-    assert rest.startswith("the weights and the optimizer's state; one every 1 steps and at the end, the newest 2 "
+    assert rest.startswith("the weights and the optimizer's state; one every 1 RL steps and at the end, the newest 2 "
                            f"kept in {folder}: about ")
+
+
+def test_checkpoints_come_every_n_rl_steps_however_many_updates_a_step_makes(tmp_path, tiny_model_dir, capsys):
+    """Two updates per rollout (ppo_epochs 2), a checkpoint every 2 RL steps, 4 rollouts: saved after rollouts 2 and
+    4 (updates 4 and 8), not after every rollout as a count of updates would have it."""
+    cli = _fit(tmp_path, tiny_model_dir, 8, "--checkpoint.every_n_steps", "2", "--checkpoint.keep", "5",
+               "--model.ppo_epochs", "2")
+    assert (cli.datamodule.batches_trained, cli.trainer.global_step) == (4, 8)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["last.ckpt", "step=4.ckpt", "step=8.ckpt"]
+    said = [line for line in capsys.readouterr().out.splitlines() if "rllight: checkpoint after" in line]
+    assert len(said) == 1 and said[0].startswith("rllight: checkpoint after step 2 (update 4) saved to "), said
+    assert "; one every 2 RL steps and at the end, the newest 5 kept in " in said[0]
 
 
 def _finished(out: str, step: int) -> list[str]:
