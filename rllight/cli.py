@@ -497,7 +497,7 @@ def main(args: list[str] | None = None) -> None:
 
     argv = list(sys.argv[1:] if args is None else args)
     if argv[:1] in (["--version"], ["-V"]):
-        from rllight.__main__ import version
+        from rllight.versions import version
 
         print(version())
         return

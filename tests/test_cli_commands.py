@@ -60,7 +60,7 @@ def test_python_m_rllight_prints_the_version_of_what_it_runs_on_without_importin
 def test_version_names_a_package_that_is_not_installed(monkeypatch):
     from importlib import metadata
 
-    from rllight import __main__ as entry
+    from rllight import versions as entry
 
     real = metadata.version
 
