@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import time
 
 import lightning as L
@@ -285,29 +284,29 @@ class RLModule(L.LightningModule):
         rollout = self._after_rollout_callbacks(rollout, metrics, start)  # 2. shape, filter, store, or consume it
         if rollout is None:
             return
-        minibatch = self.updater.local_size(self.minibatch_size) or len(rollout)
-        updates_per_step = self.ppo_epochs * math.ceil(len(rollout) / max(minibatch, 1))
+        seed = int(self.global_step) * 1000003 + batch_idx  # the seed orders the minibatches
+        plan = self.updater.plan(len(rollout), self.ppo_epochs, self.minibatch_size, seed)
+        updates_per_step = sum(len(epoch) for epoch in plan)
         # With a single update per rollout the live log-probs equal the old ones, so the extra forward
         # is skipped (unless a KL penalty in the reward needs them before the update).
         need_old = updates_per_step > 1 or (self.kl is not None and self.kl.in_reward)
         self.prefetched_through = prefetch_ahead(self.trainer, self.sampler, self.producer, updates_per_step,
                                                  self.prefetched_through)  # the next steps overlap this update
         scored = time.perf_counter()
-        with record_function("rllight.score"):
-            metrics.update(self._score_and_estimate(rollout, need_old))  # 3. score it; 4. advantages
+        with record_function("rllight.score"):  # 3. score it, in the first epoch's minibatches; 4. advantages
+            metrics.update(self._score_and_estimate(rollout, need_old, layout=plan[0]))
         # 5. the updates' loss: the policy's objective, the recipe's own terms, and the critic's loss, unless the
         # critic is fitted first (VAPO: critic-only updates, then the advantages again with the fitted critic)
         terms = [PolicyObjective(self.policy_loss, self.kl, self.entropy_coef), *self.loss_terms]
         if self.critic_updates_first:
-            metrics.update(self._critic_first(rollout))
+            metrics.update(self._critic_first(rollout, layout=plan[0]))
         elif self.critic is not None:
             terms.append(CriticLoss(self.critic))
         metrics["time/score"] = time.perf_counter() - scored
         for group in self.optimizers().param_groups:  # the rates of this step's updates (after any schedule)
             metrics[f"lr/{group.get('name', 'policy')}"] = float(group["lr"])
         trained = time.perf_counter()
-        seed = int(self.global_step) * 1000003 + batch_idx  # 6. the updates (the seed orders the minibatches)
-        metrics.update(self.updater.policy_updates(rollout, terms, self.ppo_epochs, self.minibatch_size, seed))
+        metrics.update(self.updater.policy_updates(rollout, terms, plan))  # 6. the updates
         metrics["time/train"] = time.perf_counter() - trained
         metrics["time/step"] = time.perf_counter() - start
         metrics["perf/tokens_per_s"] = rollout.response_mask.sum().float() / metrics["time/step"]
@@ -339,12 +338,13 @@ class RLModule(L.LightningModule):
             return rollout.select([])
         return rollout
 
-    def _score_and_estimate(self, rollout: Rollout, need_old: bool) -> dict:
-        """Old log-probs, values and reference log-probs without gradients, then token rewards, advantages and
-        returns; their metrics (engine/trainer mismatch, the estimator's statistics, the critic's explained
-        variance as it enters the step)."""
+    def _score_and_estimate(self, rollout: Rollout, need_old: bool, layout: list[Tensor] | None = None) -> dict:
+        """Old log-probs, values and reference log-probs without gradients (in the micro-batches of ``layout``,
+        the first epoch's minibatches: ``Scoring.score``), then token rewards, advantages and returns; their
+        metrics (engine/trainer mismatch, the estimator's statistics, the critic's explained variance as it
+        enters the step)."""
         # Every rank, an empty one too: FSDP's passes and the estimators' batch statistics are collectives.
-        self.scoring.score(rollout, need_old=need_old)
+        self.scoring.score(rollout, need_old=need_old, layout=layout)
         self.estimate_advantages(rollout)
         if len(rollout) == 0:
             return {}
@@ -357,11 +357,13 @@ class RLModule(L.LightningModule):
             metrics["value/explained_variance"] = ev
         return metrics
 
-    def _critic_first(self, rollout: Rollout) -> dict:
+    def _critic_first(self, rollout: Rollout, layout: list[Tensor] | None = None) -> dict:
         """VAPO note 000: the critic fits the fresh rollout, then values and advantages are recomputed. A shared head
-        trains alone unless ``critic_first_trains_backbone`` (figure 5), which moves the policy: old log-probs first."""
+        trains alone unless ``critic_first_trains_backbone`` (figure 5), which moves the policy: old log-probs first
+        (in ``layout``'s micro-batches, as in ``_score_and_estimate``)."""
         backbone = getattr(self.critic, "critic_first_trains_backbone", False)
-        self.scoring.score(rollout, need_old=backbone and rollout.old_logprobs is None, need_values=False)
+        self.scoring.score(rollout, need_old=backbone and rollout.old_logprobs is None, need_values=False,
+                           layout=layout)
         metrics = self.updater.critic_update(rollout, epochs=self.critic_updates_first, train_backbone=backbone)
         self.scoring.score(rollout, need_old=False, need_values=True)
         self.estimate_advantages(rollout)

@@ -3,7 +3,7 @@ rollout's response tokens, with gradients (inside an update) or without (before 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import torch
@@ -94,14 +94,25 @@ class Scoring:
         """``fn()`` (a pass over the models), under FSDP inside the root unit, which gathers its weights."""
         return fn() if self.net is None else self.net(fn)
 
-    def micro_batches(self, rollout: Rollout) -> Iterator[tuple[list[int], Rollout]]:
-        """``micro_batches`` with this scoring's size or token budget."""
-        return micro_batches(rollout, self.micro_batch_size, self.micro_batch_tokens)
+    def micro_batches(self, rollout: Rollout, layout: Sequence[Tensor] | None = None
+                      ) -> Iterator[tuple[list[int], Rollout]]:
+        """``micro_batches`` with this scoring's size or token budget. With ``layout`` (row indices of
+        ``rollout``, e.g. the minibatches of an update's first epoch) each part is cut into micro-batches on its
+        own, as an update over ``rollout.select(part)`` cuts it, and ``rows`` index ``rollout``: each row then
+        meets the same other rows, with the same padding, as in that update (see ``score``)."""
+        if layout is None:
+            yield from micro_batches(rollout, self.micro_batch_size, self.micro_batch_tokens)
+            return
+        for part in layout:
+            index = part.tolist()
+            for rows, micro in micro_batches(rollout.select(index), self.micro_batch_size, self.micro_batch_tokens):
+                yield [index[r] for r in rows], micro
 
-    def padded_micro_batches(self, rollout: Rollout) -> list[tuple[list[int] | None, Rollout]]:
+    def padded_micro_batches(self, rollout: Rollout, layout: Sequence[Tensor] | None = None
+                             ) -> list[tuple[list[int] | None, Rollout]]:
         """``micro_batches`` plus, under FSDP, passes on a padding row (rows None) so that this rank runs as many
         as the rank with the most: every rank must call it (a collective), an empty rollout included."""
-        parts = list(self.micro_batches(rollout))
+        parts = list(self.micro_batches(rollout, layout))
         padding = padding_passes(len(parts), self.sharded, rollout.response_mask.device)
         return parts + [(None, padding_row(rollout))] * padding
 
@@ -143,18 +154,26 @@ class Scoring:
 
     @torch.no_grad()
     def score(self, rollout: Rollout, need_old: bool, need_values: bool | None = None,
-              need_ref: bool | None = None) -> None:
+              need_ref: bool | None = None, layout: Sequence[Tensor] | None = None) -> None:
         """Fill ``rollout``'s old log-probs, values and reference log-probs in micro-batches, without gradients.
         ``need_values`` / ``need_ref`` None: whenever there is a critic / a reference (and the rollout has no
         reference log-probs yet). Every rank calls it, an empty rollout included (under FSDP it runs padding
-        passes)."""
+        passes).
+
+        ``layout``: the update's minibatches (``Updater.plan``), so that each row is scored in the micro-batch
+        the update will compute it in. A row's log-prob depends on its micro-batch in low precision: under
+        ``bf16-mixed`` the same weights gave log-probs 0.016 apart on average (up to 0.46) in different
+        micro-batches of a SmolLM2 rollout (other rows beside it, other padding), against about 1e-6 in float32,
+        so old log-probs scored in other micro-batches made the first update's ratio differ from 1 by that
+        rounding, and the clip acted on it. Scored in the update's micro-batches, the ratio is exactly 1 where
+        the policy has not moved (``tests/test_precision.py``)."""
         need_values = self.critic is not None if need_values is None else need_values
         if need_ref is None:
             need_ref = self.with_reference and rollout.ref_logprobs is None
         if not (need_old or need_values or need_ref):
             return
         olds, values, refs, rows = [], [], [], []
-        for index, micro in self.padded_micro_batches(rollout):
+        for index, micro in self.padded_micro_batches(rollout, layout):
             if need_old or need_values:
                 out = self.forward(micro, with_values=need_values, with_logprobs=need_old)
                 olds.append(out.logprobs)

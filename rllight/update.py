@@ -66,17 +66,22 @@ class Updater:
         return None if size is None else share(size, self.ranks.world_size, name)
 
     # ------------------------------------------------------------------------------------- schedules
-    def policy_updates(self, rollout: Rollout, terms: Sequence[LossTerm], epochs: int, minibatch_size: int | None,
-                       seed: int) -> dict[str, Tensor]:
-        """``epochs`` passes over ``rollout`` in minibatches of ``minibatch_size`` rows (None = one), shuffled
-        by ``seed`` when there are several, each update minimising the sum of ``terms``. Each update is a policy
-        step (``trainer.global_step``, the learning-rate schedule)."""
-        size = self.local_size(minibatch_size) or len(rollout)
+    def plan(self, n: int, epochs: int, minibatch_size: int | None, seed: int) -> list[list[Tensor]]:
+        """The minibatches (row indices) of each of ``epochs`` passes over ``n`` rows: ``minibatch_size`` rows
+        each (None = one), in a new order each epoch drawn from ``seed`` when there are several. The old
+        log-probs are scored in the first epoch's minibatches (``Scoring.score``'s ``layout``)."""
+        size = self.local_size(minibatch_size) or n
         generator = torch.Generator().manual_seed(seed)
+        return [self.minibatches(n, size, torch.randperm(n, generator=generator) if size < n else None)
+                for _ in range(epochs)]
+
+    def policy_updates(self, rollout: Rollout, terms: Sequence[LossTerm], plan: list[list[Tensor]]
+                       ) -> dict[str, Tensor]:
+        """One update per minibatch of ``plan`` (``plan``), epoch after epoch, each minimising the sum of
+        ``terms``. Each update is a policy step (``trainer.global_step``, the learning-rate schedule)."""
         stats: dict[str, list[Tensor]] = {}
-        for _ in range(epochs):
-            order = torch.randperm(len(rollout), generator=generator) if size < len(rollout) else None
-            for index in self.minibatches(len(rollout), size, order):
+        for epoch in plan:
+            for index in epoch:
                 out = self.update(rollout.select(index), terms, "policy", "policy/loss", policy_step=True)
                 for k, v in out.items():
                     stats.setdefault(k, []).append(v)

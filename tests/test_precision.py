@@ -449,3 +449,38 @@ def test_precision_bf16_chunked_head_matches_autocast_without_a_bf16_copy_of_the
     weight_copy = vocab * width * 2
     sizes = [e.cpu_memory_usage for e in prof.events() if e.name in ("aten::_to_copy", "aten::empty_strided")]
     assert sizes and max(sizes) < weight_copy / 4, (max(sizes), weight_copy)
+
+
+def test_precision_bf16_first_update_ratio_is_exactly_one(tmp_path, tiny_model_dir, monkeypatch):
+    """Under bf16-mixed a row's log-prob depends on the micro-batch it is computed in (the other rows beside it,
+    the padding), so the old log-probs are scored in the micro-batches of the update's first epoch: the first
+    update of each step, where the policy has not moved, sees a ratio of exactly 1 on every token, as in float32
+    (scored in other micro-batches, the clip acted on bfloat16 rounding). The second update, after a step at
+    lr 1e-2, must see the policy's change."""
+    from rllight.terms import PolicyObjective
+    from rllight.update import Updater
+
+    overlay = tiny_overrides(tmp_path, tiny_model_dir, minibatch_size=8, micro_batch_size=3)
+    cli = build(os.path.join(RECIPES, "grpo.yaml"), overlay, "--trainer.precision", "bf16-mixed",
+                "--trainer.max_steps", "4", "--data.batch_size", "4", "--model.sampler.init_args.group_size", "4")
+    updates: list[list[float]] = []  # per update: the largest |log ratio| of each micro-batch
+    update, objective = Updater.update, PolicyObjective.__call__
+
+    def recording_update(self, *args, **kwargs):
+        updates.append([])
+        return update(self, *args, **kwargs)
+
+    def recording_objective(self, batch, out, aggregate):
+        result = objective(self, batch, out, aggregate)
+        mask = batch.response_mask.bool()
+        updates[-1].append(float((out.logprobs.detach() - batch.old_logprobs)[mask].abs().max()))
+        return result
+
+    monkeypatch.setattr(Updater, "update", recording_update)
+    monkeypatch.setattr(PolicyObjective, "__call__", recording_objective)
+    lightning.seed_everything(0, verbose=False)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert len(updates) == 4 and all(len(u) == 3 for u in updates)  # 2 steps x 2 updates of 8 rows in 3 passes
+    for first, second in (updates[0:2], updates[2:4]):
+        assert first == [0.0, 0.0, 0.0]
+        assert max(second) > 1e-3
