@@ -88,7 +88,11 @@ log = logging.getLogger(__name__)
 
 
 def _describe(err: BaseException) -> str:
-    return " ".join(f"{type(err).__name__}: {err}".split())
+    text = " ".join(f"{type(err).__name__}: {err}".split())
+    if "create shm in SHMManager failed. errno: 17" in text:
+        text += (f" (a vLLM segment of this group's name is left in {SHM} by an earlier run: ls {SHM}/*cpushm*; "
+                 "remove it if no other run on this machine uses it)")
+    return text
 
 
 class SharedWeights:
@@ -166,9 +170,40 @@ def _set_rng_states(states: dict[str, Tensor], device: torch.device) -> None:
         torch.cuda.set_rng_state(states["cuda"], device)
 
 
-def _exit_with_parent() -> None:
+SHM = "/dev/shm"
+VLLM_CPU_SHM = "-cpushm_"
+"""What vLLM's CPU tensor-parallel groups name their shared-memory segments: ``<ident>-tp:<n>-[<ranks>]-cpushm_<rank>``,
+the same name in every run of a group of the same ranks. vLLM leaves them in /dev/shm when its process ends, and the
+next group of those ranks on the machine then fails to start (``create shm in SHMManager failed. errno: 17``)."""
+
+
+def _vllm_shm_segments() -> set[str]:
+    """The vLLM CPU shared-memory segments in /dev/shm now (an empty set where there is no /dev/shm)."""
+    try:
+        return {name for name in os.listdir(SHM) if VLLM_CPU_SHM in name}
+    except OSError:
+        return set()
+
+
+def _remove_own_segments(before: set[str], rank: str | None) -> None:
+    """Unlink this worker's vLLM CPU segment (``..._<rank in its group>``) where it appeared in /dev/shm while the
+    worker ran: its own engine made it. Segments that were there before, and other ranks', are left alone; a worker
+    outside a tensor-parallel group (``rank`` None) has none."""
+    if rank is None:
+        return
+    for name in _vllm_shm_segments() - before:
+        if not name.endswith(f"{VLLM_CPU_SHM}{rank}"):
+            continue
+        try:
+            os.unlink(os.path.join(SHM, name))
+        except OSError:
+            pass  # the group's other worker removed it first
+
+
+def _exit_with_parent(before: set[str], rank: str | None) -> None:
     # A worker busy generating never reads its pipe's end: leave when the trainer is gone.
     multiprocessing.parent_process().join()
+    _remove_own_segments(before, rank)
     os._exit(0)
 
 
@@ -205,7 +240,17 @@ def _serve(conn, spec: _WorkerSpec) -> None:
     shared weights; ``generate``; ``stop``) until told to stop or the trainer's end of the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it then stops us
     os.environ.update(spec.env or {})
-    threading.Thread(target=_exit_with_parent, daemon=True).start()
+    segments = _vllm_shm_segments()  # a tensor-parallel vLLM engine's segment is made after this
+    group_rank = (spec.env or {}).get("RANK")  # set for a tensor-parallel group's worker only
+    threading.Thread(target=_exit_with_parent, args=(segments, group_rank), daemon=True).start()
+    try:
+        _serve_requests(conn, spec)
+    finally:
+        _remove_own_segments(segments, group_rank)
+
+
+def _serve_requests(conn, spec: _WorkerSpec) -> None:
+    """``_serve``'s loop."""
     torch.set_num_threads(spec.threads)
     device = torch.device(spec.device)  # the trainer's: requests carry its random streams
     # An engine with weights of its own (vLLM) reads the copy only to fill them: it stays in host memory, so that
