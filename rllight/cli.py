@@ -152,6 +152,11 @@ class RLLightCLI(LightningCLI):
         # Paths in the recipe expand ~ and $VARIABLES (rllight.paths), before anything reads them.
         config = self.config[self.subcommand] if self.subcommand else self.config
         expand_config_paths(config)
+        if config.get("smoke"):  # recipes/overlays/smoke.yaml: every model source becomes the tiny model
+            from rllight.testing import smoke_models
+
+            for key, class_path in smoke_models(config):
+                log.info("smoke: %s (%s) is the tiny model", key, class_path)
         # The engine's dtype: auto where it came from the engine's default (the parser resolved the written ones).
         resolve_config(config)
         check_float32_lm_head(config)
@@ -162,6 +167,10 @@ class RLLightCLI(LightningCLI):
         parser.add_argument("--resume_allow_changes", type=bool, default=False,
                             help="With --ckpt_path: continue although data.batch_size, the sampler or its "
                                  "group_size differ from the checkpoint's recipe.")
+        parser.add_argument("--smoke", type=bool, default=False,
+                            help="Smoke test: every model source of the recipe (model.model, a critic's own model) "
+                                 "becomes the tiny rllight.testing.TinyModel; recipes/overlays/smoke.yaml sets it with "
+                                 "a few-step CPU budget.")
         parser.add_class_arguments(CheckpointSettings, "checkpoint")
         if isinstance(parser, RecipeParser):
             parser.allow_auto_precision()
@@ -290,6 +299,9 @@ class RLLightCLI(LightningCLI):
         self._check_outputs()
         self._check_resume()
         evaluate = self.config.fit.evaluate_before_after and self._no_validation() is None
+        if evaluate and isinstance(self.datamodule, RLDataModule):  # not after an evaluation's minutes
+            self.datamodule.setup("fit")
+            self.model.preflight_rewards(self.datamodule.train_rows)
         step_logs = [cb for cb in self.trainer.callbacks if isinstance(cb, StepLog)]
         for step_log in step_logs:
             step_log.before_fit = True

@@ -3,7 +3,7 @@
 A CPU number means little without it: this project's machines range from AVX2-only CPUs, on which a bfloat16
 matrix product runs far slower than a float32 one, to CPUs with AVX-512 BF16 and AMX, and other jobs sometimes
 share the cores. The tools in ``tools/`` print :func:`machine_line` just before their last ``name=value`` line,
-and ``tools/readme_numbers.py`` prints it above its table. Standard library only: importing this costs nothing.
+and ``tools/rerun_numbers.py`` prints it above its table. Standard library only: importing this costs nothing.
 """
 
 from __future__ import annotations

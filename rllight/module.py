@@ -147,6 +147,7 @@ class RLModule(L.LightningModule):
         self.source, self.lora, self.gradient_checkpointing = model, lora, gradient_checkpointing
         self.rollout, self.sampler, self.reward, self.environment = rollout, sampler, reward, environment
         self.reward_runner, self.reward_preflight = reward_runner, reward_preflight
+        self._preflight_done = False
         self.advantage, self.policy_loss, self.aggregation, self.kl = advantage, policy_loss, aggregation, kl
         self.entropy_coef, self.loss_terms = entropy_coef, list(loss_terms or [])
         self.critic, self.critic_updates_first = critic, critic_updates_first
@@ -194,14 +195,21 @@ class RLModule(L.LightningModule):
         datamodule = self.trainer.datamodule if self._trainer is not None else None
         train_rows = (getattr(datamodule, "train_rows", None) or []) if stage == "fit" else []
         check_rows(self.reward, [*train_rows, *(getattr(datamodule, "val_rows", None) or [])])  # per data source
-        if train_rows and self.reward_preflight:
-            runner = self.reward_runner or RewardRunner(workers=0)
-            for reward, index in by_source(self.reward, [r.get("data_source") for r in train_rows]):
-                runner.preflight(reward, [train_rows[i] for i in index], k=self.reward_preflight)
+        self.preflight_rewards(train_rows)
         if train_rows:
             self.prompt_stream = PromptStream(train_rows, world=self.trainer.world_size, rank=self.trainer.global_rank)
             self.prompt_stream.cursor = self.extra_prompt_cursor
             self.producer.bind(self.policy, self.tokenizer, draw=self.prompt_stream.draw, ranks=self.ranks)
+
+    def preflight_rewards(self, train_rows: list[dict]) -> None:
+        """The reward pre-flight (``reward_preflight`` rows' reference answers earn the full reward, a wrong one
+        does not), once a run: the CLI calls it before the evaluation that precedes training, setup otherwise."""
+        if not train_rows or not self.reward_preflight or self._preflight_done:
+            return
+        runner = self.reward_runner or RewardRunner(workers=0)
+        for reward, index in by_source(self.reward, [r.get("data_source") for r in train_rows]):
+            runner.preflight(reward, [train_rows[i] for i in index], k=self.reward_preflight)
+        self._preflight_done = True
 
     def teardown(self, stage: str) -> None:
         if self.reward_runner is not None:

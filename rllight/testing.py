@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 
+from rllight.errors import RecipeError
+from rllight.models import HFModel
+
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
@@ -44,3 +47,162 @@ def build_tiny_model(path: str, hidden_size: int = 32, num_layers: int = 2, seed
     fast.save_pretrained(tmp)
     os.replace(tmp, path)
     return path
+
+
+def warm_up(path: str, steps: int, seed: int = 0, batch_size: int = 32, lr: float = 1e-2) -> None:
+    """Fine-tune the model in ``path`` (in place) for ``steps`` supervised steps on the embedded arithmetic task's
+    answers in the chat template (``rllight.data.ArithmeticTask``, its own seed), so that it answers with a short
+    number and ends its turn. It does not learn arithmetic in so few steps: a few answers in a hundred are right by
+    chance, which is what a smoke run needs (rewards that vary within a group, responses that end)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rllight.data import ArithmeticTask
+    from rllight.rollout.producer import encode_chat
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    rows, _ = ArithmeticTask(num_train=1000, num_val=0, seed=seed + 1).splits()
+    examples = []
+    for row in rows:
+        prompt = encode_chat(tokenizer, [{"role": "user", "content": row["prompt"]}])
+        answer = tokenizer(row["answer"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        examples.append((prompt, answer))
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    for _ in range(steps):
+        batch = [examples[i] for i in torch.randint(len(examples), (batch_size,), generator=generator).tolist()]
+        width = max(len(p) + len(a) for p, a in batch)
+        ids = torch.full((len(batch), width), tokenizer.pad_token_id)
+        labels = torch.full((len(batch), width), -100)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for j, (prompt, answer) in enumerate(batch):
+            n = len(prompt) + len(answer)
+            ids[j, :n] = torch.tensor(prompt + answer)
+            labels[j, len(prompt):n] = torch.tensor(answer)  # the loss on the answer and the end of turn only
+            mask[j, :n] = 1
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.save_pretrained(path)
+
+
+def _cache_home() -> str:
+    return os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+
+
+class TinyModel(HFModel):
+    """A model source for the tiny model of ``build_tiny_model`` (a random Llama, by default 2 layers of width 64
+    with 2 attention heads, and a 300-token BPE tokenizer with a chat template), warmed up for ``warm_up_steps``
+    steps (``warm_up``): what ``recipes/overlays/smoke.yaml`` puts in place of a recipe's model, so that any recipe
+    runs in seconds with no download.
+
+    Nothing is built when the recipe is parsed: the folder is written on first use (``load``, from the module's
+    ``configure_model``), under ``cache_dir``, and reused after that (a few seconds the first time).
+
+    Args:
+        cache_dir: The model's folder (default ``$XDG_CACHE_HOME/rllight/tiny-...``, else ``~/.cache/rllight/``,
+            named by the settings below).
+        hidden_size: Width of the model (64: heads of 32, which vLLM's CPU attention supports).
+        num_layers: Decoder layers.
+        seed: Seed of the random weights and of the warm-up.
+        warm_up_steps: Supervised steps on arithmetic answers (0 = the random model, whose responses rarely end
+            before the token cap and are almost never right).
+        dtype: Parameter dtype.
+    """
+
+    def __init__(self, cache_dir: str | None = None, hidden_size: int = 64, num_layers: int = 2, seed: int = 0,
+                 warm_up_steps: int = 150, dtype: str = "float32"):
+        super().__init__(path="", dtype=dtype)
+        if hidden_size < 2 or hidden_size % 2 or num_layers < 1 or warm_up_steps < 0:
+            raise RecipeError(f"rllight.testing.TinyModel: hidden_size must be even and >= 2, num_layers >= 1 and "
+                              f"warm_up_steps >= 0, got {hidden_size}, {num_layers}, {warm_up_steps}")
+        self.cache_dir = cache_dir
+        self.hidden_size, self.num_layers, self.seed, self.warm_up_steps = hidden_size, num_layers, seed, warm_up_steps
+
+    def resolve(self) -> str:
+        name = f"tiny-h{self.hidden_size}-l{self.num_layers}-seed{self.seed}-warm{self.warm_up_steps}"
+        target = os.path.expanduser(self.cache_dir or os.path.join(_cache_home(), "rllight", name))
+        if os.path.isfile(os.path.join(target, "config.json")):
+            return target
+        os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
+        import torch
+
+        tmp = f"{target}.build{os.getpid()}"
+        with torch.random.fork_rng(devices=[]):  # the run's random stream is the same whether it built the model
+            build_tiny_model(tmp, hidden_size=self.hidden_size, num_layers=self.num_layers, seed=self.seed)
+            if self.warm_up_steps:
+                warm_up(tmp, self.warm_up_steps, seed=self.seed)
+        try:
+            os.replace(tmp, target)  # atomic: a crash mid-build never leaves a half folder
+        except OSError:
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)  # another process (a second rank) finished first
+        return target
+
+
+SMOKE_MODEL = "rllight.testing.TinyModel"
+"""What ``smoke: true`` (``recipes/overlays/smoke.yaml``) puts in place of every model source of a recipe."""
+
+
+def _model_class(class_path) -> type | None:
+    """The class ``class_path`` names when it is an ``rllight.models.HFModel`` (or a subclass), else None."""
+    if not isinstance(class_path, str) or "." not in class_path:
+        return None
+    import importlib
+
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None  # the parser has already said whether it imports
+    return cls if isinstance(cls, type) and issubclass(cls, HFModel) else None
+
+
+def smoke_models(config) -> list[tuple[str, str]]:
+    """Replace, in place, every model source of a parsed recipe (a jsonargparse ``Namespace``) by the tiny model:
+    each ``class_path`` that names ``rllight.models.HFModel`` or a subclass (``model.model``, a critic's own
+    ``model``, a model a user's component takes) becomes ``model.model`` when that is a ``TinyModel`` already (so
+    that every model shares one tokenizer), else ``TinyModel`` with its defaults. Returns ``(key, class_path)`` of
+    each source replaced."""
+    from argparse import Namespace
+
+    from jsonargparse import Namespace as Config
+
+    policy = config.get("model.model") if isinstance(config, Namespace) else None
+    if not (isinstance(policy, Namespace) and _is_tiny(policy.get("class_path"))):
+        policy = Config(class_path=SMOKE_MODEL, init_args=Config())
+    replaced: list[tuple[str, str]] = []
+
+    def visit(node, prefix: str) -> None:
+        items = list(node.items()) if isinstance(node, dict) else list(vars(node).items())
+        for name, value in items:
+            key = f"{prefix}{name}"
+            if isinstance(value, list):
+                for i, item in enumerate(value):
+                    if isinstance(item, (dict, Namespace)):
+                        visit(item, f"{key}.{i}.")
+                continue
+            if not isinstance(value, (dict, Namespace)):
+                continue
+            class_path = value.get("class_path")
+            if _model_class(class_path) is not None and not _is_tiny(class_path):
+                copy = policy.clone()  # each source its own copy: a later change to one leaves the others
+                if isinstance(node, dict):
+                    node[name] = copy
+                else:
+                    setattr(node, name, copy)
+                replaced.append((key, class_path))
+                continue
+            visit(value, f"{key}.")
+
+    visit(config, "")
+    return replaced
+
+
+def _is_tiny(class_path) -> bool:
+    cls = _model_class(class_path)
+    return cls is not None and issubclass(cls, TinyModel)

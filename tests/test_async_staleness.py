@@ -64,8 +64,9 @@ def test_async_staleness_runs_a_masked_loss_one_step_stale_and_reports_it(tmp_pa
     argv = ["--steps", "2", "--staleness", "1", "--algos", "grpo-seq-mask", "--batch-size", "2", "--group-size",
             "4", "--val-size", "2", "--max-new-tokens", "4", "--lr", "0.01", "--parallel", "1",
             "--config", str(extra), "--out", str(out)]
-    run = subprocess.run([sys.executable, TOOL, *argv], env=env, capture_output=True, text=True, timeout=900,
-                         check=False)
+    record = tmp_path / "records" / "x.json"
+    run = subprocess.run([sys.executable, TOOL, *argv, "--record", str(record)], env=env, capture_output=True,
+                         text=True, timeout=900, check=False)
     assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
     results = {r["staleness"]: r for r in json.loads((out / "async_staleness.json").read_text())["results"]}
     # One ahead: steps 0 and 1 train on rollouts 0 and 1 version old. (k = 0, synchronous, is the worker's
@@ -83,6 +84,19 @@ def test_async_staleness_runs_a_masked_loss_one_step_stale_and_reports_it(tmp_pa
     assert table.strip() in run.stdout  # the report is printed too
     machine, last = run.stdout.strip().splitlines()[-2:]
     assert machine.startswith("machine: ") and last == "runs_finished=1/1"
+    # The record: the run's row of the table as printed, the runs that finished in the summary.
+    from rllight.records import load_records, parse_value
+
+    (written,) = load_records(str(record.parent))
+    assert written["command"].startswith(".venv/bin/python tools/async_staleness.py ")
+    assert written["summary"] == {"runs_finished": 1, "runs": 1}
+    (row,) = written["rows"]
+    assert (row["algo"], row["staleness"], row["staleness_mean"], row["staleness_max"]) == ("grpo-seq-mask", 1, 0.5, 1)
+    (line,) = [line for line in table.splitlines() if line.startswith("| grpo-seq-mask | 1 |")]
+    assert (f"| {row['accuracy_before']:.3f} → {row['accuracy_after']:.3f} ({row['difference']:+.3f} ± "
+            f"{row['difference_se']:.3f}) |") in line
+    cells = [cell.strip() for cell in line.strip("|").split("|")]
+    assert [parse_value(c) for c in cells[5:]] == [row["lag_max"], row["grad_norm_max"], "yes"]
     # --skip-done resumes an interrupted table: runs that finished with the same settings are not run again
     # (in this process: nothing is started, only the finished runs' logs are read).
     assert _tool().main([*argv, "--skip-done"]) == 0

@@ -3,6 +3,7 @@ generated tokens/s and peak memory (its TRL side needs TRL's own environment and
 
 import csv
 import glob
+import json
 import os
 import re
 import subprocess
@@ -21,6 +22,16 @@ def bench(*args: str) -> subprocess.CompletedProcess:
                           check=False)
 
 
+def recorded(path) -> dict:
+    """The record bench_step wrote to ``path`` (``<folder>/<id>.json``), read back and checked
+    (``rllight.records.load_records``); its command is bench_step's."""
+    from rllight.records import load_records
+
+    (record,) = load_records(str(path.parent))
+    assert record["id"] == path.stem and record["command"].startswith(".venv/bin/python tools/bench_step.py ")
+    return record
+
+
 def logged_steps(run_dir) -> list[dict[str, str]]:
     """The rows of the one CSV log under ``run_dir`` that carry an RL step's time."""
     (metrics,) = glob.glob(str(run_dir / "version_*" / "metrics.csv"))
@@ -35,8 +46,10 @@ def test_bench_step_prints_the_phase_medians_tokens_per_s_peak_memory_and_the_he
     held-out problems; learning.json holds the per-step reward, entropy and length rllight logged; ``--summarize``
     prints each run and the mean over runs (one run of the tool for all of it: each start costs seconds)."""
     out = tmp_path / "bench"
+    record = tmp_path / "records" / "x.json"
     run = bench("--model-dir", tiny_model_dir, "--steps", "3", "--set", "model.rollout.init_args.max_new_tokens=8",
-                "--out", str(out), "--profile", "1", "--train-prompts", "4", "--heldout", "6", "--seed", "2")
+                "--out", str(out), "--profile", "1", "--train-prompts", "4", "--heldout", "6", "--seed", "2",
+                "--record", str(record))
     assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
     rows = re.findall(r"^  (\w[\w /]*?) {2,}([\d.e+-]+)$", run.stdout, re.MULTILINE)
     table = {name: float(value) for name, value in rows}
@@ -56,14 +69,25 @@ def test_bench_step_prints_the_phase_medians_tokens_per_s_peak_memory_and_the_he
     assert [int(r["step"]) for r in logged_steps(out / "rllight")] == [0, 1, 2]
     # --profile 1: step 1's phases, generation per token among them.
     assert "| rllight.generate.token |" in (out / "profile" / "profile.md").read_text()
+    # The record: rllight's row, the table's numbers as printed, the held-out accuracies, the last line's value.
+    (row,) = recorded(record)["rows"]
+    assert row["step_s"] == recorded(record)["summary"]["rllight_step_s"] == float(last.split("=")[1])
+    for label, key in (("step s", "step_s"), *((f"{n} s", f"{n}_s") for n in (*PHASES, "other")),
+                       ("generated tokens/s", "generated_tokens_per_s"), ("step tokens/s", "step_tokens_per_s"),
+                       ("tokens per step", "tokens_per_step"), ("peak RSS GiB", "peak_rss_gib")):
+        assert row[key] == table[label], label
+    learned = json.loads((out / "learning.json").read_text())
+    assert (row["heldout_before"], row["heldout_after"]) == (
+        float(f"{learned['start']:.3f}"), float(f"{learned['sides']['rllight']['accuracy']:.3f}"))
     _check_heldout(tmp_path, out, run, capsys)
 
 
 @pytest.mark.slow
 def test_bench_step_async_runs_both_ways_and_prints_async_over_sync(tmp_path, tiny_model_dir):
     out = tmp_path / "bench"
+    record = tmp_path / "records" / "x.json"
     run = bench("--model-dir", tiny_model_dir, "--steps", "3", "--set", "model.rollout.init_args.max_new_tokens=8",
-                "--out", str(out), "--async", "1")
+                "--out", str(out), "--async", "1", "--record", str(record))
     assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
     rows = re.findall(r"^  (step s|tokens per step) +([\d.e+-]+) +([\d.e+-]+)", run.stdout, re.MULTILINE)
     table = {name: (float(sync), float(asynchronous)) for name, sync, asynchronous in rows}
@@ -71,6 +95,13 @@ def test_bench_step_async_runs_both_ways_and_prints_async_over_sync(tmp_path, ti
     last = run.stdout.strip().splitlines()[-1]
     assert re.fullmatch(r"async_over_sync=[\d.]+", last), last
     assert float(last.split("=")[1]) == pytest.approx(table["step s"][0] / table["step s"][1], rel=0.01, abs=0.01)
+    # The record: both runs' rows as the table prints them, async_over_sync on the asynchronous one's.
+    written = recorded(record)
+    assert written["section"] == "Asynchronous and stale rollouts"
+    sync, asynchronous = written["rows"]
+    assert asynchronous["async_over_sync"] == written["summary"]["async_over_sync"] == float(last.split("=")[1])
+    assert (sync["step_s"], asynchronous["step_s"]) == table["step s"]
+    assert (sync["tokens_per_step"], asynchronous["tokens_per_step"]) == table["tokens per step"]
     # The second run really was asynchronous: each step after the first trained on a rollout generated during
     # the previous step's update, one version old; the first run generated in the training process.
     steps = logged_steps(out / "rllight-async")
@@ -258,7 +289,8 @@ def test_summarize_prints_the_heldout_accuracy_of_each_task_and_its_mean_over_ru
     assert bench_step.by_task({"a": 1.0, "b": 0.0, "c": 1.0}, {"a": "x", "b": "x", "c": "y"}) == {"x": 0.5, "y": 1.0}
     folders = []
     for seed, (rllight_x, trl_x) in enumerate(((0.5, 0.25), (1.0, 0.75))):
-        curve = {"reward": [0.1 + 0.2 * seed, 0.2 + 0.2 * seed, 0.3 + 0.2 * seed], "entropy": [1.0, 1.0, 1.0], "length": [10, 10, 10]}
+        curve = {"reward": [0.1 + 0.2 * seed, 0.2 + 0.2 * seed, 0.3 + 0.2 * seed], "entropy": [1.0, 1.0, 1.0],
+                 "length": [10, 10, 10]}
         run = {"seed": seed, "steps": 3, "train_prompts": 12, "heldout": 8, "trl_loss_type": "dapo", "start": 0.25,
                "start_by_task": {"x": 0.25, "y": 0.25}, "task_sizes": {"x": 4, "y": 4},
                "sides": {"rllight": {"accuracy": 0.5, "accuracy_by_task": {"x": rllight_x, "y": 0.0}, **curve},

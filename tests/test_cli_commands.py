@@ -14,6 +14,7 @@ from conftest import RECIPES
 from helpers import TESTS, build, tiny_overrides
 from rllight import __version__
 from rllight.cli import main
+from test_docs_examples import my_lab_code  # a docs page's my_lab.py
 from test_user_errors import _error  # the one error line of `rllight <args>` (exit code 2, no traceback)
 
 GRPO = os.path.join(RECIPES, "grpo.yaml")
@@ -135,17 +136,13 @@ def test_model_path_is_one_flag_for_a_model_folder(tmp_path, tiny_model_dir):
 
 @pytest.mark.slow
 def test_a_users_module_next_to_the_recipe_or_in_the_working_directory_is_importable(tmp_path):
-    """The README's "your own strategy", with ``my_lab.py`` next to the recipe and a reward of the user's own in
-    the working directory, run as the console script runs (``python -P``: no working directory on the path)."""
+    """The strategy of docs/extending/strategy.md, with its ``my_lab.py`` next to the recipe and a reward of the
+    user's own in the working directory, run as the console script runs (``python -P``: no working directory on
+    the path)."""
     lab, work = tmp_path / "lab", tmp_path / "work"
     lab.mkdir()
     work.mkdir()
-    (lab / "my_lab.py").write_text(
-        "from rllight.strategies import AdvantageEstimator\n\n\n"
-        "class MedianBaseline(AdvantageEstimator):\n"
-        "    def __call__(self, rollout):\n"
-        "        adv = rollout.rewards - rollout.rewards.median()\n"
-        "        return adv.unsqueeze(-1) * rollout.response_mask, None\n")
+    (lab / "my_lab.py").write_text(my_lab_code("extending/strategy.md"))
     (work / "my_rewards.py").write_text(
         "from rllight.rewards import Reward\n\n\n"
         "class Length(Reward):\n"

@@ -1,8 +1,7 @@
 """A loss term of a user's own, named in a recipe, joins every policy update without any change to rllight:
-the README's example, run as written."""
+the example of docs/extending/loss-term.md, run as written."""
 
 import os
-import re
 import sys
 
 import pytest
@@ -10,21 +9,13 @@ import torch
 
 from conftest import RECIPES
 from helpers import build, tiny_overrides
-
-README = os.path.join(os.path.dirname(RECIPES), "README.md")
+from test_docs_examples import install_my_lab
 
 
 @pytest.fixture
 def my_lab(tmp_path, monkeypatch):
-    """The README's ``my_lab.py`` (the python block under "Your own loss term"), importable as ``my_lab``."""
-    text = open(README).read()
-    section = text[text.index("### Your own loss term"):]
-    code = re.search(r"```python\n(# my_lab\.py\n.*?)```", section, re.S).group(1)
-    folder = tmp_path / "user"
-    folder.mkdir()
-    (folder / "my_lab.py").write_text(code)
-    monkeypatch.syspath_prepend(str(folder))
-    sys.modules.pop("my_lab", None)
+    """The ``my_lab.py`` of docs/extending/loss-term.md (its python block), importable as ``my_lab``."""
+    install_my_lab("extending/loss-term.md", tmp_path / "user", monkeypatch)
     yield
     sys.modules.pop("my_lab", None)
 
@@ -42,7 +33,7 @@ def _penalty(coef):
     return [{"class_path": "my_lab.LengthPenalty", "init_args": {"coef": coef, "max_len": 2}}]
 
 
-def test_the_readme_loss_term_joins_every_policy_update(tmp_path, tiny_model_dir, my_lab):
+def test_the_documented_loss_term_joins_every_policy_update(tmp_path, tiny_model_dir, my_lab):
     _, plain = _fit(tmp_path, tiny_model_dir, "plain", None)
     cli, penalised = _fit(tmp_path, tiny_model_dir, "penalised", _penalty(5.0))
     assert type(cli.model.loss_terms[0]).__module__ == "my_lab"

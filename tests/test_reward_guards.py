@@ -2,10 +2,14 @@
 can never match are refused before the model loads: both as a user meets them, through the CLI."""
 
 import json
+import os
 
 import pytest
+import yaml
 
+from conftest import RECIPES
 from helpers import fit_in_child, tiny_overrides
+from rllight.cli import main
 
 
 @pytest.mark.slow
@@ -74,3 +78,27 @@ def test_the_reward_preflight_refuses_a_reward_that_cannot_tell_right_from_wrong
     assert run.returncode == 2, run.stderr[-3000:]
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith("rllight: error: ") and "DigitReward" in last and "row" in last
+
+
+def test_the_reward_preflight_runs_before_the_evaluation_that_precedes_training(tmp_path, tiny_model_dir, capsys,
+                                                                                monkeypatch):
+    """With evaluate_before_after the pre-flight's one line comes before the model loads, not after an evaluation
+    of minutes."""
+    from rllight.module import RLModule
+
+    loads = []
+    monkeypatch.setattr(RLModule, "configure_model", lambda self: loads.append(1))
+    overlay = tiny_overrides(tmp_path, tiny_model_dir, reward={"class_path": "user_strategies.DigitReward"},
+                             reward_preflight=2)
+    with open(overlay) as f:
+        cfg = yaml.safe_load(f)
+    cfg["evaluate_before_after"] = True
+    cfg["trainer"]["limit_val_batches"] = None
+    with open(overlay, "w") as f:
+        yaml.safe_dump(cfg, f)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", os.path.join(RECIPES, "grpo.yaml"), "--config", overlay])
+    assert exit_info.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "DigitReward" in last and "--model.reward_preflight 0" in last
+    assert loads == []  # no model loaded, so no evaluation ran

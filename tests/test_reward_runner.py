@@ -161,6 +161,7 @@ def test_preflight_rejects_a_reward_that_accepts_a_wrong_answer(runner):
     message = str(err.value)
     assert message.startswith("model.reward: Always gives a wrong response its full reward 1:")
     assert "'The answer is \\\\boxed{13}.'" in message and "train.jsonl row 1" in message and "\n" not in message
+    assert message.endswith("(--model.reward_preflight 0 skips this check)")  # how to turn the check off
 
 
 def test_preflight_rejects_a_reward_that_never_gives_the_full_reward(runner):
@@ -170,6 +171,7 @@ def test_preflight_rejects_a_reward_that_never_gives_the_full_reward(runner):
     assert message.startswith("model.reward: Always does not give the reference answer of train.jsonl row 1 "
                               "its full reward 1:")
     assert "scored 0" in message and "\n" not in message
+    assert message.endswith("(--model.reward_preflight 0 skips this check)")
 
 
 def test_preflight_names_the_row_whose_answer_the_reward_cannot_read(runner):

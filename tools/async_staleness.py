@@ -34,6 +34,10 @@ Usage (on 2 CPU cores each run takes about as long as the quickstart, plus the w
     .venv/bin/python tools/async_staleness.py [--steps 40] [--staleness 0,1,4] [--algos grpo,grpo-tis,vespo]
         [--parallel 1] [--out runs/async-staleness] [--config extra.yaml ...] [--skip-done] [--worker-timeout 3600]
 
+``--record PATH`` also writes the table as a record for docs/results/ (``rllight.records``; id ``async-staleness``):
+one row per run, its values as printed, the number of runs that finished in the summary; only when every run
+finished.
+
 Every run is pinned to float32 (``trainer.precision: 32-true``), as the README's table was measured.
 
 Smoke test (a tiny model folder, seconds of training; proves the pipeline, not the methods):
@@ -55,6 +59,8 @@ import time
 
 import yaml
 
+from rllight.records import add_record_options, check_record_options, printed
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -65,7 +71,7 @@ def _tool(name: str):
     return module
 
 
-compare = _tool("compare")  # its TensorBoard reader and report
+compare = _tool("compare")  # its TensorBoard reader, report, and the record's accuracy columns
 plot = _tool("plot")  # where a run's logs are
 
 CLIP = {"class_path": "rllight.strategies.ClippedSurrogate", "init_args": {"clip_low": 0.2, "clip_high": 0.2}}
@@ -101,7 +107,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="runs/async-staleness")
     p.add_argument("--skip-done", action="store_true",
                    help="Reuse the runs in --out that finished with the same settings (resume an interrupted table).")
+    add_record_options(p, id="async-staleness", section="Asynchronous and stale rollouts")
     args = p.parse_args(argv)
+    check_record_options(p, args, argv, __file__)
     try:
         args.staleness = [int(k) for k in args.staleness.split(",")]
     except ValueError:
@@ -243,6 +251,22 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+RECORD_COLUMNS = [["algo", "loss"], ["staleness", "max_staleness"], *compare.ACCURACY_COLUMNS,
+                  ["reward_first", "train reward, first third", ".3f"], ["reward_last", "last third", ".3f"],
+                  ["staleness_mean", "staleness mean", ".2f"], ["staleness_max", "max", ".0f"],
+                  ["lag_max", "max trainer-sampler log-prob gap", ".3g"], ["grad_norm_max", "max grad norm", ".3g"],
+                  ["finite", "finite"]]
+
+
+def record_row(r: dict) -> dict:
+    """A finished run's row of the table, as printed, for the record."""
+    return {"algo": r["algo"], "staleness": r["staleness"], **compare.accuracy_values(r),
+            "reward_first": printed(r["reward_first"], ".3f"), "reward_last": printed(r["reward_last"], ".3f"),
+            "staleness_mean": printed(r["staleness_mean"], ".2f"), "staleness_max": printed(r["staleness_max"], ".0f"),
+            "lag_max": printed(r["lag_max"], ".3g"), "grad_norm_max": printed(r["grad_norm_max"], ".3g"),
+            "finite": "yes" if r["finite"] else "NO"}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -262,8 +286,19 @@ def main(argv: list[str] | None = None) -> int:
                          {"setup": vars(args), "results": results}, [{**r, "method": r["name"]} for r in results])
     from rllight.machine import machine_line
 
+    finished = sum(r["returncode"] == 0 for r in results)
+    compare.record_all_finished(
+        args, results, id="async-staleness", section="Asynchronous and stale rollouts",
+        title=f"{', '.join(args.algos)} on rollouts up to {', '.join(map(str, args.staleness))} steps stale",
+        note=f"Setup: {setup}. The quickstart with its rollouts from a worker process (max_staleness k, one update "
+             "per step) and only the policy loss and k changed; greedy accuracy on the same held-out problems before "
+             "and after, ± the paired standard error of the difference; the train reward over the first and last "
+             "third of the steps; the measured staleness; the largest mean |log pi_trainer - log pi_sampler| of a "
+             "step and gradient norm; whether every logged number stayed finite.",
+        columns=RECORD_COLUMNS, rows=[record_row(r) for r in results if r.get("accuracy_after") is not None],
+        summary={"runs_finished": finished, "runs": len(results)}, headline="{runs_finished}/{runs} runs finished")
     print(machine_line())
-    print(f"runs_finished={sum(r['returncode'] == 0 for r in results)}/{len(results)}")
+    print(f"runs_finished={finished}/{len(results)}")
     return 0 if all(r["returncode"] == 0 for r in results) else 1
 
 

@@ -8,7 +8,10 @@ last names the machine (``rllight.machine``); the last line is
 
     speedup=<loop time / gae time> max_abs_diff=<max |A_gae - A_loop|>
 
-Usage: python tools/bench_gae.py [--batch 256] [--length 4096] [--repeats 5]
+``--record PATH`` also writes them as a record for docs/results/ (``rllight.records``; id ``bench-gae``): one row,
+the settings, both times and the last line's values.
+
+Usage: python tools/bench_gae.py [--batch 256] [--length 4096] [--repeats 5] [--record docs/results/] [--shared no]
 """
 
 import argparse
@@ -18,6 +21,7 @@ import torch
 
 from rllight.algorithms import gae
 from rllight.machine import machine_line
+from rllight.records import add_record_options, check_record_options, pairs_record, printed
 
 
 def gae_loop(rewards, values, gamma, lam):
@@ -53,10 +57,12 @@ def main(argv: list[str] | None = None) -> float:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=5)
+    add_record_options(parser, id="bench-gae", section="Speed and memory")
     args = parser.parse_args(argv)
     for name in ("batch", "length", "repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1")
+    check_record_options(parser, args, argv, __file__)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
@@ -75,8 +81,19 @@ def main(argv: list[str] | None = None) -> float:
         t_loop, adv_loop = best_time(lambda: gae_loop(rewards, values, gamma, lam), args.repeats, device)
     diff = ((adv - adv_loop * mask).abs().max()).item()
     print(f"device={device} B={b} T={t} gae={t_gae * 1e3:.2f}ms loop={t_loop * 1e3:.2f}ms (best of {args.repeats})")
+    last = f"speedup={t_loop / t_gae:.2f} max_abs_diff={diff:.3g}"
+    pairs_record(args, last, id="bench-gae", section="Speed and memory",
+                 title=f"GAE: rllight's blocked scan against a reverse loop over tokens, B={b} T={t} on {device}",
+                 note=f"Both on the same (B, T) float32 batch with one lambda per sequence; best of {args.repeats} "
+                      "timed runs each after a warm-up; speedup = loop time / gae time; max_abs_diff = "
+                      "max |A_gae - A_loop|.",
+                 settings={"device": str(device), "batch": b, "length": t, "repeats": args.repeats,
+                           "gae_ms": printed(t_gae * 1e3, ".2f"), "loop_ms": printed(t_loop * 1e3, ".2f")},
+                 labels={"gae_ms": "gae (ms)", "loop_ms": "loop (ms)", "max_abs_diff": "max abs diff"},
+                 formats={"gae_ms": ".2f", "loop_ms": ".2f", "speedup": ".2f"},
+                 headline="{speedup:.2f}x the speed of a reverse loop over tokens")
     print(machine_line())
-    print(f"speedup={t_loop / t_gae:.2f} max_abs_diff={diff:.3g}")
+    print(last)
     return t_loop / t_gae
 
 

@@ -13,7 +13,10 @@ names the machine (``rllight.machine``); the last line is
 
 where max_abs_diff covers log-probs, entropy and both gradients.
 
-Usage: python tools/bench_logprobs.py [--batch 8] [--length 1024] [--vocab 49152] [--hidden 576]
+``--record PATH`` also writes them as a record for docs/results/ (``rllight.records``; id ``bench-logprobs``): one
+row, the settings, each path's peak memory and time and the last line's values.
+
+Usage: python tools/bench_logprobs.py [--batch 8] [--length 1024] [--vocab 49152] [--hidden 576] [--record PATH]
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import tempfile
 import time
 
 import torch
+
+from rllight.records import add_record_options, check_record_options, pairs_record, printed
 
 
 def _inputs(args, device):
@@ -96,10 +101,12 @@ def main(argv: list[str] | None = None) -> float:
     parser.add_argument("--chunk-size", type=int, default=1024)
     parser.add_argument("--path", choices=["direct", "chunked"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
+    add_record_options(parser, id="bench-logprobs", section="Speed and memory")
     args = parser.parse_args(argv)
     for name in ("batch", "length", "vocab", "hidden", "chunk_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    check_record_options(parser, args, argv, __file__)
     if args.path:
         _run_one(args)
         return 0.0
@@ -117,9 +124,36 @@ def main(argv: list[str] | None = None) -> float:
     diff = max((d[k] - c[k]).abs().max().item() for k in ("lp", "ent", "gh", "gw"))
     from rllight.machine import machine_line
 
+    last = f"memory_ratio={c['peak'] / d['peak']:.4f} time_ratio={c['time'] / d['time']:.4f} max_abs_diff={diff:.3e}"
+    record(args, results, last)
     print(machine_line())
-    print(f"memory_ratio={c['peak'] / d['peak']:.4f} time_ratio={c['time'] / d['time']:.4f} max_abs_diff={diff:.3e}")
+    print(last)
     return c["peak"] / d["peak"]
+
+
+def record(args, results: dict, last: str) -> None:
+    """The record of the run (``--record``): the settings, each path's peak memory and time as printed, ``last``."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    measured = {}
+    for path in ("direct", "chunked"):
+        measured[f"{path}_peak_mib"] = printed(results[path]["peak"] / 2**20, ".1f")
+        measured[f"{path}_time_s"] = printed(results[path]["time"], ".3f")
+    pairs_record(
+        args, last, id="bench-logprobs", section="Speed and memory",
+        title=f"Chunked log-probs and entropy against the full logits, B={args.batch} T={args.length} "
+              f"V={args.vocab} H={args.hidden}, chunks of {args.chunk_size}, on {device}",
+        note="Per-token log-probs and entropy from hidden states and the output layer, then the backward pass into "
+             "both; each path in a fresh process, its peak memory its own (CUDA: the allocator's peak; CPU: peak RSS "
+             "less the RSS before), its time the faster of two runs. Ratios are chunked / direct; max_abs_diff "
+             "covers log-probs, entropy and both gradients.",
+        settings={"device": device, "batch": args.batch, "length": args.length, "vocab": args.vocab,
+                  "hidden": args.hidden, "chunk_size": args.chunk_size, **measured},
+        labels={"chunk_size": "chunk", "direct_peak_mib": "direct peak (MiB)", "chunked_peak_mib": "chunked peak (MiB)",
+                "direct_time_s": "direct time (s)", "chunked_time_s": "chunked time (s)",
+                "memory_ratio": "memory ratio", "time_ratio": "time ratio", "max_abs_diff": "max abs diff"},
+        formats={"direct_peak_mib": ".1f", "chunked_peak_mib": ".1f", "direct_time_s": ".3f",
+                 "chunked_time_s": ".3f", "memory_ratio": ".4f", "time_ratio": ".4f"},
+        headline="{memory_ratio:.4f} of the direct path's peak memory, {time_ratio:.4f} of its time")
 
 
 if __name__ == "__main__":

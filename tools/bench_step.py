@@ -98,6 +98,13 @@ The last line is ``rllight_step_s=<rllight median s/step>`` or, with ``--trl``,
 
 (2.0: an rllight step takes half the time of a TRL step).
 
+``--record PATH`` also writes what the run printed as a record for docs/results/ (``rllight.records``): one row per
+side (rllight; its asynchronous run with ``--async``; TRL with ``--trl``), the medians and peak memory as printed,
+the held-out accuracies with ``--heldout``, the ratio of the last line on its side's row; id ``bench-step``
+("Speed and memory"), ``bench-step-async`` ("Asynchronous and stale rollouts") or ``bench-step-trl`` ("Against
+TRL"). With ``--summarize``, the learning table's rows (id ``bench-step-learning``, "Against TRL"), the mean gain of
+each side and loss over the runs in the summary.
+
 Usage:
     .venv/bin/python tools/bench_step.py [--steps 6] [--engine hf|vllm] [--dtype bfloat16] [--out runs/bench_step]
     .venv/bin/python tools/bench_step.py --setup-trl        # once: TRL's environment in .venv-trl
@@ -123,6 +130,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import yaml
+
+from rllight.records import add_record_options, check_record_options, parse_pairs, printed, tool_record
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRL_VENV = ".venv-trl"
@@ -216,7 +225,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--setup-trl", action="store_true",
                    help="Create TRL's virtual environment (the folder above --trl-python's bin/) and install TRL; "
                         "without --trl, only that.")
+    add_record_options(p, id=None, section=None)
     args = p.parse_args(argv)
+    check_record_options(p, args, argv, __file__)
     if args.summarize:
         for folder in args.summarize:
             if not os.path.isfile(os.path.join(folder, LEARNING)):
@@ -642,12 +653,20 @@ def rllight_loss(out: str) -> str:
     return f"rllight/{aggregation.rsplit('.', 1)[-1]}" if aggregation else "rllight"
 
 
-def print_learning(runs: list[dict], folders: list[str]) -> None:
+def mean_se(values: list[float]) -> tuple[float, float]:
+    """The mean of ``values`` and its standard error over them (NaN for one value)."""
+    se = statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else float("nan")
+    return statistics.fmean(values), se
+
+
+def print_learning(runs: list[dict], folders: list[str], record: list[dict] | None = None) -> None:
     """One row per run (its ``--out`` folder) and side: held-out greedy accuracy before -> after (± paired
     standard error of the gain), and the first -> last third of the steps' reward, entropy and response length,
     then, with several tasks (reasoning-gym's), the accuracy on each task's held-out problems; with several
     runs, the mean over the runs of each side and loss (± standard error over the runs), also per task, and its
-    reward curve (the mean reward of ``CURVE_BLOCKS`` consecutive blocks of the steps, averaged over the runs)."""
+    reward curve (the mean reward of ``CURVE_BLOCKS`` consecutive blocks of the steps, averaged over the runs).
+    ``record``, a list, gets each printed row as a record's row (``LEARNING_COLUMNS``), its values as printed."""
+    record = [] if record is None else record
     first = runs[0]
     print(f"\nlearning: {first['steps']} steps on {first['train_prompts']} training problems, greedy accuracy on "
           f"{first['heldout']} held-out ones; reward, entropy and length: first -> last third of the steps")
@@ -665,28 +684,57 @@ def print_learning(runs: list[dict], folders: list[str]) -> None:
             print(f"  {label:<26}{run['seed']:>5}  {run['start']:.3f} -> {r['accuracy']:.3f}{se:<10}"
                   + "".join(f"{row[key][0]:.2f} -> {row[key][1]:<7.2f}" for key in ("reward", "entropy"))
                   + f"{row['length'][0]:.0f} -> {row['length'][1]:.0f}")
+            record.append({"side": label, "seed": run["seed"], "start": printed(run["start"], ".3f"),
+                           "accuracy": printed(r["accuracy"], ".3f"), "gain_se": printed(r.get("gain_se"), ".3f"),
+                           **{f"{key}_{part}": printed(row[key][i], ".0f" if key == "length" else ".2f")
+                              for key in CURVE for i, part in enumerate(("first", "last"))}})
             if len(row["by_task"]) > 1:
                 sizes = run.get("task_sizes", {})
                 for task, accuracy in row["by_task"].items():
                     print(f"    {task:<31}{row['start_by_task'][task]:.3f} -> {accuracy:.3f}  "
                           f"({sizes.get(task, '?')} problems)")
+                    record.append({"side": label, "seed": run["seed"], "task": task, "problems": sizes.get(task),
+                                   "start": printed(row["start_by_task"][task], ".3f"),
+                                   "accuracy": printed(accuracy, ".3f")})
     if len(runs) < 2:
         return
     print("  mean over the runs of each (± standard error over the runs):")
     for side, rows in by_side.items():
         def mean(values: list[float]) -> str:
-            se = statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else float("nan")
-            return f"{statistics.fmean(values):.3f} ± {se:.3f}"
+            return "{:.3f} ± {:.3f}".format(*mean_se(values))
+
         gains = [r["accuracy"] - r["start"] for r in rows]
         print(f"  {side:<26}{len(rows)} runs: held-out gain {mean(gains)}; last-third reward "
               f"{mean([r['reward'][1] for r in rows])}; last-third entropy {mean([r['entropy'][1] for r in rows])}")
+        runs_row = {"side": side, "seed": f"mean of {len(rows)} runs"}
+        for key, values in (("gain", gains), ("reward_last_mean", [r["reward"][1] for r in rows]),
+                            ("entropy_last_mean", [r["entropy"][1] for r in rows])):
+            runs_row[key], runs_row[f"{key}_se"] = (printed(v, ".3f") for v in mean_se(values))
         tasks = set(rows[0]["by_task"]) if all(r["by_task"].keys() == rows[0]["by_task"].keys() for r in rows) else ()
-        for task in sorted(tasks) if len(tasks) > 1 else ():
-            print(f"    {task:<31}accuracy {mean([r['by_task'][task] for r in rows])}, gain "
-                  f"{mean([r['by_task'][task] - r['start_by_task'][task] for r in rows])}")
         curve = [statistics.fmean(column) for column in zip(*(r["reward_blocks"] for r in rows))]
+        record.append({**runs_row, "reward_curve": " ".join(f"{v:.3f}" for v in curve)})
+        for task in sorted(tasks) if len(tasks) > 1 else ():
+            accuracies = [r["by_task"][task] for r in rows]
+            task_gains = [r["by_task"][task] - r["start_by_task"][task] for r in rows]
+            print(f"    {task:<31}accuracy {mean(accuracies)}, gain {mean(task_gains)}")
+            (accuracy, accuracy_se), (gain, gain_se) = mean_se(accuracies), mean_se(task_gains)
+            record.append({"side": side, "seed": f"mean of {len(rows)} runs", "task": task,
+                           "accuracy": printed(accuracy, ".3f"), "accuracy_se": printed(accuracy_se, ".3f"),
+                           "gain": printed(gain, ".3f"), "gain_se": printed(gain_se, ".3f")})
         print(f"    {'reward curve':<31}" + " ".join(f"{v:.3f}" for v in curve)
               + f"  (mean reward of {len(curve)} consecutive blocks of the steps)")
+
+
+LEARNING_COLUMNS = [
+    ["side", "side/loss"], ["seed", "seed"], ["task", "task"], ["problems", "problems"],
+    ["start", "held-out accuracy before", ".3f"], ["accuracy", "after", ".3f"], ["accuracy_se", "± se", ".3f"],
+    ["gain", "gain", "+.3f"], ["gain_se", "± se", ".3f"], ["reward_first", "reward, first third", ".2f"],
+    ["reward_last", "reward, last third", ".2f"], ["entropy_first", "entropy, first third", ".2f"],
+    ["entropy_last", "entropy, last third", ".2f"], ["length_first", "length, first third", ".0f"],
+    ["length_last", "length, last third", ".0f"], ["reward_last_mean", "mean last-third reward", ".3f"],
+    ["reward_last_mean_se", "± se", ".3f"], ["entropy_last_mean", "mean last-third entropy", ".3f"],
+    ["entropy_last_mean_se", "± se", ".3f"], ["reward_curve", "reward curve (block means)"]]
+"""The columns of the record of the learning table (``--summarize``, or one run's ``--heldout``)."""
 
 
 def gib(kb: float | None) -> str:
@@ -764,6 +812,103 @@ def print_async(args: argparse.Namespace, sync: dict, asynchronous: dict) -> Non
           "  (the trainer's process; the worker holds another copy of the policy)")
 
 
+TIMING_COLUMNS = [
+    ["side", "side"], ["step_s", "step s", ".4g"], ["rollout_s", "rollout s (async: wait)", ".4g"],
+    ["reward_s", "reward s", ".4g"], ["score_s", "score s", ".4g"], ["update_s", "update s", ".4g"],
+    ["other_s", "other s", ".4g"], ["generated_tokens_per_s", "generated tokens/s", ".4g"],
+    ["step_tokens_per_s", "step tokens/s", ".4g"], ["tokens_per_step", "tokens per step", ".0f"],
+    ["peak_rss_gib", "peak RSS GiB", ".2f"], ["peak_cuda_gib", "peak CUDA GiB", ".2f"],
+    ["heldout_before", "held-out accuracy before", ".3f"], ["heldout_after", "after", ".3f"],
+    ["heldout_gain_se", "± se of the gain", ".3f"], ["async_over_sync", "async / sync (steps per second)", ".2f"],
+    ["rllight_over_trl", "TRL s/step / rllight s/step", ".2f"]]
+"""The columns of a timing run's record; those no row fills are left out."""
+TIMED = ("step", *PHASES, "other", "generated_tokens_per_s", "step_tokens_per_s", "tokens_per_step")
+
+
+def timing_row(side: str, r: dict, keys: tuple[str, ...], cuda: bool = False) -> dict:
+    """One side's row of the record: ``keys`` of its medians and its peak RSS (and CUDA memory), as printed."""
+    row = {"side": side}
+    for key in keys:
+        row[f"{key}_s" if key in ("step", *PHASES, "other") else key] = printed(
+            r[key], ".0f" if key == "tokens_per_step" else ".4g")
+    row["peak_rss_gib"] = printed(None if r["peak_rss_kb"] is None else r["peak_rss_kb"] / 1024**2, ".2f")
+    if cuda and r.get("peak_cuda_bytes") is not None:
+        row["peak_cuda_gib"] = printed(r["peak_cuda_bytes"] / 1024**3, ".2f")
+    return row
+
+
+def record_timing(args: argparse.Namespace, rllight: dict, asynchronous: dict | None, trl: dict | None,
+                  learned: dict | None, last: dict) -> None:
+    """The record of a timing run (``--record``): a row per side, ``last`` (the last lines' values) as summary."""
+    if not args.record:
+        return
+    def heldout(side: str) -> dict:  # the side's held-out accuracy before and after (--heldout), as printed
+        if learned is None:
+            return {}
+        return {"heldout_before": printed(learned["start"], ".3f"),
+                "heldout_after": printed(learned["sides"][side]["accuracy"], ".3f"),
+                "heldout_gain_se": printed(learned["sides"][side]["gain_se"], ".3f")}
+
+    rows = [{**timing_row("rllight" + (" synchronous" if asynchronous else ""), rllight, TIMED, cuda=True),
+             **heldout("rllight")}]
+    if asynchronous is not None:
+        rows.append({**timing_row(f"rllight asynchronous (max_staleness {args.staleness}, "
+                                  f"{asynchronous['threads']} threads each)", asynchronous,
+                                  ("step", "rollout", "update", "tokens_per_step", "step_tokens_per_s")),
+                     "async_over_sync": last["async_over_sync"]})
+    if trl is not None:
+        rows.append({**timing_row(f"TRL {trl['trl']}", trl, ("step", "tokens_per_step", "step_tokens_per_s")),
+                     **heldout("trl"), "rllight_over_trl": last["rllight_over_trl"]})
+    model = os.path.basename(args.model_dir) if args.model_dir else "SmolLM2-135M-Instruct"
+    setup = f"{model}, {os.path.relpath(args.recipe, ROOT)}, {args.precision}, {args.steps} steps, seed {args.seed}"
+    if trl is not None:
+        id, section, headline = "bench-step-trl", "Against TRL", "{rllight_over_trl:.2f}x TRL's steps per second"
+        title = f"rllight against TRL {trl['trl']}'s GRPOTrainer, seconds per RL step: {setup}"
+    elif asynchronous is not None:
+        id, section = "bench-step-async", "Asynchronous and stale rollouts"
+        headline = "{async_over_sync:.2f}x the synchronous steps per second"
+        title = (f"Asynchronous rollouts (max_staleness {args.staleness}) against synchronous, seconds per RL step: "
+                 f"{setup}")
+    else:
+        id, section, headline = "bench-step", "Speed and memory", "{rllight_step_s:.4g} s per RL step"
+        title = f"Seconds per RL step by phase: {setup}"
+    used = {k for row in rows for k, v in row.items() if v is not None}
+    tool_record(args, id=id, section=section, title=title, headline=headline, summary=last, rows=rows,
+                columns=[c for c in TIMING_COLUMNS if c[0] in used],
+                note=f"rllight: {rllight['settings']}. Each number is the median over steps 2..{args.steps} (the first "
+                     "step, a warm-up, left out); peak RSS is the training process's"
+                     + (f"; TRL {trl['trl']} (transformers {trl['transformers']}, torch {trl['torch']}) on the same "
+                        "config and prompts, sampling independently" if trl is not None else "")
+                     + (f"; held-out: greedy accuracy on {args.heldout} problems, the gain's standard error paired"
+                        if learned is not None else "") + ".")
+
+
+def record_learning(args: argparse.Namespace, runs: list[dict], rows: list[dict]) -> None:
+    """The record of ``--summarize`` (``--record``): the learning table's rows; the summary each side's gain, the
+    mean over the runs as printed (of one run: after - before, as printed)."""
+    if not args.record:
+        return
+    gains: dict[str, float] = {}
+    for row in rows:
+        if "task" in row:
+            continue
+        if isinstance(row["seed"], int):  # one run's row; a mean row, later, replaces it
+            gains.setdefault(row["side"], printed(row["accuracy"] - row["start"], ".3f"))
+        else:
+            gains[row["side"]] = row["gain"]
+    summary = {f"{side}_gain": gain for side, gain in gains.items()}
+    used = {k for row in rows for k, v in row.items() if v is not None}
+    first = runs[0]
+    tool_record(args, id="bench-step-learning", section="Against TRL", rows=rows, summary=summary,
+                columns=[c for c in LEARNING_COLUMNS if c[0] in used],
+                title=f"Learning per step: {' against '.join(gains)}, {len(runs)} run{'s' if len(runs) > 1 else ''} "
+                      f"of {first['steps']} steps on {first['train_prompts']} training problems",
+                note=f"Greedy accuracy on {first['heldout']} held-out problems before and after training (the gain's "
+                     "standard error paired over the problems for a run, over the runs for their mean), and the mean "
+                     "reward, entropy and response length over the first and the last third of the steps.",
+                headline=", ".join(f"{side} {{{side}_gain:+.3f}}" for side in gains))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.summarize:
@@ -771,7 +916,9 @@ def main(argv: list[str] | None = None) -> int:
         for folder in args.summarize:
             with open(os.path.join(folder, LEARNING)) as f:
                 runs.append(json.load(f))
-        print_learning(runs, args.summarize)
+        rows: list[dict] = []
+        print_learning(runs, args.summarize, rows)
+        record_learning(args, runs, rows)
         return 0
     if args.setup_trl:
         setup_trl(args.trl_python)
@@ -789,11 +936,14 @@ def main(argv: list[str] | None = None) -> int:
         print_comparison(args, rllight, trl)
     if learned is not None:
         print_learning([learned], [args.out])
-    print(f"rllight_step_s={rllight['step']:.4g}")
+    last = [f"rllight_step_s={rllight['step']:.4g}"]
     if asynchronous is not None:
-        print(f"async_over_sync={rllight['step'] / asynchronous['step']:.2f}")
+        last.append(f"async_over_sync={rllight['step'] / asynchronous['step']:.2f}")
     if trl is not None:
-        print(f"rllight_over_trl={trl['step'] / rllight['step']:.2f}")
+        last.append(f"rllight_over_trl={trl['step'] / rllight['step']:.2f}")
+    record_timing(args, rllight, asynchronous, trl, learned, parse_pairs(" ".join(last)))
+    for line in last:
+        print(line)
     return 0
 
 

@@ -25,6 +25,10 @@ The runs' curves, overlaid, go to ``<out>/figures/`` (one PNG per metric group, 
 two lines name the machine (``rllight.machine``) and give each method's accuracy after training:
 ``grpo_accuracy_after=<x> dapo_accuracy_after=<x> vapo_accuracy_after=<x>``.
 
+``--record PATH`` also writes the table as a record for docs/results/ (``rllight.records``; id ``compare``): one row
+per method, its values as printed, each method's accuracy after training (the last line) in the summary. A record
+is written only when every method finished.
+
 Full run (SmolLM2-135M-Instruct, arithmetic, CPU; the quickstart's budget of 40 steps x 4 prompts x 8
 responses per method; GRPO takes about 15 minutes on 2 free cores, DAPO and
 VAPO longer: extra sampling rounds, value pretraining, K_v = 4 critic passes; plan on about an hour in all):
@@ -52,6 +56,7 @@ import time
 import yaml
 
 from rllight.machine import machine_line
+from rllight.records import add_record_options, check_record_options, printed, tool_record
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METHODS = {"grpo": "recipes/grpo.yaml", "dapo": "recipes/dapo.yaml", "vapo": "recipes/vapo.yaml"}
@@ -76,10 +81,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="runs/compare", help="Folder for the runs, compare.json and compare.md.")
     p.add_argument("--config", action="append", default=[],
                    help="Another overlay applied to every method after the shared one (repeatable).")
+    add_record_options(p, id="compare", section="Methods on the quickstart task")
     args = p.parse_args(argv)
     for name in ("steps", "batch_size", "group_size", "max_new_tokens", "val_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    check_record_options(p, args, argv, __file__)
     return args
 
 
@@ -237,6 +244,50 @@ def table(results: list[dict]) -> str:
     return "\n".join(rows)
 
 
+ACCURACY_COLUMNS = [["accuracy_before", "held-out accuracy before", ".3f"], ["accuracy_after", "after", ".3f"],
+                    ["difference", "difference", "+.3f"], ["difference_se", "± se", ".3f"]]
+"""The held-out accuracy before and after training of a run's ``eval_summary.json``: the record's columns of the
+tables of this tool and of tools/async_staleness.py."""
+
+
+def accuracy_values(r: dict) -> dict:
+    """``ACCURACY_COLUMNS``' values of a finished run ``r``, as the tables print them."""
+    return {"accuracy_before": printed(r.get("accuracy_before"), ".3f"),
+            "accuracy_after": printed(r.get("accuracy_after"), ".3f"),
+            "difference": printed(r.get("difference"), "+.3f"),
+            "difference_se": printed(r.get("stderr_of_difference"), ".3f")}
+
+
+RECORD_COLUMNS = [["method", "method"], ["recipe", "recipe"], ["updates", "updates"], *ACCURACY_COLUMNS,
+                  ["truncated_after", "truncated after", ".2f"],
+                  ["ev_pretraining_end", "critic EV, pretraining end", ".3f"],
+                  ["pretraining_rollouts", "pretraining rollouts"],
+                  ["ev_rl_last_half", "critic EV, RL last half", ".3f"],
+                  ["responses", "responses"], ["tokens", "tokens"], ["train_s", "train time (s)"],
+                  ["wall_s", "wall time (s)"]]
+
+
+def record_row(r: dict) -> dict:
+    """A finished method's row of the table, as printed, for the record."""
+    return {"method": r["method"], "recipe": r["recipe"], "updates": r["updates"], **accuracy_values(r),
+            "truncated_after": printed(r.get("truncated_after"), ".2f"),
+            "ev_pretraining_end": printed(r.get("ev_pretraining_end"), ".3f"),
+            "pretraining_rollouts": r.get("pretraining_rollouts"),
+            "ev_rl_last_half": printed(r.get("ev_rl_last_half"), ".3f"), "responses": printed(r["responses"], ".0f"),
+            "tokens": printed(r["tokens"], ".0f"), "train_s": printed(r["train_s"], ".0f"),
+            "wall_s": printed(r["wall_s"], ".0f")}
+
+
+def record_all_finished(args: argparse.Namespace, results: list[dict], **fields) -> str | None:
+    """``tool_record`` with ``fields`` where every run in ``results`` finished; else one line (stderr) that no record
+    was written: a record holds a measurement, not a failure."""
+    failed = [r.get("method") or r.get("name") for r in results if r.get("accuracy_after") is None]
+    if args.record and failed:
+        print(f"{fields['id']}: no record written: {', '.join(failed)} did not finish", file=sys.stderr)
+        return None
+    return tool_record(args, **fields)
+
+
 def write_figures(results: list[dict], out_dir: str) -> list[str]:
     """The runs' curves (tools/plot.py), one PNG per metric group; comes after the table, so a failure
     here (no matplotlib, an unreadable log) costs only the figures and is reported in one line."""
@@ -270,7 +321,7 @@ def write_report(out_dir: str, stem: str, text: str, payload: dict, runs: list[d
 
 def final_line(results: list[dict]) -> str:
     """``<method>_accuracy_after=<greedy held-out accuracy after training>`` for each method (``failed`` for one
-    that did not finish), space-separated: the line that tools/readme_numbers.py and the tests read."""
+    that did not finish), space-separated: the line that tools/rerun_numbers.py and the tests read."""
     def value(r):
         return "failed" if r.get("accuracy_after") is None else f"{r['accuracy_after']:.3f}"
 
@@ -288,8 +339,20 @@ def main(argv: list[str] | None = None) -> int:
               f"greedy accuracy on {args.val_size} held-out problems")
     write_report(args.out, "compare", f"Budget: {budget}\n\n{table(results)}\n",
                  {"budget": vars(args), "results": results}, results)
+    last = final_line(results)
+    record_all_finished(
+        args, results, id="compare", section="Methods on the quickstart task",
+        title=f"{', '.join(recipes)} for the same budget: {args.steps} rollouts x {args.batch_size} prompts x "
+              f"{args.group_size} responses",
+        note=f"Budget: {budget}. Each method runs its recipe with the shared overlay (tools/compare.py); greedy "
+             "accuracy before and after on the same held-out problems, ± the paired standard error of the difference; "
+             "responses and tokens generated (discarded ones included); train time is the sum of the RL steps, wall "
+             "time includes loading and both evaluations.",
+        columns=RECORD_COLUMNS, rows=[record_row(r) for r in results if r.get("accuracy_after") is not None],
+        summary={f"{r['method']}_accuracy_after": printed(r.get("accuracy_after"), ".3f") for r in results},
+        headline=", ".join(f"{r['method']} {{{r['method']}_accuracy_after:.3f}}" for r in results))
     print(machine_line())
-    print(final_line(results))
+    print(last)
     return 0 if all(r["returncode"] == 0 for r in results) else 1
 
 

@@ -12,8 +12,11 @@ skipped update), the reward curve (mean reward per rollout), and the last rollou
 sampling policy (mean over its N updates) and, for VESPO, the mean kernel weight phi and the largest
 |log W| against the engine's sampling log-probs.
 
+``--record PATH`` also writes the table as a record for docs/results/ (``rllight.records``; id ``staleness``): one
+row per run, its values as printed, and the number of runs that stayed finite in the summary.
+
 Usage: python tools/staleness.py [--steps 15] [--ns 1,8,32] [--algos grpo,vespo] [--lr 0.003]
-       [--model PATH] [--seed 0]
+       [--model PATH] [--seed 0] [--record PATH] [--shared yes|no]
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from rllight.machine import machine_line
 from rllight.data.arithmetic import ArithmeticTask
 from rllight.models import HFModel
 from rllight.module import RLModule
+from rllight.records import add_record_options, check_record_options, printed, tool_record
 from rllight.rewards import Reward
 from rllight.rollout import HFEngine
 from rllight.strategies import VESPO, ClippedSurrogate, GroupRelative, GroupSampler, TokenMean
@@ -117,6 +121,29 @@ def run(model_dir: str, algo: str, n: int, steps: int, lr: float, seed: int) -> 
     }
 
 
+COLUMNS = [["algo", "loss"], ["n", "N (updates per rollout)"], ["finite", "finite"], ["skipped_steps", "skipped steps"],
+           ["reward_first3", "reward, first 3 rollouts", ".3f"], ["reward_last3", "reward, last 3", ".3f"],
+           ["approx_kl", "approx KL, last rollout", ".4f"], ["phi_mean", "VESPO phi mean", ".3f"],
+           ["log_weight_absmax", "VESPO max abs log W", ".2f"], ["time_s", "time (s)", ".0f"]]
+
+
+def row(r: dict) -> dict:
+    """One run's line of the table as printed (and as its record's row holds it): the values and their texts."""
+    rewards, last = r["rewards"], r["last"]
+    head, tail = rewards[:3], rewards[-3:]
+    nan = float("nan")
+    out = {"algo": r["algo"], "n": r["n"], "finite": "yes" if r["finite"] else "NO",
+           "skipped_steps": r["skipped_steps"],
+           "reward_first3": printed(sum(head) / max(len(head), 1), ".3f"),
+           "reward_last3": printed(sum(tail) / max(len(tail), 1), ".3f"),
+           "approx_kl": printed(last.get("train/policy/approx_kl", nan), ".4f"),
+           "phi_mean": None, "log_weight_absmax": None, "time_s": printed(r["seconds"], ".0f")}
+    if r["algo"] == "vespo":  # means over the last rollout's N updates
+        out["phi_mean"] = printed(last.get("train/policy/vespo_phi_mean", nan), ".3f")
+        out["log_weight_absmax"] = printed(last.get("train/policy/vespo_log_weight_absmax", nan), ".2f")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=15, help="Rollouts per run.")
@@ -125,7 +152,9 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (tiny models need a high one).")
     parser.add_argument("--model", default=None, help="A Hugging Face model folder (default: a tiny in-process model).")
     parser.add_argument("--seed", type=int, default=0)
+    add_record_options(parser, id="staleness", section="Asynchronous and stale rollouts")
     args = parser.parse_args()
+    check_record_options(parser, args, None, __file__)
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.getLogger("lightning").setLevel(logging.ERROR)
@@ -158,6 +187,18 @@ def main() -> None:
             print("      curve: " + " ".join(f"{x:.2f}" for x in rewards), flush=True)
             if r["error"]:
                 print(f"      stopped: {r['error']}", flush=True)
+    finite = sum(r["finite"] for r in results)
+    tool_record(
+        args, id="staleness", section="Asynchronous and stale rollouts",
+        title=f"Stale-data stress test: {', '.join(algos)} with N = {', '.join(map(str, ns))} minibatch updates per "
+              f"rollout, {args.steps} rollouts, {'a tiny model' if args.model is None else args.model}",
+        note=f"Each run trains from the same weights on the embedded arithmetic prompts with the digit-fraction "
+             f"reward, {PROMPTS_PER_STEP * GROUP_SIZE} responses per rollout at lr {args.lr}, seed {args.seed}; "
+             "finite: no non-finite metric or parameter and no skipped update. The reward columns are the mean over "
+             "the first and the last three rollouts; KL, phi and log W are the last rollout's means over its N "
+             "updates.",
+        columns=COLUMNS, rows=[row(r) for r in results], summary={"finite_runs": finite, "runs": len(results)},
+        headline="{finite_runs}/{runs} runs finite")
     print("all finite" if all(r["finite"] for r in results) else
           "NOT finite: " + ", ".join(f"{r['algo']} N={r['n']}" for r in results if not r["finite"]))
     print(machine_line())

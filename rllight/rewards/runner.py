@@ -52,6 +52,9 @@ REFERENCE_RESPONSE = "The answer is \\boxed{{{answer}}}."
 """The response ``preflight`` scores for a reference answer (``{answer}``: the answer, stripped): the
 final-answer form ``IntegerMatch`` and ``MathVerify`` read first."""
 
+PREFLIGHT_SKIP = " (--model.reward_preflight 0 skips this check)"
+"""How the pre-flight's errors end: the option that turns the check off."""
+
 
 @dataclass
 class RewardScores:
@@ -419,12 +422,12 @@ class RewardRunner:
                 raise RecipeError(
                     f"model.reward: {name} does not give the reference answer of {where} {full}: the response "
                     f"{_quote(right[j])} against {field} {_quote(answers[j])} scored {scores.rewards[j]:g}{why}; "
-                    "make the reward read this answer format, or fix the data")
+                    f"make the reward read this answer format, or fix the data{PREFLIGHT_SKIP}")
             if scores.correct[len(picks) + j]:
                 raise RecipeError(
                     f"model.reward: {name} gives a wrong response {full}: {_quote(wrong[j])} against {field} "
                     f"{_quote(answers[j])} ({where}) scored {scores.rewards[len(picks) + j]:g}; the reward must "
-                    "compare the response with the answer")
+                    f"compare the response with the answer{PREFLIGHT_SKIP}")
 
 
 def _wrong_answer(answer: str) -> str:

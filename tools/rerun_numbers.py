@@ -1,18 +1,19 @@
-"""Rerun every README number that takes under 10 minutes, and print them as one table.
+"""Rerun every published number that takes under 10 minutes, print them as one table, and with ``--record`` rewrite
+their records.
 
-Each entry of ``ENTRIES`` is one command of the README's Benchmarks section, exactly as the README gives it, and
-the number(s) it prints on its last lines (``name=value``). The commands run one after another, as subprocesses
+Each entry of ``ENTRIES`` is one command of the tools page (docs/development/tools.md), exactly as the page gives
+it, and the number(s) it prints on its last lines (``name=value``). The commands run one after another, as subprocesses
 of this Python, from the repository root; the table lists, per command, its last ``name=value`` pairs, the
 command and its wall time in seconds, under the line that names the machine (``rllight.machine``: CPU model,
-AVX-512 BF16 / AMX, GPU, load average), the commit and the date, which the README keeps next to each number.
+AVX-512 BF16 / AMX, GPU, load average), the commit and the date, which a record keeps next to each number.
 A command whose extra is missing (vLLM; TRL's own environment, made by ``tools/bench_step.py --setup-trl``) is
 a row that says so. All of them take about 25 minutes on 2 free cores; the longer measurements (the quickstart
 run, tools/compare.py, tools/async_staleness.py: an hour each) are not among them.
 
-    .venv/bin/python tools/readme_numbers.py                  # all of them
-    .venv/bin/python tools/readme_numbers.py --only vllm_over_hf speedup
-    .venv/bin/python tools/readme_numbers.py --dry-run        # the commands, not run
-    .venv/bin/python tools/readme_numbers.py --tiny --out runs/readme_numbers-tiny  # each on a tiny model, seconds
+    .venv/bin/python tools/rerun_numbers.py                  # all of them
+    .venv/bin/python tools/rerun_numbers.py --only vllm_over_hf speedup
+    .venv/bin/python tools/rerun_numbers.py --dry-run        # the commands, not run
+    .venv/bin/python tools/rerun_numbers.py --tiny --out runs/rerun_numbers-tiny  # each on a tiny model, seconds
 
 ``--tiny`` runs each command with the smallest settings on a tiny random model instead (what the tests do, so
 that this tool cannot rot): its numbers mean nothing. The last line is ``numbers=<ran>/<entries>``.
@@ -34,19 +35,19 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = ".venv/bin/python"
-"""How the README writes the interpreter; replaced by this process's own when a command runs."""
+"""How the docs write the interpreter; replaced by this process's own when a command runs."""
 TRL_PYTHON = os.path.join(ROOT, ".venv-trl", "bin", "python")
 PAIR = re.compile(r"[A-Za-z_][\w@]*=\S+")
 
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
-    """One README command and the number it produces."""
+    """One published command and the number it produces."""
 
     name: str
-    """The README's name of the number (the first ``name=`` of the command's last line)."""
+    """The name of the number (the first ``name=`` of the command's last line)."""
     command: str
-    """The command, exactly as the README shows it (it must appear there: tests/test_tools.py checks)."""
+    """The command, exactly as docs/development/tools.md shows it (tests/test_tools.py checks)."""
     tiny: tuple[str, ...]
     """Arguments for ``--tiny``: the smallest run, ``{model}`` standing for a tiny model folder, ``{out}`` for a
     scratch folder."""
@@ -79,7 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    + ", ".join(e.name for e in ENTRIES) + ").")
     p.add_argument("--dry-run", action="store_true", help="Print the commands that would run, and run none.")
     p.add_argument("--tiny", action="store_true", help="Smallest settings on a tiny random model (a smoke test).")
-    p.add_argument("--out", default="runs/readme_numbers", help="Folder for each command's output (<name>.log).")
+    p.add_argument("--record", metavar="DIR", help="Pass --record DIR to every command, so that each rewrites its "
+                   "record there (docs/results/ to publish; then run tools/results_pages.py).")
+    p.add_argument("--out", default="runs/rerun_numbers", help="Folder for each command's output (<name>.log).")
     args = p.parse_args(argv)
     unknown = sorted(set(args.only or ()) - {e.name for e in ENTRIES})
     if unknown:
@@ -96,12 +99,12 @@ def missing(entry: Entry) -> str | None:
     return None
 
 
-def argv_of(entry: Entry, tiny: bool, model: str | None, out: str) -> list[str]:
-    """The command line to run: the README's with this Python, or the tiny one."""
+def argv_of(entry: Entry, tiny: bool, model: str | None, out: str, record: str | None = None) -> list[str]:
+    """The command line to run: the page's with this Python (and ``--record``), or the tiny one."""
     words = shlex.split(entry.command)
     words[0] = sys.executable
     if not tiny:
-        return words
+        return words + (["--record", record] if record else [])
     script = next(w for w in words if w.startswith("tools/"))
     return [sys.executable, script, *(a.format(model=model, out=os.path.join(out, entry.name)) for a in entry.tiny)]
 
@@ -155,15 +158,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiny and any("{model}" in a for e in entries for a in e.tiny):
         from rllight.testing import build_tiny_model
 
-        model = build_tiny_model(os.path.join(tempfile.mkdtemp(prefix="rllight-readme-numbers-"), "model"),
+        model = build_tiny_model(os.path.join(tempfile.mkdtemp(prefix="rllight-rerun-numbers-"), "model"),
                                  hidden_size=64)  # vLLM's CPU attention needs head_dim >= 32
     print(header(), flush=True)
     rows = []
     for e in entries:
-        argv_e = argv_of(e, args.tiny, model, os.path.abspath(args.out))
+        argv_e = argv_of(e, args.tiny, model, os.path.abspath(args.out), None if args.tiny else args.record)
         shown = shlex.join([PYTHON, *argv_e[1:]])
         skip = missing(e)
-        print(f"readme_numbers: {e.name}: {skip or 'running ' + shown}", flush=True)
+        print(f"rerun_numbers: {e.name}: {skip or 'running ' + shown}", flush=True)
         value, seconds = (skip, 0.0) if skip else run(e, argv_e, args.out)
         rows.append((e.name, value, shown, seconds))
     print("\n| name | value | command | seconds |\n|---|---|---|---|")

@@ -1,0 +1,317 @@
+"""Results as data: one JSON record per measurement, written by the tool that measured it.
+
+A number a reader sees on the results page (``docs/results/index.md``) or in the README's results table comes
+from a record under ``docs/results/``; ``tools/results_pages.py`` renders both from the records, and
+``tests/test_results.py`` fails where a page disagrees with its records or a record lacks its provenance.
+
+A record is a JSON object with these keys:
+
+- ``id``: its anchor on the results page (``results/index.md#<id>``), also the file's name (``<id>.json``).
+- ``title``, ``section`` (the results page's heading it sits under) and ``note`` (what the numbers are; may be
+  empty): text.
+- ``command``: the command that measured it, from the repository root, as a user would type it again.
+- ``commit`` (the code it ran, ``abc1234`` or ``abc1234+dirty``), ``date`` (``YYYY-MM-DD``), ``machine`` (the
+  line of ``rllight.machine.machine_line``, or what is known of the machine) and ``shared`` (whether other work
+  shared the machine, as text): where and when.
+- ``source``: ``tool`` (the tool wrote it) or ``transcribed`` (an older number the tool did not record, copied
+  with its provenance from ``transcribed_from``; rerunning its command with ``--record`` replaces it).
+- ``columns``: ``[[key, label], ...]`` or ``[[key, label, format], ...]`` (a ``str.format`` spec for numbers);
+  ``rows``: a list of ``{key: value}``, a value being a number, text or null (shown as an empty cell).
+- ``summary`` (optional): ``{key: number}``, e.g. a mean over seeds; ``headline`` (optional): ``{"label": ...,
+  "template": ...}``, the README row, its template formatted with ``summary``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+from rllight.machine import machine_line
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS_DIR = os.path.join(ROOT, "docs", "results")
+SECTIONS = ("Quickstart", "Methods on the quickstart task", "reasoning-gym", "Environments", "Against TRL",
+            "Speed and memory", "Asynchronous and stale rollouts")
+"""The results page's headings, in order (``tools/results_pages.py``): a tool's ``--section`` is one of them."""
+REQUIRED = ("id", "title", "section", "command", "commit", "date", "machine", "shared", "source", "columns", "rows")
+SOURCES = ("tool", "transcribed")
+_ID = re.compile(r"^[a-z0-9][a-z0-9-]*$")
+_DATE = re.compile(r"^\d{4}-\d\d-\d\d$")
+
+
+def git_commit(root: str = ROOT) -> str:
+    """The checked-out commit, ``abc1234``, with ``+dirty`` where tracked files differ from it; ``unknown``
+    outside a git checkout."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=root).returncode != 0
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
+def tool_command(argv: list[str] | None = None) -> str:
+    """This process's command line as the docs write it: ``.venv/bin/python tools/x.py ...`` for a script under
+    the repository, the arguments quoted for a shell."""
+    argv = list(sys.argv if argv is None else argv)
+    script = os.path.abspath(argv[0])
+    if script.startswith(ROOT + os.sep):
+        head = [".venv/bin/python", os.path.relpath(script, ROOT)]
+    else:
+        head = [os.path.basename(argv[0])]
+    return shlex.join(head + argv[1:])
+
+
+def shared_note(shared: bool | None) -> str:
+    """``alone`` / ``shared with other work``, or where nobody said, the 1-minute load the machine showed."""
+    if shared is not None:
+        return "shared with other work" if shared else "alone"
+    load = f"{os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else "?"
+    return f"not stated (1-minute load {load} on {os.cpu_count()} cores at the end)"
+
+
+def make_record(*, id: str, title: str, section: str, columns: list, rows: list[dict], note: str = "",
+                summary: dict | None = None, headline: dict | None = None, shared: bool | None = None,
+                command: str | None = None) -> dict:
+    """A record of a measurement made now, by this process: its command, commit, date and machine filled in."""
+    record = {
+        "id": id, "title": title, "section": section, "note": note,
+        "command": command or tool_command(), "commit": git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "machine": machine_line().removeprefix("machine: "), "shared": shared_note(shared), "source": "tool",
+        "columns": [list(c) for c in columns], "rows": rows,
+    }
+    if summary:
+        record["summary"] = summary
+    if headline:
+        record["headline"] = headline
+    check_record(record, f"record {id}")
+    return record
+
+
+def write_record(path: str, record: dict) -> str:
+    """Write ``record`` to ``path`` (a ``.json`` file; a folder gets ``<id>.json``) and return the file's path.
+    Prints one line naming it."""
+    if os.path.isdir(path):
+        path = os.path.join(path, f"{record['id']}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(record, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+    print(f"record: {path}")
+    return path
+
+
+# ------------------------------------------------------------------------------------ what the tools call
+def add_record_options(parser, *, id: str | None, section: str | None, headline: bool = True) -> None:
+    """The options of a measuring tool that writes a record of what it measured: ``--record PATH`` (a ``.json``
+    file named after the record's id, or a folder: ``<id>.json`` in it), ``--record-id`` (default: the file's name,
+    else ``id``), ``--shared yes|no`` (whether other
+    work shared the machine; not given, the record says so and gives the load), ``--section`` (default
+    ``section``), ``--title`` and ``--note`` (replacing the tool's own), and with ``headline`` ``--headline LABEL``
+    (a README row with the tool's template). ``id`` or ``section`` None: the tool chooses from its mode."""
+    group = parser.add_argument_group("record", "Write a record of this measurement for docs/results/ "
+                                               "(rllight.records).")
+    group.add_argument("--record", metavar="PATH",
+                       help="Write the record to PATH: a .json file named after the record's id, or a folder "
+                            "(<id>.json in it).")
+    group.add_argument("--record-id", metavar="ID",
+                       help="The record's id: its anchor on the results page and its file's name (default: the "
+                            "name of --record's .json file, else "
+                            + (f"{id})." if id else "one per mode of the tool)."))
+    group.add_argument("--shared", choices=("yes", "no"),
+                       help="Whether other work shared the machine while this ran (default: not stated, with the "
+                            "load the machine showed).")
+    group.add_argument("--section", choices=SECTIONS, default=section,
+                       help="The results page's heading the record sits under"
+                            + (f" (default {section})." if section else " (default: one per mode of the tool)."))
+    group.add_argument("--title", help="The record's title (default: the tool's, naming its settings).")
+    group.add_argument("--note", help="What the numbers are, in the record (default: the tool's).")
+    if headline:
+        group.add_argument("--headline", metavar="LABEL",
+                           help="Also a row of the README's results table, labelled LABEL, its value the tool's "
+                                "headline of the numbers.")
+
+
+def check_record_options(parser, args, argv: list[str] | None = None, script: str | None = None) -> None:
+    """Refuse (``parser.error``, one line naming the option) a ``--record`` that is neither a folder nor a
+    ``.json`` file or whose folder cannot be written, and a ``--record-id`` that is not an id or is not the name of
+    ``--record``'s file (a record's file is named after its id): before the measurement, not after it. A
+    ``--record`` file gives ``--record-id`` where none is given.
+
+    ``argv`` (the arguments the tool parsed, default ``sys.argv[1:]``) and ``script`` (the tool's file, default
+    ``sys.argv[0]``) make the record's command (``args.record_command``, ``tool_command``): the tool's own command
+    line also where a test calls its ``main(argv)`` in its own process."""
+    args.record_command = tool_command([script or sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
+    if not args.record:
+        return
+    is_folder = os.path.isdir(args.record) or args.record.endswith(("/", os.sep))
+    if not is_folder and not args.record.endswith(".json"):
+        parser.error(f"--record '{args.record}': neither a folder (an existing one, or ending in /) nor a .json file")
+    if not is_folder:
+        stem = os.path.basename(args.record)[:-len(".json")]
+        if args.record_id is not None and args.record_id != stem:
+            parser.error(f"--record-id '{args.record_id}' differs from the name of --record's file ({stem}.json): a "
+                         "record's file is named after its id")
+        if not _ID.match(stem):
+            parser.error(f"--record '{args.record}': a record's file is named after its id, which must be "
+                         "lower-case letters, digits and dashes")
+        args.record_id = stem
+    if args.record_id is not None and not _ID.match(args.record_id):
+        parser.error(f"--record-id '{args.record_id}' must be lower-case letters, digits and dashes")
+    folder = os.path.abspath(args.record) if is_folder else os.path.dirname(os.path.abspath(args.record))
+    existing = folder
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
+        parser.error(f"--record '{args.record}': cannot write under '{existing}'")
+
+
+def tool_record(args, *, id: str, title: str, section: str, columns: list, rows: list[dict], note: str = "",
+                summary: dict | None = None, headline: str | None = None, command: str | None = None) -> str | None:
+    """Write the record of what a tool measured where ``args.record`` asks for one (else nothing; None): the
+    fields given, ``args``' options (``add_record_options``) in place of ``id``, ``title``, ``section`` and
+    ``note`` where given, and with ``args.headline`` a README row whose template is ``headline``. Returns its path."""
+    if not getattr(args, "record", None):
+        return None
+    label = getattr(args, "headline", None)
+    record = make_record(
+        id=args.record_id or id, title=args.title or title, section=args.section or section,
+        note=note if args.note is None else args.note, columns=columns, rows=rows, summary=summary,
+        headline={"label": label, "template": headline} if label and headline else None,
+        shared=None if args.shared is None else args.shared == "yes",
+        command=command or getattr(args, "record_command", None))
+    if args.record.endswith(("/", os.sep)):  # a folder, made where it is not yet
+        os.makedirs(args.record, exist_ok=True)
+    return write_record(args.record, record)
+
+
+def parse_value(text: str):
+    """A printed value as a record holds it: an int or a float where it reads as a finite one, None for an empty,
+    ``-``, ``—`` or non-finite one, else the text."""
+    text = text.strip()
+    if text in ("", "-", "—"):
+        return None
+    for kind in (int, float):
+        try:
+            value = kind(text)
+        except ValueError:
+            continue
+        return value if kind is int or value == value and abs(value) != float("inf") else None
+    return text
+
+
+def printed(value, spec: str):
+    """``value`` as a tool prints it with the format ``spec`` and a record holds it: ``parse_value`` of
+    ``format(value, spec)`` (None for None), so that the record and the printout agree to the digit."""
+    return None if value is None else parse_value(format(value, spec))
+
+
+def parse_pairs(line: str) -> dict:
+    """``{"a": 1, "b": "x"}`` for a tool's line ``a=1 b=x`` (values through ``parse_value``); ValueError on a
+    word that is not ``name=value``."""
+    pairs = {}
+    for word in line.split():
+        name, sep, value = word.partition("=")
+        if not sep or not name:
+            raise ValueError(f"not a name=value pair: '{word}' in '{line}'")
+        pairs[name] = parse_value(value)
+    return pairs
+
+
+def pairs_columns(values: dict, labels: dict[str, str] | None = None, formats: dict[str, str] | None = None) -> list:
+    """Columns for the keys of ``values``: ``[key, label]`` (the key where ``labels`` names none), with the format
+    ``formats`` gives where it gives one."""
+    labels, formats = labels or {}, formats or {}
+    return [[k, labels.get(k, k), formats[k]] if k in formats else [k, labels.get(k, k)] for k in values]
+
+
+def pairs_record(args, line: str, *, id: str, title: str, section: str, settings: dict | None = None,
+                 labels: dict[str, str] | None = None, formats: dict[str, str] | None = None, **fields) -> str | None:
+    """``tool_record`` of a tool's last line ``a=1 b=x`` as a one-row record: the row the measured settings
+    (``settings``, first) and the line's values (``parse_pairs``), the summary the line's numbers (for a
+    headline). ``labels`` and ``formats`` (by key) as in ``pairs_columns``; ``fields`` go to ``tool_record``."""
+    pairs = parse_pairs(line)
+    row = {**(settings or {}), **pairs}
+    summary = {k: v for k, v in pairs.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return tool_record(args, id=id, title=title, section=section, columns=pairs_columns(row, labels, formats),
+                       rows=[row], summary=summary, **fields)
+
+
+def check_record(record: dict, where: str) -> None:
+    """Raise ``ValueError`` naming ``where`` and the field when ``record`` lacks a required field or a field is
+    malformed."""
+    missing = [k for k in REQUIRED if k not in record]
+    if missing:
+        raise ValueError(f"{where}: missing {', '.join(missing)}")
+    for key in ("command", "commit", "machine", "shared", "title", "section"):
+        if not isinstance(record[key], str) or not record[key].strip():
+            raise ValueError(f"{where}: '{key}' must be non-empty text")
+    if not _ID.match(record["id"]):
+        raise ValueError(f"{where}: id '{record['id']}' must be lower-case letters, digits and dashes")
+    if not _DATE.match(record["date"]):
+        raise ValueError(f"{where}: date '{record['date']}' is not YYYY-MM-DD")
+    if record["source"] not in SOURCES:
+        raise ValueError(f"{where}: source '{record['source']}' is not one of {', '.join(SOURCES)}")
+    if record["source"] == "transcribed" and not record.get("transcribed_from"):
+        raise ValueError(f"{where}: a transcribed record names where it was copied from in 'transcribed_from'")
+    keys = []
+    for column in record["columns"]:
+        if not isinstance(column, list) or len(column) not in (2, 3):
+            raise ValueError(f"{where}: column {column!r} is not [key, label] or [key, label, format]")
+        keys.append(column[0])
+    for i, row in enumerate(record["rows"]):
+        unknown = set(row) - set(keys)
+        if unknown:
+            raise ValueError(f"{where}: row {i + 1} has values for no column: {', '.join(sorted(unknown))}")
+    if "headline" in record:
+        try:
+            headline_value(record)
+        except (KeyError, ValueError, IndexError) as e:
+            raise ValueError(f"{where}: headline template does not format with the summary: {e}") from None
+
+
+def headline_value(record: dict) -> str:
+    """The README's value for ``record``: its headline template formatted with its summary."""
+    return record["headline"]["template"].format(**record.get("summary", {}))
+
+
+def cell(value, fmt: str | None = None) -> str:
+    """One table cell: empty for null, a number through ``fmt`` where given."""
+    if value is None:
+        return ""
+    if fmt and isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value == 0:
+            fmt = fmt.lstrip("+")  # 0.00, not +0.00
+        return format(value, fmt).replace("-", "\u2212", 1)  # a minus sign, not a hyphen
+    return str(value).replace("|", "\\|")
+
+
+def load_records(folder: str = RESULTS_DIR) -> list[dict]:
+    """Every ``*.json`` record in ``folder``, checked, sorted by id (a record before those whose ids extend it)."""
+    records = []
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith(".json"):
+            continue
+        path = os.path.join(folder, name)
+        with open(path) as f:
+            try:
+                record = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: not JSON ({e})") from None
+        check_record(record, path)
+        if name != f"{record['id']}.json":
+            raise ValueError(f"{path}: a record's file is named after its id ({record['id']}.json)")
+        records.append(record)
+    return sorted(records, key=lambda r: r["id"])
+
+
+__all__ = ["RESULTS_DIR", "SECTIONS", "add_record_options", "check_record", "check_record_options", "git_commit",
+           "headline_value", "load_records", "make_record", "pairs_columns", "pairs_record", "parse_pairs",
+           "parse_value", "printed", "shared_note", "tool_command", "tool_record", "write_record"]
