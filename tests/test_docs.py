@@ -139,7 +139,8 @@ def test_yaml_block_parses_as_a_recipe_overlay(page, index, block, tmp_path, cap
         assert lab, f"{rel(page)}: a yaml block names my_lab but the page has no '# my_lab.py' block"
         (tmp_path / "my_lab.py").write_text("\n\n".join(lab))
         monkeypatch.syspath_prepend(str(tmp_path))
-        monkeypatch.delitem(sys.modules, "my_lab", raising=False)
+        monkeypatch.setitem(sys.modules, "my_lab", None)  # undone at teardown: no my_lab stays imported
+        del sys.modules["my_lab"]
     monkeypatch.chdir(ROOT)
     configs = [a for path in base for a in ("--config", path)]
     with pytest.raises(SystemExit) as exc:

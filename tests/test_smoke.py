@@ -262,6 +262,7 @@ def test_the_guides_data_and_reward_pass_the_preflight_and_train_in_smoke_mode(t
         # evaluations asked its held-out questions.
         assert f"{n_val} held-out prompts" in out, out[-3000:]
     sys.path.insert(0, str(tmp_path))
+    sys.modules.pop("my_lab", None)  # another page's, imported by an earlier test
     try:
         import my_lab
 

@@ -65,14 +65,19 @@ def provenance(record: dict) -> list[str]:
     ]
 
 
-def render_page(records: list[dict]) -> str:
-    """The whole results page."""
+def by_section(records: list[dict]) -> list[tuple[str, list[dict]]]:
+    """The records grouped under the results page's headings, in the page's order."""
     order = {s: i for i, s in enumerate(SECTIONS)}
     sections = sorted({r["section"] for r in records}, key=lambda s: (order.get(s, len(order)), s))
+    return [(section, [r for r in records if r["section"] == section]) for section in sections]
+
+
+def render_page(records: list[dict]) -> str:
+    """The whole results page."""
     out = [INTRO.rstrip("\n")]
-    for section in sections:
+    for section, group in by_section(records):
         out += ["", f"## {section}"]
-        for record in (r for r in records if r["section"] == section):
+        for record in group:
             out += ["", f'<a id="{record["id"]}"></a>', "", f"### {record['title']}", ""]
             if record.get("note"):
                 out += [record["note"], ""]
@@ -84,11 +89,12 @@ def render_page(records: list[dict]) -> str:
 def render_readme_table(records: list[dict]) -> str:
     """The README's results table: one row per record with a headline, linking to its place on the page."""
     lines = ["| result | headline | measured | details |", "|---|---|---|---|"]
-    for record in records:
+    for record in (r for _, group in by_section(records) for r in group):
         if "headline" not in record:
             continue
         where = re.split(r"[(,]", record["machine"], maxsplit=1)[0].strip()
-        lines.append(f"| {record['headline']['label']} | {headline_value(record)} | {record['date']}, {where} | "
+        value = re.sub(r"(?<![\w.-])-(?=\d)", "\u2212", headline_value(record))  # a minus sign, as in the tables
+        lines.append(f"| {record['headline']['label']} | {value} | {record['date']}, {where} | "
                      f"[record](docs/results/index.md#{record['id']}) |")
     return "\n".join(lines)
 
