@@ -139,6 +139,16 @@ def add_record_options(parser, *, id: str | None, section: str | None, headline:
                                 "headline of the numbers.")
 
 
+def _is_record(path: str) -> bool:
+    """Whether ``path`` holds a record (JSON with a command): a file a rerun may replace."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and "command" in data and "rows" in data
+
+
 def check_record_options(parser, args, argv: list[str] | None = None, script: str | None = None) -> None:
     """Refuse (``parser.error``, one line naming the option) a ``--record`` that is neither a folder nor a
     ``.json`` file or whose folder cannot be written, and a ``--record-id`` that is not an id or is not the name of
@@ -163,6 +173,9 @@ def check_record_options(parser, args, argv: list[str] | None = None, script: st
             parser.error(f"--record '{args.record}': a record's file is named after its id, which must be "
                          "lower-case letters, digits and dashes")
         args.record_id = stem
+        if os.path.exists(args.record) and not _is_record(args.record):
+            parser.error(f"--record '{args.record}' exists and is not a record: it would be overwritten; name "
+                         "another file")
     if args.record_id is not None and not _ID.match(args.record_id):
         parser.error(f"--record-id '{args.record_id}' must be lower-case letters, digits and dashes")
     folder = os.path.abspath(args.record) if is_folder else os.path.dirname(os.path.abspath(args.record))

@@ -123,3 +123,11 @@ def test_a_tool_record_that_would_be_malformed_is_refused_before_it_is_written(t
         tool_record(args, id="x", title="t", section="Speed and memory", columns=[["a", "a"]],
                     rows=[{"a": 1, "b": 2}])
     assert not (tmp_path / "x.json").exists()
+
+
+def test_a_record_path_that_holds_another_file_is_refused_before_the_measurement(tmp_path, capsys):
+    (tmp_path / "notes.json").write_text('{"mine": 1}')
+    with pytest.raises(SystemExit):
+        _parse(["--record", str(tmp_path / "notes.json")])
+    assert "exists and is not a record" in capsys.readouterr().err
+    assert (tmp_path / "notes.json").read_text() == '{"mine": 1}'

@@ -66,10 +66,12 @@ def provenance(record: dict) -> list[str]:
 
 
 def by_section(records: list[dict]) -> list[tuple[str, list[dict]]]:
-    """The records grouped under the results page's headings, in the page's order."""
+    """The records grouped under the results page's headings, in the page's order; within a heading the records
+    with a README row first."""
     order = {s: i for i, s in enumerate(SECTIONS)}
     sections = sorted({r["section"] for r in records}, key=lambda s: (order.get(s, len(order)), s))
-    return [(section, [r for r in records if r["section"] == section]) for section in sections]
+    headline_first = sorted(records, key=lambda r: "headline" not in r)  # stable: by id within each kind
+    return [(section, [r for r in headline_first if r["section"] == section]) for section in sections]
 
 
 def render_page(records: list[dict]) -> str:
