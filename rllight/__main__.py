@@ -2,8 +2,9 @@
 
 The command line is imported inside ``main``, not here: processes a run starts with ``multiprocessing`` (rollout
 and reward workers) import the parent's main module first, and this one costs them nothing, where
-``rllight.cli`` would load Lightning into each of them (seconds per worker). ``--version`` is answered here
-(``rllight.versions``), without importing torch, Lightning or transformers (seconds each)."""
+``rllight.cli`` would load Lightning into each of them (seconds per worker). ``--version`` and ``--help`` are
+answered here (``rllight.versions``, ``rllight.usage``), without importing torch, Lightning or transformers
+(seconds each)."""
 
 import sys
 
@@ -13,6 +14,11 @@ from rllight.versions import version
 def main() -> None:
     if sys.argv[1:] in (["--version"], ["-V"]):
         print(version())
+        return
+    if sys.argv[1:] in (["--help"], ["-h"]):
+        from rllight.usage import top_help
+
+        print(top_help())
         return
     from rllight.cli import main as cli_main
 

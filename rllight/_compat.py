@@ -80,8 +80,9 @@ class RunCheckpoint(ModelCheckpoint):
       ``on_train_end`` saves only when no checkpoint was saved at all: a 12-step run checkpointed every 10 ended
       with step 10 in ``last.ckpt``), with ``final_weights_only`` without the optimizer's state;
     - says where the first checkpoint it writes went and its size, once;
-    - makes a failure of that final save (a full disk) one logged line, not the end of the run: the export that
-      follows still runs, and the previous checkpoint stays whole (``rllight.checkpoint.AtomicCheckpointIO``).
+    - makes a failed save (a full disk, ``rllight.checkpoint.DiskWriteError``), mid-run or final, one logged line,
+      not the end of the run: training and the export that follows go on, and the previous checkpoint stays whole
+      (``rllight.checkpoint.AtomicCheckpointIO``).
 
     Reads the callback's ``_last_global_step_saved`` and ``_last_checkpoint_saved`` and calls its
     ``_save_checkpoint``, ``_save_topk_checkpoint`` and ``_save_last_checkpoint`` (Lightning 2.5 and 2.6)."""
@@ -101,8 +102,22 @@ class RunCheckpoint(ModelCheckpoint):
         if self._should_skip_saving_checkpoint(trainer):  # e.g. no update since the last save
             return
         candidates = self._monitor_candidates(trainer)
-        self._save_topk_checkpoint(trainer, candidates)
-        self._save_last_checkpoint(trainer, candidates)
+        try:
+            self._save_topk_checkpoint(trainer, candidates)
+            self._save_last_checkpoint(trainer, candidates)
+        except OSError as err:  # a full disk: the previous checkpoint is whole, training goes on
+            from rllight.checkpoint import DiskWriteError
+
+            if isinstance(err, DiskWriteError) and trainer.world_size > 1:
+                trainer.strategy.barrier("rllight: a failed checkpoint save")  # the one its save skipped
+            log.error("%s; training goes on, %s, and the next save is tried in %d RL steps", err,
+                      self._saved_before(), self._every_n_train_steps)
+
+    def _saved_before(self) -> str:
+        """What a failed save leaves: the checkpoint saved before it, intact, or none yet."""
+        if not self._last_checkpoint_saved:
+            return "no checkpoint of this run was saved before"
+        return f"the checkpoint saved before (update {self._last_global_step_saved}) is intact"
 
     def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
         super()._save_checkpoint(trainer, filepath)
@@ -140,8 +155,8 @@ class RunCheckpoint(ModelCheckpoint):
                 self._save_last_checkpoint(trainer, candidates)
         except OSError as err:
             where = self.format_checkpoint_name(candidates, None if self.keep > 1 else self.CHECKPOINT_NAME_LAST)
-            log.error("could not save the final checkpoint %s (%s); the run goes on to its export, and the last "
-                      "checkpoint saved before (step %d) is intact", where, err, self._last_global_step_saved)
+            log.error("could not save the final checkpoint %s (%s); the run goes on to its export, and %s", where, err,
+                      self._saved_before())
         finally:
             self.save_weights_only = False
 

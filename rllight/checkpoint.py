@@ -94,10 +94,31 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         try:
             torch.save(checkpoint, tmp)
             os.replace(tmp, path)
-        except BaseException:
+        except BaseException as err:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(tmp)
+            if isinstance(err, Exception):  # a full disk is an OSError, or torch's zip writer's RuntimeError
+                raise DiskWriteError(f"could not write the checkpoint {path} ({err}; {free_space(path)})") from err
             raise
+
+
+class DiskWriteError(OSError):
+    """A save (a checkpoint, an export) failed to write: a full or failing disk, whatever the writer raised (torch's
+    zip writer raises ``RuntimeError``). Its partial files are removed and the message names the disk's free space;
+    as an ``OSError`` it is caught where a failed save must not end the run."""
+
+
+def free_space(path: str) -> str:
+    """``1.2 GB free on the disk of /runs``: the free space where ``path`` is, or would be, written."""
+    import shutil
+
+    folder = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    try:
+        return f"{human_size(shutil.disk_usage(folder).free)} free on the disk of {folder}"
+    except OSError:
+        return f"the free space on the disk of {folder} is unknown"
 
 
 class CheckpointSettings:

@@ -24,19 +24,11 @@ from rllight.module import RLModule
 from rllight.paths import add_user_import_paths, expand_config_paths, expand_path, model_path_args
 from rllight.precision import bound_onednn_cache, check_float32_lm_head, resolve_config
 from rllight.progress import StepLog, progress_callbacks, quiet_lightning
+from rllight.usage import DESCRIPTION, top_help
 from rllight.safety import RECIPE_KEY, Interrupts, RecipeRecord, check_resume, check_writable, read_checkpoint
 
 log = logging.getLogger("rllight")
 
-DESCRIPTION = (
-    "rllight: reinforcement learning for language models from YAML recipes. Recipes live in the recipes/ "
-    "folder of the repository (one per method: grpo, ppo, dapo, vapo, sppo, ...; overlays in "
-    "recipes/ablations and recipes/overlays). Example: rllight fit --config recipes/quickstart.yaml "
-    "--trainer.max_steps 10. See: rllight fit --help. Evaluate a model: rllight validate --config R.yaml "
-    "[--model.path DIR] [--data.val_files '[FILE]']. Try a trained model folder: rllight generate --model.path DIR "
-    "--prompt TEXT (or --prompts FILE), rllight chat --model.path DIR (see rllight generate --help). "
-    "rllight --version prints the versions; python -m rllight is the same command."
-)
 FIT_DESCRIPTION = (
     "Train with a recipe: rllight fit --config recipes/grpo.yaml [--config overlay.yaml] [--key value ...]. "
     "Rollout callbacks go in trainer.callbacks (class_path + init_args): rllight.callbacks.OverlongFilter, "
@@ -513,6 +505,9 @@ def main(args: list[str] | None = None) -> None:
 
         print(version())
         return
+    if argv in (["--help"], ["-h"]):
+        print(top_help())
+        sys.exit(0)
     bound_onednn_cache()
     # A module of the user's own next to the recipe or in the working directory is importable by class_path.
     add_user_import_paths(argv)

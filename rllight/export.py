@@ -15,7 +15,7 @@ import os
 import shutil
 import tempfile
 
-from rllight.errors import RecipeError
+from rllight.errors import ComponentError, RecipeError
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +87,22 @@ def _usual_permissions(folder: str) -> None:
             os.chmod(os.path.join(root, name), 0o666 & ~mask)
 
 
+def _write_export(policy, tokenizer, folder: str, info: dict | None) -> None:
+    """The export's files in ``folder``: the policy (LoRA merged), the tokenizer, the marker file."""
+    from rllight import __version__
+
+    _merged(policy).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    marker = {
+        "written_by": f"rllight {__version__}",
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **(info or {}),
+    }
+    with open(os.path.join(folder, MARKER), "w") as f:
+        json.dump(marker, f, indent=2)
+    _usual_permissions(folder)
+
+
 def export_policy(policy, tokenizer, path: str, info: dict | None = None, key: str = "model.export_dir") -> str:
     """Save ``policy`` (LoRA merged) and ``tokenizer`` as a Hugging Face folder at ``path``; returns ``path``.
 
@@ -100,18 +116,15 @@ def export_policy(policy, tokenizer, path: str, info: dict | None = None, key: s
     os.makedirs(parent, exist_ok=True)
     name = os.path.basename(os.path.abspath(path))
     new = tempfile.mkdtemp(prefix=f"{name}.new-", dir=parent)
-    _merged(policy).save_pretrained(new)
-    tokenizer.save_pretrained(new)
-    from rllight import __version__
+    try:
+        _write_export(policy, tokenizer, new, info)
+    except Exception as err:  # a full disk: an OSError, or whatever a writer makes of it
+        from rllight.checkpoint import free_space
 
-    marker = {
-        "written_by": f"rllight {__version__}",
-        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        **(info or {}),
-    }
-    with open(os.path.join(new, MARKER), "w") as f:
-        json.dump(marker, f, indent=2)
-    _usual_permissions(new)
+        shutil.rmtree(new, ignore_errors=True)
+        raise ComponentError(f"{key}: could not write the export to '{path}' ({err}; {free_space(new)}); nothing "
+                             "of it was left behind, the run's last checkpoint holds the trained weights: free space "
+                             "and export again by resuming from it") from err
     try:
         check_export_dir(path, key)
     except RecipeError as err:

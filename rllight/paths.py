@@ -80,18 +80,20 @@ def config_files(argv: Iterable[str]) -> list[str]:
 
 
 def add_user_import_paths(argv: Iterable[str]) -> list[str]:
-    """Put the working directory, then the folder of each ``--config`` file, at the front of ``sys.path``
-    (each once), so that ``class_path: my_lab.X`` finds ``my_lab.py`` there, as ``python -m`` finds modules
-    in the working directory. Returns the folders added. Worker processes started with ``spawn`` inherit
-    ``sys.path``."""
-    folders = [os.getcwd()] + [os.path.dirname(os.path.abspath(f)) for f in config_files(argv)]
+    """Put the working directory and the recipe's folder (the first ``--config`` file's; not an overlay's) at the
+    END of ``sys.path`` (each once), so that ``class_path: my_lab.X`` finds ``my_lab.py`` there, while a stray
+    module beside a recipe (a ``tensorboard.py``) can never shadow the standard library or an installed package.
+    Another folder is trusted the usual way, on ``PYTHONPATH``. Returns the folders added. Worker processes
+    started with ``spawn`` inherit ``sys.path``."""
+    recipe = next(iter(config_files(argv)), None)
+    folders = [os.getcwd()] + ([os.path.dirname(os.path.abspath(recipe))] if recipe else [])
     present = {os.path.abspath(p or os.curdir) for p in sys.path}
     added = []
     for folder in folders:
         if folder not in present:
             present.add(folder)
             added.append(folder)
-    sys.path[:0] = added
+    sys.path.extend(added)
     return added
 
 

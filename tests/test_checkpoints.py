@@ -71,8 +71,62 @@ def test_a_failed_final_save_is_one_line_and_the_export_still_runs(tmp_path, tin
     assert cli.trainer.global_step == 3
     assert (export / "config.json").exists()  # the export ran after the failed save
     lines = [r.getMessage() for r in caplog.records if "could not save the final checkpoint" in r.getMessage()]
-    assert len(lines) == 1 and "No space left on device" in lines[0] and "(step 2)" in lines[0]
+    assert len(lines) == 1 and "No space left on device" in lines[0] and "(update 2) is intact" in lines[0]
     assert _last(tmp_path) == 2  # the checkpoint before is whole
+
+
+ZIP_WRITER_FULL = ("[enforce fail at inline_container.cc:778] . PytorchStreamWriter failed writing file data/3: "
+                   "file write failed")
+"""What torch's zip writer raises on a full disk: a RuntimeError, not an OSError."""
+
+
+def test_a_full_disk_under_the_checkpoints_costs_no_step_and_leaves_no_partial_file(tmp_path, tiny_model_dir,
+                                                                                    monkeypatch, caplog):
+    """Every save fails as torch's zip writer fails on a full disk, mid-run and at the end: training and the export
+    (on another, healthy disk) go on, each failure is one line naming the disk's free space, no partial file stays."""
+    real_save = torch.save
+
+    def zip_writer_on_a_full_disk(obj, target):
+        real_save(obj, target)
+        with open(target, "r+b") as f:
+            f.truncate(10)
+        raise RuntimeError(ZIP_WRITER_FULL)
+
+    monkeypatch.setattr(rllight.checkpoint.torch, "save", zip_writer_on_a_full_disk)
+    export = tmp_path / "export"
+    with caplog.at_level(logging.ERROR):
+        cli = _fit(tmp_path, tiny_model_dir, 3, "--checkpoint.every_n_steps", "1", export_dir=str(export))
+    monkeypatch.setattr(rllight.checkpoint.torch, "save", real_save)
+    assert cli.trainer.global_step == 3  # every step trained although no save succeeded
+    assert (export / "config.json").exists()
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    final = [e for e in errors if "could not save the final checkpoint" in e]
+    assert len(final) == 1 and len(errors) >= 2, errors  # the mid-run saves and the final one
+    assert all("file write failed" in e and "free on the disk of" in e for e in errors)
+    assert all("no checkpoint of this run was saved before" in e for e in errors)
+    assert not list((tmp_path / "checkpoints").glob("*.tmp*"))  # the partial files are removed
+
+
+def test_a_full_disk_under_the_export_is_one_line_and_leaves_no_partial_folder(tmp_path, tiny_model_dir,
+                                                                              monkeypatch, capsys):
+    import rllight.export
+
+    def full_disk(policy, tokenizer, folder, info):
+        with open(os.path.join(folder, "model.safetensors"), "wb") as f:
+            f.write(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(rllight.export, "_write_export", full_disk)
+    export = tmp_path / "export"
+    overlay = tiny_overrides(tmp_path, tiny_model_dir, export_dir=str(export))
+    with pytest.raises(SystemExit) as exit_info:
+        rllight.cli.main(["fit", "--config", os.path.join(RECIPES, "grpo.yaml"), "--config", overlay,
+                          "--trainer.enable_checkpointing", "true"])
+    assert exit_info.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("rllight: error: model.export_dir: could not write the export") and "free on" in last
+    assert not export.exists() and not list(tmp_path.glob("export.new-*"))  # nothing partial left
+    assert _last(tmp_path) == 2  # the trained weights are in the run's checkpoint
 
 
 def test_ckpt_path_last_resumes_from_the_runs_last_checkpoint(tmp_path, tiny_model_dir):

@@ -78,12 +78,26 @@ def test_help_offers_fit_validate_generate_and_chat_but_not_test_or_predict(caps
     with pytest.raises(SystemExit):
         main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "{fit,validate}" in text and "predict" not in text
+    assert "{fit,validate,generate,chat}" in text and "predict" not in text
     assert "rllight generate --model.path DIR" in text and "rllight chat --model.path DIR" in text
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "--prompts FILE" in text and "--model.path DIR" in text and "--temperature" in text
+
+
+def test_help_answers_before_anything_heavy_loads_and_names_every_command():
+    """``rllight --help`` imports neither torch, Lightning nor transformers, and its usage line lists every
+    command the console script runs."""
+    probe = ("import sys; sys.argv = ['rllight', '--help']; from rllight.__main__ import main; main(); "
+             "print(sorted({'torch', 'lightning', 'transformers'} & set(sys.modules)))")
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = run.stdout.splitlines()
+    assert lines[0] == "usage: rllight {fit,validate,generate,chat} ... | rllight --version"
+    assert lines[-1] == "[]"
+    for command in ("fit", "validate", "generate", "chat"):
+        assert any(line.startswith(f"  {command} ") for line in lines), command
 
 
 def test_test_and_predict_say_what_to_use_instead(capsys, restore_sys_path):
@@ -148,10 +162,12 @@ def test_a_users_module_next_to_the_recipe_or_in_the_working_directory_is_import
         "class Length(Reward):\n"
         "    def __call__(self, response, answer):\n"
         "        return float(len(response))\n")
-    (lab / "recipe.yaml").write_text(yaml.safe_dump({"model": {
-        "advantage": {"class_path": "my_lab.MedianBaseline"}, "reward": {"class_path": "my_rewards.Length"}}}))
-    run = _rllight("fit", "--config", GRPO, "--config", str(lab / "recipe.yaml"), "--print_config", cwd=work,
-                   isolated=True)
+    with open(GRPO) as f:
+        recipe = yaml.safe_load(f)  # the user's own recipe: grpo.yaml with their advantage and reward
+    recipe["model"].update({"advantage": {"class_path": "my_lab.MedianBaseline"},
+                            "reward": {"class_path": "my_rewards.Length"}})
+    (lab / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    run = _rllight("fit", "--config", str(lab / "recipe.yaml"), "--print_config", cwd=work, isolated=True)
     assert run.returncode == 0, run.stderr.decode()[-2000:]
     printed = yaml.safe_load(run.stdout.decode())
     assert printed["model"]["advantage"]["class_path"] == "my_lab.MedianBaseline"
@@ -268,3 +284,22 @@ def test_chat_reads_piped_lines_and_prints_the_replies(tmp_path, tiny_model_dir,
     run = _rllight("chat", *flags, cwd=tmp_path, stdin=f"{q1}\n{q2}\n/reset\n{q1}\n/exit\nnever read\n")
     assert run.returncode == 0, run.stderr.decode()[-2000:]
     assert run.stdout.decode() == f"{r1}\n{r2}\n{r1}\n"
+
+
+def test_only_the_working_directory_and_the_recipes_folder_join_the_import_path_after_installed_packages(
+        tmp_path, restore_sys_path, monkeypatch):
+    """A stray module beside a recipe (a ``tensorboard.py``) must not stand in for an installed package, and an
+    overlay's folder is not trusted: only the working directory and the first --config file's folder are added,
+    at the end of sys.path."""
+    from rllight.paths import add_user_import_paths
+
+    recipe_dir, overlay_dir, work = tmp_path / "recipes", tmp_path / "overlays", tmp_path / "work"
+    for d in (recipe_dir, overlay_dir, work):
+        d.mkdir()
+    monkeypatch.chdir(work)
+    before = list(sys.path)
+    added = add_user_import_paths(["fit", "--config", str(recipe_dir / "r.yaml"), "--config",
+                                   str(overlay_dir / "o.yaml")])
+    assert added == [str(work), str(recipe_dir)]
+    assert sys.path == before + added  # after the standard library and site-packages, never before them
+    assert str(overlay_dir) not in sys.path

@@ -3,7 +3,8 @@
 Start the server where generation should run (another machine, or this one), on a copy of the policy's
 folder and with the log-probs of the distribution it samples from::
 
-    VLLM_SERVER_DEV_MODE=1 vllm serve /shared/policy --logprobs-mode processed_logprobs --port 8000
+    VLLM_SERVER_DEV_MODE=1 vllm serve /shared/policy --logprobs-mode processed_logprobs \\
+        --host 127.0.0.1 --port 8000
 
 and select it in a recipe::
 
@@ -26,7 +27,9 @@ How it runs:
   server to load them in place (``POST /collective_rpc`` with ``reload_weights(weights_path=weights_dir)``, the
   path that re-runs vLLM's per-layer weight processing), to drop its prefix cache (``POST /reset_prefix_cache``)
   and to record the version (``POST /update_weight_version``). ``weights_dir`` must be readable by the server
-  under the same path (a shared filesystem). ``VLLM_SERVER_DEV_MODE=1`` is what exposes the first two routes.
+  under the same path (a shared filesystem). ``VLLM_SERVER_DEV_MODE=1`` is what exposes the first two routes,
+  unauthenticated: bind the server to 127.0.0.1 or a private network's address, never a public interface
+  (docs/guides/engines.md).
 - **Versions**: the version is the number of optimizer updates the pushed weights include. The trainer reads
   ``GET /weight_info`` before and after each generation: a server on any other version (restarted, or pushed to
   by another trainer) is an error, never trusted. ``rollout/policy_version`` and ``rollout/staleness`` are
