@@ -93,6 +93,8 @@ class RLModule(L.LightningModule):
         max_failed_reward_steps: A training batch on which the reward failed for every sample (it raised or
             returned a non-finite value) is a warning; this many in a row stop the run with one line.
         max_prompt_tokens: Drop (and count) prompts longer than this many tokens (None = no limit).
+        max_steps_without_update: This many RL steps in a row with no update (every rollout empty after the
+            filters: prompts dropped, groups filtered, responses masked) stop the run with one line (None = never).
         logprob_chunk_size: Compute log-probs and entropy from the hidden states this many positions at a
             time, so the full (B, T, V) float32 logits never exist (same values and gradients).
             None = one pass over the full logits.
@@ -133,6 +135,7 @@ class RLModule(L.LightningModule):
         max_consecutive_skips: int = 3,
         max_failed_reward_steps: int = 3,
         max_prompt_tokens: int | None = None,
+        max_steps_without_update: int | None = 20,
         logprob_chunk_size: int | None = 1024,
         optimizer: OptimizerCallable = _adamw,
         lr_scheduler: LRSchedulerCallable | None = None,
@@ -146,8 +149,7 @@ class RLModule(L.LightningModule):
         self.automatic_optimization = False
         self.source, self.lora, self.gradient_checkpointing = model, lora, gradient_checkpointing
         self.rollout, self.sampler, self.reward, self.environment = rollout, sampler, reward, environment
-        self.reward_runner, self.reward_preflight = reward_runner, reward_preflight
-        self._preflight_done = False
+        self.reward_runner, self.reward_preflight, self._preflight_done = reward_runner, reward_preflight, False
         self.advantage, self.policy_loss, self.aggregation, self.kl = advantage, policy_loss, aggregation, kl
         self.entropy_coef, self.loss_terms = entropy_coef, list(loss_terms or [])
         self.critic, self.critic_updates_first = critic, critic_updates_first
@@ -160,7 +162,7 @@ class RLModule(L.LightningModule):
         # The layers of a step, each given what it uses: rollout production (prompts -> generation -> reward),
         # the scoring passes, the updates, and the evaluation passes.
         self.producer = RolloutProducer(rollout, reward, max_prompt_tokens, max_failed_reward_steps, reward_runner,
-                                        environment=environment)
+                                        environment=environment, max_steps_without_update=max_steps_without_update)
         self.scoring = Scoring(rollout, critic, kl is not None, micro_batch_size, micro_batch_tokens,
                                logprob_chunk_size)
         self.updater = Updater(self, self.scoring, aggregation, max_grad_norm, critic_max_grad_norm,
@@ -202,8 +204,7 @@ class RLModule(L.LightningModule):
             self.producer.bind(self.policy, self.tokenizer, draw=self.prompt_stream.draw, ranks=self.ranks)
 
     def preflight_rewards(self, train_rows: list[dict]) -> None:
-        """The reward pre-flight (``reward_preflight`` rows' reference answers earn the full reward, a wrong one
-        does not), once a run: the CLI calls it before the evaluation that precedes training, setup otherwise."""
+        """The reward pre-flight (``RewardRunner.preflight``), once: before any evaluation that precedes training."""
         if not train_rows or not self.reward_preflight or self._preflight_done:
             return
         runner = self.reward_runner or RewardRunner(workers=0)

@@ -61,6 +61,21 @@ def test_empty_batches_after_filtering_are_no_op_steps_then_a_clear_stop(tmp_pat
     assert cli.model.producer.dropped_prompts == 16  # 8 batches of 2 prompts
 
 
+def test_steps_without_an_update_stop_the_run_before_the_epoch_ends(tmp_path, tiny_model_dir):
+    """A run that trains nothing (every prompt dropped) stops after model.max_steps_without_update RL steps in a
+    row, not at the end of an epoch that may be hours away; the message says why and which option sets it."""
+    from rllight.errors import RecipeError
+
+    cli = build(os.path.join(RECIPES, "grpo.yaml"), tiny_overrides(tmp_path, tiny_model_dir, max_prompt_tokens=3,
+                                                                    max_steps_without_update=3))
+    with pytest.raises(RecipeError, match=r"^3 RL steps in a row made no update: .*max_prompt_tokens=3.*"
+                                          r"model\.max_steps_without_update"):
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert cli.model.producer.dropped_prompts == 6  # 3 batches of 2 prompts, not the epoch's 8
+    with pytest.raises(RecipeError, match="max_steps_without_update must be an integer >= 1"):
+        build(os.path.join(RECIPES, "grpo.yaml"), tiny_overrides(tmp_path, tiny_model_dir, max_steps_without_update=0))
+
+
 def test_a_run_whose_prompts_are_all_too_long_warns_of_the_drops_once(tmp_path, tiny_model_dir, caplog):
     """8 batches, every prompt too long: one warning about dropped prompts (not one per batch), the count in
     the logged metric, then the one-line stop."""

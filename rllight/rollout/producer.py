@@ -73,7 +73,13 @@ class RolloutProducer:
 
     def __init__(self, engine: RolloutEngine, reward: Reward, max_prompt_tokens: int | None = None,
                  max_failed_reward_steps: int = 3, runner: RewardRunner | None = None,
-                 environment: Environment | None = None):
+                 environment: Environment | None = None, max_steps_without_update: int | None = None):
+        if max_steps_without_update is not None and (isinstance(max_steps_without_update, bool)
+                                                     or max_steps_without_update < 1):
+            raise RecipeError(f"model.max_steps_without_update must be an integer >= 1 or null, got "
+                              f"{max_steps_without_update!r}")
+        self.max_steps_without_update = max_steps_without_update
+        self._no_update = (None, 0)  # (the update count of the current run of steps without an update, its length)
         self.engine = engine
         self.environment = environment
         self._chat_turns: ChatTurns | None = None
@@ -182,7 +188,16 @@ class RolloutProducer:
 
     def note_empty_step(self, step: int) -> None:
         """Warn of a step with no update (its rollout was empty after filtering) the first time only; later
-        ones are counted in ``train/guard/empty_rollouts``."""
+        ones are counted in ``train/guard/empty_rollouts``. ``max_steps_without_update`` of them in a row (the
+        update count ``step`` has not moved) stop the run: it would spin to the end of the epoch training nothing."""
+        since, count = self._no_update
+        self._no_update = (step, count + 1 if since == step else 1)
+        if self.max_steps_without_update and self._no_update[1] >= self.max_steps_without_update:
+            raise RecipeError(
+                f"{self._no_update[1]} RL steps in a row made no update: every rollout was empty after filtering "
+                f"({self.dropped_prompts} prompts dropped as longer than max_prompt_tokens={self.max_prompt_tokens}; "
+                "see train/guard/empty_rollouts and the rollout callbacks' metrics); relax the filters or check the "
+                "data (model.max_steps_without_update sets when this stops a run)")
         if self._warned_empty:
             log.debug("step %d: empty rollout after filtering; no update", step)
             return
