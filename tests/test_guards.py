@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import RECIPES
-from helpers import build, tiny_overrides
+from helpers import CaptureLogger, build, tiny_overrides
 
 
 def test_non_finite_loss_skips_update_then_stops(tmp_path, tiny_model_dir):
@@ -160,3 +160,41 @@ def test_scoring_in_length_grouped_micro_batches_puts_every_row_back_in_place(ti
     assert len(list(budget.scoring.micro_batches(rollout))) > 2
     budget.scoring.score(rollout, need_old=True, need_values=False)
     torch.testing.assert_close(rollout.old_logprobs, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fault,reason", [("nan", "not finite"), ("positive", "positive log-probs"),
+                                          ("long", "over max_new_tokens=6")])
+def test_an_engine_batch_that_cannot_be_trained_on_is_dropped_then_the_run_stops(fault, reason, tmp_path,
+                                                                                 tiny_model_dir, caplog):
+    """What a faulty server sends (NaN or positive log-probs, a response past max_new_tokens) is checked on
+    arrival: each such batch is dropped with one line, and max_failed_reward_steps of them in a row stop the run."""
+    from rllight.errors import ComponentError
+
+    engine = {"class_path": "user_strategies.FaultyLogprobEngine", "init_args": {"fault": fault, "max_new_tokens": 6}}
+    cli = build(os.path.join(RECIPES, "grpo.yaml"), tiny_overrides(tmp_path, tiny_model_dir, rollout=engine))
+    recorder = CaptureLogger(tmp_path)
+    cli.trainer.loggers = [recorder]
+    with pytest.raises(ComponentError, match=rf"^model.rollout: FaultyLogprobEngine returned 3 batches in a row that "
+                                             rf"cannot be trained on \(last: .*{reason}"):
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert cli.trainer.global_step == 0  # nothing was trained on
+    dropped = [r.getMessage() for r in caplog.records if "cannot be trained on" in r.getMessage()]
+    assert len(dropped) == 2 and all(reason in m and "dropped" in m for m in dropped)
+    assert [c.get("train/rollout/malformed_batches") for c in recorder.calls] == [1.0, 1.0]  # the dropped steps
+
+
+def test_malformed_names_what_is_wrong_with_a_generation():
+    from rllight.rollout.base import Generation, malformed
+
+    def gen(logprobs, mask=None):
+        logprobs = torch.tensor(logprobs)
+        mask = torch.ones_like(logprobs, dtype=torch.long) if mask is None else torch.tensor(mask)
+        return Generation(torch.ones(len(logprobs), 2, dtype=torch.long), torch.ones(len(logprobs), 2),
+                          torch.ones_like(mask), mask, logprobs, torch.zeros(len(logprobs), dtype=torch.bool))
+
+    assert malformed(gen([[-0.5, -1.0], [-2.0, 0.0]]), 2, 2) is None
+    assert malformed(gen([[-0.5, float("nan")], [-2.0, 0.0]], [[1, 0], [1, 1]]), 2, 2) is None  # padding: unread
+    assert "not finite" in malformed(gen([[-0.5, float("inf")], [-2.0, 0.0]]), 2, 2)
+    assert "positive" in malformed(gen([[-0.5, 0.01], [-2.0, 0.0]]), 2, 2)
+    assert "over max_new_tokens=1" in malformed(gen([[-0.5, -1.0], [-2.0, 0.0]]), 2, 1)
+    assert "3 responses expected" in malformed(gen([[-0.5, -1.0], [-2.0, 0.0]]), 3, 2)

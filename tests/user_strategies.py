@@ -256,3 +256,25 @@ class FailAt(RolloutCallback):
         if trainer.global_step == self.step:
             raise RuntimeError("a failure in the middle of a step")
         return rollout
+
+
+class FaultyLogprobEngine(ScriptedEngine):
+    """The scripted responses with what a faulty engine or server sends back: ``fault`` ``nan`` (a NaN log-prob),
+    ``positive`` (a log-prob above 0) or ``long`` (one response longer than ``max_new_tokens``)."""
+
+    def __init__(self, fault: str = "nan", **kwargs):
+        super().__init__(**kwargs)
+        self.fault = fault
+
+    def generate(self, model, tokenizer, prompts, greedy=False):
+        gen = super().generate(model, tokenizer, prompts, greedy)
+        if self.fault == "nan":
+            gen.logprobs[0, 0] = float("nan")
+        elif self.fault == "positive":
+            gen.logprobs[0, 0] = 0.5
+        elif self.fault == "long":
+            extra = torch.full((len(prompts), self.max_new_tokens), tokenizer.pad_token_id, dtype=torch.long)
+            gen.response_ids = torch.cat([gen.response_ids, extra], dim=1)
+            gen.response_mask = torch.cat([gen.response_mask, torch.ones_like(extra)], dim=1)
+            gen.logprobs = torch.cat([gen.logprobs, torch.full(extra.shape, -1.0)], dim=1)
+        return gen

@@ -28,6 +28,35 @@ class Generation:
     """Shape (B,), bool: the response reached ``max_new_tokens`` without an end token."""
 
 
+LOGPROB_SLACK = 1e-4
+"""How far above 0 a sampled token's log-prob may round (float32 log-softmax) before it counts as malformed."""
+
+
+def malformed(gen: Generation, rows: int, max_new_tokens: int | None) -> str | None:
+    """Why an engine's ``gen`` for ``rows`` prompts cannot be trained on, or None: one row per prompt, a log-prob
+    per response position, finite and at most 0 on the response's tokens, and no response longer than
+    ``max_new_tokens``. What a faulty server or a broken engine returns is caught here, before the loss sees it
+    (a NaN log-prob would mask every token under ``MaskedIS``, and the run would train on nothing)."""
+    ids, mask, logprobs = gen.response_ids, gen.response_mask, gen.logprobs
+    if ids.dim() != 2 or ids.shape[0] != rows or mask.shape != ids.shape:
+        return f"{rows} responses expected, got response ids of shape {tuple(ids.shape)}, mask {tuple(mask.shape)}"
+    if gen.prompt_ids.shape[0] != rows:
+        return f"{rows} prompts expected, got prompt ids of shape {tuple(gen.prompt_ids.shape)}"
+    if not torch.is_tensor(logprobs) or not logprobs.is_floating_point() or logprobs.shape != ids.shape:
+        shape = tuple(logprobs.shape) if torch.is_tensor(logprobs) else type(logprobs).__name__
+        return f"one log-prob per response token expected (shape {tuple(ids.shape)}), got {shape}"
+    lengths = mask.sum(-1)
+    if max_new_tokens is not None and rows and int(lengths.max()) > max_new_tokens:
+        return f"a response of {int(lengths.max())} tokens, over max_new_tokens={max_new_tokens}"
+    on = mask.bool()
+    values = logprobs[on]
+    if not torch.isfinite(values).all():
+        return f"{int((~torch.isfinite(values)).sum())} log-probs that are not finite (NaN or infinite)"
+    if values.numel() and float(values.max()) > LOGPROB_SLACK:
+        return f"positive log-probs (largest {float(values.max()):.3g}): a log-probability is at most 0"
+    return None
+
+
 SAMPLING_SETTINGS = ("max_new_tokens", "temperature", "top_p", "top_k")
 """The engine attributes that decide how a request samples (evaluation changes them for a while)."""
 

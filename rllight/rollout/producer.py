@@ -22,7 +22,7 @@ from rllight.envs.base import Environment
 from rllight.envs.guard import EpisodeFailed, EpisodeGuard
 from rllight.errors import ComponentError, RecipeError
 from rllight.rewards import Reward, RewardRunner, by_source, score_batch
-from rllight.rollout.base import RolloutEngine
+from rllight.rollout.base import RolloutEngine, malformed
 from rllight.rollout.episodes import ChatTurns, episodes_to_rollout, run_episodes
 from rllight.types import Rollout
 
@@ -93,6 +93,7 @@ class RolloutProducer:
         self.reward_failures = 0
         self.dropped_prompts = 0
         self.failed_reward_steps = 0
+        self.malformed_steps = 0
         self._warned_dropped = self._warned_empty = False
         self.ranks = Ranks()
 
@@ -139,6 +140,11 @@ class RolloutProducer:
         t0 = time.perf_counter()
         gen = self.engine.generate(self.policy, self.tokenizer, [p for p in prompts for _ in range(n)], greedy=greedy)
         t1 = time.perf_counter()
+        problem = malformed(gen, len(prompts) * n, getattr(self.engine, "max_new_tokens", None)) if training else None
+        self.count_malformed_batch(problem)
+        if problem:  # dropped: the step trains on nothing rather than on what the engine got wrong
+            return Rollout.empty(extras={"rollout/malformed_batches": 1.0, "data/dropped_long_prompts": float(dropped),
+                                         "kept_rows": ()})
         engine_metrics = dict(self.engine.last_metrics)
         staleness = engine_metrics.get("rollout/staleness")
         texts = self.tokenizer.batch_decode(gen.response_ids, skip_special_tokens=True)
@@ -335,6 +341,24 @@ class RolloutProducer:
             failures += fails
         metrics.update({f"reward/{name}": sum(v) / max(len(v), 1) for name, v in parts.items()})
         return rewards, correct, failures, metrics
+
+    def count_malformed_batch(self, problem: str | None) -> None:
+        """Count a training batch the engine returned malformed (``rllight.rollout.base.malformed``: log-probs not
+        finite or above 0, a row or a log-prob missing, a response over max_new_tokens), one line each; stop after
+        ``max_failed_reward_steps`` in a row, as for a reward that fails on every sample."""
+        if problem is None:
+            self.malformed_steps = 0
+            return
+        self.malformed_steps += 1
+        name = type(self.engine).__name__
+        if self.malformed_steps >= self.max_failed_reward_steps:
+            raise ComponentError(
+                f"model.rollout: {name} returned {self.malformed_steps} batches in a row that cannot be trained on "
+                f"(last: {problem}); check the engine or its server (model.max_failed_reward_steps sets how many "
+                "batches are tolerated)")
+        log.warning("model.rollout: %s returned a batch that cannot be trained on (%s); dropped, %d in a row (the "
+                    "run stops at model.max_failed_reward_steps=%d)", name, problem, self.malformed_steps,
+                    self.max_failed_reward_steps)
 
     def count_failed_reward_batch(self, all_failed: bool, last_error: str | None = None) -> None:
         """Count a training batch on which the reward (or the environment) failed for every sample; stop after
