@@ -169,15 +169,28 @@ def rl_steps_done(trainer: L.Trainer) -> int:
 
 
 def resolve_last_checkpoint(trainer: L.Trainer) -> str | None:
-    """The checkpoint ``--ckpt_path last`` resumes from, found as Lightning finds it (None: there is none, where
-    Lightning would warn and train from scratch). Calls ``_CheckpointConnector._parse_ckpt_path`` (Lightning 2.5 and
+    """The checkpoint ``--ckpt_path last`` resumes from, found as Lightning finds it, else the newest ``last.ckpt``
+    under ``default_root_dir`` (``newest_last_checkpoint``) (None: there is none, where Lightning would warn and
+    train from scratch). Calls ``_CheckpointConnector._parse_ckpt_path`` (Lightning 2.5 and
     2.6) with its warning silenced: the caller makes it an error."""
     from lightning.pytorch.trainer.states import TrainerFn
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return trainer._checkpoint_connector._parse_ckpt_path(TrainerFn.FITTING, "last", model_provided=True,
-                                                              model_connected=False)
+        found = trainer._checkpoint_connector._parse_ckpt_path(TrainerFn.FITTING, "last", model_provided=True,
+                                                               model_connected=False)
+    return found or newest_last_checkpoint(trainer.default_root_dir)
+
+
+def newest_last_checkpoint(root: str) -> str | None:
+    """The newest ``last.ckpt`` of an earlier run under ``root``: with a logger each run keeps its checkpoints in a
+    folder of its own (``lightning_logs/version_N/checkpoints``), where Lightning's ``last`` (the new run's folder,
+    still empty) never looks."""
+    import glob
+
+    found = [p for p in glob.glob(os.path.join(glob.escape(root), "**", "last.ckpt"), recursive=True)
+             if os.path.isfile(p)]
+    return max(found, key=os.path.getmtime) if found else None
 
 
 def step_metrics(trainer: L.Trainer) -> dict[str, float]:

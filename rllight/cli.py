@@ -259,8 +259,10 @@ class RLLightCLI(LightningCLI):
             raise RecipeError(f"--ckpt_path last: no last.ckpt of an earlier run where this run keeps its checkpoints "
                               f"(under '{self.trainer.default_root_dir}'); give the checkpoint's path, or leave "
                               "--ckpt_path out to start afresh")
-        if ckpt_path == "last":
-            self._check_resumable(resolve_last_checkpoint(self.trainer))
+        if ckpt_path == "last":  # resumed from the file found, which Lightning's "last" may not find itself
+            self.config.fit.ckpt_path = self.config_init.fit.ckpt_path = ckpt_path = resolve_last_checkpoint(
+                self.trainer)
+            log.info("--ckpt_path last: resuming from %s", ckpt_path)
         if not ckpt_path or ckpt_path in _SPECIAL_CKPT:
             return
         saved = self._saved_recipe

@@ -138,6 +138,19 @@ def test_ckpt_path_last_resumes_from_the_runs_last_checkpoint(tmp_path, tiny_mod
     assert cli.trainer.global_step == 3 and _last(tmp_path) == 3  # one more step, from step 2
 
 
+def test_ckpt_path_last_finds_the_earlier_runs_checkpoint_under_the_default_logger(tmp_path, tiny_model_dir):
+    """With a logger each run keeps its checkpoints in its own version_N folder, where Lightning's "last" (the new
+    run's empty folder) never looks: the newest last.ckpt under default_root_dir is the one resumed."""
+    args = ["fit", "--config", os.path.join(RECIPES, "grpo.yaml"), "--config", tiny_overrides(tmp_path, tiny_model_dir),
+            "--trainer.enable_checkpointing", "true", "--trainer.logger", "true"]
+    rllight.cli.RLLightCLI(args=[*args, "--trainer.max_steps", "2"])
+    (first,) = (tmp_path / "lightning_logs").glob("version_*/checkpoints/last.ckpt")
+    cli = rllight.cli.RLLightCLI(args=[*args, "--trainer.max_steps", "3", "--ckpt_path", "last"])
+    assert cli.trainer.global_step == 3  # one more step, from step 2: resumed, not started afresh
+    assert cli.config.fit.ckpt_path == str(first)
+    assert "version_1" in cli.trainer.checkpoint_callback.dirpath  # the resumed run writes a folder of its own
+
+
 def test_a_resume_applies_the_recipes_new_learning_rate_and_schedule_and_says_so(tmp_path, tiny_model_dir, caplog):
     """The optimizer's and the schedule's restored state carried the checkpoint's rates: a changed lr or warm-up
     is now what the resumed steps use, and the log names the change."""
