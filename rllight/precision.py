@@ -166,10 +166,21 @@ def resolve_engine_dtype(config, precision) -> None:
                 init_args["dtype"] = dtype
 
 
+TRUE_HALF = ("bf16-true", "16-true")
+"""Lightning's precisions that hold the weights themselves in 16 bits: refused, with what to use instead."""
+
+
 def resolve_config(config) -> None:
     """Resolve ``trainer.precision: auto`` in one subcommand's parsed ``config`` (logging the choice and why),
     then the engine's ``dtype: auto`` from the trainer's precision, whatever set it."""
     precision = config.get("trainer.precision")
+    if str(precision) in TRUE_HALF:
+        from rllight.errors import RecipeError
+
+        raise RecipeError(f"trainer.precision {precision}: rllight keeps the weights and the optimizer's state in "
+                          "float32 (in half precision an RL update's small steps round away, and the engines expect "
+                          "float32 weights); compute in bfloat16 with bf16-mixed (or auto), or under FSDP with "
+                          "trainer.strategy.init_args.param_dtype: bfloat16")
     if precision == AUTO:
         precision, reason = resolve_precision(config.get("trainer.accelerator"))
         config["trainer.precision"] = precision

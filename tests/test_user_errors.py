@@ -43,6 +43,13 @@ def test_bad_values_name_their_key(capsys, key, value, expected):
     assert "greedy=True" not in line  # recipes have no such option
 
 
+@pytest.mark.parametrize("precision", ["bf16-true", "16-true"])
+def test_half_precision_weights_are_refused_with_what_to_use(capsys, precision):
+    """bf16-true used to crash in the HF engine with a dtype traceback; it is one line before the model loads."""
+    line = _error(capsys, "fit", "--config", GRPO, "--trainer.precision", precision)
+    assert line.startswith(f"rllight: error: trainer.precision {precision}: ") and "bf16-mixed" in line
+
+
 def test_broken_yaml_names_its_file_and_line(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n  ppo_epochs: [1\n  x: : y\n")
