@@ -395,6 +395,14 @@ def quiet_lightning() -> None:
     # inaccurate for that precision, is the weights' true size.
     warnings.filterwarnings("ignore", message=r"Precision .* is not supported by the model summary",
                             category=UserWarning)
+    # The frozen reference policy (and a frozen critic backbone) are in eval mode on purpose: dropout off, as the
+    # importance ratio needs one deterministic function; Lightning warns of every module in eval mode at the start.
+    warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode", category=UserWarning)
+    # A resumed run writes its checkpoints in a version folder of its own, by design (rllight.cli: --ckpt_path last
+    # finds the earlier run's); only Lightning's best-model bookkeeping, which rllight does not use, is not carried.
+    warnings.filterwarnings("ignore", message="The dirpath has changed from", category=UserWarning)
+    # generate and chat build the recipe's CLI from their own parsed arguments: the args parameter is the point.
+    warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended", category=UserWarning)
     logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     if not any(isinstance(f, _DropTips) for f in logger.filters):
         logger.addFilter(_DropTips())

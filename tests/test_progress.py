@@ -224,3 +224,26 @@ def test_a_step_that_trained_on_a_partial_batch_says_so():
     partial = log.step_line(trainer, {"train/reward/mean": 0.5, "train/sampling/cap_hit": 1.0,
                                       "train/sampling/groups_short": 3.0})
     assert "| partial batch (3 groups short: max_rounds) |" in partial
+
+
+@pytest.mark.parametrize("message", [
+    "Found 2 module(s) in eval mode at the start of training. This may lead to unexpected behavior during training.",
+    "The dirpath has changed from 'runs/x/version_0/checkpoints' to 'runs/x/version_1/checkpoints', therefore ...",
+    "LightningCLI's args parameter is intended to run from within Python like if it were from the command line.",
+])
+def test_lightnings_warnings_a_user_cannot_act_on_are_filtered(message):
+    """The frozen reference policy in eval mode, a resume's new version folder, generate's and chat's own args:
+    each is by design, so its warning never reaches the log (quiet_lightning, which every command installs)."""
+    import warnings
+
+    from lightning.fabric.utilities.warnings import PossibleUserWarning
+
+    from rllight.progress import quiet_lightning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_lightning()
+        warnings.warn(message, PossibleUserWarning)
+        warnings.warn(message, UserWarning)
+        warnings.warn("another warning, kept", UserWarning)
+    assert [str(w.message) for w in caught] == ["another warning, kept"]
