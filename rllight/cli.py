@@ -25,7 +25,8 @@ from rllight.paths import add_user_import_paths, expand_config_paths, expand_pat
 from rllight.precision import bound_onednn_cache, check_float32_lm_head, resolve_config
 from rllight.progress import StepLog, progress_callbacks, quiet_lightning
 from rllight.usage import DESCRIPTION, top_help
-from rllight.safety import RECIPE_KEY, Interrupts, RecipeRecord, check_resume, check_writable, read_checkpoint
+from rllight.safety import (RECIPE_KEY, Interrupts, RecipeRecord, check_resume, check_writable, read_checkpoint,
+                            tolerate_closed_output)
 
 log = logging.getLogger("rllight")
 
@@ -498,9 +499,6 @@ NOT_OFFERED = {
 
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``rllight`` console script (and of ``python -m rllight``)."""
-    from jsonargparse import ArgumentError
-    from lightning.pytorch.utilities.exceptions import SIGTERMException
-
     argv = list(sys.argv[1:] if args is None else args)
     if argv[:1] in (["--version"], ["-V"]):
         from rllight.versions import version
@@ -511,9 +509,26 @@ def main(args: list[str] | None = None) -> None:
         print(top_help())
         sys.exit(0)
     bound_onednn_cache()
+    # A closed pipe on stdout (| tee, ended by the same Ctrl-C) never ends a run. Kept to the process's end (the
+    # final flush of a broken stdout would turn the exit code into 120); a call from Python (args given) gets its
+    # streams back.
+    streams = sys.stdout, sys.stderr
+    tolerate_closed_output()
     # A module of the user's own next to the recipe or in the working directory is importable by class_path.
     add_user_import_paths(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        _run_command(argv, args)
+    finally:
+        if args is not None:
+            sys.stdout, sys.stderr = streams
+
+
+def _run_command(argv: list[str], args: list[str] | None) -> None:
+    """The command ``argv`` names; a user's mistake or a component's failure is one line and exit code 2."""
+    from jsonargparse import ArgumentError
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
     try:
         if argv[:1] and argv[0] in NOT_OFFERED:
             raise RecipeError(NOT_OFFERED[argv[0]])

@@ -24,6 +24,42 @@ log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------------ output locations
+class _TolerantStream:
+    """A text stream whose write errors (a reader that went away: ``| tee log`` ended by the same Ctrl-C) are
+    swallowed: after the first, output is dropped, and the run goes on to save its checkpoint."""
+
+    def __init__(self, stream):
+        self._stream, self.broken = stream, False
+
+    def write(self, text: str) -> int:
+        if not self.broken:
+            try:
+                return self._stream.write(text)
+            except (BrokenPipeError, OSError, ValueError):  # EPIPE, EIO, or a stream closed under us
+                self.broken = True
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.broken:
+            try:
+                self._stream.flush()
+            except (BrokenPipeError, OSError, ValueError):
+                self.broken = True
+
+    def __getattr__(self, name):  # isatty, fileno, encoding, ...: the stream's own
+        return getattr(self._stream, name)
+
+
+def tolerate_closed_output() -> None:
+    """Make ``sys.stdout`` and ``sys.stderr`` never end a run with a write error (``_TolerantStream``): Ctrl-C on
+    ``rllight fit ... | tee log`` also ends ``tee``, and the run's next print would raise ``BrokenPipeError`` before
+    it could save the step and print how to resume. Idempotent."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, _TolerantStream):
+            setattr(sys, name, _TolerantStream(stream))
+
+
 def check_writable(path: str, key: str) -> None:
     """Refuse, in one line naming ``key``, a folder the run could not create or write into: a path
     under a regular file, an existing file, or a folder (or nearest existing parent) without write access,

@@ -78,6 +78,22 @@ def test_ctrl_c_finishes_the_step_saves_and_exits_130(tmp_path, tiny_model_dir):
     assert path.endswith("interrupted-step=1.ckpt")
 
 
+@pytest.mark.slow
+def test_ctrl_c_saves_also_when_the_pipe_to_the_log_is_gone(tmp_path, tiny_model_dir):
+    """``rllight fit ... | tee log`` and Ctrl-C: the same signal ends tee, so stdout and stderr are closed pipes
+    when the run finishes its step. Their write errors must not end the run before it saves and exits 130."""
+    overlay = tiny_overrides(tmp_path, tiny_model_dir)
+    signal_cb = ["--trainer.callbacks+", "test_interrupt.SignalAt", "--trainer.callbacks.step", "0",
+                 "--trainer.callbacks.signum", str(int(signal.SIGINT))]
+    child = start_fit("grpo.yaml", "--config", overlay, "--trainer.enable_checkpointing", "true",
+                      "--trainer.max_steps", "3", *signal_cb)
+    child.stdout.close()  # the reader is gone before the run writes anything
+    child.stderr.close()
+    assert child.wait(timeout=600) == 130
+    state = torch.load(tmp_path / "checkpoints" / "interrupted-step=1.ckpt", weights_only=True)
+    assert state["global_step"] == 1 and state["RLDataModule"] == {"batches_trained": 1}
+
+
 def wait_for_file(path, child, seconds: float = 300) -> None:
     """Wait until ``path`` exists (the child reached the point the test waits for), or fail with its output."""
     deadline = time.monotonic() + seconds
