@@ -112,9 +112,9 @@ def free_space(path: str) -> str:
     """``1.2 GB free on the disk of /runs``: the free space where ``path`` is, or would be, written."""
     import shutil
 
-    folder = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(folder):
-        folder = os.path.dirname(folder)
+    from rllight.paths import existing_ancestor
+
+    folder = existing_ancestor(os.path.dirname(os.path.abspath(path)))
     try:
         return f"{human_size(shutil.disk_usage(folder).free)} free on the disk of {folder}"
     except OSError:

@@ -24,9 +24,9 @@ from rllight.module import RLModule
 from rllight.paths import add_user_import_paths, expand_config_paths, expand_path, model_path_args
 from rllight.precision import bound_onednn_cache, check_float32_lm_head, resolve_config
 from rllight.progress import StepLog, progress_callbacks, quiet_lightning
-from rllight.usage import DESCRIPTION, top_help
 from rllight.safety import (RECIPE_KEY, Interrupts, RecipeRecord, check_resume, check_writable, read_checkpoint,
                             tolerate_closed_output)
+from rllight.usage import DESCRIPTION, top_help
 
 log = logging.getLogger("rllight")
 
@@ -256,13 +256,13 @@ class RLLightCLI(LightningCLI):
 
     def _check_resume(self) -> None:
         ckpt_path = self.config.fit.ckpt_path
-        if ckpt_path == "last" and resolve_last_checkpoint(self.trainer) is None:
-            raise RecipeError(f"--ckpt_path last: no last.ckpt of an earlier run where this run keeps its checkpoints "
-                              f"(under '{self.trainer.default_root_dir}'); give the checkpoint's path, or leave "
-                              "--ckpt_path out to start afresh")
         if ckpt_path == "last":  # resumed from the file found, which Lightning's "last" may not find itself
-            self.config.fit.ckpt_path = self.config_init.fit.ckpt_path = ckpt_path = resolve_last_checkpoint(
-                self.trainer)
+            found = resolve_last_checkpoint(self.trainer)
+            if found is None:
+                raise RecipeError(f"--ckpt_path last: no last.ckpt of an earlier run where this run keeps its "
+                                  f"checkpoints (under '{self.trainer.default_root_dir}'); give the checkpoint's "
+                                  "path, or leave --ckpt_path out to start afresh")
+            self.config.fit.ckpt_path = self.config_init.fit.ckpt_path = ckpt_path = found
             log.info("--ckpt_path last: resuming from %s", ckpt_path)
         if not ckpt_path or ckpt_path in _SPECIAL_CKPT:
             return

@@ -144,7 +144,7 @@ class RLModule(L.LightningModule):
     ):
         super().__init__()
         check_recipe(advantage, critic, kl, sampler, critic_updates_first, ppo_epochs, micro_batch_size,
-                      max_failed_reward_steps)
+                      max_failed_reward_steps, max_steps_without_update)
         reward, reward_runner = plain_instance(reward), plain_instance(reward_runner)
         self.automatic_optimization = False
         self.source, self.lora, self.gradient_checkpointing = model, lora, gradient_checkpointing

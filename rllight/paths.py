@@ -72,6 +72,15 @@ def _is_mapping(value) -> bool:
     return isinstance(value, (dict, Namespace))
 
 
+def existing_ancestor(path: str) -> str:
+    """``path`` itself where it exists (a link counts), else its nearest parent that does: where a file under
+    ``path`` would be created, for a writability or free-space check."""
+    existing = os.path.abspath(path)
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    return existing
+
+
 def config_files(argv: Iterable[str]) -> list[str]:
     """The files given with ``--config`` / ``-c`` (``--config=FILE`` too), in order."""
     argv = list(argv)

@@ -32,6 +32,7 @@ import subprocess
 import sys
 
 from rllight.machine import machine_line
+from rllight.paths import existing_ancestor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(ROOT, "docs", "results")
@@ -179,9 +180,7 @@ def check_record_options(parser, args, argv: list[str] | None = None, script: st
     if args.record_id is not None and not _ID.match(args.record_id):
         parser.error(f"--record-id '{args.record_id}' must be lower-case letters, digits and dashes")
     folder = os.path.abspath(args.record) if is_folder else os.path.dirname(os.path.abspath(args.record))
-    existing = folder
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
+    existing = existing_ancestor(folder)
     if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
         parser.error(f"--record '{args.record}': cannot write under '{existing}'")
 

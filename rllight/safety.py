@@ -18,6 +18,7 @@ import lightning as L
 import torch
 
 from rllight.errors import RecipeError
+from rllight.paths import existing_ancestor
 from rllight.stopping import Interrupted, clear_stop, request_stop
 
 log = logging.getLogger(__name__)
@@ -68,9 +69,7 @@ def check_writable(path: str, key: str) -> None:
     path = os.path.abspath(path)
     if os.path.lexists(path) and not os.path.isdir(path):
         raise RecipeError(f"{key}: '{path}' is a file, not a folder; give a folder")
-    existing = path
-    while not os.path.lexists(existing):
-        existing = os.path.dirname(existing)
+    existing = existing_ancestor(path)
     if not os.path.isdir(existing):
         raise RecipeError(f"{key}: '{path}' cannot be created because '{existing}' is a file; give another folder")
     if not os.access(existing, os.W_OK | os.X_OK):

@@ -72,7 +72,7 @@ def test_steps_without_an_update_stop_the_run_before_the_epoch_ends(tmp_path, ti
                                           r"model\.max_steps_without_update"):
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     assert cli.model.producer.dropped_prompts == 6  # 3 batches of 2 prompts, not the epoch's 8
-    with pytest.raises(RecipeError, match="max_steps_without_update must be an integer >= 1"):
+    with pytest.raises(RecipeError, match=r"^model\.max_steps_without_update must be >= 1, got 0$"):
         build(os.path.join(RECIPES, "grpo.yaml"), tiny_overrides(tmp_path, tiny_model_dir, max_steps_without_update=0))
 
 

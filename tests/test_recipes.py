@@ -39,12 +39,11 @@ def test_recipe_parses_and_instantiates(recipe):
     # right answer earns the full reward, a changed one does not), as the module runs it before training.
     module, data = cli.model, cli.datamodule
     if module.reward_preflight and data.task is not None and not data.train_files:
-        from rllight.rewards import RewardRunner, by_source
+        from rllight.rewards import RewardRunner
 
         data.setup("fit")
-        rows = data.train_rows
-        for reward, index in by_source(module.reward, [r.get("data_source") for r in rows]):
-            RewardRunner(workers=0).preflight(reward, [rows[i] for i in index], k=module.reward_preflight)
+        module.reward_runner = RewardRunner(workers=0)  # the recipe's rewards in this process
+        module.preflight_rewards(data.train_rows)
 
 
 @pytest.mark.parametrize("recipe", ALL_RECIPES, ids=os.path.basename)

@@ -74,10 +74,6 @@ class RolloutProducer:
     def __init__(self, engine: RolloutEngine, reward: Reward, max_prompt_tokens: int | None = None,
                  max_failed_reward_steps: int = 3, runner: RewardRunner | None = None,
                  environment: Environment | None = None, max_steps_without_update: int | None = None):
-        if max_steps_without_update is not None and (isinstance(max_steps_without_update, bool)
-                                                     or max_steps_without_update < 1):
-            raise RecipeError(f"model.max_steps_without_update must be an integer >= 1 or null, got "
-                              f"{max_steps_without_update!r}")
         self.max_steps_without_update = max_steps_without_update
         self._no_update = (None, 0)  # (the update count of the current run of steps without an update, its length)
         self.engine = engine
