@@ -10,6 +10,7 @@ import sys
 import warnings
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.nn.parallel import DistributedDataParallel
 
@@ -70,8 +71,8 @@ def plain_instance(obj):
 class RunCheckpoint(ModelCheckpoint):
     """The checkpoint callback rllight adds to a run (``rllight.checkpoint.CheckpointSettings``): Lightning's
     ``ModelCheckpoint`` keeping the newest ``keep`` checkpoints (1: ``last.ckpt`` alone; more: ``step=K.ckpt``, K
-    the optimizer updates (Lightning's step), ranked by it, Lightning's way to keep the latest N, with ``last.ckpt``
-    a link to the newest), which also
+    the RL steps done, ranked by it, Lightning's way to keep the latest N, with ``last.ckpt`` a link to the
+    newest), which also
 
     - saves every ``every_n_train_steps`` RL steps (rollouts, ``datamodule.batches_trained``), not optimizer
       updates: Lightning's test ``global_step % n == 0`` under manual optimisation saved every 5 rollouts of 2
@@ -88,8 +89,9 @@ class RunCheckpoint(ModelCheckpoint):
     ``_save_checkpoint``, ``_save_topk_checkpoint`` and ``_save_last_checkpoint`` (Lightning 2.5 and 2.6)."""
 
     def __init__(self, every_n_train_steps: int, keep: int = 1, final_weights_only: bool = False, **kwargs):
-        if keep > 1:
-            kwargs.update(save_top_k=keep, monitor="step", mode="max", filename="{step}", save_last="link")
+        if keep > 1:  # named by the RL step, as the progress lines count (the candidate added below)
+            kwargs.update(save_top_k=keep, monitor="rl_step", mode="max", filename="step={rl_step}",
+                          auto_insert_metric_name=False, save_last="link")
         else:
             kwargs.update(save_top_k=0, save_last=True)
         super().__init__(every_n_train_steps=every_n_train_steps, **kwargs)
@@ -112,6 +114,11 @@ class RunCheckpoint(ModelCheckpoint):
                 trainer.strategy.barrier("rllight: a failed checkpoint save")  # the one its save skipped
             log.error("%s; training goes on, %s, and the next save is tried in %d RL steps", err,
                       self._saved_before(), self._every_n_train_steps)
+
+    def _monitor_candidates(self, trainer: L.Trainer) -> dict:
+        candidates = super()._monitor_candidates(trainer)
+        candidates["rl_step"] = torch.tensor(rl_steps_done(trainer))
+        return candidates
 
     def _saved_before(self) -> str:
         """What a failed save leaves: the checkpoint saved before it, intact, or none yet."""

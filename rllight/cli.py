@@ -207,6 +207,12 @@ class RLLightCLI(LightningCLI):
                         "ModelCheckpoint, or trainer.enable_checkpointing: false): they have no effect")
         if not trainer_config.get("plugins"):  # checkpoints written whole or not at all
             kwargs["plugins"] = [AtomicCheckpointIO()]
+        if self.subcommand == "validate":
+            # A validation of a run (the command a fit prints reuses its recipe, so its default_root_dir) keeps its
+            # logs, evaluation files and saved recipe in a folder of its own: in the run's folder a new log version
+            # starting at step 0 would read as a fresh run (tools/plot.py), and without a logger its files would
+            # replace the run's own (config.yaml, evaluation/val_step<N>.json).
+            kwargs["default_root_dir"] = os.path.join(trainer_config.get("default_root_dir") or os.getcwd(), "validate")
         return super().instantiate_trainer(**{**kwargs, "callbacks": callbacks})
 
     def _check_outputs(self) -> None:
@@ -305,7 +311,7 @@ class RLLightCLI(LightningCLI):
         finally:
             for step_log in step_logs:
                 step_log.before_fit = False
-        self._before_per_prompt = dict(getattr(self.model, "last_val_per_prompt", {}))
+        self._before_per_prompt = dict(self.model.evaluator.last_per_prompt)
 
     def after_fit(self) -> None:
         if self.config.fit.evaluate_before_after:
@@ -395,7 +401,7 @@ class RLLightCLI(LightningCLI):
         n = len(self.datamodule.val_rows)
         summary = {"accuracy_before": acc_before, "accuracy_after": acc_after, "num_val": n}
         table, lines = before_after(before, after, self._before_per_prompt,
-                                    getattr(self.model, "last_val_per_prompt", {}))
+                                    self.model.evaluator.last_per_prompt)
         if acc_before is not None and acc_after is not None and n:
             # val/accuracy is the greedy accuracy where there is one, else avg@n: its row's standard error of
             # the difference (paired where the per-prompt values are known); else the binomial one of two

@@ -10,3 +10,9 @@ class ComponentError(RuntimeError):
     """A component failed while the run was going: the remote vLLM engine, the rollout worker process or a
     multi-turn environment. The message is one line that names the component, its URL or class, and what
     to do; the CLI prints it without a traceback and exits with code 2, as for a ``RecipeError``."""
+
+
+class RunStopped(RecipeError):
+    """A guard ended the run after a completed RL step, saved where checkpoints are on: training could not usefully
+    go on (RL steps without an update, updates without a gradient). The message says why, which option sets the
+    guard, and the checkpoint that resumes the run."""

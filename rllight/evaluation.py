@@ -475,12 +475,14 @@ class Evaluator:
             yield
             self._stream = (torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None)
 
-    def finish(self, trainer, global_step: int) -> dict[str, float]:
+    def finish(self, trainer, rl_step: int) -> dict[str, float]:
         """avg@k, pass@k (unbiased) and maj@k with standard errors, overall and per data source (``val/...``,
         and ``val/greedy/...`` at k = 1 with ``also_greedy``); ``val/accuracy`` is the greedy accuracy where
         there is one, else the mean correctness of every sampled response. Under DDP the ranks' results are
         gathered first. Outside a sanity check, global rank 0 writes a JSON of every number and a per-row JSONL
-        of the responses to ``<log dir>/evaluation``. The results are reset for the next validation."""
+        of the responses to ``<log dir>/evaluation``, named by the RL steps (rollouts) trained, ``rl_step``, as the
+        progress lines count them (``val_step<rl_step>``; the JSON also holds the optimizer updates). The results
+        are reset for the next validation."""
         ev = self.settings
         metrics = {}
         self.last_per_prompt = {}
@@ -493,9 +495,10 @@ class Evaluator:
             self.last_per_prompt.update(results.per_prompt(ks))
             if trainer.is_global_zero and results.records and not trainer.sanity_checking:
                 folder = os.path.join(trainer.log_dir or trainer.default_root_dir, "evaluation")
-                results.write(folder, ks, name=f"val_step{global_step}{suffix}", bootstrap=ev.bootstrap,
+                results.write(folder, ks, name=f"val_step{rl_step}{suffix}", bootstrap=ev.bootstrap,
                               confidence=ev.confidence, seed=ev.seed,
-                              extra={"settings": vars(ev), "global_step": int(global_step)})
+                              extra={"settings": vars(ev), "rl_step": int(rl_step),
+                                     "global_step": int(trainer.global_step)})
         if self.results.records:
             greedy = ev.also_greedy and self.greedy.records
             metrics["val/accuracy"] = metrics["val/greedy/avg@1" if greedy else f"val/avg@{ev.n}"]

@@ -11,7 +11,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 from torch.profiler import record_function
 
-from rllight._compat import forget_step_metrics, lazy_default, plain_instance
+from rllight._compat import forget_step_metrics, lazy_default, plain_instance, rl_steps_done
 from rllight.callbacks.base import in_rollout_order
 from rllight.checkpoint import REFERENCE_PREFIX, load_run_state, save_run_state
 from rllight.critics import Critic
@@ -33,7 +33,7 @@ from rllight.strategies import (AdvantageEstimator, Aggregation, ClippedSurrogat
                                 KLPenalty, PolicyLoss, Sampler, TokenMean)
 from rllight.terms import CriticLoss, LossTerm, PolicyObjective
 from rllight.types import Rollout
-from rllight.update import Updater
+from rllight.update import Updater, ZeroGradientGuard
 
 log = logging.getLogger(__name__)
 
@@ -52,58 +52,55 @@ class RLModule(L.LightningModule):
     Args:
         model: Where the policy's weights come from (loaded in ``configure_model``).
         lora: Train LoRA adapters instead of every weight (None = full fine-tuning).
-        gradient_checkpointing: Recompute the policy's activations in the backward pass (less memory,
-            about a third more compute).
+        gradient_checkpointing: Recompute the policy's activations in the backward pass (less memory, more compute).
         rollout: Generation engine and sampling settings.
         sampler: Which responses form a rollout (e.g. G per prompt).
         reward: Outcome reward of a response against the reference answer.
-        environment: Multi-turn episodes instead of one response per prompt (e.g.
-            ``rllight.envs.ArithmeticFeedback``, ``rllight.envs.Calculator``): the model's turns are trained,
-            the environment's observations are context. None = one response per prompt, scored by ``reward``.
-        reward_runner: Where rewards are computed: worker processes with a per-sample timeout (a hanging or
-            crashing reward gives that sample 0 and is counted: ``train/reward/timeouts``,
-            ``train/reward/worker_deaths``); None = in the training process, without a timeout.
-        reward_preflight: Before training, this many rows' reference answers must earn the reward's maximum
-            and a wrong answer must not, or the run stops with one line naming the reward and the row
-            (0 = no check, e.g. for a reward that scores something other than the answer).
+        environment: Multi-turn episodes instead of one response per prompt (e.g. ``rllight.envs.Calculator``): the
+            model's turns are trained, the environment's observations are context. None = one response per prompt.
+        reward_runner: Where rewards are computed: worker processes with a per-sample timeout (a hanging or crashing
+            reward gives that sample 0, counted); None = in the training process, without a timeout.
+        reward_preflight: Before training, this many rows' reference answers must earn the reward's maximum and a
+            wrong answer must not, or the run stops with one line (0 = no check).
         advantage: Advantage estimator (GroupRelative for GRPO, GAE for PPO).
         policy_loss: Per-token policy objective.
         loss_terms: Terms of your own added to the loss of every policy update (``rllight.terms.LossTerm``
             subclasses, e.g. ``class_path: my_lab.LengthPenalty``).
         aggregation: How per-token losses are averaged (token-mean, seq-mean-token-mean, ...).
         critic: The value model: ``ValueHead`` on the shared backbone, ``SeparateCritic``, or None.
-        critic_updates_first: Critic-only updates on each fresh rollout before its values and advantages
-            are recomputed with the updated critic and the policy is updated (VAPO note 000, K_v = 4);
-            0 = critic and policy losses in the same updates.
+        critic_updates_first: Critic-only updates on each fresh rollout before its values and advantages are
+            recomputed and the policy is updated (VAPO note 000, K_v = 4); 0 = critic and policy in the same updates.
         kl: KL to a frozen copy of the initial policy (None = no reference model).
         entropy_coef: Weight of an entropy bonus (0 = off).
         ppo_epochs: Passes over each rollout.
         minibatch_size: Responses per optimizer update over all processes, each taking an equal share (None = the
             whole rollout in one update).
-        micro_batch_size: Responses per forward/backward; gradients accumulate over a minibatch, and
-            the loss is normalised by the minibatch's global token (or sequence) count.
-        micro_batch_tokens: Split minibatches by a token budget instead (rows x padded length per
-            micro-batch), rows grouped by length so that little of the budget is padding; the loss
-            normalisation is unchanged.
+        micro_batch_size: Responses per forward/backward; gradients accumulate over a minibatch, and the loss is
+            normalised by the minibatch's global token (or sequence) count.
+        micro_batch_tokens: Split minibatches by a token budget instead (rows x padded length per micro-batch), rows
+            grouped by length so that little of the budget is padding; the loss normalisation is unchanged.
         max_grad_norm: Gradient-norm clipping of the policy's parameters (None = off).
         critic_max_grad_norm: Gradient-norm clipping of the critic's parameters, separate from the policy's so
             that a jointly trained critic does not scale the policy's step (None = off).
         max_consecutive_skips: An update whose loss or gradient is not finite is skipped and logged
-            (``guard/skipped_updates``); after this many in a row the run stops with an error.
+            (``guard/skipped_updates``); this many in a row stop the run.
         max_failed_reward_steps: A training batch on which the reward failed for every sample (it raised or
             returned a non-finite value) is a warning; this many in a row stop the run with one line.
         max_prompt_tokens: Drop (and count) prompts longer than this many tokens (None = no limit).
         max_steps_without_update: This many RL steps in a row with no update (every rollout empty after the
-            filters: prompts dropped, groups filtered, responses masked) stop the run with one line (None = never).
+            filters) end the run, saved, with one line (None = never).
+        zero_gradient_warning_steps: Warn after this many RL steps in a row whose every policy update had a zero
+            gradient (every advantage 0, or every token masked or clipped; None = never).
+        max_zero_gradient_steps: ... and end the run, saved, after this many (None = never).
         logprob_chunk_size: Compute log-probs and entropy from the hidden states this many positions at a
             time, so the full (B, T, V) float32 logits never exist (same values and gradients).
             None = one pass over the full logits.
-        optimizer: Optimizer over the trainable parameters: one group for the policy (``name: policy``) and,
-            with a critic, one for the critic (``name: critic``, at ``critic.lr`` when set).
+        optimizer: Optimizer over the trainable parameters: one group for the policy (``name: policy``) and, with
+            a critic, one for the critic (``name: critic``, at ``critic.lr`` when set).
         lr_scheduler: Learning-rate schedule, stepped after each policy update, e.g.
             ``rllight.schedules.WarmupSchedule`` (per-group warm-up then constant or cosine). None = constant.
-        evaluation: How the validation loop samples, separately from training (n responses per prompt,
-            temperature, top-p, max tokens, the k of avg@k / pass@k / maj@k); greedy by default.
+        evaluation: How the validation loop samples (n responses per prompt, temperature, top-p, max tokens, the
+            k of avg@k / pass@k / maj@k); greedy by default.
         export_dir: Save the trained policy as a Hugging Face folder here when fit ends.
     """
 
@@ -136,6 +133,8 @@ class RLModule(L.LightningModule):
         max_failed_reward_steps: int = 3,
         max_prompt_tokens: int | None = None,
         max_steps_without_update: int | None = 20,
+        zero_gradient_warning_steps: int | None = 5,
+        max_zero_gradient_steps: int | None = 50,
         logprob_chunk_size: int | None = 1024,
         optimizer: OptimizerCallable = _adamw,
         lr_scheduler: LRSchedulerCallable | None = None,
@@ -143,8 +142,9 @@ class RLModule(L.LightningModule):
         export_dir: str | None = None,
     ):
         super().__init__()
-        check_recipe(advantage, critic, kl, sampler, critic_updates_first, ppo_epochs, micro_batch_size,
-                      max_failed_reward_steps, max_steps_without_update)
+        check_recipe(advantage, critic, kl, sampler, critic_updates_first, dict(
+            ppo_epochs=ppo_epochs, micro_batch_size=micro_batch_size, max_failed_reward_steps=max_failed_reward_steps,
+            max_steps_without_update=max_steps_without_update))
         reward, reward_runner = plain_instance(reward), plain_instance(reward_runner)
         self.automatic_optimization = False
         self.source, self.lora, self.gradient_checkpointing = model, lora, gradient_checkpointing
@@ -166,7 +166,8 @@ class RLModule(L.LightningModule):
         self.scoring = Scoring(rollout, critic, kl is not None, micro_batch_size, micro_batch_tokens,
                                logprob_chunk_size)
         self.updater = Updater(self, self.scoring, aggregation, max_grad_norm, critic_max_grad_norm,
-                               max_consecutive_skips, minibatch_size)
+                               max_consecutive_skips, minibatch_size,
+                               ZeroGradientGuard(zero_gradient_warning_steps, max_zero_gradient_steps))
         self.evaluator = Evaluator(evaluation)
         self.prompt_stream: PromptStream | None = None  # extra training prompts (set up with the data)
         self.extra_prompt_cursor = 0
@@ -178,11 +179,6 @@ class RLModule(L.LightningModule):
     def ranks(self) -> Ranks:
         """Collectives over this run's processes."""
         return Ranks(self._trainer)
-
-    @property
-    def last_val_per_prompt(self) -> dict[str, dict[str, float]]:
-        """The last validation's overall metrics prompt by prompt (for ``evaluate_before_after``)."""
-        return self.evaluator.last_per_prompt
 
     # ----------------------------------------------------------------------------------- set-up
     def setup(self, stage: str) -> None:
@@ -390,12 +386,14 @@ class RLModule(L.LightningModule):
         rollout.advantages, rollout.returns = self.advantage(rollout)
 
     def _log(self, metrics: dict) -> None:
-        """Log a step's metrics as ``train/<key>``; reward and accuracy also on the progress bar."""
+        """Log a step's metrics as ``train/<key>`` at its RL step, counted from 1 as the progress lines count (the
+        loggers' x axis: ``step``; the ``epoch`` Lightning adds without one, kept); reward, accuracy on the bar."""
+        axes = {"step": rl_steps_done(self.trainer) + 1, "epoch": self.current_epoch}
         clean = {k: v.detach().float() if isinstance(v, Tensor) else torch.tensor(float(v))
-                 for k, v in metrics.items()}
+                 for k, v in {**metrics, **axes}.items()}
         prog = {"reward/mean", "reward/accuracy"}
-        self.log_dict({f"train/{k}": v for k, v in clean.items() if k not in prog}, on_step=True, on_epoch=False,
-                      batch_size=1)
+        self.log_dict({k if k in axes else f"train/{k}": v for k, v in clean.items() if k not in prog},
+                      on_step=True, on_epoch=False, batch_size=1)
         self.log_dict({f"train/{k}": v for k, v in clean.items() if k in prog}, on_step=True, on_epoch=False,
                       prog_bar=True, batch_size=1)
 
@@ -418,11 +416,9 @@ class RLModule(L.LightningModule):
         # Progress is an update, or a step a callback used (value pretraining makes no policy update).
         if (self.global_step, self._consumed_steps) == self._epoch_start:
             # Otherwise a run whose every batch is filtered out would loop over epochs forever.
-            raise RecipeError(
-                f"epoch {self.current_epoch} made no update: every batch was empty after filtering "
-                f"({self.producer.dropped_prompts} prompts dropped as longer than max_prompt_tokens="
-                f"{self.producer.max_prompt_tokens}); relax the filters or check the data"
-            )
+            raise RecipeError(f"epoch {self.current_epoch} made no update: every batch was empty after filtering "
+                              f"({self.producer.dropped_prompts} prompts dropped as longer than max_prompt_tokens="
+                              f"{self.producer.max_prompt_tokens}); relax the filters or check the data")
 
     # ---------------------------------------------------------------------------- validate
     def validation_step(self, rows: list[dict], batch_idx: int) -> None:
@@ -430,7 +426,7 @@ class RLModule(L.LightningModule):
 
     def on_validation_epoch_end(self) -> None:
         """The evaluation's metrics (``Evaluator.finish``); ``val/accuracy`` on the progress bar."""
-        metrics = self.evaluator.finish(self.trainer, self.global_step)
+        metrics = self.evaluator.finish(self.trainer, rl_steps_done(self.trainer))
         self.log_dict({k: float(v) for k, v in metrics.items() if k != "val/accuracy"}, sync_dist=False)
         if "val/accuracy" in metrics:
             self.log("val/accuracy", float(metrics["val/accuracy"]), prog_bar=True)

@@ -68,14 +68,17 @@ class RolloutCount:
     """Rollouts (RL steps: one training batch each) done and in all, for a run that may be a resume.
 
     Done: ``datamodule.batches_trained`` (restored by a resume). In all: the rollouts done plus the optimizer
-    updates left to ``trainer.max_steps`` divided by the updates per rollout (planned from the recipe until this
-    run has made some, then measured: a critic's own updates, dynamic sampling or value pretraining change it),
-    and no more than ``max_epochs`` epochs of batches.
+    updates left to ``trainer.max_steps`` divided by the updates per rollout, and no more than ``max_epochs``
+    epochs of batches. The updates per rollout are planned from the recipe until this run has made some, then
+    measured (a critic's own updates, dynamic sampling or value pretraining change it) over the rollouts that
+    trained and those that were empty after filtering: a run whose rollouts are often empty takes that many more
+    of them, and its ETA says so; one that has made no update yet has no total. A rollout that a callback used
+    instead (value pretraining) is not counted: it is not part of what the updates left will cost.
     """
 
     def __init__(self):
-        self.updates = 0  # optimizer updates made by this run's rollouts that made any
-        self.rollouts = 0  # ... and how many rollouts those were
+        self.updates = 0  # optimizer updates made by this run's counted rollouts
+        self.rollouts = 0  # ... and how many rollouts those were (empty ones included)
         self._step_at_start = 0
 
     def batch_start(self, trainer) -> None:
@@ -83,7 +86,7 @@ class RolloutCount:
 
     def batch_end(self, trainer) -> None:
         made = trainer.global_step - self._step_at_start
-        if made > 0:
+        if made > 0 or step_metrics(trainer).get("train/guard/empty_rollouts", 0) > 0:
             self.updates += made
             self.rollouts += 1
 
@@ -91,21 +94,32 @@ class RolloutCount:
         return rl_steps_done(trainer)
 
     def per_rollout(self, trainer) -> float:
+        """Optimizer updates per rollout: measured (0 while every counted rollout was empty), else planned."""
         if self.rollouts:
             return self.updates / self.rollouts
         return planned_updates_per_rollout(trainer.lightning_module, trainer.datamodule)
 
     def total(self, trainer) -> int | None:
-        """The run's rollouts in all (None when neither ``max_steps`` nor ``max_epochs`` bounds them)."""
+        """The run's rollouts in all (None when neither ``max_steps`` nor ``max_epochs`` bounds them, or only
+        ``max_steps`` does and no rollout has made an update yet)."""
         totals = []
         done = self.done(trainer)
-        if trainer.max_steps is not None and trainer.max_steps > 0:
+        per_rollout = self.per_rollout(trainer)
+        if trainer.max_steps is not None and trainer.max_steps > 0 and per_rollout > 0:
             left = max(trainer.max_steps - trainer.global_step, 0)
-            totals.append(done + math.ceil(round(left / max(self.per_rollout(trainer), 1e-9), 6)))
+            totals.append(done + math.ceil(round(left / per_rollout, 6)))
         per_epoch = trainer.num_training_batches
         if trainer.max_epochs is not None and trainer.max_epochs > 0 and math.isfinite(per_epoch):
             totals.append(int(trainer.max_epochs * per_epoch))
         return min(totals) if totals else None
+
+    def total_updates(self, trainer) -> int | None:
+        """The optimizer updates the run will have made at its end: a rollout's updates all run, so ``max_steps``
+        rounded up to whole rollouts (4 for ``max_steps`` 1 with 4 updates a rollout); None where unknown."""
+        total = self.total(trainer)
+        if total is None:
+            return trainer.max_steps if trainer.max_steps is not None and trainer.max_steps > 0 else None
+        return trainer.global_step + round(max(total - self.done(trainer), 0) * self.per_rollout(trainer))
 
 
 class StepLog(L.Callback):
@@ -164,16 +178,15 @@ class StepLog(L.Callback):
         """The line of the step just done, from the metrics it logged."""
         done, total = self.count.done(trainer), self.count.total(trainer)
         parts = [f"step {done}/{total if total is not None else '?'}"]
-        if trainer.max_steps is not None and trainer.max_steps > 0:
-            parts.append(f"updates {trainer.global_step}/{trainer.max_steps}")
+        updates = self.count.total_updates(trainer)
+        parts.append(f"updates {trainer.global_step}" + (f"/{updates}" if updates is not None else ""))
         parts += [f"{label} {fmt.format(metrics[key])}" for label, key, fmt in STEP_FIELDS if key in metrics]
         if metrics.get("train/sampling/cap_hit", 0) > 0:  # dynamic sampling trained on fewer groups than its target
             short = metrics.get("train/sampling/groups_short", 0)
             parts.append(f"partial batch ({short:.0f} groups short: max_rounds)")
         per_step = sum(self.durations) / len(self.durations)
         parts.append(f"{per_step:.1f}s/step")
-        if total is not None:
-            parts.append(f"ETA {duration(max(total - done, 0) * per_step)}")
+        parts.append(f"ETA {duration(max(total - done, 0) * per_step)}" if total is not None else "ETA ?")
         return " | ".join(parts)
 
     # ---------------------------------------------------------------------------------- evaluation

@@ -5,13 +5,12 @@ from __future__ import annotations
 from rllight.errors import RecipeError
 
 
-def check_recipe(advantage, critic, kl, sampler, critic_updates_first: int, ppo_epochs: int,
-                  micro_batch_size: int, max_failed_reward_steps: int, max_steps_without_update: int | None) -> None:
-    """One-line errors for settings that cannot work together, before anything loads."""
-    for name, value in (("ppo_epochs", ppo_epochs), ("micro_batch_size", micro_batch_size),
-                        ("max_failed_reward_steps", max_failed_reward_steps),
-                        ("max_steps_without_update", max_steps_without_update)):
-        if value is not None and value < 1:  # None: never (max_steps_without_update)
+def check_recipe(advantage, critic, kl, sampler, critic_updates_first: int, counts: dict[str, int | None]) -> None:
+    """One-line errors for settings that cannot work together, before anything loads. ``counts``: the module's
+    options that count something (``{"ppo_epochs": 1, ...}``), each at least 1 where set (None: never, for a
+    guard)."""
+    for name, value in counts.items():
+        if value is not None and value < 1:
             raise RecipeError(f"model.{name} must be >= 1, got {value}")
     if advantage.needs_values and critic is None:
         raise RecipeError(f"model.advantage: {type(advantage).__name__} needs a critic; set model.critic "

@@ -17,9 +17,10 @@ import threading
 import lightning as L
 import torch
 
-from rllight.errors import RecipeError
+from rllight._compat import rl_steps_done
+from rllight.errors import RecipeError, RunStopped
 from rllight.paths import existing_ancestor
-from rllight.stopping import Interrupted, clear_stop, request_stop
+from rllight.stopping import Interrupted, clear_stop, ending, request_stop
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +225,12 @@ class Interrupts(L.Callback):
     is saved: the run stops and says so.
 
     The checkpoint goes to the ModelCheckpoint's folder (else ``<default_root_dir>/checkpoints``) as
-    ``interrupted-step=N.ckpt`` (never over an existing file).
+    ``interrupted-step=N.ckpt``, N the RL steps done (never over an existing file).
+
+    A guard that finds the run cannot usefully go on (``rllight.stopping.end_after_step``) ends it the same way,
+    after its step: saved as ``stopped-step=N.ckpt``, then ``RunStopped`` (one line, exit code 2) says why and how
+    to resume. A crash inside a step (``on_exception``) is saved as ``crashed-step=N.ckpt`` where one process can
+    (``_save_after_crash``); every message names a checkpoint that exists, or says there is none.
 
     Args:
         resume_command: The command line that resumes the run, without ``--ckpt_path``.
@@ -279,7 +285,7 @@ class Interrupts(L.Callback):
     def _target(self, trainer, kind: str = "interrupted") -> str:
         callback = trainer.checkpoint_callback
         folder = getattr(callback, "dirpath", None) or os.path.join(trainer.default_root_dir, "checkpoints")
-        stem = f"{kind}-step={trainer.global_step}"
+        stem = f"{kind}-step={rl_steps_done(trainer)}"  # the RL step, as the progress lines count
         path, version = os.path.join(folder, f"{stem}.ckpt"), 0
         while os.path.exists(path):
             version += 1
@@ -287,22 +293,30 @@ class Interrupts(L.Callback):
         return path
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        stop = trainer.strategy.reduce_boolean_decision(self._sigint or trainer.received_sigterm, all=False)
+        reason = ending()  # a guard's (rllight.stopping.end_after_step), else a signal's
+        stop = trainer.strategy.reduce_boolean_decision(
+            self._sigint or trainer.received_sigterm or reason is not None, all=False)
         if not stop:
             return
         what = "SIGTERM" if trainer.received_sigterm else "Ctrl-C"
-        step = trainer.global_step
+        done = f"RL step {rl_steps_done(trainer)} ({trainer.global_step} optimizer updates)"
+        path = None
         if trainer.checkpoint_callbacks:
-            path = trainer.strategy.broadcast(self._target(trainer))
+            path = trainer.strategy.broadcast(self._target(trainer, "interrupted" if reason is None else "stopped"))
             trainer.save_checkpoint(path, weights_only=False)  # explicit: else Lightning 2.6 logs that it assumed it
             self.saved_path = path
-            message = (f"rllight: {what}: stopped after step {step}; resume with: {self.resume_command} "
-                       f"--ckpt_path {shlex.quote(path)}")
+        self._restore()
+        if not (self._sigint or trainer.received_sigterm):  # a guard's stop: its reason is the run's error
+            kept = (f"{done} is saved: resume with: {self.resume_command} --ckpt_path {shlex.quote(path)}" if path
+                    else f"stopped after {done}; nothing saved (trainer.enable_checkpointing: false)")
+            raise RunStopped(f"{reason or 'a guard on another rank ended the run (see its log)'}; {kept}")
+        if path:
+            message = f"rllight: {what}: stopped after {done}; resume with: {self.resume_command} --ckpt_path " \
+                      f"{shlex.quote(path)}"
         else:
-            message = f"rllight: {what}: stopped after step {step}; nothing saved (trainer.enable_checkpointing: false)"
+            message = f"rllight: {what}: stopped after {done}; nothing saved (trainer.enable_checkpointing: false)"
         if trainer.is_global_zero:
             print(message, flush=True)
-        self._restore()
         if not trainer.received_sigterm:  # SIGTERM: Lightning's loop raises SIGTERMException next
             raise Interrupted(130)
 
@@ -310,7 +324,7 @@ class Interrupts(L.Callback):
         # What a crash in this step can save: the state as the step began, while it has made no update.
         from rllight.checkpoint import rng_state
 
-        self._step_start = (self._updates(pl_module), rng_state())
+        self._step_start = (self._updates(pl_module), rng_state(), rl_steps_done(trainer))
 
     @staticmethod
     def _updates(pl_module) -> int:
@@ -320,35 +334,70 @@ class Interrupts(L.Callback):
         self._restore()
         from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-        if not isinstance(exception, (Interrupted, KeyboardInterrupt, SIGTERMException)):
+        if not isinstance(exception, (Interrupted, KeyboardInterrupt, SIGTERMException, RunStopped)):
             self._save_after_crash(trainer, pl_module)
 
     def _save_after_crash(self, trainer, pl_module) -> None:
-        """After a crash inside a training step: save the last completed step where that state is still whole (one
-        process, and the step had made no update yet), and say where; else say what to resume from."""
+        """After a crash inside a training step, on one process: save the run where it is and say how to resume.
+        Where the failed step had made no update yet that is the last completed step, its batch to be drawn again;
+        where it had made some (an out-of-memory in a later minibatch, an engine that died while taking the new
+        weights), the updates made are kept and the step counts as done, without its other updates: nothing
+        trained is lost, and the message says so. With several processes a failed rank cannot save (the others do
+        not join its collectives): the message names the newest checkpoint that exists."""
         start = getattr(self, "_step_start", None)
-        if start is None or start[0] == 0 or not trainer.checkpoint_callbacks:
-            return  # no training yet, or checkpoints are off
-        step = trainer.global_step
-        if trainer.world_size > 1 or self._updates(pl_module) != start[0]:
-            why = "several processes" if trainer.world_size > 1 else "it failed after some of the step's updates"
-            print(f"rllight: the run failed in the step after step {step}; no checkpoint of it could be saved "
-                  f"({why}): resume from the last checkpoint in {os.path.dirname(self._target(trainer))}",
-                  file=sys.stderr, flush=True)
+        if start is None or not trainer.checkpoint_callbacks:
+            return  # no training step yet, or checkpoints are off
+        failed = f"RL step {start[2] + 1}"
+        made = self._updates(pl_module) - start[0]
+        if trainer.world_size > 1:
+            print(f"rllight: the run failed in {failed}; with several processes it cannot be saved: "
+                  f"{self._newest_saved(trainer)}", file=sys.stderr, flush=True)
             return
+        if start[0] == 0 and made == 0:
+            return  # the failed step is this process's first: the run's start (or its checkpoint) is as it was
         from rllight.checkpoint import set_rng_state
 
-        set_rng_state(start[1])  # the streams as the failed step began: a resume draws its rollout again
-        progress = trainer.fit_loop.epoch_loop.batch_progress  # the failed batch as not begun (Lightning 2.5, 2.6)
-        for count in (progress.total, progress.current):
-            count.ready = count.started = count.processed = count.completed
+        progress = trainer.fit_loop.epoch_loop.batch_progress  # Lightning 2.5, 2.6
+        if made == 0:
+            set_rng_state(start[1])  # the streams as the failed step began: a resume draws its rollout again
+            for count in (progress.total, progress.current):  # the failed batch as not begun
+                count.ready = count.started = count.processed = count.completed
+            kept = f"RL step {start[2]} is saved"
+        else:
+            datamodule = trainer.datamodule
+            if getattr(datamodule, "batches_trained", None) == start[2]:  # not yet counted (RLModule.training_step)
+                datamodule.batches_trained += 1  # the failed batch as done, as a checkpoint after it would count it
+            for count in (progress.total, progress.current):  # as saved at the batch's end (Lightning's restart)
+                count.processed = count.started
+            kept = (f"it had made {made} optimizer update(s), kept: it is saved as done, without its other "
+                    "updates")
         path = self._target(trainer, "crashed")
         try:
             trainer.save_checkpoint(path, weights_only=False)
         except Exception as err:  # noqa: BLE001 - the run has failed already; its own error follows
-            print(f"rllight: could not save the last completed step {step} to {path} ({err})", file=sys.stderr,
-                  flush=True)
+            print(f"rllight: the run failed in {failed} and could not be saved to {path} ({err}): "
+                  f"{self._newest_saved(trainer)}", file=sys.stderr, flush=True)
             return
         self.saved_path = path
-        print(f"rllight: the run failed in the step after step {step}; step {step} is saved: resume with: "
-              f"{self.resume_command} --ckpt_path {shlex.quote(path)}", file=sys.stderr, flush=True)
+        print(f"rllight: the run failed in {failed}; {kept}: resume with: {self.resume_command} --ckpt_path "
+              f"{shlex.quote(path)}", file=sys.stderr, flush=True)
+
+    def _newest_saved(self, trainer) -> str:
+        """How to resume from the newest checkpoint that exists (``newest_checkpoint``), or that there is none."""
+        path = newest_checkpoint(trainer)
+        if path is None:
+            return "no checkpoint of it exists yet; start it again"
+        return f"resume from the newest checkpoint with: {self.resume_command} --ckpt_path {shlex.quote(path)}"
+
+
+def newest_checkpoint(trainer) -> str | None:
+    """The newest checkpoint of the run that exists: in its checkpoint folders (files, or the folders of sharded
+    checkpoints), or the one it resumed from. None where there is none."""
+    folders = {getattr(cb, "dirpath", None) for cb in trainer.checkpoint_callbacks}
+    folders = {f for f in folders if f} | {os.path.join(trainer.default_root_dir, "checkpoints")}
+    found = [str(trainer.ckpt_path)] if trainer.ckpt_path and os.path.exists(str(trainer.ckpt_path)) else []
+    for folder in folders:
+        names = os.listdir(folder) if os.path.isdir(folder) else []
+        found += [os.path.join(folder, n) for n in names if n.endswith(".ckpt") and (
+            os.path.isfile(os.path.join(folder, n)) or os.path.isfile(os.path.join(folder, n, "meta.pt")))]
+    return max(found, key=os.path.getmtime) if found else None

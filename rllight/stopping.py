@@ -19,6 +19,7 @@ STOP_GRACE_SECONDS = 5.0
 vLLM server) may go on before the run gives up the step and stops (``wait_stoppable``)."""
 
 _stop: dict[str, float] = {}  # {"what": "SIGTERM" or "Ctrl-C", "at": time.monotonic()} once a stop is asked
+_ending: list[str] = []  # why a guard asked the run to end after the current RL step (the first reason)
 
 
 def request_stop(what: str) -> None:
@@ -33,6 +34,21 @@ def stop_requested() -> tuple[str, float] | None:
 
 def clear_stop() -> None:
     _stop.clear()
+    _ending.clear()
+
+
+def end_after_step(reason: str) -> None:
+    """Ask the run to end after the current RL step, as Ctrl-C does (the step completes and is saved), with
+    ``reason`` as its one-line error: for a guard that finds the run cannot usefully go on (RL steps without an
+    update, updates without a gradient). Raising in the middle of the step instead would leave a state that no
+    checkpoint can hold (some of the step's updates made, not all). ``rllight.safety.Interrupts`` acts on it."""
+    if not _ending:
+        _ending.append(reason)
+
+
+def ending() -> str | None:
+    """The reason a guard gave ``end_after_step`` in this process, or None."""
+    return _ending[0] if _ending else None
 
 
 def wait_stoppable(done: threading.Event, seconds: float, what: str) -> bool:
@@ -98,5 +114,5 @@ def _raise_in(thread: threading.Thread) -> None:
         ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(_GivenUp))
 
 
-__all__ = ["STOP_GRACE_SECONDS", "Interrupted", "call_stoppable", "check_stop", "clear_stop", "request_stop",
-           "stop_requested", "wait_stoppable"]
+__all__ = ["STOP_GRACE_SECONDS", "Interrupted", "call_stoppable", "check_stop", "clear_stop", "end_after_step",
+           "ending", "request_stop", "stop_requested", "wait_stoppable"]

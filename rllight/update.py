@@ -13,15 +13,56 @@ from torch.profiler import record_function
 
 from rllight._compat import no_gradient_sync, return_free_memory
 from rllight.distributed import Ranks, share
+from rllight.errors import RecipeError
 from rllight.fsdp import full_tensor
 from rllight.precision import RecastWeights
 from rllight.rollout.metrics import critic_explained_variance, reduce_stats
 from rllight.scoring import Outputs, Scoring
+from rllight.stopping import end_after_step
 from rllight.strategies import Aggregation
 from rllight.terms import CriticLoss, HeadOnlyCriticFit, LossTerm, ResponseNLL
 from rllight.types import Rollout
 
 log = logging.getLogger(__name__)
+
+
+class ZeroGradientGuard:
+    """RL steps in a row whose every policy update had a gradient of exactly zero: nothing was learned from them
+    (every advantage 0, as when each group's responses all earn one reward, or every token masked or clipped). A
+    warning after ``warn_after`` of them, and after ``stop_after`` the run ends after the step, saved
+    (``rllight.stopping.end_after_step``): the policy no longer changes, so neither do its rollouts. The norms are of
+    the gradient summed over ranks, so every rank counts alike. A step with no policy update is not counted
+    (``max_steps_without_update`` guards those), and neither is one whose updates moved the policy.
+
+    Args:
+        warn_after: Steps in a row before the warning (None = never).
+        stop_after: Steps in a row before the stop (None = never).
+    """
+
+    def __init__(self, warn_after: int | None = 5, stop_after: int | None = 50):
+        for key, value in (("zero_gradient_warning_steps", warn_after), ("max_zero_gradient_steps", stop_after)):
+            if value is not None and value < 1:
+                raise RecipeError(f"model.{key} must be >= 1, got {value}")
+        self.warn_after, self.stop_after = warn_after, stop_after
+        self.in_a_row = 0
+
+    def note(self, grad_norms: Sequence[Tensor], step: int) -> None:
+        """One RL step's policy gradient norms (one per update made, before clipping)."""
+        if not grad_norms:
+            return
+        if any(float(n) != 0.0 for n in grad_norms):
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        what = (f"{self.in_a_row} RL steps in a row had a zero policy gradient in every update, so the policy did "
+                "not learn from them: every advantage was 0 (each group's responses earned one reward: see "
+                "train/reward/mean) or every token was masked or clipped")
+        if self.stop_after is not None and self.in_a_row >= self.stop_after:
+            end_after_step(f"{what}; check the reward and the task's difficulty for this model "
+                           "(model.max_zero_gradient_steps sets when this stops a run)")
+        elif self.in_a_row == self.warn_after:
+            log.warning("step %d: %s; the run stops after %s (model.max_zero_gradient_steps)", step, what,
+                        self.stop_after if self.stop_after is not None else "never")
 
 
 class Updater:
@@ -43,11 +84,14 @@ class Updater:
         minibatch_size: Responses per update of a critic-only or NLL schedule when the caller names none (None =
             the whole rollout in one update). Every minibatch size given here is a total over the training
             processes: each takes an equal share of the rows.
+        zero_gradients: Counts the RL steps in a row whose policy updates had no gradient (None = a default one).
     """
 
     def __init__(self, lightning, scoring: Scoring, aggregation: Aggregation, max_grad_norm: float | None,
-                 critic_max_grad_norm: float | None, max_consecutive_skips: int, minibatch_size: int | None = None):
+                 critic_max_grad_norm: float | None, max_consecutive_skips: int, minibatch_size: int | None = None,
+                 zero_gradients: ZeroGradientGuard | None = None):
         self.lightning = lightning
+        self.zero_gradients = zero_gradients or ZeroGradientGuard()
         self.minibatch_size = minibatch_size
         self.scoring = scoring
         self.aggregation = aggregation
@@ -85,6 +129,7 @@ class Updater:
                 out = self.update(rollout.select(index), terms, "policy", "policy/loss", policy_step=True)
                 for k, v in out.items():
                     stats.setdefault(k, []).append(v)
+        self.zero_gradients.note(stats.get("policy/grad_norm", []), self.lightning.global_step)
         return reduce_stats(stats)
 
     def critic_update(self, rollout: Rollout, epochs: int = 1, minibatch_size: int | None = None,
@@ -233,14 +278,14 @@ class Updater:
         """Drop a non-finite update's gradients; stop the run after ``max_consecutive_skips`` in a row."""
         self.consecutive_skips += 1
         step = self.lightning.global_step
-        log.warning("step %d: non-finite loss or gradient; update skipped (%d in a row), the run stops at "
+        log.warning("after update %d: non-finite loss or gradient; update skipped (%d in a row), the run stops at "
                     "model.max_consecutive_skips=%d: if it recurs, lower the learning rate or set model.max_grad_norm",
                     step, self.consecutive_skips, self.max_consecutive_skips)
         optimizer.zero_grad(set_to_none=True)
         if self.consecutive_skips >= self.max_consecutive_skips:
             raise FloatingPointError(
-                f"stopping at step {step}: {self.consecutive_skips} consecutive updates had a non-finite loss or "
-                "gradient; lower the learning rate or check the reward, then resume from the last checkpoint"
+                f"stopping after update {step}: {self.consecutive_skips} consecutive updates had a non-finite loss or "
+                "gradient; lower the learning rate or check the reward, then resume from the checkpoint named above"
             )
         return torch.tensor(1.0)
 

@@ -66,7 +66,7 @@ def test_bench_step_prints_the_phase_medians_tokens_per_s_peak_memory_and_the_he
     assert re.fullmatch(r"rllight_step_s=[\d.e+-]+", last), last
     assert float(last.split("=")[1]) == table["step s"]
     # --steps RL steps ran, each one rollout with one optimizer update.
-    assert [int(r["step"]) for r in logged_steps(out / "rllight")] == [0, 1, 2]
+    assert [int(r["step"]) for r in logged_steps(out / "rllight")] == [1, 2, 3]
     # --profile 1: step 1's phases, generation per token among them.
     assert "| rllight.generate.token |" in (out / "profile" / "profile.md").read_text()
     # The record: rllight's row, the table's numbers as printed, the held-out accuracies, the last line's value.

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import rllight.checkpoint
+import rllight.errors
 import rllight.cli
 from conftest import RECIPES
 from helpers import build, tiny_overrides
@@ -138,14 +139,19 @@ def test_ckpt_path_last_resumes_from_the_runs_last_checkpoint(tmp_path, tiny_mod
     assert cli.trainer.global_step == 3 and _last(tmp_path) == 3  # one more step, from step 2
 
 
-def test_ckpt_path_last_finds_the_earlier_runs_checkpoint_under_the_default_logger(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("given", ["command line", "recipe file"])
+def test_ckpt_path_last_finds_the_earlier_runs_checkpoint_under_the_default_logger(given, tmp_path, tiny_model_dir):
     """With a logger each run keeps its checkpoints in its own version_N folder, where Lightning's "last" (the new
-    run's empty folder) never looks: the newest last.ckpt under default_root_dir is the one resumed."""
+    run's empty folder) never looks: the newest last.ckpt under default_root_dir is the one resumed, whether
+    ``ckpt_path: last`` comes on the command line or in a recipe file."""
     args = ["fit", "--config", os.path.join(RECIPES, "grpo.yaml"), "--config", tiny_overrides(tmp_path, tiny_model_dir),
             "--trainer.enable_checkpointing", "true", "--trainer.logger", "true"]
     rllight.cli.RLLightCLI(args=[*args, "--trainer.max_steps", "2"])
     (first,) = (tmp_path / "lightning_logs").glob("version_*/checkpoints/last.ckpt")
-    cli = rllight.cli.RLLightCLI(args=[*args, "--trainer.max_steps", "3", "--ckpt_path", "last"])
+    resume = tmp_path / "resume.yaml"
+    resume.write_text("ckpt_path: last\n")
+    last = ["--ckpt_path", "last"] if given == "command line" else ["--config", str(resume)]
+    cli = rllight.cli.RLLightCLI(args=[*args, "--trainer.max_steps", "3", *last])
     assert cli.trainer.global_step == 3  # one more step, from step 2: resumed, not started afresh
     assert cli.config.fit.ckpt_path == str(first)
     assert "version_1" in cli.trainer.checkpoint_callback.dirpath  # the resumed run writes a folder of its own
@@ -198,11 +204,13 @@ def test_the_newest_checkpoint_keep_stay_and_the_first_says_its_folder_and_size(
 
 def test_checkpoints_come_every_n_rl_steps_however_many_updates_a_step_makes(tmp_path, tiny_model_dir, capsys):
     """Two updates per rollout (ppo_epochs 2), a checkpoint every 2 RL steps, 4 rollouts: saved after rollouts 2 and
-    4 (updates 4 and 8), not after every rollout as a count of updates would have it."""
+    4 (updates 4 and 8), not after every rollout as a count of updates would have it; the files are named by the RL
+    step, as the per-step lines count."""
     cli = _fit(tmp_path, tiny_model_dir, 8, "--checkpoint.every_n_steps", "2", "--checkpoint.keep", "5",
                "--model.ppo_epochs", "2")
     assert (cli.datamodule.batches_trained, cli.trainer.global_step) == (4, 8)
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["last.ckpt", "step=4.ckpt", "step=8.ckpt"]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["last.ckpt", "step=2.ckpt", "step=4.ckpt"]
+    assert torch.load(tmp_path / "checkpoints" / "step=2.ckpt", weights_only=True)["global_step"] == 4
     said = [line for line in capsys.readouterr().out.splitlines() if "rllight: checkpoint after" in line]
     assert len(said) == 1 and said[0].startswith("rllight: checkpoint after step 2 (update 4) saved to "), said
     assert "; one every 2 RL steps and at the end, the newest 5 kept in " in said[0]
@@ -243,7 +251,7 @@ def test_a_finished_run_says_where_its_model_and_checkpoint_are_and_the_commands
         rllight.cli.RLLightCLI(args=_command(line))
         out = capsys.readouterr().out
         assert "rllight: evaluation of 4 prompts" in out
-        tables.append(json.loads((tmp_path / "validate_summary.json").read_text())["table"])
+        tables.append(json.loads((tmp_path / "validate" / "validate_summary.json").read_text())["table"])
     assert tables[0] == tables[1] and tables[0]["all"]["prompts"] == 4
     further = _command(lines[5])
     assert further[-4:] == ["--ckpt_path", str(last), "--trainer.max_steps", "4"]
@@ -291,3 +299,50 @@ def test_checkpoint_options_that_cannot_act_say_so(tmp_path, tiny_model_dir, cap
         cli = build(os.path.join(RECIPES, "grpo.yaml"), overlay, "--checkpoint.keep", "3")
     assert not cli.trainer.checkpoint_callbacks  # the overlay turns checkpointing off
     assert any("checkpoint.* options" in r.getMessage() and "no effect" in r.getMessage() for r in caplog.records)
+
+
+def test_a_failure_after_some_of_a_steps_updates_keeps_them_saved_and_the_run_resumes(tmp_path, tiny_model_dir,
+                                                                                      capsys):
+    """The engine dies while taking the weights of step 2's first update (2 updates a step): what was trained is
+    saved as it is, step 2 counted as done without its second update, and the message names that file; the resume
+    from it goes on with step 3 and trains to the end."""
+    engine = {"class_path": "user_strategies.FailsOnSync", "init_args": {"at": 3, "max_new_tokens": 6}}
+    cli = build(os.path.join(RECIPES, "grpo.yaml"), tiny_overrides(tmp_path, tiny_model_dir, rollout=engine,
+                                                                    ppo_epochs=2),
+                "--trainer.enable_checkpointing", "true", "--trainer.max_steps", "8")
+    with pytest.raises(rllight.errors.ComponentError, match="died while taking the new weights"):
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    saved = tmp_path / "checkpoints" / "crashed-step=2.ckpt"  # named by the RL steps it holds as done
+    err = capsys.readouterr().err
+    assert (f"rllight: the run failed in RL step 2; it had made 1 optimizer update(s), kept: it is saved as done, "
+            f"without its other updates: resume with: ") in err and f"--ckpt_path {saved}" in err, err[-2000:]
+    state = torch.load(saved, weights_only=True)
+    assert state["global_step"] == 3 and state["RLDataModule"] == {"batches_trained": 2}
+    resumed = build(os.path.join(RECIPES, "grpo.yaml"), tiny_overrides(tmp_path, tiny_model_dir, ppo_epochs=2),
+                    "--trainer.enable_checkpointing", "true", "--trainer.max_steps", "7")
+    resumed.trainer.fit(resumed.model, datamodule=resumed.datamodule, ckpt_path=str(saved))
+    assert resumed.trainer.global_step == 7 and resumed.datamodule.batches_trained == 4  # steps 3 and 4
+
+
+def test_the_newest_checkpoint_is_named_where_a_failure_cannot_save(tmp_path):
+    """With several processes a failed rank cannot save: the message names the newest checkpoint that exists (a
+    file or a sharded checkpoint's folder), or says there is none."""
+    from types import SimpleNamespace
+
+    from rllight.safety import newest_checkpoint
+
+    own = tmp_path / "own"
+    trainer = SimpleNamespace(checkpoint_callbacks=[SimpleNamespace(dirpath=str(own))], default_root_dir=str(tmp_path),
+                              ckpt_path=None)
+    assert newest_checkpoint(trainer) is None
+    resumed_from = tmp_path / "earlier.ckpt"
+    resumed_from.write_bytes(b"x")
+    trainer.ckpt_path = str(resumed_from)
+    assert newest_checkpoint(trainer) == str(resumed_from)
+    own.mkdir()
+    (own / "notes.txt").write_text("not a checkpoint")
+    (own / "sharded.ckpt").mkdir()  # a folder without meta.pt: not a checkpoint
+    assert newest_checkpoint(trainer) == str(resumed_from)
+    (own / "sharded.ckpt" / "meta.pt").write_bytes(b"x")
+    os.utime(own / "sharded.ckpt", (2e9, 2e9))
+    assert newest_checkpoint(trainer) == str(own / "sharded.ckpt")

@@ -1,5 +1,6 @@
 """Guards: non-finite updates are skipped then stop the run; long prompts are dropped and counted;
-an empty batch after filtering is a no-op step; token-budget micro-batches leave the update unchanged."""
+an empty batch after filtering is a no-op step; steps without an update or without a gradient end the run, saved;
+token-budget micro-batches leave the update unchanged."""
 
 import os
 
@@ -67,9 +68,11 @@ def test_steps_without_an_update_stop_the_run_before_the_epoch_ends(tmp_path, ti
     from rllight.errors import RecipeError
 
     cli = build(os.path.join(RECIPES, "grpo.yaml"), tiny_overrides(tmp_path, tiny_model_dir, max_prompt_tokens=3,
-                                                                    max_steps_without_update=3))
+                                                                    max_steps_without_update=3),
+                "--trainer.enable_checkpointing", "true")
     with pytest.raises(RecipeError, match=r"^3 RL steps in a row made no update: .*max_prompt_tokens=3.*"
-                                          r"model\.max_steps_without_update"):
+                                          r"model\.max_steps_without_update.*; RL step 3 \(0 optimizer updates\) is "
+                                          r"saved: resume with: "):
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     assert cli.model.producer.dropped_prompts == 6  # 3 batches of 2 prompts, not the epoch's 8
     with pytest.raises(RecipeError, match=r"^model\.max_steps_without_update must be >= 1, got 0$"):
@@ -198,3 +201,42 @@ def test_malformed_names_what_is_wrong_with_a_generation():
     assert "positive" in malformed(gen([[-0.5, 0.01], [-2.0, 0.0]]), 2, 2)
     assert "over max_new_tokens=1" in malformed(gen([[-0.5, -1.0], [-2.0, 0.0]]), 2, 1)
     assert "3 responses expected" in malformed(gen([[-0.5, -1.0], [-2.0, 0.0]]), 3, 2)
+
+
+def test_steps_whose_updates_have_no_gradient_warn_then_end_the_run_saved(tmp_path, tiny_model_dir, caplog):
+    """One reward for every response: every advantage and so every update's gradient is exactly 0, and the policy
+    never moves. A warning after zero_gradient_warning_steps such RL steps in a row; after max_zero_gradient_steps the
+    run ends after the step, saved, with one line naming the option and the checkpoint that resumes it."""
+    from rllight.errors import RunStopped
+
+    cli = build(os.path.join(RECIPES, "grpo.yaml"), tiny_overrides(
+        tmp_path, tiny_model_dir, reward={"class_path": "user_strategies.ConstantReward"},
+        zero_gradient_warning_steps=2, max_zero_gradient_steps=3),
+        "--trainer.max_steps", "12", "--trainer.enable_checkpointing", "true")
+    with pytest.raises(RunStopped, match=r"^3 RL steps in a row had a zero policy gradient in every update.*"
+                                         r"model\.max_zero_gradient_steps.*; RL step 3 \(3 optimizer updates\) is saved: "
+                                         r"resume with: rllight .* --ckpt_path \S+$") as stopped:
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    path = str(stopped.value).rsplit("--ckpt_path ", 1)[1]
+    assert path == str(tmp_path / "checkpoints" / "stopped-step=3.ckpt")
+    state = torch.load(path, weights_only=True)
+    assert state["global_step"] == 3 and state["RLDataModule"] == {"batches_trained": 3}
+    warned = [r.getMessage() for r in caplog.records if "zero policy gradient" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith("step 2: 2 RL steps in a row had a zero policy gradient")
+
+
+def test_the_zero_gradient_count_restarts_at_a_step_that_learned():
+    from rllight.update import ZeroGradientGuard
+
+    guard = ZeroGradientGuard(warn_after=None, stop_after=3)
+    zero, some = torch.tensor(0.0), torch.tensor(0.25)
+    for norms in ([zero, zero], [zero], [zero, some], [zero], [], [zero]):  # [] : a step without a policy update
+        guard.note(norms, step=0)
+    assert guard.in_a_row == 2  # counted again from the step that learned, the step without an update skipped
+
+
+def test_zero_gradient_guard_settings_are_checked_at_parse_time(tmp_path, tiny_model_dir):
+    from rllight.errors import RecipeError
+
+    with pytest.raises(RecipeError, match=r"^model\.max_zero_gradient_steps must be >= 1, got 0$"):
+        build(os.path.join(RECIPES, "grpo.yaml"), tiny_overrides(tmp_path, tiny_model_dir, max_zero_gradient_steps=0))

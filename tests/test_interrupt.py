@@ -66,16 +66,19 @@ def test_sigterm_saves_after_the_step_and_the_run_resumes_from_it(tmp_path, tiny
 
 @pytest.mark.slow
 def test_ctrl_c_finishes_the_step_saves_and_exits_130(tmp_path, tiny_model_dir):
-    overlay = tiny_overrides(tmp_path, tiny_model_dir)
+    """2 updates a rollout: the message and the file count RL steps as the step lines do, and name the updates."""
+    overlay = tiny_overrides(tmp_path, tiny_model_dir, ppo_epochs=2)
     signal_cb = ["--trainer.callbacks+", "test_interrupt.SignalAt", "--trainer.callbacks.step", "0",
                  "--trainer.callbacks.signum", str(int(signal.SIGINT))]
-    stopped = _run(tmp_path, overlay, "--trainer.max_steps", "3", *signal_cb)
+    stopped = _run(tmp_path, overlay, "--trainer.max_steps", "6", *signal_cb)
     assert stopped.returncode == 130, stopped.stderr[-3000:]
     assert "KeyboardInterrupt" not in stopped.stderr
     path = _saved_path(stopped.stdout)
     state = torch.load(path, weights_only=True)
-    assert state["global_step"] == 1 and state["RLDataModule"] == {"batches_trained": 1}
+    assert state["global_step"] == 2 and state["RLDataModule"] == {"batches_trained": 1}
     assert path.endswith("interrupted-step=1.ckpt")
+    assert "rllight: step 1/3 | updates 2/6 |" in stopped.stdout
+    assert "rllight: Ctrl-C: stopped after RL step 1 (2 optimizer updates); resume with: " in stopped.stdout
 
 
 @pytest.mark.slow

@@ -71,6 +71,9 @@ def test_a_log_file_gets_one_line_per_rollout_and_no_noise(tmp_path, tiny_model_
     assert _steps(text) == [(1, 3, 2, 6), (2, 3, 4, 6), (3, 3, 6, 6)], text[-3000:]
     assert "rllight: evaluation before training: 1 batch (4 prompts)" in text
     assert "rllight: evaluation after 6 updates: 1 batch (4 prompts)" in text
+    # The evaluation files count RL steps, as the lines do: before training, and after 3 rollouts (6 updates).
+    names = {p.name for p in tmp_path.rglob("val_step*.json")}
+    assert {"val_step0.json", "val_step3.json"} <= names and "val_step6.json" not in names, names
     assert len(re.findall(r"^rllight: evaluation: 1/1 batches in \S+$", text, re.M)) == 2
     assert len(re.findall(r"^rllight: evaluation done in \S+: accuracy [\d.]+$", text, re.M)) == 2
     assert re.search(r"^rllight: model: [\d.]+ \w* ?trainable parameters, 0 frozen, [\d.]+ MB$", text, re.M)  # no FLOPs
@@ -171,6 +174,46 @@ def test_rollouts_are_counted_from_updates_planned_then_measured():
     # max_epochs bounds it too: 2 epochs of 7 batches.
     assert count.total(_trainer(max_steps=-1, max_epochs=2, num_training_batches=7)) == 14
     assert count.total(_trainer(max_steps=-1, max_epochs=-1)) is None
+
+
+def test_steps_that_trained_nothing_count_in_the_eta_and_the_updates_total_is_whole_rollouts(monkeypatch):
+    """A rollout empty after filtering makes no update and costs a step all the same: the updates per rollout are
+    measured over those too, so a run that trains every other step shows twice the steps left (not the 1 step its
+    max_steps would take at full rate); with no update made yet there is no total and the ETA says so. The updates
+    shown against their total are what the run will make: whole rollouts (max_steps 1 at 4 a rollout: 4/4)."""
+    import rllight.progress
+
+    empty = {"train/guard/empty_rollouts": 1.0}
+    metrics = {}
+    monkeypatch.setattr(rllight.progress, "step_metrics", lambda trainer: metrics)
+    trainer = _trainer()  # planned: 2 updates a rollout, 80 updates = 40 rollouts
+    count = RolloutCount()
+    count.batch_start(trainer)
+    metrics.update(empty)
+    trainer.datamodule.batches_trained = 1
+    count.batch_end(trainer)
+    assert count.total(trainer) is None  # one rollout, no update: no rate to count on
+    log = StepLog()
+    log.count, log.durations = count, [12.0]
+    line = log.step_line(trainer, {})
+    assert line.startswith("step 1/? | updates 0/80 |") and line.endswith("| 12.0s/step | ETA ?"), line
+    metrics.clear()
+    count.batch_start(trainer)
+    trainer.global_step, trainer.datamodule.batches_trained = 2, 2
+    count.batch_end(trainer)
+    assert count.per_rollout(trainer) == 1.0 and count.total(trainer) == 2 + 78  # not 2 + 39
+    assert log.step_line(trainer, {}).endswith("| ETA 15m36s")  # 78 steps left x 12 s
+    # A value-pretraining step (no update, not empty: a callback used the rollout) leaves the rate alone.
+    count.batch_start(trainer)
+    trainer.datamodule.batches_trained = 3
+    count.batch_end(trainer)
+    assert count.per_rollout(trainer) == 1.0
+    small = _trainer(max_steps=1, global_step=4, datamodule=SimpleNamespace(batches_trained=1, batch_size=16),
+                     lightning_module=SimpleNamespace(ppo_epochs=1, minibatch_size=16, sampler=SimpleNamespace(
+                         group_size=4)))
+    log = StepLog()
+    log.durations = [1.0]
+    assert log.step_line(small, {}).startswith("step 1/1 | updates 4/4 |")
 
 
 def test_a_long_evaluation_prints_at_least_every_heartbeat():

@@ -112,9 +112,9 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path, tiny_model_d
 
     b = _metrics(tmp_path / "killed" / "version_0" / "metrics.csv")
     c = _metrics(tmp_path / "killed" / "version_1" / "metrics.csv")
-    # Metrics are logged under the step count at the start of their RL step: 3 is the first after resume.
-    assert sorted(c) == [s for s in sorted(a) if s >= 3] and len(c) == 3
-    assert sorted(b) == [0, 1, 2]
+    # Metrics are logged under their RL step, counted from 1 as the progress lines do: 4 is the first after resume.
+    assert sorted(c) == [s for s in sorted(a) if s >= 4] and len(c) == 3
+    assert sorted(b) == [1, 2, 3]
     if engine:  # from the third step on, each rollout was generated two versions before its step
         assert [a[step]["train/rollout/staleness_max"] for step in sorted(a)] == ["0.0", "1.0"] + ["2.0"] * 4
     for step in sorted(b):  # before the kill: the same run
@@ -165,6 +165,6 @@ def test_a_crash_mid_step_saves_the_last_completed_step_and_resuming_it_matches(
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a = uninterrupted
     c = _metrics(tmp_path / "failed" / "version_1" / "metrics.csv")
-    assert sorted(c) == [3, 4, 5]
+    assert sorted(c) == [4, 5, 6]
     for step in sorted(c):
         assert c[step] == a[step], (step, {k: (a[step].get(k), v) for k, v in c[step].items() if a[step].get(k) != v})

@@ -42,7 +42,7 @@ def test_rllight_validate_reports_pass_at_k_and_writes_the_rows(tmp_path, tiny_m
 
 def test_validate_of_the_export_equals_the_runs_own_evaluation_of_the_same_weights(tmp_path, tiny_model_dir, capsys):
     """Sampled (4 answers at temperature 1, and a greedy one) with a sampling seed: the run's evaluation after training
-    and ``rllight validate`` of its export, in another folder, give the same responses and every number; validate
+    and ``rllight validate`` of its export, in a folder of its own, give the same responses and every number; validate
     prints them as the compact table (not Lightning's), saves it, and its overall column is the before/after
     table's "after"."""
     overlay = tiny_overrides(tmp_path, tiny_model_dir, reward={"class_path": "user_strategies.EvenLength"},
@@ -53,8 +53,12 @@ def test_validate_of_the_export_equals_the_runs_own_evaluation_of_the_same_weigh
               "--model.evaluation.sampling_seed", "7"]
     RLLightCLI(args=["fit", *recipe, "--evaluate_before_after", "true"])
     capsys.readouterr()
-    RLLightCLI(args=["validate", *recipe, "--model.model.path", str(tmp_path / "model"),
-                     "--trainer.default_root_dir", str(tmp_path / "validate")])
+    runs_own = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    # The recipe's own default_root_dir, as the command a fit prints has it: validate writes beside the run's files
+    # (in <default_root_dir>/validate), never over them (its val_step0 is not the run's evaluation before training).
+    RLLightCLI(args=["validate", *recipe, "--model.model.path", str(tmp_path / "model")])
+    assert {p: p.read_bytes() for p in runs_own} == runs_own
+    assert [p for p in tmp_path.rglob("*") if p.is_file() and p not in runs_own and "validate" not in p.parts] == []
     out = capsys.readouterr().out
     for suffix in ("", "_greedy"):  # in the run: after its 2 steps; validate: step 0 of the exported weights
         in_run = json.loads((tmp_path / "evaluation" / f"val_step2{suffix}.json").read_text())

@@ -7,7 +7,8 @@ import torch
 
 from rllight.callbacks import RolloutCallback
 from rllight.rewards import Reward
-from rllight.rollout import RolloutEngine
+from rllight.errors import ComponentError
+from rllight.rollout import HFEngine, RolloutEngine
 from rllight.rollout.base import Generation, pad_left
 from rllight.strategies import AdvantageEstimator, ClippedSurrogate
 
@@ -18,6 +19,28 @@ class DigitReward(Reward):
 
     def __call__(self, response: str, answer: str) -> float:
         return sum(c.isdigit() for c in response) / max(len(response), 1) + 0.1 * len(response) / 10
+
+
+class ConstantReward(Reward):
+    """The same reward for every response: every group-relative advantage is 0, so every update's gradient is."""
+
+    def __call__(self, response: str, answer: str) -> float:
+        return 0.0
+
+
+class FailsOnSync(HFEngine):
+    """Hugging Face generate whose ``at``-th weight sync fails after the optimizer stepped, as an engine (a rollout
+    worker, a server) that dies while taking the new weights would."""
+
+    def __init__(self, at: int = -1, **kwargs):
+        super().__init__(**kwargs)
+        self.at, self.syncs = at, 0
+
+    def update_weights(self, model):
+        self.syncs += 1
+        if self.syncs == self.at:
+            raise ComponentError("model.rollout: FailsOnSync died while taking the new weights")
+        return super().update_weights(model)
 
 
 class RawReward(AdvantageEstimator):

@@ -8,7 +8,8 @@ such as a single ``version_N``. Runs are overlaid, one colour each across every 
 ``--labels`` or the folder's name. Each group is one figure of a few panels; metrics of one kind and scale share
 a panel, told apart by line style and marker, and a metric logged with its standard error (``<metric>_se``: the
 evaluation's avg@k, pass@k and maj@k) is drawn with a band of one standard error either side. The x axis is the
-logged step (Lightning's ``global_step``: optimizer updates). A metric that no run logged is left out, and a
+logged step: RL steps (rollouts), counted from 1 as the progress lines count them, an evaluation at the RL steps
+done before it (0 before training). A metric that no run logged is left out, and a
 panel or group with none is not drawn. Prints the paths written, then ``figures=<how many>``. Needs matplotlib
 (the extra ``plot``: ``pip install -e '.[plot]'``).
 """
@@ -228,7 +229,7 @@ def _draw_panel(ax, title: str, series: Series, runs: list[dict], Line2D) -> set
                 ax.fill_between(*band, color=colour, alpha=0.15, linewidth=0)
             drawn.add(i)
     ax.set_title(title, fontsize=10)
-    ax.set_xlabel("step")
+    ax.set_xlabel("RL step")
     ax.grid(alpha=0.3)
     if len(series) > 1:  # the curves' key, by line style (in black: colour is the run's)
         keys = [Line2D([], [], color="black", linestyle=style, marker=marker, markersize=4)

@@ -24,6 +24,7 @@ from rllight.errors import ComponentError, RecipeError
 from rllight.rewards import Reward, RewardRunner, by_source, score_batch
 from rllight.rollout.base import RolloutEngine, malformed
 from rllight.rollout.episodes import ChatTurns, episodes_to_rollout, run_episodes
+from rllight.stopping import end_after_step
 from rllight.types import Rollout
 
 log = logging.getLogger(__name__)
@@ -191,11 +192,12 @@ class RolloutProducer:
     def note_empty_step(self, step: int) -> None:
         """Warn of a step with no update (its rollout was empty after filtering) the first time only; later
         ones are counted in ``train/guard/empty_rollouts``. ``max_steps_without_update`` of them in a row (the
-        update count ``step`` has not moved) stop the run: it would spin to the end of the epoch training nothing."""
+        update count ``step`` has not moved) end the run after the step (``end_after_step``): it would spin to the end
+        of the epoch training nothing."""
         since, count = self._no_update
         self._no_update = (step, count + 1 if since == step else 1)
         if self.max_steps_without_update and self._no_update[1] >= self.max_steps_without_update:
-            raise RecipeError(
+            end_after_step(  # after this step, saved: a raise here would lose the steps since the last checkpoint
                 f"{self._no_update[1]} RL steps in a row made no update: every rollout was empty after filtering "
                 f"({self.dropped_prompts} prompts dropped as longer than max_prompt_tokens={self.max_prompt_tokens}; "
                 "see train/guard/empty_rollouts and the rollout callbacks' metrics); relax the filters or check the "
