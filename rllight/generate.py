@@ -12,6 +12,7 @@ recipe, ``--model.path DIR`` alone samples with the engine's defaults. Generatio
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 
+from rllight.data.text import TextPolicy, decode
 from rllight.errors import RecipeError
 from rllight.paths import MODEL_PATH_FLAG, config_files, expand_path
 
@@ -167,21 +169,45 @@ def _load(cli, flags: argparse.Namespace) -> Session:
     return Session(policy, tokenizer, settings, greedy, data.messages)
 
 
-def _prompt_rows(flags: argparse.Namespace, prompt_key: str) -> list[dict]:
+def _prompt_rows(flags: argparse.Namespace, data) -> list[dict]:
+    """The prompts to answer, read with the recipe's datamodule ``data``'s prompt field and text policy
+    (``data.decode_errors``, ``data.max_row_bytes``: ``rllight.data.text``)."""
+    text: TextPolicy = data.text
     if flags.prompt:
-        return [{"prompt": p, "source": f"--prompt {i + 1}"} for i, p in enumerate(flags.prompt)]
+        items = text.clean([(f"--prompt {i + 1}", p) for i, p in enumerate(flags.prompt)], "--prompt")
+        if not items:
+            raise RecipeError("--prompt: no prompt is UTF-8 text (data.decode_errors is skip)")
+        return [{"prompt": p, "source": where} for where, p in items]
     path = expand_path(flags.prompts, "--prompts")
     if path.lower().endswith(".txt"):
         if not os.path.isfile(path):
             raise RecipeError(f"--prompts: file '{path}' does not exist")
-        with open(path, encoding="utf-8") as f:
-            lines = [(n, line.rstrip("\r\n")) for n, line in enumerate(f, 1) if line.strip()]
+        with open(path, "rb") as f:  # a line at a time, each at most data.max_row_bytes
+            lines = [(f"{path} line {n}", line) for n, raw in text.lines(f, lambda n: f"--prompts: '{path}' line {n}")
+                     if (line := decode(raw)).strip()]
         if not lines:
             raise RecipeError(f"--prompts: '{path}' holds no prompt; write one prompt per line")
-        return [{"prompt": text, "source": f"{path} line {n}"} for n, text in lines]
+        lines = text.clean(lines, path)
+        if not lines:
+            raise RecipeError(f"--prompts: '{path}' holds no prompt that is UTF-8 text (data.decode_errors is skip)")
+        return [{"prompt": line, "source": where} for where, line in lines]
     from rllight.data.module import read_prompts
 
-    return read_prompts(path, "--prompts", prompt_key)
+    return read_prompts(path, "--prompts", data.fields.prompt_key, text)
+
+
+def _fit_prompts(session: Session, rows: list[dict], mode: str) -> list[dict]:
+    """The rows, each with its chat ``messages``, fitted to the model's context as ``data.long_prompts`` (``mode``)
+    says: a prompt's tokens plus ``max_new_tokens`` within the model's positions (``rllight.data.context``)."""
+    from rllight.data.context import ContextFit, model_context
+
+    for row in rows:
+        row["messages"] = session.messages(row["prompt"])
+    context = model_context(getattr(session.policy, "config", None))
+    if context is None:
+        return rows
+    fit = ContextFit(session.tokenizer, lambda messages: encode(session.tokenizer, messages), context, mode)
+    return fit.fit(rows, session.engine.max_new_tokens, "--max_new_tokens", "the prompts")
 
 
 def generate(session: Session, rows: list[dict], num_samples: int, output: str | None) -> None:
@@ -198,7 +224,7 @@ def generate(session: Session, rows: list[dict], num_samples: int, output: str |
     try:
         for start in range(0, len(rows), 16):  # written as they come, a batch of prompts at a time
             batch = [(row, k) for row in rows[start : start + 16] for k in range(num_samples)]
-            replies = session.reply([session.messages(row["prompt"]) for row, _ in batch])
+            replies = session.reply([row.get("messages") or session.messages(row["prompt"]) for row, _ in batch])
             for (row, k), (text, tokens, cut) in zip(batch, replies):
                 if sink is not None:
                     record = {"source": row["source"], "prompt": row["prompt"], "sample": k, "response": text,
@@ -218,16 +244,19 @@ def generate(session: Session, rows: list[dict], num_samples: int, output: str |
         print(f"rllight generate: {len(rows) * num_samples} responses written to {output}", file=sys.stderr)
 
 
-def chat(session: Session, stdin=None) -> None:
+def chat(session: Session, stdin=None, policy: TextPolicy | None = None) -> None:
     """Read user messages line by line and print each reply; the conversation is kept until ``/reset``;
     ``/exit`` or the end of input ends it. The ``>>`` prompt is shown only at a terminal, so piped output is
-    the replies alone."""
-    stdin = stdin or sys.stdin
+    the replies alone. Each line is read under ``policy`` (``data.decode_errors``, ``data.max_row_bytes``:
+    ``rllight.data.text``): bytes that are not UTF-8 reach it as lone surrogates, never as an exception."""
+    stdin, policy = stdin or sys.stdin, policy or TextPolicy()
+    if hasattr(stdin, "reconfigure"):
+        stdin.reconfigure(errors="surrogateescape")
     interactive = stdin.isatty()
     if interactive:
         print("rllight chat: /reset starts a new conversation, /exit or Ctrl-D ends", file=sys.stderr)
     history: list[dict] = []
-    while True:
+    for number in itertools.count(1):
         if interactive:
             try:
                 line = input(">> ")
@@ -235,10 +264,13 @@ def chat(session: Session, stdin=None) -> None:
                 print(file=sys.stderr)
                 return
         else:
-            line = stdin.readline()
+            line = stdin.readline(policy.max_row_bytes + 2)
             if not line:
                 return
-        text = line.strip()
+            if len(line.rstrip("\r\n")) > policy.max_row_bytes:
+                raise policy.too_long(f"rllight chat: input line {number}")
+        kept = policy.clean([(f"input line {number}", line.strip())], "rllight chat")
+        text = kept[0][1] if kept else ""
         if not text:
             continue
         if text in EXIT_WORDS:
@@ -261,12 +293,13 @@ def run(command: str, argv: list[str], make_cli: Callable[[list[str]], object]) 
     if command == "generate":
         if flags.num_samples < 1:
             raise RecipeError(f"--num_samples must be >= 1, got {flags.num_samples}")
-        rows = _prompt_rows(flags, cli.datamodule.fields.prompt_key)  # a bad file fails before the model loads
+        rows = _prompt_rows(flags, cli.datamodule)  # a bad file fails before the model loads
     session = _load(cli, flags)
     if command == "generate":
+        rows = _fit_prompts(session, rows, cli.datamodule.long_prompts)
         generate(session, rows, flags.num_samples, flags.output and expand_path(flags.output, "--output"))
         return
     if not getattr(session.tokenizer, "chat_template", None):
         raise RecipeError("rllight chat: the model's tokenizer has no chat template (a base model?); use "
                           "rllight generate --prompt TEXT, which gives it the text as it is")
-    chat(session)
+    chat(session, policy=cli.datamodule.text)

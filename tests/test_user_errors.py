@@ -35,6 +35,9 @@ GRPO = os.path.join(RECIPES, "grpo.yaml")
         ("model.rollout.init_args.max_new_tokens", "0", "model.rollout.init_args.max_new_tokens must be >= 1"),
         ("model.sampler.init_args.group_size", "0", "model.sampler.init_args.group_size must be >= 1, got 0"),
         ("model.optimizer.init_args.lr", "fast", "model.optimizer.init_args.lr expects a float, got 'fast'"),
+        ("data.decode_errors", "ignore", "data.decode_errors is 'ignore'; use replace (bad characters become U+FFFD)"),
+        ("data.max_row_bytes", "0", "data.max_row_bytes must be a number of bytes >= 1, got 0"),
+        ("data.long_prompts", "cut", "data.long_prompts is 'cut'; use refuse (stop with one line), truncate"),
     ],
 )
 def test_bad_values_name_their_key(capsys, key, value, expected):

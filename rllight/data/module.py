@@ -8,6 +8,7 @@ verl's parquet (``answer_key: reward_model.ground_truth``), TRL's JSONL, OpenRLH
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import re
@@ -19,7 +20,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from rllight.data.arithmetic import ArithmeticTask
+from rllight.data.context import LONG_PROMPTS, fit_to_context
 from rllight.data.task import Task
+from rllight.data.text import BOM, MAX_ROW_BYTES, TextPolicy, decode
 from rllight.distributed import share
 from rllight.errors import RecipeError
 
@@ -123,50 +126,139 @@ def _json_type(value: object) -> str:
     return {list: "array", str: "string", bool: "boolean", type(None): "null"}.get(type(value), type(value).__name__)
 
 
-def _read_json(path: str, field: str, help: str) -> list[tuple[str, dict]] | None:
-    """The rows of a JSON Lines file or of a JSON array, each with where it is (``"f.jsonl row 2"``, and
-    ``" (line 3)"`` when blank lines put it elsewhere); None for a file that is one JSON object (left to
-    ``datasets``, which reads column layouts).
+_CHUNK = 1 << 20  # bytes read at a time
 
-    Read with the ``json`` module, not ``datasets``: a bad line is reported by its 1-based number, and values
-    keep their text. ``datasets`` gives a column one type, falling back to pandas when the rows disagree,
-    which turns the string "12" into the integer 12, an answer 4 next to 2.5 into "4.0" and a 20-digit
-    integer into a float with 17 digits. Numbers are read as their text (``_Number``)."""
+
+class _TextStream:
+    """A binary file's text, decoded as it is read (``rllight.data.text.decode``: a byte that is not UTF-8 becomes a
+    lone surrogate), held from the start of the line being parsed on, so that a JSON error's line in ``text``
+    plus ``line0`` is the file's and its column is the line's."""
+
+    def __init__(self, f):
+        self.f, self.decoder = f, codecs.getincrementaldecoder("utf-8")("surrogateescape")
+        self.text, self.line0, self.eof = "", 0, False
+
+    def more(self) -> bool:
+        """Read on; False at the end of the file."""
+        if self.eof:
+            return False
+        data = self.f.read(_CHUNK)
+        self.eof = not data
+        self.text += self.decoder.decode(data, final=self.eof)
+        return not self.eof
+
+    def skip(self, pos: int) -> int:
+        """The first position at or after ``pos`` that is not white space (``len(text)`` at the end of the file)."""
+        while True:
+            while pos < len(self.text) and self.text[pos] in " \t\r\n\ufeff":  # and the byte-order mark
+                pos += 1
+            if pos < len(self.text) or not self.more():
+                return pos
+
+    def forget(self, pos: int) -> int:
+        """Drop the text before the line holding ``pos`` (once there is a chunk's worth: each drop copies what is
+        kept); returns ``pos`` in the text kept."""
+        if pos < _CHUNK:
+            return pos
+        cut = self.text.rfind("\n", 0, pos) + 1
+        self.line0 += self.text.count("\n", 0, cut)
+        self.text = self.text[cut:]
+        return pos - cut
+
+    def value(self, pos: int, parser: json.JSONDecoder, bound: int) -> tuple[object, int]:
+        """The JSON value at ``pos`` and the position after it, reading on until it is whole. Raises
+        ``json.JSONDecodeError`` where the text is not JSON and ``OverflowError`` for a value longer than ``bound``
+        characters."""
+        while True:
+            try:
+                value, end = parser.raw_decode(self.text, pos)
+            except json.JSONDecodeError as err:
+                # Text that ends mid-value fails at its last token (12 characters at most: the two escapes of a
+                # surrogate pair), or at the start of a string not closed yet; any other error is in the file.
+                cut = err.pos >= len(self.text) - 12 or err.msg.startswith("Unterminated string")
+                if not cut:
+                    raise
+                if len(self.text) - pos > bound:
+                    raise OverflowError from err
+                if not self.more():
+                    raise
+                continue
+            if end - pos > bound:
+                raise OverflowError
+            return value, end
+
+
+def _first_byte(f) -> bytes:
+    """The first byte of the binary file ``f`` that is not white space or a byte-order mark (b"" when none)."""
+    if f.read(len(BOM)) != BOM:
+        f.seek(0)
+    while chunk := f.read(1 << 16):
+        chunk = chunk.lstrip(b" \t\r\n")
+        if chunk:
+            return chunk[:1]
+    return b""
+
+
+def _read_array(f, path: str, field: str, help: str, text: TextPolicy) -> list[tuple[str, dict]]:
+    """The rows of a binary file holding one JSON array, parsed an item at a time: the file is never held whole,
+    and an item longer than ``text.max_row_bytes`` characters is refused before it is read whole."""
+    stream, parser = _TextStream(f), json.JSONDecoder(parse_int=_Number, parse_float=_Number)
+    pos = stream.skip(0) + 1  # after the "["
+    rows: list[tuple[str, dict]] = []
+    try:
+        while True:
+            pos = stream.skip(pos)
+            if not rows and stream.text[pos : pos + 1] == "]":
+                raise RecipeError(f"{field}: '{path}' holds an empty JSON array; {help}")
+            where = f"{path} row {len(rows) + 1}"
+            try:
+                item, pos = stream.value(pos, parser, text.max_row_bytes)
+            except OverflowError:
+                raise text.too_long(where) from None
+            if not isinstance(item, dict):
+                raise RecipeError(f"{where}: a JSON {_json_type(item)}, not an object; {help}")
+            rows.append((where, item))
+            pos = stream.skip(pos)
+            if stream.text[pos : pos + 1] == "]":
+                pos = stream.skip(pos + 1)
+                if pos < len(stream.text):
+                    raise json.JSONDecodeError("Extra data", stream.text, pos)
+                return rows
+            if stream.text[pos : pos + 1] != ",":
+                raise json.JSONDecodeError("Expecting ',' delimiter", stream.text, pos)
+            pos = stream.forget(pos + 1)
+    except json.JSONDecodeError as err:
+        raise RecipeError(f"{field}: '{path}' line {stream.line0 + err.lineno} is not valid JSON ({err.msg} at "
+                          f"column {err.colno}); fix that line") from err
+
+
+def _one_object(path: str, bound: int) -> bool:
+    """Whether a file whose first line is not JSON is one JSON object (left to ``datasets``, which reads column
+    layouts) rather than JSON Lines with a bad line. Parsed whole when it is at most ``bound`` bytes; a larger one
+    is taken for an object when its first line is a lone ``{``, as ``json.dump(..., indent=2)`` writes it."""
     with open(path, "rb") as f:
+        if os.path.getsize(path) > bound:
+            return f.readline(64).removeprefix(BOM).strip() == b"{"
         raw = f.read()
     try:
-        text = raw.decode("utf-8-sig")  # a leading byte-order mark is fine
-    except UnicodeDecodeError as err:
-        line = raw.count(b"\n", 0, err.start) + 1
-        raise RecipeError(f"{field}: '{path}' line {line} is not UTF-8 text ({err.reason}); save the file as UTF-8") from err
-    if not text.strip():
-        raise RecipeError(f"{field}: '{path}' is empty; write one JSON object per line, {help}")
+        return isinstance(json.loads(decode(raw).removeprefix("\ufeff")), dict)
+    except json.JSONDecodeError:
+        return False
+
+
+def _read_lines(f, path: str, field: str, help: str, text: TextPolicy) -> list[tuple[str, dict]] | None:
+    """The rows of a binary JSON Lines file, a line at a time (``TextPolicy.lines``: a line over the bound is
+    refused before it is read whole); None for a file that is one pretty-printed JSON object."""
     parse = {"parse_int": _Number, "parse_float": _Number}
-    if text.lstrip().startswith("["):  # one JSON array of rows
-        try:
-            data = json.loads(text, **parse)
-        except json.JSONDecodeError as err:
-            raise RecipeError(f"{field}: '{path}' line {err.lineno} is not valid JSON ({err.msg} at column "
-                              f"{err.colno}); fix that line") from err
-        if not data:
-            raise RecipeError(f"{field}: '{path}' holds an empty JSON array; {help}")
-        for i, item in enumerate(data):
-            if not isinstance(item, dict):
-                raise RecipeError(f"{path} row {i + 1}: a JSON {_json_type(item)}, not an object; {help}")
-        return [(f"{path} row {i + 1}", item) for i, item in enumerate(data)]
-    rows = []
-    # split("\n"), not splitlines(): U+2028 and friends may stand unescaped inside JSON strings.
-    for number, line in enumerate(text.split("\n"), 1):
-        if not line.strip():
+    rows: list[tuple[str, dict]] = []
+    # Lines end at "\n" only, not at what str.splitlines() takes: U+2028 and friends may stand unescaped in JSON.
+    for number, raw in text.lines(f, lambda n: f"{field}: '{path}' line {n}"):
+        if not raw.strip():
             continue
         try:
-            item = json.loads(line, **parse)
+            item = json.loads(decode(raw), **parse)
         except json.JSONDecodeError as err:
-            try:  # one pretty-printed object rather than JSON Lines
-                whole = json.loads(text)
-            except json.JSONDecodeError:
-                whole = None
-            if isinstance(whole, dict):
+            if not rows and _one_object(path, text.max_row_bytes):
                 return None
             raise RecipeError(f"{field}: '{path}' line {number} is not valid JSON ({err.msg} at column "
                               f"{err.colno}); each line must be one JSON object") from err
@@ -174,7 +266,29 @@ def _read_json(path: str, field: str, help: str) -> list[tuple[str, dict]] | Non
             raise RecipeError(f"{path} line {number}: a JSON {_json_type(item)}, not an object; {help}")
         where = f"{path} row {len(rows) + 1}" + ("" if number == len(rows) + 1 else f" (line {number})")
         rows.append((where, item))
+    if not rows:
+        raise RecipeError(f"{field}: '{path}' is empty; write one JSON object per line, {help}")
     return rows
+
+
+def _read_json(path: str, field: str, help: str, text: TextPolicy) -> list[tuple[str, dict]] | None:
+    """The rows of a JSON Lines file or of a JSON array, each with where it is (``"f.jsonl row 2"``, and
+    ``" (line 3)"`` when blank lines put it elsewhere); None for a file that is one JSON object (left to
+    ``datasets``, which reads column layouts).
+
+    Read with the ``json`` module, not ``datasets``: a bad line is reported by its 1-based number, and values
+    keep their text. ``datasets`` gives a column one type, falling back to pandas when the rows disagree,
+    which turns the string "12" into the integer 12, an answer 4 next to 2.5 into "4.0" and a 20-digit
+    integer into a float with 17 digits. Numbers are read as their text (``_Number``).
+
+    Streamed, a row at a time, with ``text.max_row_bytes`` as the bound on a row; bytes that are not UTF-8 are
+    kept as lone surrogates for ``text.clean`` to deal with (``rllight.data.text``)."""
+    with open(path, "rb") as f:
+        first = _first_byte(f)
+        f.seek(0)
+        if first == b"[":  # one JSON array of rows
+            return _read_array(f, path, field, help, text)
+        return _read_lines(f, path, field, help, text)
 
 
 def _read_with_datasets(builder: str, path: str, field: str, help: str) -> list[tuple[str, dict]]:
@@ -290,27 +404,38 @@ def _clean_messages(prompt: list[dict]) -> list[dict]:
     return [{k: v for k, v in message.items() if v is not None} for message in prompt]
 
 
-def _records(path: str, field: str, help: str) -> list[tuple[str, dict]]:
-    """The raw rows of one JSONL / JSON / parquet file or saved ``datasets`` folder, each with where it is."""
+def _records(path: str, field: str, help: str, text: TextPolicy | None = None) -> list[tuple[str, dict]]:
+    """The raw rows of one JSONL / JSON / parquet file or saved ``datasets`` folder, each with where it is,
+    cleaned by ``text`` (``rllight.data.text``: text that is not UTF-8 replaced, or the row skipped or refused;
+    rows over ``text.max_row_bytes`` refused)."""
+    text = text or TextPolicy()
+    streamed = None
     if os.path.isdir(path):
-        return _read_saved_dataset(path, field, help)
-    if not os.path.isfile(path):
+        records = _read_saved_dataset(path, field, help)
+    elif not os.path.isfile(path):
         raise RecipeError(f"{field}: file '{path}' does not exist; give the path of a JSONL or parquet file "
                           "or of a folder saved by datasets' save_to_disk")
-    ext = os.path.splitext(path)[1].lower()
-    builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(ext)
-    if builder is None:
-        raise RecipeError(f"{field}: '{path}' has extension '{ext}'; use .jsonl, .json or .parquet")
-    records = _read_json(path, field, help) if builder == "json" else None
-    return _read_with_datasets(builder, path, field, help) if records is None else records
+    else:
+        ext = os.path.splitext(path)[1].lower()
+        builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(ext)
+        if builder is None:
+            raise RecipeError(f"{field}: '{path}' has extension '{ext}'; use .jsonl, .json or .parquet")
+        streamed = _read_json(path, field, help, text) if builder == "json" else None
+        records = _read_with_datasets(builder, path, field, help) if streamed is None else streamed
+    kept = text.clean(records, path, measure=streamed is None)  # rows a library read are measured now
+    if not kept:
+        raise RecipeError(f"{field}: '{path}' holds no row whose text is UTF-8 (data.decode_errors is skip); fix "
+                          "the file, or set data.decode_errors to replace")
+    return kept
 
 
-def read_prompts(path: str, field: str, prompt_key: str = "prompt") -> list[dict]:
+def read_prompts(path: str, field: str, prompt_key: str = "prompt", text: TextPolicy | None = None) -> list[dict]:
     """The prompts of a JSONL / JSON / parquet file or saved ``datasets`` folder, answers not needed (for
-    ``rllight generate``): rows ``{"prompt", "source"}``, plus ``"answer"`` as the file gives it, if it does."""
+    ``rllight generate``): rows ``{"prompt", "source"}``, plus ``"answer"`` as the file gives it, if it does.
+    ``text``: the decoding policy and the bound on a row (``rllight.data.text``)."""
     help = f"every row needs '{prompt_key}' (a string or a list of chat messages)"
     rows = []
-    for where, row in _records(path, field, help):
+    for where, row in _records(path, field, help, text):
         prompt = _lookup(row, prompt_key)
         if prompt is _MISSING or prompt is None or (isinstance(prompt, str) and not prompt.strip()):
             names = ", ".join(map(str, row)) or "none"
@@ -325,18 +450,20 @@ def read_prompts(path: str, field: str, prompt_key: str = "prompt") -> list[dict
     return rows
 
 
-def _load_rows(paths: Sequence[str], field: str, fields: _Fields | None = None) -> list[dict]:
+def _load_rows(paths: Sequence[str], field: str, fields: _Fields | None = None,
+               text: TextPolicy | None = None) -> list[dict]:
     """Rows of JSONL / JSON / parquet files or saved ``datasets`` folders, read through ``fields``.
 
     Each row is ``{"prompt", "answer", "data_source", "source"}``: ``data_source`` names the dataset the row
     belongs to (its ``fields.data_source_key`` value, else the file's name without extension), which
     evaluation groups by; ``source`` is where it came from (``"train.jsonl row 7"``, with the line when it
-    differs), so that later checks (``rllight.rewards.check_answers``) can name it.
+    differs), so that later checks (``rllight.rewards.check_answers``) can name it. ``text``: the decoding
+    policy and the bound on a row (``rllight.data.text``).
     """
     fields = fields or _Fields()
     rows: list[dict] = []
     for path in paths:
-        records = _records(path, field, fields.help)
+        records = _records(path, field, fields.help, text)
         name = os.path.splitext(os.path.basename(os.path.normpath(path)))[0]
         for where, row in records:
             prompt = _lookup(row, fields.prompt_key)
@@ -434,6 +561,18 @@ class RLDataModule(L.LightningDataModule):
             solution ending in ``#### <answer>``, and the answer is what follows the last ``####`` (thousands
             separators removed). ``auto``: an answer whose last non-empty line starts with ``####`` is read as
             ``gsm8k``, any other as ``plain``.
+        decode_errors: What is done with a row whose text is not UTF-8 (bytes that are not, or an escaped lone
+            surrogate such as ``\\ud800``, which no tokenizer takes). ``replace``: each bad character becomes
+            U+FFFD. ``skip``: the row is left out. ``error``: one line naming the row. Rows replaced or left out
+            are counted in one warning per file. The same for ``rllight generate`` and ``rllight chat``'s input.
+        max_row_bytes: The largest row, in bytes of its line (a JSONL line, a line of a ``.txt`` prompt file or
+            of chat input; characters of its text for a JSON array's item, a parquet or ``datasets`` row). Files
+            are read a row at a time; a longer row is one line naming it, before it is read whole.
+        long_prompts: What is done before training (and before validation) with a prompt whose tokens plus the
+            longest response (``max_new_tokens``) do not fit the model's positions
+            (``config.max_position_embeddings``). ``refuse``: one line naming the row. ``truncate``: the start of
+            its last user message is cut until it fits (the end, where the question usually is, is kept).
+            ``drop``: the row is left out, counted in one warning.
     """
 
     def __init__(
@@ -450,8 +589,17 @@ class RLDataModule(L.LightningDataModule):
         answer_key: str = "answer",
         data_source_key: str = "data_source",
         answer_format: str = "auto",
+        decode_errors: str = "replace",
+        max_row_bytes: int = MAX_ROW_BYTES,
+        long_prompts: str = "refuse",
     ):
         super().__init__()
+        if long_prompts not in LONG_PROMPTS:
+            raise RecipeError(f"data.long_prompts is {long_prompts!r}; use refuse (stop with one line), truncate (cut "
+                              "the prompt's start) or drop (leave the row out)")
+        self.text = TextPolicy(decode_errors, max_row_bytes)  # checks both
+        self.long_prompts = long_prompts
+        self._fitted: set[str] = set()  # the splits fitted to the model's context
         if batch_size < 1:
             raise RecipeError(f"data.batch_size must be >= 1, got {batch_size}")
         for name, key in (("prompt_key", prompt_key), ("answer_key", answer_key), ("data_source_key", data_source_key)):
@@ -486,16 +634,20 @@ class RLDataModule(L.LightningDataModule):
         if self.train_rows is not None:
             return
         if self.train_files:
-            self.train_rows = _load_rows(self.train_files, "data.train_files", self.fields)
-            self.val_rows = _load_rows(self.val_files, "data.val_files", self.fields) if self.val_files else []
+            self.train_rows = _load_rows(self.train_files, "data.train_files", self.fields, self.text)
+            self.val_rows = (_load_rows(self.val_files, "data.val_files", self.fields, self.text) if self.val_files
+                             else [])
         else:
             self.train_rows, self.val_rows = self.task.splits()
             for split, rows in (("train", self.train_rows), ("val", self.val_rows)):
                 for i, row in enumerate(rows):
                     row.setdefault("source", f"data.task {split} row {i + 1}")
                     row.setdefault("data_source", TASK_DATA_SOURCE)
+            self.train_rows, self.val_rows = (  # the task's rows, under the same policy as a file's
+                [row for _, row in self.text.clean([(r["source"], r) for r in rows], "data.task", measure=True)]
+                for rows in (self.train_rows, self.val_rows))
             if self.val_files:
-                self.val_rows = _load_rows(self.val_files, "data.val_files", self.fields)
+                self.val_rows = _load_rows(self.val_files, "data.val_files", self.fields, self.text)
         if self.val_size is not None:
             self.val_rows = self.val_rows[: self.val_size]
         for row in self.train_rows + self.val_rows:
@@ -532,7 +684,24 @@ class RLDataModule(L.LightningDataModule):
             batches.append([self.train_rows[i] for i in order[batch * size : (batch + 1) * size]])
         return batches
 
+    def fit_context(self, split: str) -> None:
+        """Once per split ("train", "val"), when its loader is first made (the model and its tokenizer are loaded
+        by then, after ``setup``): the rows whose prompt and longest response do not fit the model's positions are
+        refused, cut or dropped as ``long_prompts`` says (``rllight.data.context``). In place: the prompt stream
+        of the training rows keeps seeing the same list."""
+        if split in self._fitted or self.trainer is None:
+            return
+        rows = self.train_rows if split == "train" else self.val_rows
+        name = "training rows" if split == "train" else "validation rows"
+        kept = fit_to_context(getattr(self.trainer, "lightning_module", None), rows, self.long_prompts, split, name)
+        if not kept and rows:
+            raise RecipeError(f"every {split} row is too long for the model's context (data.long_prompts: drop); "
+                              "shorten the prompts, or lower max_new_tokens")
+        rows[:] = kept
+        self._fitted.add(split)
+
     def train_dataloader(self) -> DataLoader:
+        self.fit_context("train")
         sampler = self._sampler()
         # Whole batches: resuming after k trained batches skips k batches of this process's stream.
         sampler.start_at(self.batches_trained * self.local_batch_size)
@@ -554,6 +723,7 @@ class RLDataModule(L.LightningDataModule):
         self.batches_trained = state_dict.get("batches_trained", 0)
 
     def val_dataloader(self) -> DataLoader | list:
+        self.fit_context("val")
         if not self.val_rows:
             return []
         return DataLoader(self.val_rows, batch_size=self.val_batch_size, shuffle=False, collate_fn=collate)
