@@ -235,3 +235,47 @@ def return_free_memory() -> None:
             _LIBC = False
     if _LIBC:
         _LIBC.malloc_trim(0)
+
+
+def set_process_group_timeout(strategy, timeout) -> None:
+    """Give ``strategy``'s process group ``timeout`` (a ``timedelta``), unless the recipe gave the strategy one of its
+    own (``trainer.strategy.init_args.timeout``). Lightning's DDP and model-parallel strategies keep it in
+    ``_timeout`` (Lightning 2.5, 2.6), with a 30-minute default; a strategy without one is left as it is."""
+    from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+
+    if getattr(strategy, "_timeout", None) == default_pg_timeout:
+        strategy._timeout = timeout
+
+
+_WATCHED: list = []  # the process lists of the launches whose ranks rllight watches itself
+
+
+def watch_ranks_yourself(launcher, before, after) -> bool:
+    """Have ``launcher`` (Lightning's ``_SubprocessScriptLauncher``, which starts this machine's other ranks from
+    this process) call ``before()`` just before it starts them and ``after(procs)`` just after, with no watcher
+    thread of Lightning's: that one SIGKILLs this process up to 5 s after another rank exits with an error, whether
+    or not this one is saying which rank failed and why (``rllight.launch``). Wraps the launcher's
+    ``_call_children_scripts`` and skips ``_launch_process_observer`` for its processes (Lightning 2.5, 2.6). False
+    where either is missing: the launch is then Lightning's alone."""
+    from lightning.pytorch.strategies.launchers import subprocess_script as script
+
+    spawn = getattr(launcher, "_call_children_scripts", None)
+    observer = getattr(script, "_launch_process_observer", None)
+    if spawn is None or observer is None:
+        return False
+    if not getattr(observer, "skips_rllight", False):
+        def lightning_observer(procs):
+            if not any(procs is watched for watched in _WATCHED):
+                observer(procs)
+
+        lightning_observer.skips_rllight = True
+        script._launch_process_observer = lightning_observer
+
+    def spawn_watched():
+        before()
+        spawn()
+        _WATCHED.append(launcher.procs)
+        after(launcher.procs)
+
+    launcher._call_children_scripts = spawn_watched
+    return True

@@ -20,6 +20,8 @@ from rllight.data import RLDataModule
 from rllight.errors import ComponentError, RecipeError
 from rllight.evaluation import before_after, column_notes, evaluation_table
 from rllight.export import check_export_dir, overlaps
+from rllight.hardware import check_hardware
+from rllight.launch import TIMEOUT_MINUTES, launch_settings, prepare, rank_failures
 from rllight.module import RLModule
 from rllight.paths import add_user_import_paths, expand_config_paths, expand_path, model_path_args
 from rllight.precision import bound_onednn_cache, check_float32_lm_head, resolve_config
@@ -141,6 +143,13 @@ class RLLightCLI(LightningCLI):
         --data.val_files`` evaluates other data; ``rllight generate --prompts FILE`` writes generations)."""
         return {k: v for k, v in LightningCLI.subcommands().items() if k in ("fit", "validate")}
 
+    def parse_arguments(self, parser, args) -> None:
+        super().parse_arguments(parser, args)
+        # The hardware the run asks for, before the seed, the model and vLLM (rllight.hardware); not for generate
+        # and chat (run=False), which pick their own device.
+        if self.config.get("subcommand"):
+            check_hardware(self.config[self.config.subcommand], self._argv)
+
     def before_instantiate_classes(self) -> None:
         # Paths in the recipe expand ~ and $VARIABLES (rllight.paths), before anything reads them.
         config = self.config[self.subcommand] if self.subcommand else self.config
@@ -165,6 +174,9 @@ class RLLightCLI(LightningCLI):
                                  "becomes the tiny rllight.testing.TinyModel; recipes/overlays/smoke.yaml sets it with "
                                  "a few-step CPU budget.")
         parser.add_class_arguments(CheckpointSettings, "checkpoint")
+        parser.add_argument("--distributed_timeout_minutes", type=float, default=TIMEOUT_MINUTES,
+                            help="How long the processes of a run wait for the slowest one (at a collective, and "
+                                 "at the start) before the run fails (rllight.launch.TIMEOUT_MINUTES: why this value).")
         if isinstance(parser, RecipeParser):
             parser.allow_auto_precision()
 
@@ -213,7 +225,10 @@ class RLLightCLI(LightningCLI):
             # starting at step 0 would read as a fresh run (tools/plot.py), and without a logger its files would
             # replace the run's own (config.yaml, evaluation/val_step<N>.json).
             kwargs["default_root_dir"] = os.path.join(trainer_config.get("default_root_dir") or os.getcwd(), "validate")
-        return super().instantiate_trainer(**{**kwargs, "callbacks": callbacks})
+        with launch_settings(trainer_config.get("num_nodes") or 1):  # checked, in one line each (rllight.launch)
+            trainer = super().instantiate_trainer(**{**kwargs, "callbacks": callbacks})
+        prepare(trainer, config.get("distributed_timeout_minutes", TIMEOUT_MINUTES))
+        return trainer
 
     def _check_outputs(self) -> None:
         """Every place the run writes to, checked before the model loads (one line naming the key)."""
@@ -543,7 +558,8 @@ def _run_command(argv: list[str], args: list[str] | None) -> None:
 
             run(argv[0], argv[1:], lambda recipe: RLLightCLI(args=recipe, run=False))
         else:
-            RLLightCLI(args=args)
+            with rank_failures():  # several processes: a failing rank stops all, in one line (rllight.launch)
+                RLLightCLI(args=args)
     except ArgumentError as err:
         print(f"rllight: error: {one_line_parse_error(str(err))}", file=sys.stderr)
         sys.exit(2)

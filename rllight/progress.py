@@ -416,6 +416,10 @@ def quiet_lightning() -> None:
     warnings.filterwarnings("ignore", message="The dirpath has changed from", category=UserWarning)
     # generate and chat build the recipe's CLI from their own parsed arguments: the args parameter is the point.
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended", category=UserWarning)
+    # Under torch.distributed (DDP, FSDP, or vLLM in this process, which starts a world of one) Lightning advises, for
+    # each evaluation metric, to log it with sync_dist=True; rllight's evaluation has gathered every rank's rows
+    # before it logs (rllight.evaluation.Evaluator.finish), so the numbers are already the run's.
+    warnings.filterwarnings("ignore", message=r"It is recommended to use `self\.log\(.*sync_dist=True\)`")
     logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     if not any(isinstance(f, _DropTips) for f in logger.filters):
         logger.addFilter(_DropTips())

@@ -102,8 +102,8 @@ size or sampler changes every later rollout. Refused unless ``--resume_allow_cha
 # Critic settings that are hyper-parameters, not weights: a change is reported, not refused.
 _CRITIC_HYPER = ("loss_coef", "clip", "lr")
 # Keys that say how long or where a run goes, not what it is.
-_IGNORED = ("ckpt_path", "config", "print_config", "resume_allow_changes", "trainer.max_steps",
-            "trainer.max_epochs", "trainer.default_root_dir", "trainer.logger", "trainer.callbacks",
+_IGNORED = ("ckpt_path", "config", "print_config", "resume_allow_changes", "distributed_timeout_minutes",
+            "trainer.max_steps", "trainer.max_epochs", "trainer.default_root_dir", "trainer.logger", "trainer.callbacks",
             "trainer.enable_progress_bar", "trainer.enable_checkpointing", "model.export_dir", "checkpoint")
 
 
@@ -349,9 +349,10 @@ class Interrupts(L.Callback):
             return  # no training step yet, or checkpoints are off
         failed = f"RL step {start[2] + 1}"
         made = self._updates(pl_module) - start[0]
-        if trainer.world_size > 1:
-            print(f"rllight: the run failed in {failed}; with several processes it cannot be saved: "
-                  f"{self._newest_saved(trainer)}", file=sys.stderr, flush=True)
+        if trainer.world_size > 1:  # said once (rank 0), above the line that names the failed rank (rllight.launch)
+            if trainer.is_global_zero:
+                print(f"rllight: the run failed in {failed}; with several processes it cannot be saved: "
+                      f"{self._newest_saved(trainer)}", file=sys.stderr, flush=True)
             return
         if start[0] == 0 and made == 0:
             return  # the failed step is this process's first: the run's start (or its checkpoint) is as it was

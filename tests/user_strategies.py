@@ -301,3 +301,20 @@ class FaultyLogprobEngine(ScriptedEngine):
             gen.response_mask = torch.cat([gen.response_mask, torch.ones_like(extra)], dim=1)
             gen.logprobs = torch.cat([gen.logprobs, torch.full(extra.shape, -1.0)], dim=1)
         return gen
+
+
+class FailOnRank(RolloutCallback):
+    """Raises ``ValueError`` on global rank ``rank`` only (with ``kill``, SIGKILLs that rank's process instead), in the
+    RL step that follows global step ``step``: the other ranks go on to the step's first collective and wait there."""
+
+    def __init__(self, rank: int = 1, step: int = 1, kill: bool = False):
+        self.rank, self.step, self.kill = rank, step, kill
+
+    def on_rollout(self, trainer, module, rollout):
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            if self.kill:
+                import signal
+
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise ValueError(f"a failure on rank {self.rank} only")
+        return rollout

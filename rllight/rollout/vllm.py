@@ -29,6 +29,10 @@ How it runs:
   ``reload_weights`` takes no weights). It is the checkpoint-format path: it re-runs the per-layer weight
   processing (e.g. the CPU backend's packed GEMM weights, quantisation) that a bare ``model.load_weights``
   would leave stale. Then it resets the prefix cache, whose KV entries were computed with the old weights.
+  The weights travel in the engine's dtype (a float32 policy into a bfloat16 engine under ``bf16-mixed``),
+  cast one at a time as vLLM reads them: the bits its own copy into the parameter would give, without its
+  warning for every weight at every sync. The start folder is written in that dtype too. An engine whose
+  parameters are not all of one dtype gets the policy's weights as they are.
 - **LoRA** (``lora_sync``): with a peft LoRA policy the engine starts from the base weights with vLLM's LoRA support
   on, and each sync writes only the adapter (a peft adapter folder in the engine's temporary folder) and loads it
   as a new ``LoRARequest`` that every later generation names; the base weights are sent once. Under FSDP only
@@ -46,6 +50,7 @@ import random
 import shutil
 import tempfile
 import time
+import warnings
 import weakref
 from collections.abc import Mapping
 
@@ -66,6 +71,9 @@ INSTALL_HINT = (
 
 def import_vllm():
     """The ``vllm`` module, or an ImportError that says how to install it."""
+    # vLLM's kernel dispatcher reads every attribute of torch.distributed when it is imported, deprecated ones too.
+    warnings.filterwarnings("ignore", message="`torch.distributed.reduce_op` is deprecated", category=FutureWarning,
+                            module=r"vllm\.")
     try:
         import vllm
     except ImportError as err:
@@ -163,16 +171,60 @@ def generation_from_samples(prompts: list[list[int]], responses: list[list[int]]
                       sampled.to(device), torch.tensor(truncated, dtype=torch.bool).to(device))
 
 
-def _save_policy(model: torch.nn.Module, tokenizer, path: str) -> None:
-    """The policy (LoRA merged) and tokenizer as a Hugging Face folder that vLLM can load."""
+def _torch_dtype(name: str) -> torch.dtype | None:
+    """The torch dtype a vLLM ``dtype`` setting names (``bfloat16``, ``float16``, ``half``, ``float32``, ``float``);
+    None for any other (``auto``)."""
+    value = getattr(torch, name, None)
+    return value if isinstance(value, torch.dtype) else None
+
+
+def _cast(value: Tensor, dtype: torch.dtype | None) -> Tensor:
+    return value.to(dtype) if dtype is not None and value.is_floating_point() and value.dtype != dtype else value
+
+
+def _in_dtype(weights: Mapping[str, Tensor], dtype: torch.dtype | None):
+    """``weights``' items with each floating-point tensor cast to ``dtype`` (None: as they are) as the engine reads
+    it, one at a time. vLLM's loaders copy a weight into its parameter (``param.copy_``), a cast with the same
+    rounding (to nearest even), so the engine gets the same bits (``tests/test_vllm.py``), without vLLM's warning
+    for every weight of another dtype."""
+    return ((name, _cast(value, dtype)) for name, value in weights.items())
+
+
+def _state_in_dtype(state: Mapping[str, Tensor], dtype: torch.dtype | None) -> dict[str, Tensor]:
+    """``state`` with its floating-point tensors cast to ``dtype`` (None: as they are); a tensor under two names
+    (tied embeddings) stays one tensor, which ``save_pretrained`` writes once."""
+    cast: dict[tuple, Tensor] = {}
+    out = {}
+    for name, value in state.items():
+        key = (value.data_ptr(), value.dtype, value.shape, value.stride())
+        out[name] = cast[key] if key in cast else cast.setdefault(key, _cast(value, dtype))
+    return out
+
+
+def _engine_dtype(llm) -> torch.dtype | None:
+    """The dtype of every parameter of the engine's model; None where they differ (a float32 router bias beside
+    bfloat16 weights, quantised weights with their scales), where only vLLM knows which weight goes where."""
+    dtypes = set().union(*llm.apply_model(_parameter_dtypes))
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
+def _parameter_dtypes(model: torch.nn.Module) -> set[torch.dtype]:
+    return {p.dtype for p in model.parameters()}
+
+
+def _save_policy(model: torch.nn.Module, tokenizer, path: str, dtype: torch.dtype | None = None) -> None:
+    """The policy (LoRA merged) and tokenizer as a Hugging Face folder that vLLM can load, its weights in ``dtype``
+    (None: the policy's)."""
     try:
         from peft import PeftModel
     except ImportError:
         PeftModel = None
     if PeftModel is not None and isinstance(model, PeftModel):
-        model.get_base_model().save_pretrained(path, state_dict=full_state_dict(model))
-    else:
+        model.get_base_model().save_pretrained(path, state_dict=_state_in_dtype(full_state_dict(model), dtype))
+    elif dtype in (None, next(model.parameters()).dtype):
         model.save_pretrained(path)
+    else:
+        model.save_pretrained(path, state_dict=_state_in_dtype(full_state_dict(model), dtype))
     tokenizer.save_pretrained(path)
 
 
@@ -242,32 +294,70 @@ def _lora_engine_args(config) -> dict:
     return {"enable_lora": True, "max_lora_rank": max_lora_rank, "max_loras": 1}
 
 
-def _save_base(model: torch.nn.Module, tokenizer, path: str) -> None:
-    """A peft LoRA policy's base weights (adapters left out) and tokenizer as a Hugging Face folder."""
-    model.get_base_model().save_pretrained(path, state_dict=dict(base_state_dict(model)))
+def _save_base(model: torch.nn.Module, tokenizer, path: str, dtype: torch.dtype | None = None) -> None:
+    """A peft LoRA policy's base weights (adapters left out, in ``dtype``; None: the policy's) and tokenizer as a
+    Hugging Face folder."""
+    model.get_base_model().save_pretrained(path, state_dict=_state_in_dtype(base_state_dict(model), dtype))
     tokenizer.save_pretrained(path)
 
 
 class _VLLMNoiseFilter(logging.Filter):
-    """Drops two vLLM 0.32 messages that say nothing a recipe user can act on, nothing else:
+    """Keeps vLLM 0.32's messages that repeat at every weight sync or that a recipe user cannot act on out of the
+    log, or lets one through per process; nothing else. Dropped:
 
     - its in-place reload counts the rotary embedding's cos/sin cache (a buffer computed from the config, absent
       from checkpoints) as a weight to load, logs "RotaryEmbedding: Failed to load weights" on every sync, and
       then puts the cache back unchanged;
     - with LoRA it warns once per process that a LoRA's own tokenizer is deprecated: rllight's adapters have
-      none, they use the policy's tokenizer."""
+      none, they use the policy's tokenizer;
+    - "Successfully reset prefix cache": the engine resets it after every sync, by design;
+    - its CPU worker replaces ``torch.set_num_threads`` with a no-op that warns at each call (4 times while the
+      engine starts), and an engine in this process warns that its seed may change the process's random state:
+      ``_keep_process_state`` puts the function and the random states back.
+
+    Once per process: "Reloading and processing weights took N seconds" (vLLM means it once, but the number
+    defeats its once-only cache; ``rollout/sync_time`` has every sync's time), and "Attempted to load weight ...
+    with dtype A into parameter with dtype B" once per pair (A, B): the engine sends weights in the engine's
+    dtype (``_in_dtype``), so it appears only for an engine that keeps some parameters in another dtype, where
+    vLLM's copy casts them, once per weight per sync otherwise."""
+
+    DROPPED = ("vLLM has deprecated support for supporting different tokenizers", "Successfully reset prefix cache",
+               "CPU backend doesn't allow to use `torch.set_num_threads`", "The global random seed is set to")
+    LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise", "vllm.model_executor.model_loader.reload.inplace",
+               "vllm.model_executor.models.utils", "vllm.v1.engine.input_processor", "vllm.v1.core.block_pool",
+               "vllm.v1.worker.cpu_worker", "vllm.engine.arg_utils")
+
+    def __init__(self):
+        super().__init__()
+        self.shown: set[tuple] = set()
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        rotary = message.startswith("RotaryEmbedding") and message.endswith("Failed to load weights")
-        return not (rotary or message.startswith("vLLM has deprecated support for supporting different tokenizers"))
+        if message.startswith(self.DROPPED) or (message.startswith("RotaryEmbedding")
+                                                and message.endswith("Failed to load weights")):
+            return False
+        if message.startswith("Attempted to load weight"):
+            key = ("cast", *(str(arg) for arg in tuple(record.args or ())[1:]))
+        elif message.startswith("Reloading and processing weights took"):
+            key = ("reload time",)
+        else:
+            return True
+        if key in self.shown:
+            return False
+        self.shown.add(key)
+        return True
+
+
+_NOISE_FILTER = _VLLMNoiseFilter()
 
 
 def _quiet_vllm_noise() -> None:
-    for name in ("vllm.model_executor.model_loader.reload.layerwise", "vllm.v1.engine.input_processor"):
+    """Install ``_VLLMNoiseFilter`` (one instance: "once" means once per process) on the loggers it reads."""
+    for name in _VLLMNoiseFilter.LOGGERS:
         logger = logging.getLogger(name)
-        if not any(isinstance(f, _VLLMNoiseFilter) for f in logger.filters):
-            logger.addFilter(_VLLMNoiseFilter())
+        if _NOISE_FILTER not in logger.filters:
+            logger.addFilter(_NOISE_FILTER)
+    # (Lightning's sync_dist warning, which vLLM's world of one sets off: rllight.progress.quiet_lightning.)
 
 
 @contextlib.contextmanager
@@ -391,6 +481,7 @@ class VLLMEngine(RolloutEngine):
         self._updates = 0
         self._calls = 0
         self._lora = None  # the LoRARequest of the adapter last synced (None: no LoRA, or merged weights)
+        self._sync_dtype: torch.dtype | None = None  # the dtype syncs send weights in (None: the policy's own)
 
     # ------------------------------------------------------------------------------ engine
     def _start(self, model: torch.nn.Module, tokenizer):
@@ -400,13 +491,15 @@ class VLLMEngine(RolloutEngine):
         self._dir = tempfile.mkdtemp(prefix="rllight-vllm-")
         # Removed with the engine object, or at exit at the latest.
         self._cleanup = weakref.finalize(self, shutil.rmtree, self._dir, True)
-        kwargs = self._write_start_folder(model, tokenizer)
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.") if self.dtype == "auto" else self.dtype
+        # In the engine's dtype: what vLLM would cast them to when it loads them, in half the bytes for bfloat16.
+        kwargs = self._write_start_folder(model, tokenizer, _torch_dtype(dtype))
         if self.kv_cache_gb is not None:
             kwargs["kv_cache_memory_bytes"] = int(self.kv_cache_gb * 2**30)
         if self.tensor_parallel_size > 1:  # the group's processes and port: set by its rollout worker
             kwargs.update(tensor_parallel_size=self.tensor_parallel_size,
                           distributed_executor_backend="external_launcher")
-        dtype = str(next(model.parameters()).dtype).removeprefix("torch.") if self.dtype == "auto" else self.dtype
+        _quiet_vllm_noise()  # before the start, whose own messages it reads too
         with _keep_process_state():
             self.llm = vllm.LLM(
                 model=self._dir,
@@ -418,7 +511,11 @@ class VLLMEngine(RolloutEngine):
                 logprobs_mode="processed_logprobs",
                 **kwargs,
             )
-        _quiet_vllm_noise()
+        self._sync_dtype = _engine_dtype(self.llm)
+        if self._sync_dtype is None and _torch_dtype(dtype) not in (None, next(model.parameters()).dtype):
+            # Parameters vLLM keeps in a dtype of their own (a float32 router bias) get the policy's exact values,
+            # which the start folder rounded to the engine's dtype.
+            self._reload(base_state_dict(model) if kwargs.get("enable_lora") else full_state_dict(model))
         if kwargs.get("enable_lora"):
             self._push_adapter(model)
         # The weights now live in the engine and syncs never read the folder: free the disk copy, keep the
@@ -498,10 +595,14 @@ class VLLMEngine(RolloutEngine):
         if self._lora is not None:
             self._push_adapter(model)
         else:
-            weights = list(full_state_dict(model).items())
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            self._reload(full_state_dict(model))
         self.llm.reset_prefix_cache()
         return {"rollout/sync_time": time.perf_counter() - t0}
+
+    def _reload(self, weights: Mapping[str, Tensor]) -> None:
+        """Load ``weights`` (under their checkpoint names) into the engine in place, in the engine's dtype when all
+        its parameters have one (``_in_dtype``: the bits vLLM's own cast would give)."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": _in_dtype(weights, self._sync_dtype)})
 
     # --------------------------------------------------------------------------- LoRA sync
     @property
@@ -509,15 +610,16 @@ class VLLMEngine(RolloutEngine):
         """A LoRA policy's syncs carry its adapter only (``lora_sync: adapter``), which FSDP shards can give."""
         return self.lora_sync == "adapter"
 
-    def _write_start_folder(self, model: torch.nn.Module, tokenizer) -> dict:
-        """Save what vLLM starts from: the base weights with LoRA in adapter mode, else the merged policy;
-        returns the ``vllm.LLM`` arguments that serve the adapter (none for merged weights)."""
+    def _write_start_folder(self, model: torch.nn.Module, tokenizer, dtype: torch.dtype | None = None) -> dict:
+        """Save what vLLM starts from, in ``dtype`` (None: the policy's): the base weights with LoRA in adapter
+        mode, else the merged policy; returns the ``vllm.LLM`` arguments that serve the adapter (none for merged
+        weights)."""
         config = lora_config(model) if self.syncs_lora_adapters else None
         if config is None:
-            _save_policy(model, tokenizer, self._dir)
+            _save_policy(model, tokenizer, self._dir, dtype)
             return {}
         engine_args = _lora_engine_args(config)
-        _save_base(model, tokenizer, self._dir)
+        _save_base(model, tokenizer, self._dir, dtype)
         return engine_args
 
     def _push_adapter(self, model: torch.nn.Module) -> int:
