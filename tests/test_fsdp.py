@@ -153,15 +153,24 @@ def test_a_sharded_lora_policy_with_an_engine_that_needs_merged_weights_is_refus
 @pytest.mark.slow
 def test_fsdp_param_dtype_computes_the_layers_in_bfloat16_over_float32_shards(tmp_path, tiny_model_dir):
     """FSDP's mixed-precision policy (``param_dtype: bfloat16``, float32 reduction): the decoder layers compute in
-    bfloat16 while their shards stay float32, and GRPO's losses on the same rollouts stay within bfloat16's
-    rounding of the float32 one-process run's (two 8-bit-mantissa layers: a few per cent)."""
+    bfloat16 while their shards stay float32, and GRPO's updates on the same rollouts are the float32 one-process
+    run's up to bfloat16's rounding: the same direction and size."""
     _run.model_dir = tiny_model_dir
     one = _run(tmp_path, "grpo", "grpo.yaml", sharded=False)
     two = _run(tmp_path, "bf16", "grpo.yaml", "--trainer.strategy.init_args.param_dtype", "bfloat16", sharded=True)
     assert (one["compute_dtype"], one["stored_dtype"]) == ("torch.float32", "torch.float32")
     assert (two["compute_dtype"], two["stored_dtype"]) == ("torch.bfloat16", "torch.float32")
-    for key, value in one["losses"].items():
-        assert two["losses"][key] == pytest.approx(value, rel=5e-2, abs=1e-3), key
+    # The updates (weights after 4 of them less the weights before) point the same way and are as large: bfloat16
+    # rounds each layer's products (8-bit mantissa), it does not change what is learned. (Not the policy loss: a
+    # mean of advantages that nearly cancel, so a few 1e-3 of bfloat16 rounding are all of its value.)
+    from transformers import AutoModelForCausalLM
+
+    start = {f"policy.{n}": p.detach() for n, p in AutoModelForCausalLM.from_pretrained(tiny_model_dir).named_parameters()}
+    step_one = torch.cat([(one["params"][n] - start[n]).flatten() for n in start])
+    step_two = torch.cat([(two["params"][n] - start[n]).flatten() for n in start])
+    cosine = float(torch.nn.functional.cosine_similarity(step_one, step_two, dim=0))
+    ratio = float(step_two.norm() / step_one.norm())
+    assert cosine > 0.95 and 0.9 < ratio < 1.1, (cosine, ratio)
     moved = max(float((two["params"][n] - p).abs().max()) for n, p in one["params"].items())
     assert moved > 0  # the bfloat16 layers changed the updates
 
