@@ -94,8 +94,8 @@ class ValueHead(_TokenValueLoss, Critic):
     """``V(s_t) = w . h_t + b`` on the policy's last hidden state, zero-initialised (training starts from
     V = 0, no random bias in the first advantages).
 
-    Where the value loss trains the shared backbone: in joint updates (``model.critic_updates_first: 0``)
-    always; in the critic-only updates that come first (VAPO's K_v, ``model.critic_updates_first`` > 0) only
+    Where the value loss trains the shared backbone: in joint updates (``model.critic_steps_first`` and
+    ``critic_epochs_first`` 0) always; in the critic-only updates that come first (VAPO's K_v steps, or epochs) only
     with ``critic_first_trains_backbone``, else the head trains alone on fixed features there. That option is
     the form of note 000's figure 5 (a shared backbone with a policy head and a linear value head; the note, in
     translation: "in the RL phase the whole network trains, value and policy updates kept apart in time"); in value
@@ -111,8 +111,8 @@ class ValueHead(_TokenValueLoss, Critic):
             into verl (``cliprange_value``). Engstrom et al. (arXiv:2005.12729) found no evidence that it helps,
             Andrychowicz et al. (arXiv:2006.05990, decision C13) that it hurts; 0.2 is ppo2's default.
         lr: Learning rate of the head (None = the policy's).
-        critic_first_trains_backbone: Let the critic-only updates of ``model.critic_updates_first`` train the
-            shared backbone too (note 000's figure 5; False = the head alone there).
+        critic_first_trains_backbone: Let the critic-only updates of ``model.critic_steps_first`` (or
+            ``critic_epochs_first``) train the shared backbone too (note 000's figure 5; False = the head alone there).
     """
 
     shared = True

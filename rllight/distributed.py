@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import Tensor
 
+from rllight.algorithms.batching import deal_groups
 from rllight.errors import RecipeError
+from rllight.types import Rollout
 
 
 def share(total: int, world: int, name: str) -> int:
@@ -61,6 +65,36 @@ class Ranks:
         slots[self.rank] = value
         return self.reduce(slots).tolist()
 
+    def gather_objects(self, obj) -> list:
+        """Every rank's ``obj`` (picklable), in rank order."""
+        if self.world_size <= 1:
+            return [obj]
+        out = [None] * self.world_size
+        torch.distributed.all_gather_object(out, obj)
+        return out
+
+    def send(self, obj, dst: int) -> None:
+        """Send ``obj`` (picklable, its tensors on the CPU) to rank ``dst``, which ``recv``s it."""
+        torch.distributed.send_object_list([obj], dst)
+
+    def recv(self, src: int):
+        """What rank ``src`` ``send``s to this rank."""
+        box = [None]
+        torch.distributed.recv_object_list(box, src)
+        return box[0]
+
+    def exchange(self, moves: list[tuple[int, int]], outgoing: dict[int, object]) -> dict[int, object]:
+        """For each ``(src, dst)`` of ``moves`` (the same list on every rank), ``src`` sends ``outgoing[dst]`` to
+        ``dst``; returns what this rank received, by source. The transfers block and run in the list's order, so
+        the first one not yet done always has both its ranks at it: no rank waits forever."""
+        received = {}
+        for src, dst in moves:
+            if src == self.rank:
+                self.send(outgoing[dst], dst)
+            elif dst == self.rank:
+                received[src] = self.recv(src)
+        return received
+
     def sum_gradients(self, params: list[torch.nn.Parameter]) -> None:
         """Sum the gradients of ``params`` over ranks (a rank without one adds zeros); a parameter that no rank
         has a gradient for keeps none, as on one process. Backward passes run outside DDP's reducer
@@ -78,3 +112,65 @@ class Ranks:
         flat = self.reduce(torch._utils._flatten_dense_tensors(grads))
         for p, g in zip(live, torch._utils._unflatten_dense_tensors(flat, grads)):
             p.grad = g.view_as(p).clone()
+
+
+def deal_rollout(rollout: Rollout, ranks: Ranks, pad_id: int) -> Rollout:
+    """This rank's share of the step's groups, dealt evenly to the ranks (``rllight.algorithms.deal_groups``): whole
+    groups (rows with one ``group_ids`` value), so that the ranks differ by at most one group of G and each makes
+    the same share of the updates whichever rank drew the groups (DAPO's dynamic sampling keeps them in rank
+    order). One process, or ranks that already hold even shares, keep ``rollout`` itself.
+
+    A collective: every rank calls it, a rank with an empty rollout too. The moved rows travel point to point
+    (``Ranks.exchange``, on the CPU) with their per-row extras; each rank keeps its own scalar extras (its
+    sampling counts, timings: its own ledger). Group ids are renumbered per source so that groups of two ranks
+    never share one. A group's rows move together before any advantage is computed, so group statistics are
+    those of the rows as sampled; batch statistics over all ranks (``AdvantageEstimator.total``) do not change.
+    """
+    if ranks.world_size <= 1:
+        return rollout
+    ids = rollout.group_ids.tolist()
+    groups: dict[int, list[int]] = {}  # group id -> its rows, in order of first appearance
+    for row, gid in enumerate(ids):
+        groups.setdefault(gid, []).append(row)
+    rows = list(groups.values())
+    sizes = ranks.gather_objects([len(r) for r in rows])
+    dealt = deal_groups(sizes)
+    if all(picks == [(r, g) for g in range(len(sizes[r]))] for r, picks in enumerate(dealt)):
+        return rollout  # already even: nothing moves
+    me = ranks.rank
+
+    def part(src: int, picks: list[tuple[int, int]]) -> Rollout:
+        return rollout.select([i for s, g in picks if s == src for i in rows[g]])
+
+    outgoing = {dst: _moved(part(me, picks), "cpu") for dst, picks in enumerate(dealt)
+                if dst != me and any(s == me for s, _ in picks)}
+    moves = [(src, dst) for dst, picks in enumerate(dealt) for src in sorted({s for s, _ in picks}) if src != dst]
+    received = ranks.exchange(moves, outgoing)
+    if dealt[me] == [(me, g) for g in range(len(rows))]:
+        return rollout  # this rank neither sends nor receives
+    device = rollout.response_mask.device
+    parts, offset = [], 0
+    for src in sorted({s for s, _ in dealt[me]}):
+        p = part(me, dealt[me]) if src == me else _moved(received[src], device)
+        _, local_ids = torch.unique(p.group_ids, return_inverse=True)
+        parts.append(replace(p, group_ids=local_ids + offset))
+        offset += int(local_ids.max()) + 1
+    if not parts:
+        return rollout.select([])  # fewer groups than ranks
+    own = {k: v for k, v in rollout.extras.items() if not _per_row(v, len(rollout))}
+    common = set.intersection(*({k for k, v in p.extras.items() if _per_row(v, len(p))} for p in parts))
+    parts = [replace(p, extras={k: p.extras[k] for k in sorted(common)}) for p in parts]
+    dealt_rollout = Rollout.cat(parts, pad_id=pad_id)
+    return replace(dealt_rollout, extras={**own, **dealt_rollout.extras})
+
+
+def _per_row(value, rows: int) -> bool:
+    """Whether an extra has one entry per row (``Rollout.select`` slices it)."""
+    return (isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == rows) or (
+        isinstance(value, list) and len(value) == rows)
+
+
+def _moved(rollout: Rollout, device: torch.device | str) -> Rollout:
+    """``rollout`` with its tensors, those of its extras too, on ``device``."""
+    extras = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in rollout.extras.items()}
+    return replace(rollout.to(device), extras=extras)

@@ -16,7 +16,7 @@ from rllight.callbacks.base import in_rollout_order
 from rllight.checkpoint import REFERENCE_PREFIX, load_run_state, save_run_state
 from rllight.critics import Critic
 from rllight.data.prompt_stream import PromptStream
-from rllight.distributed import Ranks
+from rllight.distributed import Ranks, deal_rollout
 from rllight.envs import Environment
 from rllight.errors import RecipeError
 from rllight.recipe_checks import check_recipe, check_sharding
@@ -68,8 +68,9 @@ class RLModule(L.LightningModule):
             subclasses, e.g. ``class_path: my_lab.LengthPenalty``).
         aggregation: How per-token losses are averaged (token-mean, seq-mean-token-mean, ...).
         critic: The value model: ``ValueHead`` on the shared backbone, ``SeparateCritic``, or None.
-        critic_updates_first: Critic-only updates on each fresh rollout before its values and advantages are
-            recomputed and the policy is updated (VAPO note 000, K_v = 4); 0 = critic and policy in the same updates.
+        critic_steps_first: Critic-only optimizer steps on each fresh rollout, one minibatch each (the first epoch's in
+            turn, cycling), before its values and advantages are recomputed and the policy updates (VAPO's K_v = 4).
+        critic_epochs_first: Instead, passes of critic-only updates over all its minibatches (both 0 = joint updates).
         kl: KL to a frozen copy of the initial policy (None = no reference model).
         entropy_coef: Weight of an entropy bonus (0 = off).
         ppo_epochs: Passes over each rollout.
@@ -92,9 +93,8 @@ class RLModule(L.LightningModule):
         zero_gradient_warning_steps: Warn after this many RL steps in a row whose every policy update had a zero
             gradient (every advantage 0, or every token masked or clipped; None = never).
         max_zero_gradient_steps: ... and end the run, saved, after this many (None = never).
-        logprob_chunk_size: Compute log-probs and entropy from the hidden states this many positions at a
-            time, so the full (B, T, V) float32 logits never exist (same values and gradients).
-            None = one pass over the full logits.
+        logprob_chunk_size: Compute log-probs and entropy from the hidden states this many positions at a time, so the
+            full (B, T, V) float32 logits never exist (same values and gradients); None = one pass over the full logits.
         optimizer: Optimizer over the trainable parameters: one group for the policy (``name: policy``) and, with
             a critic, one for the critic (``name: critic``, at ``critic.lr`` when set).
         lr_scheduler: Learning-rate schedule, stepped after each policy update, e.g.
@@ -120,7 +120,8 @@ class RLModule(L.LightningModule):
         loss_terms: list[LossTerm] | None = None,
         aggregation: Aggregation = lazy_default(TokenMean),
         critic: Critic | None = None,
-        critic_updates_first: int = 0,
+        critic_steps_first: int = 0,
+        critic_epochs_first: int = 0,
         kl: KLPenalty | None = None,
         entropy_coef: float = 0.0,
         ppo_epochs: int = 1,
@@ -142,7 +143,7 @@ class RLModule(L.LightningModule):
         export_dir: str | None = None,
     ):
         super().__init__()
-        check_recipe(advantage, critic, kl, sampler, critic_updates_first, dict(
+        check_recipe(advantage, critic, kl, sampler, (critic_steps_first, critic_epochs_first), dict(
             ppo_epochs=ppo_epochs, micro_batch_size=micro_batch_size, max_failed_reward_steps=max_failed_reward_steps,
             max_steps_without_update=max_steps_without_update))
         reward, reward_runner = plain_instance(reward), plain_instance(reward_runner)
@@ -152,7 +153,7 @@ class RLModule(L.LightningModule):
         self.reward_runner, self.reward_preflight, self._preflight_done = reward_runner, reward_preflight, False
         self.advantage, self.policy_loss, self.aggregation, self.kl = advantage, policy_loss, aggregation, kl
         self.entropy_coef, self.loss_terms = entropy_coef, list(loss_terms or [])
-        self.critic, self.critic_updates_first = critic, critic_updates_first
+        self.critic, self.critic_first = critic, dict(steps=critic_steps_first, epochs=critic_epochs_first)
         self.ppo_epochs, self.minibatch_size = ppo_epochs, minibatch_size
         self.optimizer_fn, self.lr_scheduler_fn = optimizer, lr_scheduler
         self.evaluation, self.export_dir = evaluation, export_dir
@@ -172,8 +173,7 @@ class RLModule(L.LightningModule):
         self.prompt_stream: PromptStream | None = None  # extra training prompts (set up with the data)
         self.extra_prompt_cursor = 0
         self.prefetched_through = -1  # the last training batch whose rollout the engine was asked for ahead
-        self._consumed_steps = 0
-        self._epoch_start = (0, 0)
+        self._consumed_steps, self._epoch_start = 0, (0, 0)
 
     @property
     def ranks(self) -> Ranks:
@@ -303,7 +303,7 @@ class RLModule(L.LightningModule):
         # 5. the updates' loss: the policy's objective, the recipe's own terms, and the critic's loss, unless the
         # critic is fitted first (VAPO: critic-only updates, then the advantages again with the fitted critic)
         terms = [PolicyObjective(self.policy_loss, self.kl, self.entropy_coef), *self.loss_terms]
-        if self.critic_updates_first:
+        if any(self.critic_first.values()):
             metrics.update(self._critic_first(rollout, layout=plan[0]))
         elif self.critic is not None:
             terms.append(CriticLoss(self.critic))
@@ -318,9 +318,9 @@ class RLModule(L.LightningModule):
         self._log(metrics)  # 7. log
 
     def _after_rollout_callbacks(self, rollout: Rollout, metrics: dict, start: float) -> Rollout | None:
-        """The rollout callbacks in ``rollout_order`` (stable: equal orders keep the recipe's order), then the
-        empty-rollout guard. None (after logging ``metrics``) when a callback used the rollout itself (e.g. value
-        pretraining) or every rank's rollout is empty: the step makes no update."""
+        """The rollout callbacks in ``rollout_order`` (stable: equal orders keep the recipe's order), the empty-rollout
+        guard, then the groups dealt evenly to the ranks (``deal_rollout``). None (after logging ``metrics``) when a
+        callback used the rollout itself (e.g. value pretraining) or every rank's rollout is empty: no update."""
         for cb in in_rollout_order(self._trainer.callbacks if self._trainer is not None else []):
             rollout = cb.on_rollout(self.trainer, self, rollout)
             if rollout is None:
@@ -332,16 +332,16 @@ class RLModule(L.LightningModule):
         empty = len(rollout) == 0 or rollout.response_mask.sum() == 0
         if empty:
             metrics["guard/empty_rollouts"] = 1.0
-        # Under DDP a rank whose rollout is empty still takes part in the other ranks' updates (with no
-        # rows); only when every rank's rollout is empty is the step skipped, by all ranks together.
+        # Under DDP a rank whose rollout is empty is dealt a share of the other ranks' groups (or joins their
+        # updates with no rows); only when every rank's rollout is empty is the step skipped, by all ranks together.
         if not self.ranks.any(not empty):
             self.producer.note_empty_step(self.global_step)
             self._log(metrics)
             return None
         if empty:
-            log.info("step %d: this rank's rollout is empty; it joins the other ranks' updates", self.global_step)
-            return rollout.select([])
-        return rollout
+            log.info("step %d: this rank's rollout is empty; it is dealt others' groups", self.global_step)
+            rollout = rollout.select([])
+        return deal_rollout(rollout, self.ranks, self.producer.pad_id)  # whole groups, evenly: same updates anywhere
 
     def _score_and_estimate(self, rollout: Rollout, need_old: bool, layout: list[Tensor] | None = None) -> dict:
         """Old log-probs, values and reference log-probs without gradients (in the micro-batches of ``layout``,
@@ -363,13 +363,13 @@ class RLModule(L.LightningModule):
         return metrics
 
     def _critic_first(self, rollout: Rollout, layout: list[Tensor] | None = None) -> dict:
-        """VAPO note 000: the critic fits the fresh rollout, then values and advantages are recomputed. A shared head
-        trains alone unless ``critic_first_trains_backbone`` (figure 5), which moves the policy: old log-probs first
-        (in ``layout``'s micro-batches, as in ``_score_and_estimate``)."""
+        """VAPO note 000: the critic fits the fresh rollout (K_v steps over ``layout``'s minibatches, or epochs), then
+        values and advantages are recomputed. A shared head trains alone unless ``critic_first_trains_backbone`` (figure
+        5), which moves the policy: old log-probs first (in ``layout``'s micro-batches, as in ``_score_and_estimate``)."""
         backbone = getattr(self.critic, "critic_first_trains_backbone", False)
         self.scoring.score(rollout, need_old=backbone and rollout.old_logprobs is None, need_values=False,
                            layout=layout)
-        metrics = self.updater.critic_update(rollout, epochs=self.critic_updates_first, train_backbone=backbone)
+        metrics = self.updater.critic_update(rollout, **self.critic_first, layout=layout, train_backbone=backbone)
         self.scoring.score(rollout, need_old=False, need_values=True)
         self.estimate_advantages(rollout)
         return metrics

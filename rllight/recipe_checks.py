@@ -5,10 +5,10 @@ from __future__ import annotations
 from rllight.errors import RecipeError
 
 
-def check_recipe(advantage, critic, kl, sampler, critic_updates_first: int, counts: dict[str, int | None]) -> None:
-    """One-line errors for settings that cannot work together, before anything loads. ``counts``: the module's
-    options that count something (``{"ppo_epochs": 1, ...}``), each at least 1 where set (None: never, for a
-    guard)."""
+def check_recipe(advantage, critic, kl, sampler, critic_first: tuple[int, int], counts: dict[str, int | None]) -> None:
+    """One-line errors for settings that cannot work together, before anything loads. ``critic_first``: the
+    module's ``(critic_steps_first, critic_epochs_first)``. ``counts``: the module's options that count something
+    (``{"ppo_epochs": 1, ...}``), each at least 1 where set (None: never, for a guard)."""
     for name, value in counts.items():
         if value is not None and value < 1:
             raise RecipeError(f"model.{name} must be >= 1, got {value}")
@@ -18,11 +18,18 @@ def check_recipe(advantage, critic, kl, sampler, critic_updates_first: int, coun
     if kl is not None and kl.in_reward and not advantage.uses_token_rewards:
         raise RecipeError(f"model.kl.in_reward: {type(advantage).__name__} reads only the outcome reward, so a KL "
                           "penalty in the reward would be ignored; put it in the loss (in_reward: false)")
-    if critic_updates_first and critic is None:
-        raise RecipeError("model.critic_updates_first needs model.critic")
-    if getattr(critic, "critic_first_trains_backbone", False) and not critic_updates_first:
-        raise RecipeError("model.critic.critic_first_trains_backbone needs model.critic_updates_first > 0 (with 0 the "
-                          "value loss trains the shared backbone in every update anyway)")
+    for name, value in zip(("critic_steps_first", "critic_epochs_first"), critic_first):
+        if value < 0:
+            raise RecipeError(f"model.{name} must be >= 0 (0 = no critic-only updates first), got {value}")
+        if value and critic is None:
+            raise RecipeError(f"model.{name} needs model.critic")
+    if all(critic_first):
+        raise RecipeError("model.critic_steps_first and model.critic_epochs_first are both set: choose one (steps: "
+                          "critic optimizer steps per rollout, VAPO's K_v; epochs: passes over all its minibatches)")
+    if getattr(critic, "critic_first_trains_backbone", False) and not any(critic_first):
+        raise RecipeError("model.critic.critic_first_trains_backbone needs model.critic_steps_first (or "
+                          "critic_epochs_first) > 0 (with 0 the value loss trains the shared backbone in every update "
+                          "anyway)")
     if critic is not None and not advantage.needs_values:
         raise RecipeError(f"model.critic: {type(advantage).__name__} does not read values, so the critic would train "
                           "for nothing; remove model.critic or choose an estimator that uses it (e.g. GAE)")

@@ -12,6 +12,7 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from rllight._compat import no_gradient_sync, return_free_memory
+from rllight.algorithms.batching import minibatch_shares
 from rllight.distributed import Ranks, share
 from rllight.errors import RecipeError
 from rllight.fsdp import full_tensor
@@ -111,12 +112,20 @@ class Updater:
 
     # ------------------------------------------------------------------------------------- schedules
     def plan(self, n: int, epochs: int, minibatch_size: int | None, seed: int) -> list[list[Tensor]]:
-        """The minibatches (row indices) of each of ``epochs`` passes over ``n`` rows: ``minibatch_size`` rows
-        each (None = one), in a new order each epoch drawn from ``seed`` when there are several. The old
-        log-probs are scored in the first epoch's minibatches (``Scoring.score``'s ``layout``)."""
-        size = self.local_size(minibatch_size) or n
+        """This process's rows (indices into its ``n``) in each update of each of ``epochs`` passes. The updates
+        are planned over the rows of all ranks together (``rllight.algorithms.minibatch_shares``):
+        ``ceil(total / minibatch_size)`` updates (None = one), each of ``minibatch_size`` rows but the last, so a
+        rollout makes the same updates on any number of processes; each rank's rows are spread evenly over them,
+        in a new order each epoch drawn from ``seed`` when there are several updates. On one process: the chunks of
+        ``minibatch_size`` rows of that order. A rank with no rows in an update still takes part in it. The old
+        log-probs are scored in the first epoch's minibatches (``Scoring.score``'s ``layout``). A collective."""
+        ranks = self.ranks
+        counts = [round(c) for c in ranks.gather(float(n))]
+        shares = [share[ranks.rank] for share in minibatch_shares(counts, minibatch_size)]
+        if not shares:
+            return [[] for _ in range(epochs)]
         generator = torch.Generator().manual_seed(seed)
-        return [self.minibatches(n, size, torch.randperm(n, generator=generator) if size < n else None)
+        return [list((torch.randperm(n, generator=generator) if len(shares) > 1 else torch.arange(n)).split(shares))
                 for _ in range(epochs)]
 
     def policy_updates(self, rollout: Rollout, terms: Sequence[LossTerm], plan: list[list[Tensor]]
@@ -133,26 +142,31 @@ class Updater:
         return reduce_stats(stats)
 
     def critic_update(self, rollout: Rollout, epochs: int = 1, minibatch_size: int | None = None,
-                      train_backbone: bool = True) -> dict[str, Tensor]:
+                      train_backbone: bool = True, steps: int = 0, layout: list[Tensor] | None = None
+                      ) -> dict[str, Tensor]:
         """Critic-only updates on ``rollout`` (which has ``values`` and ``returns``), logged as
-        ``critic_only/...``. A separate critic trains whole and the policy does not move. A value head on the
-        shared backbone trains alone with ``train_backbone`` False (``HeadOnlyCriticFit``); with True the value
-        loss also trains the backbone, which is the policy's, so the policy moves (and the engine is synced).
-        These updates do not advance ``trainer.global_step``, which counts policy updates."""
+        ``critic_only/...``: ``epochs`` passes over its minibatches (``minibatch_size`` rows each, in row order),
+        one optimizer step per minibatch; or, with ``steps`` > 0, that many optimizer steps (VAPO's K_v), one per
+        minibatch of ``layout`` (None = those minibatches) in turn, cycling when ``steps`` exceeds their count.
+        A separate critic trains whole and the policy does not move. A value head on the shared backbone trains
+        alone with ``train_backbone`` False (``HeadOnlyCriticFit``); with True the value loss also trains the
+        backbone, which is the policy's, so the policy moves (and the engine is synced). These updates do not
+        advance ``trainer.global_step``, which counts policy updates."""
         critic = self.scoring.critic
         stats: dict[str, list[Tensor]] = {}
         ev = critic_explained_variance(rollout)  # of the critic as it enters these updates
         if ev is not None:
             stats["critic_only/explained_variance"] = [ev]
         head_only = critic.shared and not train_backbone
-        parts = self.minibatches(len(rollout), self.local_size(minibatch_size or self.minibatch_size))
+        parts = (layout if steps and layout is not None
+                 else self.minibatches(len(rollout), self.local_size(minibatch_size or self.minibatch_size)))
         terms = [HeadOnlyCriticFit(critic, self.scoring.policy, self.scoring.run) if head_only else CriticLoss(critic)
                  for _ in parts]
-        for _ in range(epochs):
-            for index, term in zip(parts, terms):
-                out = self.update(rollout.select(index), [term], "value", total_key="value/total_loss")
-                for k, v in out.items():
-                    stats.setdefault(f"critic_only/{k.split('/')[-1]}" if k.startswith("value/") else k, []).append(v)
+        turns = (list(range(len(parts))) * steps)[:steps] if steps else list(range(len(parts))) * epochs
+        for i in turns:
+            out = self.update(rollout.select(parts[i]), [terms[i]], "value", total_key="value/total_loss")
+            for k, v in out.items():
+                stats.setdefault(f"critic_only/{k.split('/')[-1]}" if k.startswith("value/") else k, []).append(v)
         return {k: torch.stack(v).float().mean() for k, v in stats.items()}
 
     def nll_update(self, rollout: Rollout, coef: float = 1.0, minibatch_size: int | None = None) -> dict[str, Tensor]:

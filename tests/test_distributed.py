@@ -2,6 +2,8 @@
 by the global token count, and the checkpoint loads. (VAPO's and SPPO's callbacks and critics on 2 processes, and
 their match with one process, are in tests/test_fsdp.py.)"""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -183,3 +185,70 @@ def test_two_ranks_share_one_tensor_parallel_vllm_engine_and_each_samples_its_ow
     for record in (r0, r1):
         assert len(record["logprob_gap"]) == 3
         assert max(record["logprob_gap"]) < 1e-5, record["logprob_gap"]
+
+
+def _updates_by_step(tmp_path, world):
+    """Each step's updates (in order) of a run's RecordRows records: per update, each rank's rows and the global
+    row count."""
+    import json
+
+    ranks = [json.loads((tmp_path / f"rows{r}.json").read_text()) for r in range(world)]
+    assert len({len(records) for records in ranks}) == 1  # every rank takes part in every update
+    steps: dict[float, list] = {}
+    for parts in zip(*ranks):
+        assert len({p["step"] for p in parts}) == 1 and len({p["global_rows"] for p in parts}) == 1
+        steps.setdefault(parts[0]["step"], []).append(([p["rows"] for p in parts], parts[0]["global_rows"]))
+    return list(steps.values())
+
+
+@pytest.mark.slow
+def test_ddp_dapo_with_uneven_retention_makes_the_updates_of_one_process_on_the_same_rows(tmp_path, tiny_model_dir):
+    """Dynamic sampling on 2 processes where rank 0 keeps its 4 groups a step and rank 1 one (a reward flat but for
+    rank 0's prompts and one of rank 1's, responses that depend on the prompt only, one sampling round: the same
+    prompts and groups as one process). Each rank cutting its own rows into its share of the minibatch made more
+    updates than one process. The kept groups are dealt evenly to the ranks, so every step makes the updates of
+    one process on the same global batch: as many, of the same global sizes, over the same rows with the same
+    advantages, each update taking about half its rows from each rank; and the ranks end with the same weights."""
+    from rllight.data import ArithmeticTask, RLDataModule
+
+    answers = []  # of the prompts each rank draws, step by step (64 problems: one epoch; 8 prompts a step)
+    for rank in (0, 1):
+        data = RLDataModule(task=ArithmeticTask(num_train=64, num_val=4), batch_size=8, val_size=4)
+        data.trainer = SimpleNamespace(global_rank=rank, world_size=2)
+        data.setup("fit")
+        answers.append([[str(row["answer"]) for row in batch] for batch in data.upcoming_batches(0, 6)])
+    flat = {a for step in answers[1] for a in step[1:]}  # answers repeat: the flat ones stay flat on rank 0 too
+    mixed = {a for step in answers[0] for a in step if a not in flat} | {step[0] for step in answers[1]}
+    runs = {}
+    model = dict(reward={"class_path": "user_strategies.MixedForAnswers"},
+                 rollout={"class_path": "user_strategies.ScriptedEngine", "init_args": {"max_new_tokens": 6}},
+                 loss_terms=[{"class_path": "user_strategies.RecordRows"}])
+    for world in (1, 2):
+        folder = tmp_path / f"world{world}"
+        (folder / "run").mkdir(parents=True)
+        overlay = _ddp_overlay(folder, tiny_model_dir, "run", **model)
+        args = DDP if world == 2 else ["--trainer.callbacks+", "user_strategies.DumpState"]
+        run = fit_in_child("dapo.yaml", "--config", overlay, *args, "--trainer.callbacks+", "user_strategies.StepTag",
+                           "--trainer.max_steps", "9", "--data.batch_size", "8", "--data.task.init_args.num_train", "64",
+                           "--model.minibatch_size", "8",
+                           "--model.sampler.init_args.group_size", "4", "--model.sampler.init_args.max_rounds", "1",
+                           timeout=900, RLLIGHT_TEST_DUMP=str(folder / "rank{rank}.pt"),
+                           RLLIGHT_TEST_ROWS=str(folder / "rows{rank}.json"),
+                           RLLIGHT_TEST_MIXED_ANSWERS=",".join(sorted(mixed)))
+        assert run.returncode == 0, run.stderr[-4000:]
+        runs[world] = _updates_by_step(folder, world)
+    _same_weights_on_both_ranks(tmp_path / "world2")
+    kept = [torch.load(tmp_path / "world2" / f"rank{r}.pt", weights_only=True)["rollout_sizes"] for r in (0, 1)]
+    one, two = runs[1], runs[2]
+    assert len(one) == len(kept[0])
+    # Cutting each rank's kept rows into its own 4-row shares would have made more updates than one process.
+    assert any(max(-(-a // 4), -(-b // 4)) > len(step) for a, b, step in zip(*kept, one)), (kept, one)
+    assert [len(step) for step in two] == [len(step) for step in one]  # as many updates per step
+    for step_one, step_two in zip(one, two):
+        assert [n for _, n in step_two] == [n for _, n in step_one]  # of the same global sizes
+        rows_one = sorted((row for parts, _ in step_one for row in parts[0]), key=lambda r: r[:2])
+        rows_two = sorted((row for parts, _ in step_two for part in parts for row in part), key=lambda r: r[:2])
+        assert [r[:2] for r in rows_two] == [r[:2] for r in rows_one]  # the same rows...
+        assert [r[2] for r in rows_two] == pytest.approx([r[2] for r in rows_one], abs=1e-5)  # ...and advantages
+        for parts, n in step_two:  # each update takes its rows from both ranks, at most one group (4) apart
+            assert abs(len(parts[0]) - len(parts[1])) <= 4, [len(p) for p in parts]

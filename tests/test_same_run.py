@@ -20,10 +20,10 @@ model (DAPO's overlong filter, see ``RUNS``) changes. What each run covers (grad
 
 - ``grpo``: 2 rollouts of 2 x 8 responses, 2 shuffled minibatch updates each (4 updates).
 - ``dapo``: as grpo, with dynamic sampling, token-mean loss, clip-higher and the soft overlong punishment.
-- ``vapo``: 2 value-pretraining rollouts (4 critic passes each), then 2 RL rollouts, each with 4
-  critic-first passes of 2 minibatches on a separate critic, advantages recomputed (decoupled GAE,
-  adaptive lambda) and 2 policy updates; a self-imitation NLL update from the replay buffer after the
-  second RL rollout.
+- ``vapo``: 2 value-pretraining rollouts (4 critic passes each), then 2 RL rollouts, each with K_v = 4
+  critic-first optimizer steps on a separate critic (its 2 minibatches in turn, twice), advantages
+  recomputed (decoupled GAE, adaptive lambda) and 2 policy updates; a self-imitation NLL update from the
+  replay buffer after the second RL rollout.
 - ``ppo``: 2 rollouts of 2 responses, 2 epochs each, policy and value head (shared backbone) updated
   jointly; the second rollout's GAE reads the trained head.
 - ``sppo``: 2 rollouts of 2 responses, 2 minibatch updates each, a separate prompt critic (BCE) trained
@@ -218,12 +218,16 @@ def test_same_metrics_and_weights_as_before_the_redesign(recipe, tmp_path, same_
                                        msg=lambda m, key=key, step=step: f"step {step}, {key}: {m}")
     weights, expected = got["weights"], reference["weights"]
     assert sorted(weights) == sorted(expected), "parameter names"
-    # The weights within 1e-4 (about 0.1 % of their scale, 0.1): the reference's CPU (an Intel Xeon) and an AMD
-    # EPYC round the 3 steps' products differently, by up to 3.5e-5 in vapo's weights (its many passes at lr 1e-2
-    # carry the rounding furthest), while one update at lr 1e-2 moves a weight by about 1e-2.
+    # The weights within 1e-4 (about 0.1 % of their scale, 0.1): CPUs of other kinds (Intel Xeon, AMD EPYC with
+    # AVX2 or AVX-512) round the 3 steps' products differently, by up to 3.5e-5 in vapo's weights, while one
+    # update at lr 1e-2 moves a weight by about 1e-2. Adam turns a gradient element that is nearly 0 into a
+    # step of about lr whose size its rounding decides, so at most 1 element in 1000 of a tensor may differ by
+    # up to 1e-3 (seen: 1 of 4800 by 4e-4 in vapo's lm_head); a change of behaviour moves far more by far more.
     for name in sorted(expected):
-        torch.testing.assert_close(weights[name], expected[name], atol=1e-4, rtol=1.3e-6,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+        diff = (weights[name].float() - expected[name].float()).abs()
+        loose = int((diff > 1e-4 + 1.3e-6 * expected[name].float().abs()).sum())
+        assert loose <= diff.numel() // 1000 and float(diff.max()) <= 1e-3, (
+            f"{name}: {loose} of {diff.numel()} elements differ by more than 1e-4, the most by {float(diff.max()):.3g}")
 
 
 def write(out: str, recipes=RECIPE_NAMES) -> None:

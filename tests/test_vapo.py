@@ -582,22 +582,22 @@ class SpyLoss(ClippedSurrogate):
 
 
 @pytest.mark.parametrize("critic_first", [2, 0])
-def test_critic_updates_first_recompute_advantages_with_the_updated_critic(critic_first, tmp_path, tiny_model_dir):
+def test_critic_steps_first_recompute_advantages_with_the_updated_critic(critic_first, tmp_path, tiny_model_dir):
     # One RL step of vapo.yaml (no pretraining, no replay, to isolate the update order), 16 responses in one
-    # minibatch and one micro-batch. With critic_updates_first = K: the estimator runs on the fresh values,
-    # the critic takes K updates, the estimator runs again on the new values, and the policy trains on
+    # minibatch and one micro-batch. With critic_steps_first = K: the estimator runs on the fresh values,
+    # the critic takes K steps, the estimator runs again on the new values, and the policy trains on
     # those second advantages. With 0 the estimator runs once and critic and policy train together.
     cli = build(os.path.join(RECIPES, "vapo.yaml"), tiny_overrides(tmp_path, tiny_model_dir), _callbacks(tmp_path),
-                "--trainer.max_steps", "1", "--model.critic_updates_first", str(critic_first))
+                "--trainer.max_steps", "1", "--model.critic_steps_first", str(critic_first))
     module = cli.model
     module.advantage = SpyGAE(policy_lambda=AdaptiveLambda(), value_lam=1.0)
     module.policy_loss = SpyLoss(clip_low=0.2, clip_high=0.28)
     critic_calls = []
     original = module.updater.critic_update
 
-    def critic_update(rollout, epochs=1, **kwargs):
-        critic_calls.append(epochs)
-        return original(rollout, epochs=epochs, **kwargs)
+    def critic_update(rollout, steps=0, **kwargs):
+        critic_calls.append(steps)
+        return original(rollout, steps=steps, **kwargs)
 
     module.updater.critic_update = critic_update
     cli.trainer.fit(module, datamodule=cli.datamodule)
@@ -613,6 +613,62 @@ def test_critic_updates_first_recompute_advantages_with_the_updated_critic(criti
         assert critic_calls == []
         assert len(module.advantage.calls) == 1
         assert_close(module.policy_loss.seen[0], module.advantage.calls[0][1])
+
+
+@pytest.mark.parametrize("steps_first, epochs_first, expected_steps", [(4, 0, 4), (6, 0, 6), (0, 2, 8)])
+def test_critic_steps_first_takes_k_v_optimizer_steps_per_rollout(steps_first, epochs_first, expected_steps,
+                                                                   tmp_path, tiny_model_dir):
+    # One RL step of vapo.yaml (no pretraining, no replay): 2 prompts x 8 = 16 responses in 4 minibatches of 4.
+    # Note 000's K_v counts the critic's optimizer steps per rollout: critic_steps_first K takes K steps, one
+    # minibatch each in the order of the policy's first epoch, cycling (6: the 4 minibatches, then the first 2
+    # again). critic_epochs_first E takes E passes over all 4 minibatches in row order: 2 x 4 = 8 steps (the
+    # reading of rllight's former critic_updates_first, whose K_v = 4 took 4 x 4 = 16 steps here).
+    overlay = tiny_overrides(tmp_path, tiny_model_dir, minibatch_size=4, micro_batch_size=4)
+    cli = build(os.path.join(RECIPES, "vapo.yaml"), overlay, _callbacks(tmp_path), "--trainer.max_steps", "4",
+                "--model.critic_steps_first", str(steps_first), "--model.critic_epochs_first", str(epochs_first))
+    module = cli.model
+    seen, calls = [], []
+    update, critic_update = module.updater.update, module.updater.critic_update
+
+    def spy_update(mb, terms, name, *args, **kwargs):
+        if name == "value":
+            seen.append(mb)
+        return update(mb, terms, name, *args, **kwargs)
+
+    def spy_critic_update(rollout, **kwargs):
+        calls.append((rollout, kwargs["layout"]))
+        return critic_update(rollout, **kwargs)
+
+    module.updater.update, module.updater.critic_update = spy_update, spy_critic_update
+    cli.trainer.fit(module, datamodule=cli.datamodule)
+    assert cli.trainer.global_step == 4  # one rollout: 4 policy updates
+    optimizer = module.optimizers().optimizer
+    critic_params = [p for g in optimizer.param_groups if g["name"].startswith("critic") for p in g["params"]]
+    # The optimizer's own count: every critic parameter took exactly that many steps in this one rollout.
+    assert {int(optimizer.state[p]["step"]) for p in critic_params} == {expected_steps}
+    assert len(seen) == expected_steps
+    ((rollout, layout),) = calls
+    assert [len(index) for index in layout] == [4] * 4
+    assert sorted(torch.cat(layout).tolist()) == list(range(16))
+    if steps_first:
+        expected = [layout[i % 4] for i in range(steps_first)]
+    else:
+        expected = [torch.arange(4 * i, 4 * i + 4) for i in range(4)] * epochs_first
+    for mb, index in zip(seen, expected):
+        assert torch.equal(mb.response_ids, rollout.select(index).response_ids)
+        assert torch.equal(mb.sample_logprobs, rollout.select(index).sample_logprobs)
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--model.critic_epochs_first", "4"), "critic_steps_first and model.critic_epochs_first are both set"),
+    (("--model.critic_steps_first", "-1"), "model.critic_steps_first must be >= 0"),
+    (("--model.critic_steps_first", "0", "--model.critic_epochs_first", "-2"),
+     "model.critic_epochs_first must be >= 0"),
+])
+def test_critic_first_schedule_errors_are_one_line_recipe_errors(args, message, tmp_path, tiny_model_dir):
+    # vapo.yaml sets critic_steps_first: 4; adding epochs would leave the schedule ambiguous.
+    with pytest.raises(RecipeError, match=message):
+        build(os.path.join(RECIPES, "vapo.yaml"), tiny_overrides(tmp_path, tiny_model_dir), *args)
 
 
 class OldLogprobsSpy(ClippedSurrogate):
@@ -636,7 +692,7 @@ def test_critic_first_updates_train_the_shared_backbone_only_in_figure_5s_form(f
     # per rollout here, where old log-probs are otherwise the live ones of the policy at its update).
     cli = build(os.path.join(RECIPES, "vapo.yaml"), tiny_overrides(tmp_path, tiny_model_dir), SHARED_CRITIC,
                 *([FIGURE_5] if figure_5 else []), _callbacks(tmp_path), "--trainer.max_steps", "1",
-                "--model.critic_updates_first", "3", "--model.critic.init_args.lr", "0.1")
+                "--model.critic_steps_first", "3", "--model.critic.init_args.lr", "0.1")
     module = cli.model
     assert module.critic.critic_first_trains_backbone is figure_5
     assert module.critic.clip == 0.2  # the overlays merge: figure 5's keeps the shared critic's settings
@@ -669,10 +725,10 @@ def test_critic_first_updates_train_the_shared_backbone_only_in_figure_5s_form(f
 
 
 def test_figure_5s_backbone_option_without_critic_first_updates_is_a_recipe_error(tmp_path, tiny_model_dir):
-    # With critic_updates_first 0 the value loss trains the shared backbone in every joint update anyway.
-    with pytest.raises(RecipeError, match="critic_first_trains_backbone needs model.critic_updates_first"):
+    # With critic_steps_first 0 the value loss trains the shared backbone in every joint update anyway.
+    with pytest.raises(RecipeError, match="critic_first_trains_backbone needs model.critic_steps_first"):
         build(os.path.join(RECIPES, "vapo.yaml"), tiny_overrides(tmp_path, tiny_model_dir), SHARED_CRITIC, FIGURE_5,
-              "--model.critic_updates_first", "0")
+              "--model.critic_steps_first", "0")
 
 
 def test_value_loss_clip_of_the_critics_is_optional_and_acts():

@@ -11,6 +11,7 @@ from rllight.errors import ComponentError
 from rllight.rollout import HFEngine, RolloutEngine
 from rllight.rollout.base import Generation, pad_left
 from rllight.strategies import AdvantageEstimator, ClippedSurrogate
+from rllight.terms import LossTerm
 
 
 class DigitReward(Reward):
@@ -318,3 +319,47 @@ class FailOnRank(RolloutCallback):
                 os.kill(os.getpid(), signal.SIGKILL)
             raise ValueError(f"a failure on rank {self.rank} only")
         return rollout
+
+
+class MixedForAnswers(Reward):
+    """DigitReward for the reference answers listed in RLLIGHT_TEST_MIXED_ANSWERS (comma-separated), else 0 for every
+    response: with responses that depend on the prompt only (``ScriptedEngine``), dynamic sampling keeps the groups
+    of the same prompts on any number of processes, and a test chooses how many each rank keeps."""
+
+    def __call__(self, response: str, answer: str) -> float:
+        mixed = os.environ["RLLIGHT_TEST_MIXED_ANSWERS"].split(",")
+        return DigitReward()(response, answer) if str(answer) in mixed else 0.0
+
+
+class StepTag(RolloutCallback):
+    """Tags each rollout with the global step it starts at (``test/step``, a scalar extra: it stays with the rank's
+    own rollout, and its minibatches carry it)."""
+
+    def on_rollout(self, trainer, module, rollout):
+        rollout.extras["test/step"] = float(trainer.global_step)
+        return rollout
+
+
+class RecordRows(LossTerm):
+    """Adds nothing to the loss. At each policy update, records this rank's rows (prompt tokens, response text, the
+    advantage summed over the response), the update's global row count and its step's ``test/step``; writes the
+    records to RLLIGHT_TEST_ROWS ({rank} filled in) after every update."""
+
+    needs_logprobs = False
+    trains = ()
+
+    def __init__(self):
+        self.updates = []
+
+    def begin(self, minibatch, aggregation, global_sum):
+        import json
+
+        rows = [[p[m.bool()].tolist(), text, float(a.sum())] for p, m, text, a in zip(
+            minibatch.prompt_ids, minibatch.prompt_mask, minibatch.texts, minibatch.advantages)]
+        total = global_sum(torch.tensor(float(len(minibatch)), device=minibatch.response_mask.device))
+        self.updates.append({"step": minibatch.extras.get("test/step", -1.0), "rows": rows, "global_rows": int(total)})
+        with open(os.environ["RLLIGHT_TEST_ROWS"].format(rank=os.environ.get("LOCAL_RANK", "0")), "w") as f:
+            json.dump(self.updates, f)
+
+    def __call__(self, batch, out, aggregate):
+        return torch.zeros((), device=batch.response_mask.device), {}

@@ -48,10 +48,12 @@ __all__ += [
     "vespo_weight",
 ]
 
+from rllight.algorithms.batching import deal_groups, first_in_rank_order, minibatch_shares  # noqa: E402
 from rllight.algorithms.lambdas import adaptive_lambda, vapo_lambda  # noqa: E402
 from rllight.algorithms.shaping import group_retention_probability, mixed_groups, soft_overlong_punishment  # noqa: E402
 
 __all__ += ["adaptive_lambda", "group_retention_probability", "mixed_groups", "soft_overlong_punishment", "vapo_lambda"]
+__all__ += ["deal_groups", "first_in_rank_order", "minibatch_shares"]
 
 from rllight.algorithms.evaluation import (  # noqa: E402
     Estimate,

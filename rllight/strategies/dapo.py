@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from rllight.algorithms.batching import first_in_rank_order
 from rllight.algorithms.shaping import mixed_groups
 from rllight.distributed import share
 from rllight.errors import RecipeError
@@ -31,6 +32,10 @@ class DynamicSampling(Sampler):
     ``max_rounds`` rounds ran.
     When the cap is hit the step trains on the mixed groups it has (possibly none: the module then
     skips the update), logs a warning and sets ``sampling/cap_hit``.
+    On several processes the target is global and the first mixed groups in rank order are kept
+    (``rllight.algorithms.first_in_rank_order``), so the ranks keep different numbers; the module then deals
+    the kept groups evenly to the ranks before the update (``rllight.distributed.deal_rollout``), so a
+    rollout makes the updates its global sizes imply (``rllight.algorithms.minibatch_shares``).
 
     With success rate p a group survives with probability ``a_G(p) = 1 - (1-p)^G - p^G``
     (``rllight.algorithms.group_retention_probability``), so the cost per kept group is ``1 / a_G(p)``
@@ -103,9 +108,8 @@ class DynamicSampling(Sampler):
             mixed_parts.append((part, ids))
             n_kept = int(ranks.sum(float(n_mixed)).item())
         # The first `target` mixed groups over the processes are kept, the processes in rank order (a surplus of
-        # the last round is dropped, as verl does).
-        earlier = sum(ranks.gather(float(n_mixed))[: ranks.rank]) if ranks.world_size > 1 else 0
-        quota = max(0, min(n_mixed, target - int(earlier)))
+        # the last round is dropped, as verl does); the module then deals them evenly to the ranks (deal_rollout).
+        quota = first_in_rank_order([round(c) for c in ranks.gather(float(n_mixed))], target)[ranks.rank]
         kept = self._first_groups(mixed_parts, quota)
         n_kept = min(n_kept, target)
         cap_hit = n_kept < target

@@ -101,8 +101,8 @@ class DecoupledGAE(AdvantageEstimator):
     they are the Monte-Carlo returns ``G_t``, so the critic is fitted without bootstrapping on itself.
     ``value_lam: null`` couples them again (targets use the policy's lambda, as plain PPO).
 
-    The update order of note 000 (K_v critic updates on the fresh rollout, then values and advantages
-    recomputed with the updated critic, then the policy update) is ``model.critic_updates_first``.
+    The update order of note 000 (K_v critic optimizer steps on the fresh rollout, then values and advantages
+    recomputed with the updated critic, then the policy update) is ``model.critic_steps_first``.
 
     Lambda statistics go to ``rollout.extras`` as ``advantage/lambda_{mean,min,max}``.
 
