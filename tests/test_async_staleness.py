@@ -21,10 +21,11 @@ def _tool():
 
 def test_every_loss_name_builds_a_run_the_cli_accepts(tmp_path):
     tool = _tool()
-    assert {"grpo", "grpo-tis", "vespo", "grpo-token-mask", "grpo-seq-mask", "grpo-icepop"} <= set(tool.LOSSES)
+    assert {"grpo", "grpo-tis", "vespo", "vespo-engine", "vespo-tis", "grpo-token-mask", "grpo-seq-mask",
+            "grpo-icepop"} <= set(tool.LOSSES)
     args = tool.parse_args(["--algos", ",".join(tool.LOSSES), "--staleness", "0,4", "--out", str(tmp_path)])
     assert args.algos == list(tool.LOSSES) and args.staleness == [0, 4]
-    masks = {}
+    masks, weights = {}, {}
     for algo in tool.LOSSES:
         path = tmp_path / f"{algo}.yaml"
         path.write_text(yaml.safe_dump(tool.overlay(args, algo, 4, str(tmp_path / algo))))
@@ -34,9 +35,13 @@ def test_every_loss_name_builds_a_run_the_cli_accepts(tmp_path):
         assert module.rollout.max_staleness == 4
         if spec["class_path"].endswith("MaskedIS"):
             masks[algo] = (module.policy_loss.mask, module.policy_loss.low, module.policy_loss.high)
+        if algo.startswith("vespo"):  # VESPO itself, or VESPO inside TruncatedIS
+            weights[algo] = getattr(module.policy_loss, "loss", module.policy_loss).weight_against
     # MaskedIS's defaults: [0.5, 2] for the token and sequence masks, IcePop's [0.5, 5].
     assert masks == {"grpo-token-mask": ("token", 0.5, 2.0), "grpo-seq-mask": ("sequence", 0.5, 2.0),
                      "grpo-icepop": ("icepop", 0.5, 5.0)}
+    # VESPO's default weight (the trainer's old log-probs), note 002's (the sampler's), and the default under TIS
+    assert weights == {"vespo": "trainer", "vespo-engine": "engine", "vespo-tis": "trainer"}
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -89,8 +94,10 @@ def test_async_staleness_runs_a_masked_loss_one_step_stale_and_reports_it(tmp_pa
 
     (written,) = load_records(str(record.parent))
     assert written["command"].startswith(".venv/bin/python tools/async_staleness.py ")
-    assert written["summary"] == {"runs_finished": 1, "runs": 1}
     (row,) = written["rows"]
+    assert sorted(written["summary"]) == ["before", "grpo_seq_mask_k1"]  # the accuracy before and the run's gain
+    assert written["summary"]["before"] == pytest.approx(row["accuracy_before"], abs=5e-4)
+    assert written["summary"]["grpo_seq_mask_k1"] == pytest.approx(row["difference"], abs=5e-4)
     assert (row["algo"], row["staleness"], row["staleness_mean"], row["staleness_max"]) == ("grpo-seq-mask", 1, 0.5, 1)
     (line,) = [line for line in table.splitlines() if line.startswith("| grpo-seq-mask | 1 |")]
     assert (f"| {row['accuracy_before']:.3f} → {row['accuracy_after']:.3f} ({row['difference']:+.3f} ± "
@@ -102,3 +109,17 @@ def test_async_staleness_runs_a_masked_loss_one_step_stale_and_reports_it(tmp_pa
     assert _tool().main([*argv, "--skip-done"]) == 0
     assert capsys.readouterr().out.count("finished before with the same settings, reused") == 1
     assert (out / "async_staleness.md").read_text() == table
+
+
+def test_the_readme_row_names_each_loss_gain_at_the_smallest_staleness_above_zero():
+    tool = _tool()
+    runs = [{"algo": a, "staleness": k, "accuracy_before": 0.34, "accuracy_after": after, "difference": after - 0.34}
+            for a, k, after in [("grpo", 0, 0.4), ("grpo", 1, 0.1), ("vespo-engine", 1, 0.38),
+                                ("vespo-engine", 4, 0.3)]]
+    runs.append({"algo": "vespo", "staleness": 1, "accuracy_after": None})  # failed: not in the summary
+    summary = tool.summary_of(runs)
+    assert summary == pytest.approx({"before": 0.34, "grpo_k0": 0.06, "grpo_k1": -0.24, "vespo_engine_k1": 0.04,
+                                     "vespo_engine_k4": -0.04})
+    template = tool.headline_of([r for r in runs if r.get("accuracy_after") is not None])
+    assert template.format(**summary) == ("held-out greedy accuracy from 0.340 at staleness 1: grpo -0.240, "
+                                          "vespo-engine +0.040")

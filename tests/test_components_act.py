@@ -141,8 +141,9 @@ def test_clip_binds_with_the_recipes_own_updates_per_rollout(configs, tmp_path, 
 
 
 def test_vespo_kernel_moves_away_from_one(tmp_path, tiny_model_dir):
-    # VESPO has no clip: its kernel phi(W) weighs each response by its sequence ratio against the engine's
-    # sampling log-probs. phi(1) = 1, so with a single update per rollout every weight would be 1.
+    # VESPO has no clip: its kernel phi(W) weighs each response by its sequence ratio against the trainer's old
+    # log-probs. W = 1 on each rollout's first minibatch, so with a single update per rollout every weight is 1:
+    # the recipe's later minibatches must move it.
     _, steps = _run(tmp_path, tiny_model_dir, "vespo.yaml", reward="DigitShare")
     phi = [s["train/policy/vespo_phi_mean"] for s in steps if "train/policy/vespo_phi_mean" in s]
     assert phi and max(abs(p - 1.0) for p in phi) > 1e-3, phi

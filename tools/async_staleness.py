@@ -12,8 +12,14 @@ t - k (0 = synchronous, on-policy). Only the policy loss and k differ between ru
   log-probs at the start of the step, so with one update per step it is 1 and nothing corrects the lag.
 - ``grpo-tis``: the same, each token's loss times ``min(pi_trainer / pi_sampler, 2)``
   (``rllight.strategies.TruncatedIS``), the sampler's log-probs being the worker's own.
-- ``vespo``: ``rllight.strategies.VESPO`` with recipes/vespo.yaml's kernel: a sequence-level weight against
-  the worker's log-probs.
+- ``vespo``: ``rllight.strategies.VESPO`` with recipes/vespo.yaml's kernel and its default weight, against the
+  trainer's log-probs at the start of the step (the authors' code): with one update per step W = 1, so, as
+  GRPO's ratio, it does not correct the lag.
+- ``vespo-engine``: the same kernel with ``weight_against: engine`` (note 002's form): a sequence-level weight
+  against the worker's log-probs. (The README's table before the default changed measured this form as
+  ``vespo``.)
+- ``vespo-tis``: ``vespo`` with each token's loss times ``min(pi_trainer / pi_sampler, 2)``
+  (``rllight.strategies.TruncatedIS``), the lag corrected outside the kernel. Not in the default ``--algos``.
 - ``grpo-token-mask``, ``grpo-seq-mask``, ``grpo-icepop``: the clipped surrogate under
   ``rllight.strategies.MaskedIS`` with its defaults, against the worker's log-probs: tokens whose ratio
   ``pi_trainer / pi_sampler`` leaves [0.5, 2] dropped; whole responses dropped when the geometric mean of their
@@ -31,8 +37,9 @@ go to ``<out>/figures`` (tools/plot.py).
 
 Usage (on 2 CPU cores each run takes about as long as the quickstart, plus the worker's start):
 
-    .venv/bin/python tools/async_staleness.py [--steps 40] [--staleness 0,1,4] [--algos grpo,grpo-tis,vespo]
-        [--parallel 1] [--out runs/async-staleness] [--config extra.yaml ...] [--skip-done] [--worker-timeout 3600]
+    .venv/bin/python tools/async_staleness.py [--steps 40] [--staleness 0,1,4]
+        [--algos grpo,grpo-tis,vespo,vespo-engine] [--parallel 1] [--out runs/async-staleness]
+        [--config extra.yaml ...] [--skip-done] [--worker-timeout 3600]
 
 ``--record PATH`` also writes the table as a record for docs/results/ (``rllight.records``; id ``async-staleness``):
 one row per run, its values as printed, the number of runs that finished in the summary; only when every run
@@ -75,11 +82,16 @@ compare = _tool("compare")  # its TensorBoard reader, report, and the record's a
 plot = _tool("plot")  # where a run's logs are
 
 CLIP = {"class_path": "rllight.strategies.ClippedSurrogate", "init_args": {"clip_low": 0.2, "clip_high": 0.2}}
+# recipes/vespo.yaml's kernel, its weight against the trainer's old log-probs (VESPO's default)
+VESPO = {"class_path": "rllight.strategies.VESPO",
+         "init_args": {"c1_pos": 2.0, "c2_pos": 3.0, "c1_neg": 3.0, "c2_neg": 2.0, "weight_against": "trainer"}}
 LOSSES = {
     "grpo": CLIP,
     "grpo-tis": {"class_path": "rllight.strategies.TruncatedIS", "init_args": {"loss": CLIP, "cap": 2.0}},
-    "vespo": {"class_path": "rllight.strategies.VESPO",
-              "init_args": {"c1_pos": 2.0, "c2_pos": 3.0, "c1_neg": 3.0, "c2_neg": 2.0}},
+    "vespo": VESPO,
+    "vespo-engine": {"class_path": "rllight.strategies.VESPO",
+                     "init_args": {**VESPO["init_args"], "weight_against": "engine"}},
+    "vespo-tis": {"class_path": "rllight.strategies.TruncatedIS", "init_args": {"loss": VESPO, "cap": 2.0}},
     # rllight.strategies.MaskedIS with its defaults: tokens (token), whole responses on the geometric mean of
     # their ratios (sequence) kept within [0.5, 2], IcePop's ratio as the weight within [0.5, 5]
     "grpo-token-mask": {"class_path": "rllight.strategies.MaskedIS", "init_args": {"loss": CLIP, "mask": "token"}},
@@ -92,7 +104,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=40, help="Training steps (rollouts, one update each) per run.")
     p.add_argument("--staleness", default="0,1,4", help="Comma-separated max_staleness values.")
-    p.add_argument("--algos", default="grpo,grpo-tis,vespo", help=f"Comma-separated, from {', '.join(LOSSES)}.")
+    p.add_argument("--algos", default="grpo,grpo-tis,vespo,vespo-engine",
+                   help=f"Comma-separated, from {', '.join(LOSSES)}.")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=4, help="Prompts per step.")
     p.add_argument("--group-size", type=int, default=8, help="Responses per prompt.")
@@ -267,6 +280,27 @@ def record_row(r: dict) -> dict:
             "finite": "yes" if r["finite"] else "NO"}
 
 
+def _key(r: dict) -> str:
+    return f"{r['algo'].replace('-', '_')}_k{r['staleness']}"
+
+
+def summary_of(results: list[dict]) -> dict:
+    """The record's summary: the greedy accuracy before training (the same weights in every run, so the first
+    run's) and each finished run's gain, as ``<loss>_k<staleness>`` (dashes as underscores)."""
+    done = [r for r in results if r.get("accuracy_after") is not None]
+    before = {"before": done[0]["accuracy_before"]} if done else {}
+    return {**before, **{_key(r): r["difference"] for r in done}}
+
+
+def headline_of(results: list[dict]) -> str:
+    """The README row's template: the accuracy before, then each loss's gain at the smallest staleness above 0
+    (the first one there is, else 0)."""
+    ks = sorted({r["staleness"] for r in results})
+    k = next((k for k in ks if k > 0), ks[0])
+    parts = [f"{r['algo']} {{{_key(r)}:+.3f}}" for r in results if r["staleness"] == k]
+    return f"held-out greedy accuracy from {{before:.3f}} at staleness {k}: " + ", ".join(parts)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -296,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
              "third of the steps; the measured staleness; the largest mean |log pi_trainer - log pi_sampler| of a "
              "step and gradient norm; whether every logged number stayed finite.",
         columns=RECORD_COLUMNS, rows=[record_row(r) for r in results if r.get("accuracy_after") is not None],
-        summary={"runs_finished": finished, "runs": len(results)}, headline="{runs_finished}/{runs} runs finished")
+        summary=summary_of(results), headline=headline_of(results))
     print(machine_line())
     print(f"runs_finished={finished}/{len(results)}")
     return 0 if all(r["returncode"] == 0 for r in results) else 1

@@ -10,7 +10,7 @@ only the policy loss and N differ. With R responses per rollout, N = R / model.m
 For each (algorithm, N) it prints whether the run stayed finite (no non-finite metric or parameter, no
 skipped update), the reward curve (mean reward per rollout), and the last rollout's approximate KL to the
 sampling policy (mean over its N updates) and, for VESPO, the mean kernel weight phi and the largest
-|log W| against the engine's sampling log-probs.
+|log W| against the trainer's old log-probs (VESPO's default weight: 0 on each rollout's first update).
 
 ``--record PATH`` also writes the table as a record for docs/results/ (``rllight.records``; id ``staleness``): one
 row per run, its values as printed, and the number of runs that stayed finite in the summary.
