@@ -47,16 +47,27 @@ PAPER_TOTALS = {
     "vespo.yaml": (2048, 2048),  # the authors' script: train_batch_size 2048, 256 prompts x 8 per update
     "grpo.yaml": (16, 1024),  # arXiv:2402.03300 §4.2: 1024 responses (16 x 64) in one update
 }
-# How each source evaluates: (samples per problem, temperature, top-p); the temperature of SPPO and VESPO is
-# chosen (their sources give the samples and, for VESPO, top-p); DeepSeekMath reports greedy accuracy.
+# How each source evaluates: (samples per problem, temperature, top-p); SPPO's samples are its note's, its
+# temperature and top-p the authors' script's (val_kwargs: 0.6, verl's default top-p 1.0); VESPO's all the
+# script's; DeepSeekMath reports greedy accuracy.
 PAPER_EVALUATION = {
     "dapo.yaml": (32, 1.0, 0.7),  # §4.1: avg@32, temperature 1.0, top-p 0.7
     "vapo.yaml": (32, 1.0, 0.7),  # §5.1
     "ppo.yaml": (32, 1.0, 0.7),  # VAPO's §5.1, the setting this baseline is compared under
-    "sppo.yaml": (16, 0.6, 0.95),  # avg@16
+    "sppo.yaml": (16, 0.6, 1.0),  # note 004: Average@16; script: temperature 0.6, top-p 1.0
     "vespo.yaml": (4, 1.0, 0.7),  # the authors' script: 4 samples at top-p 0.7
     "grpo.yaml": (1, 0.0, 1.0),  # greedy
 }
+# The benchmarks each source note reports, as the validation files the recipe names (data/<name>.parquet: a
+# file's name is its rows' data_source, so each is reported apart as val/<name>/...).
+NOTE_BENCHMARKS = {
+    "dapo.yaml": ["aime-2024"],  # note 003: AIME 2024, avg@32
+    "vapo.yaml": ["aime-2024", "amc-2023", "math-500"],  # note 000: AIME 2024 (average@16), AMC 2023, MATH-500
+    "sppo.yaml": ["aime-2024", "aime-2025", "amc-2023", "math-500", "minerva-math"],  # note 004's table
+    "vespo.yaml": ["aime-2024", "aime-2025", "amc-2023", "math-500"],  # note 002's table
+}
+# Overlays of the paper recipes (recipes/paper/overlays/): the other form where a note and its sources differ.
+PAPER_OVERLAYS = sorted(glob.glob(os.path.join(PAPER, "overlays", "*.yaml")))
 # The one paper that makes a single update per rollout; every other recipe must split its rollout.
 SINGLE_UPDATE = {"grpo.yaml"}
 
@@ -171,3 +182,35 @@ def test_paper_recipe_header_cites_its_sources_and_its_choices(recipe):
     assert re.search(r"arXiv:\d{4}\.\d{4,5}", text), "the header names the paper"
     assert "§" in text or "note" in text, "the header says where its values come from"
     assert "Chosen here" in text, "the header says which values the sources do not give"
+
+
+@pytest.mark.parametrize("name", sorted(NOTE_BENCHMARKS))
+def test_paper_recipe_validates_on_every_benchmark_its_note_reports(name):
+    recipe = os.path.join(PAPER, name)
+    val_files = raw(recipe)["data"]["val_files"]
+    assert [os.path.splitext(os.path.basename(f))[0] for f in val_files] == NOTE_BENCHMARKS[name]
+    assert all(f.startswith("data/") for f in val_files)
+    text = header(recipe)
+    missing = [f for f in val_files if f not in text]
+    assert not missing, f"the header does not list the files the user points at: {missing}"
+
+
+@pytest.mark.parametrize("overlay", PAPER_OVERLAYS, ids=os.path.basename)
+def test_paper_overlay_names_its_paper_base_and_how_to_run_it(overlay):
+    with open(overlay) as f:
+        first = f.readline()
+    assert re.fullmatch(r"# base: recipes/paper/\w+\.yaml\n", first), first
+    base = first.split()[-1]
+    assert os.path.isfile(os.path.join(os.path.dirname(RECIPES), base))
+    text = header(overlay)
+    assert f"rllight fit --config {base} --config {os.path.relpath(overlay, os.path.dirname(RECIPES))}" in text
+
+
+def test_vapo_overlay_evaluates_as_note_000_reports():
+    # The paper's avg@32 in the recipe, note 000's average@16 in the overlay; the sampling the note does not give
+    # stays the paper's.
+    overlay = os.path.join(PAPER, "overlays", "vapo-note-average-at-16.yaml")
+    base = raw(os.path.join(PAPER, "vapo.yaml"))["model"]["evaluation"]
+    settings = EvalSettings(**{**base, **raw(overlay)["model"]["evaluation"]})
+    assert (settings.n, settings.temperature, settings.top_p, settings.ks) == (16, 1.0, 0.7, [1, 16])
+    assert "average@16" in header(os.path.join(PAPER, "vapo.yaml")) and "avg@32" in header(overlay)

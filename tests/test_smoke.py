@@ -26,7 +26,8 @@ ROOT = os.path.dirname(RECIPES)
 SMOKE = os.path.join(RECIPES, "overlays", "smoke.yaml")
 LOCAL = sorted(glob.glob(os.path.join(RECIPES, "*.yaml"))) + sorted(glob.glob(os.path.join(RECIPES, "ablations",
                                                                                            "*.yaml")))
-PAPER = sorted(glob.glob(os.path.join(RECIPES, "paper", "*.yaml")))
+PAPER = sorted(glob.glob(os.path.join(RECIPES, "paper", "*.yaml"))) + sorted(glob.glob(os.path.join(RECIPES, "paper",
+                                                                                                "overlays", "*.yaml")))
 # What docs/smoke-test.md adds for a recipe whose engine is vLLM (the paper recipes): the in-process HF engine.
 HF_ENGINE = ["--model.rollout", "rllight.rollout.HFEngine"]
 # The components a smoke run must keep as the recipe has them (class names), and its rollout callbacks.
@@ -181,8 +182,11 @@ PAPER_ON_CPU = [*HF_ENGINE, "--data.train_files", "null", "--data.val_files", "n
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe,extra", [("quickstart.yaml", []), ("dapo.yaml", []), ("vapo.yaml", []),
-                                          ("sppo.yaml", []), ("ppo.yaml", []), ("paper/dapo.yaml", PAPER_ON_CPU)],
-                         ids=["quickstart", "dapo", "vapo", "sppo", "ppo", "paper-dapo"])
+                                          ("sppo.yaml", []), ("ppo.yaml", []), ("paper/dapo.yaml", PAPER_ON_CPU),
+                                          ("paper/sppo.yaml", ["--config", os.path.join(RECIPES, "paper", "overlays",
+                                                                                        "sppo-sequence-level.yaml"),
+                                                               *PAPER_ON_CPU])],
+                         ids=["quickstart", "dapo", "vapo", "sppo", "ppo", "paper-dapo", "paper-sppo-sequence-level"])
 def test_a_smoke_run_trains_to_the_end_through_the_command(recipe, extra, tmp_path, smoke_cache):
     run = fit_in_child(recipe, "--config", SMOKE, *extra, "--trainer.default_root_dir", str(tmp_path / "run"),
                        timeout=600, XDG_CACHE_HOME=smoke_cache, OMP_NUM_THREADS="1")

@@ -3,6 +3,7 @@ against hand-computed numbers, the scalar prompt critic (BCE, calibration, share
 smaller model, re-tokenisation), the token-level variant of the authors' code, and two-step runs of
 recipes/sppo.yaml (separate critic), its shared-critic overlay and recipes/sppo-small-critic.yaml."""
 
+import importlib.util
 import math
 import os
 from types import SimpleNamespace
@@ -326,6 +327,90 @@ def test_token_level_overlay_is_the_authors_clip_and_token_mean():
         results[name] = module.aggregation(per_token, mask, num_tokens=3.0, num_seqs=2.0)
     assert_close(results["token"], torch.tensor(-0.2 / 3))
     assert_close(results["sequence"], torch.tensor(-0.125))
+
+
+PAPER_SPPO = os.path.join(RECIPES, "paper", "sppo.yaml")
+SEQUENCE_OVERLAY = os.path.join(RECIPES, "paper", "overlays", "sppo-sequence-level.yaml")
+# Only the hardware (as tests/test_paper_recipes.py): the paper recipe's FSDP on one CPU process.
+CPU_TRAINER = ("--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.num_nodes", "1")
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="the paper recipes name rllight.rollout.vllm.VLLMEngine (pip install vllm)")
+
+
+def _paper_modules():
+    """recipes/paper/sppo.yaml (the authors' token form) and the same with the note's per-response overlay."""
+    return {"token": build(PAPER_SPPO, *CPU_TRAINER).model,
+            "sequence": build(PAPER_SPPO, SEQUENCE_OVERLAY, *CPU_TRAINER).model}
+
+
+def _paper_batch(ratios: list[list[float]]):
+    # R = [1, 0], V = [0.5, 0.5] -> A = [0.5, -0.5]; response 0 has 3 tokens, response 1 one (then padding).
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    batch = _rollout(torch.tensor([1.0, 0.0]), mask, values=torch.tensor([0.5, 0.5]))
+    batch.old_logprobs = torch.zeros(2, 3, dtype=torch.float64)
+    return batch, mask, torch.log(torch.tensor(ratios, dtype=torch.float64))
+
+
+def _paper_loss(module, batch, mask, logprobs):
+    """The loss of one update as the module computes it: its objective, aggregated by its aggregation over the
+    update's 4 tokens and 2 responses."""
+    batch.advantages, _ = module.advantage(batch)
+    per_token, _ = module.policy_loss(logprobs, batch)
+    return module.aggregation(per_token, mask, num_tokens=4.0, num_seqs=2.0)
+
+
+@needs_vllm
+def test_paper_sequence_overlay_trains_the_notes_per_response_objective():
+    # A = [0.5, -0.5]; ratios: response 0 [1.5, 0.5, 1.0], response 1 [5.0]; clip 0.2.
+    #   the overlay (note 004): response 0: -min(0.5 x 3.0 = 1.5, 0.5 x (1.2 + 0.8 + 1.0) = 1.5) = -1.5;
+    #     response 1: -min(-0.5 x 5 = -2.5, -0.5 x 1.2 = -0.6) = 2.5 (no dual clip); mean over 2: 0.5.
+    #   the base (the authors' token form): -min(0.75, 0.6) = -0.6, -min(0.25, 0.4) = -0.25, -0.5, and
+    #     -min(-2.5, -0.6) = 2.5 capped by the dual clip at -3 x -0.5 = 1.5; token-mean: (-1.35 + 1.5) / 4 = 0.0375.
+    modules = _paper_modules()
+    assert type(modules["sequence"].policy_loss).__name__ == "SequenceClippedSurrogate"
+    for name, expected in (("sequence", 0.5), ("token", 0.0375)):
+        batch, mask, logprobs = _paper_batch([[1.5, 0.5, 1.0], [5.0, 1.0, 1.0]])
+        assert_close(_paper_loss(modules[name], batch, mask, logprobs), torch.tensor(expected, dtype=torch.float64))
+
+
+@needs_vllm
+def test_paper_sequence_overlays_lr_is_the_token_forms_as_adamw_steps_alike():
+    # The derivation in the overlay's header. Where no clip binds (ratios 1) the per-response gradient is the
+    # token form's times Lbar = N / B = 4 tokens / 2 responses = 2: d/dlogp = -A / B = [-0.25 x 3, 0.25] against
+    # -A / N = [-0.125 x 3, 0.125]. SGD at one lr would step twice as far; AdamW, which divides by the gradient's
+    # own scale, steps alike at one lr, so the recipe's lr (1e-6, weight decay 0.1) carries over.
+    modules = _paper_modules()
+    grads = {}
+    for name, module in modules.items():
+        batch, mask, logprobs = _paper_batch([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
+        logprobs.requires_grad_()
+        _paper_loss(module, batch, mask, logprobs).backward()
+        grads[name] = logprobs.grad
+    assert_close(grads["token"], torch.tensor([[-0.125] * 3, [0.125, 0.0, 0.0]], dtype=torch.float64))
+    assert_close(grads["sequence"], 2.0 * grads["token"])
+
+    def steps(module, make_optimizer, n=3):
+        """The change of the log-probs after n optimizer steps on this module's loss (the batch's advantages)."""
+        batch, mask, logprobs = _paper_batch([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
+        start = logprobs.clone()
+        logprobs.requires_grad_()
+        optimizer = make_optimizer([logprobs])
+        for _ in range(n):
+            optimizer.zero_grad()
+            _paper_loss(module, batch, mask, logprobs).backward()
+            optimizer.step()
+        return (logprobs - start).detach()
+
+    adamw = {name: module.optimizer_fn for name, module in modules.items()}  # each recipe's own AdamW
+    for name, make in adamw.items():
+        optimizer = make([torch.zeros(1, requires_grad=True)])
+        group = optimizer.param_groups[0]
+        assert (type(optimizer).__name__, group["lr"], group["weight_decay"]) == ("AdamW", 1e-6, 0.1), name
+    token, sequence = (steps(modules[n], adamw[n]) for n in ("token", "sequence"))
+    assert token.abs().max() > 2e-6  # three steps of about lr each
+    torch.testing.assert_close(sequence, token, rtol=1e-5, atol=0)  # eps = 1e-8 is far below |g|: alike
+    sgd = {n: steps(modules[n], lambda p: torch.optim.SGD(p, lr=1e-3), n=1) for n in modules}
+    assert_close(sgd["sequence"], 2.0 * sgd["token"])  # SGD would need lr / Lbar
 
 
 def test_small_critic_recipe_holds_two_models_of_different_sizes(tmp_path, tiny_model_dir):
