@@ -158,7 +158,7 @@ class ValuePretraining(RolloutCallback):
         if rollout.values.dim() != 2:
             raise RecipeError("trainer.callbacks: ValuePretraining fits token-level critics (values (B, T)); "
                               f"{type(module.critic).__name__} gives one value per prompt")
-        gamma = float(getattr(module.advantage, "gamma", 1.0))
+        gamma = float(module.advantage.gamma)  # the estimator's discount (AdvantageEstimator.gamma: 1.0 if none)
         rollout.token_rewards = rollout.outcome_token_rewards()
         # lam = 1: returns are the (discounted) Monte-Carlo returns G_t, independent of the critic.
         _, rollout.returns = gae(rollout.token_rewards, rollout.values, rollout.response_mask, gamma, 1.0)

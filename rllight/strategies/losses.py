@@ -41,6 +41,10 @@ class ClippedSurrogate(PolicyLoss):
     """
 
     def __init__(self, clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None):
+        check_clip_range(clip_low, clip_high)
+        if dual_clip is not None and not dual_clip > 1:
+            raise RecipeError(f"model.policy_loss.dual_clip must be > 1 (it bounds the loss at -c A) or null, "
+                              f"got {dual_clip}")
         self.clip_low = clip_low
         self.clip_high = clip_high
         self.dual_clip = dual_clip

@@ -130,7 +130,8 @@ class DecoupledGAE(AdvantageEstimator):
 
     def __call__(self, rollout: Rollout) -> tuple[Tensor, Tensor]:
         if rollout.values is None or rollout.values.dim() != 2:
-            raise ValueError("DecoupledGAE needs token-level values: set model.critic (e.g. rllight.critics.ValueHead)")
+            raise RecipeError("model.advantage: DecoupledGAE needs token-level values; set model.critic (e.g. "
+                              "rllight.critics.ValueHead)")
         lengths = rollout.response_lengths
         self.policy_lambda.total = self.total  # a schedule's batch statistics are the global batch's
         lam = self.policy_lambda(lengths)
