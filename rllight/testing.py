@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 from rllight.errors import RecipeError
@@ -11,6 +12,20 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+
+
+@contextlib.contextmanager
+def _no_progress_bars():
+    """transformers' progress bars off for a moment (a saved shard's bar is noise in a log), as they were after."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
 
 
 def build_tiny_model(path: str, hidden_size: int = 32, num_layers: int = 2, seed: int = 0) -> str:
@@ -28,7 +43,8 @@ def build_tiny_model(path: str, hidden_size: int = 32, num_layers: int = 2, seed
     tok.decoder = decoders.ByteLevel()
     corpus = [f"What is {a} + {b}? The answer is {a + b}. user assistant system" for a in range(30) for b in range(30)]
     tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                        show_progress=False))  # no blank lines in a log file
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|im_end|>",
                                    bos_token="<|im_start|>")
     fast.chat_template = CHAT_TEMPLATE
@@ -43,7 +59,8 @@ def build_tiny_model(path: str, hidden_size: int = 32, num_layers: int = 2, seed
     model.generation_config.eos_token_id = fast.eos_token_id
     model.generation_config.pad_token_id = fast.pad_token_id
     tmp = f"{path}.tmp{os.getpid()}"
-    model.save_pretrained(tmp)
+    with _no_progress_bars():
+        model.save_pretrained(tmp)
     fast.save_pretrained(tmp)
     os.replace(tmp, path)
     return path

@@ -278,3 +278,12 @@ def test_the_guides_data_and_reward_pass_the_preflight_and_train_in_smoke_mode(t
     assert reward("... so she has 12 left.\n#### 12", "12") == reward.correct  # verl's GSM8K format
     assert reward("The answer is \\boxed{12}.", "12") == reward.correct  # the pre-flight's
     assert reward("#### 13", "12") == reward.wrong
+
+
+def test_building_the_tiny_model_prints_nothing_into_a_log_file(tmp_path):
+    # The tokenizer trainer's progress bar, written to a file, was a run of blank lines at the top of a smoke log.
+    code = f"from rllight.testing import build_tiny_model; build_tiny_model({str(tmp_path / 'model')!r})"
+    with open(tmp_path / "log", "w") as log:
+        run = subprocess.run([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT, timeout=300,
+                             env=dict(os.environ, OMP_NUM_THREADS="1"), check=False)
+    assert run.returncode == 0 and (tmp_path / "log").read_text() == ""
