@@ -324,7 +324,7 @@ def test_setup_trl_installs_the_reasoning_gym_version_rllight_has_and_trl_refuse
         calls.append(cmd)
         return subprocess.CompletedProcess(cmd, 0, stdout="trl 1, transformers 2, torch 3, reasoning-gym 4\n")
 
-    monkeypatch.setattr(bench_step.subprocess, "run", run)
+    monkeypatch.setattr(subprocess, "run", run)  # what tools/bench_step_sides.py calls
     python = str(tmp_path / "venv" / "bin" / "python")
     bench_step.setup_trl(python)
     installs = [cmd[4] for cmd in calls if cmd[:4] == [python, "-m", "pip", "install"]]

@@ -201,11 +201,11 @@ def test_a_txt_prompt_over_max_row_bytes(tmp_path):
 def test_a_json_array_streamed_in_any_chunk_size_reads_as_a_whole(tmp_path, monkeypatch, chunk):
     """Items cut anywhere between two reads (mid-escape, mid-number, mid-surrogate pair) parse as ``json.loads``
     parses the whole file; a bad line is still named."""
-    import rllight.data.module as data_module
+    import rllight.data.files as data_files
 
     rows = [{"prompt": "q \u00e9\u4e2d\U0001F600 \\\" \u2028", "answer": 12345678901234567890, "x": [1.5e3, True, None]},
             {"prompt": [{"role": "user", "content": "hi"}], "answer": "07"}, {"prompt": "\U0001F600", "answer": -2}]
-    monkeypatch.setattr(data_module, "_CHUNK", chunk)
+    monkeypatch.setattr(data_files, "_CHUNK", chunk)
     for text in (json.dumps(rows), "\ufeff" + json.dumps(rows, indent=2, ensure_ascii=False)):
         path = tmp_path / "train.json"
         path.write_text(text, encoding="utf-8")
