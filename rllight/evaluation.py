@@ -23,6 +23,8 @@ import os
 import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -32,6 +34,8 @@ from rllight.distributed import process_rank_and_world
 from rllight.errors import RecipeError
 from rllight.rewards.base import last_number
 
+if TYPE_CHECKING:
+    from rllight.rollout.base import Sampling
 
 
 def _canonical_number(text: str) -> str | None:
@@ -174,21 +178,12 @@ class EvalSettings:
         text += ", and one greedy answer" if self.also_greedy else ""
         return text + (f", sampling seed {self.sampling_seed}" if self.sampling_seed is not None else "")
 
-    @contextmanager
-    def applied_to(self, engine) -> Iterator[None]:
-        """Within the block, ``engine`` (a ``RolloutEngine``) samples with these settings; its own are
-        restored after, also when the block raises. Pass ``greedy=self.greedy`` to ``engine.generate``."""
-        names = ["top_p", "top_k"] + ([] if self.greedy else ["temperature"])
-        if self.max_new_tokens is not None:
-            names.append("max_new_tokens")
-        saved = {name: getattr(engine, name) for name in names}
-        try:
-            for name in names:
-                setattr(engine, name, getattr(self, name))
-            yield
-        finally:
-            for name, value in saved.items():
-                setattr(engine, name, value)
+    def sampling(self, engine: Sampling) -> Sampling:
+        """What evaluation passes to the engine's ``generate`` (its own settings never change): these settings
+        in place of the engine's ``engine``, its ``max_new_tokens`` where this one is None; temperature 0 is the
+        arg-max."""
+        return replace(engine, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                       max_new_tokens=self.max_new_tokens or engine.max_new_tokens)
 
 
 def _as_list(values, length: int, name: str) -> list | None:
@@ -444,11 +439,12 @@ class Evaluator:
         return passes
 
     def run(self, producer, engine, rows: list[dict]) -> None:
-        """Sample and score every pass on ``rows`` with ``producer`` (its engine ``engine`` set to the
-        evaluation's sampling settings meanwhile) and keep the results."""
+        """Sample and score every pass on ``rows`` with ``producer``, its engine ``engine`` passed the
+        evaluation's sampling (``EvalSettings.sampling``), and keep the results."""
+        sampling = self.settings.sampling(engine.sampling)
         for results, n, greedy, _, _ in self.passes():
-            with self.settings.applied_to(engine), self._own_stream():
-                rollout = producer.sample(rows, n, greedy=greedy, training=False)
+            with self._own_stream():
+                rollout = producer.sample(rows, n, greedy=greedy, training=False, sampling=sampling)
             kept = set(rollout.extras["kept_rows"])
             if kept:
                 results.update_rollout([rows[i] for i in sorted(kept)], n, rollout)

@@ -128,8 +128,9 @@ class Session:
 
     def reply(self, conversations: list[list[dict]]) -> list[tuple[str, int, bool]]:
         """For each conversation (chat messages), the model's next message: ``(text, tokens, truncated)``."""
+        sampling = self.engine.sampling.as_greedy() if self.greedy else self.engine.sampling
         gen = self.engine.generate(self.policy, self.tokenizer, [encode(self.tokenizer, c) for c in conversations],
-                                   greedy=self.greedy)
+                                   sampling)
         out = []
         for ids, mask, cut in zip(gen.response_ids, gen.response_mask, gen.truncated):
             tokens = ids[mask.bool()].tolist()

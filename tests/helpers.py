@@ -121,8 +121,8 @@ def recorded_samples(engine):
     samples = []
     real_generate = engine.generate
 
-    def spy(model, tokenizer, prompts, greedy=False):
-        gen = real_generate(model, tokenizer, prompts, greedy=greedy)
+    def spy(model, tokenizer, prompts, sampling):
+        gen = real_generate(model, tokenizer, prompts, sampling)
         samples.append([gen.response_ids[i][gen.response_mask[i].bool()].tolist() for i in range(len(prompts))])
         return gen
 

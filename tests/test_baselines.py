@@ -89,7 +89,7 @@ class _FakeModule:
     def __init__(self):
         self.calls = []
 
-    def sample(self, rows, n, greedy=False, training=True):
+    def sample(self, rows, n, greedy=False, training=True, sampling=None):
         self.calls.append((len(rows), n, greedy))
         b = len(rows) * n
         rewards = torch.arange(len(rows)) + 1.0 if greedy else 0.1 * torch.arange(b, dtype=torch.float32)

@@ -250,8 +250,8 @@ def test_chat_keeps_the_conversation_until_reset(tiny_model_dir, restore_sys_pat
     prompts, replies = [], []
     real = HFEngine.generate
 
-    def spy(self, model, tokenizer, ids, greedy=False):
-        gen = real(self, model, tokenizer, ids, greedy=greedy)
+    def spy(self, model, tokenizer, ids, sampling):
+        gen = real(self, model, tokenizer, ids, sampling)
         prompts.extend(ids)
         replies.extend(tokenizer.decode(r[m.bool()].tolist(), skip_special_tokens=True)
                        for r, m in zip(gen.response_ids, gen.response_mask))

@@ -34,7 +34,7 @@ class ScriptedEngine(RolloutEngine):
         super().__init__(max_new_tokens=max(len(s) for s in script))
         self.script, self.eos, self.calls = script, eos, []
 
-    def generate(self, model, tokenizer, prompts, greedy=False):
+    def generate(self, model, tokenizer, prompts, sampling):
         ids = self.script[len(self.calls)]
         self.calls.append([list(p) for p in prompts])
         b, t = len(prompts), len(ids)

@@ -164,15 +164,15 @@ def test_eval_settings_errors_are_one_line(kwargs, expected):
     assert "\n" not in str(exc.value) and str(exc.value).startswith(expected)
 
 
-def test_eval_settings_apply_to_the_engine_and_restore_it():
-    engine = SimpleNamespace(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=64)
+def test_eval_settings_give_their_own_sampling_and_leave_the_engines_alone():
+    from rllight.rollout import HFEngine, Sampling
+
+    engine = HFEngine(max_new_tokens=64, temperature=0.7, top_p=0.9, top_k=20)
     settings = EvalSettings(n=4, temperature=1.0, top_p=0.95, max_new_tokens=128)
-    with pytest.raises(KeyError), settings.applied_to(engine):
-        assert (engine.temperature, engine.top_p, engine.top_k, engine.max_new_tokens) == (1.0, 0.95, 0, 128)
-        raise KeyError("restored even when the block fails")
-    assert (engine.temperature, engine.top_p, engine.top_k, engine.max_new_tokens) == (0.7, 0.9, 20, 64)
-    with EvalSettings().applied_to(engine):  # greedy: the engine's temperature is left alone (greedy=True decodes)
-        assert (engine.temperature, engine.max_new_tokens) == (0.7, 64)
+    assert settings.sampling(engine.sampling) == Sampling(max_new_tokens=128, temperature=1.0, top_p=0.95, top_k=0)
+    greedy = EvalSettings().sampling(engine.sampling)  # greedy, the engine's max_new_tokens
+    assert greedy.greedy and greedy.max_new_tokens == 64
+    assert engine.sampling == Sampling(max_new_tokens=64, temperature=0.7, top_p=0.9, top_k=20)  # unchanged
 
 
 # ---------------------------------------------------------------------------------------- accumulator

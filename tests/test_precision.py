@@ -283,7 +283,7 @@ def test_precision_bf16_engine_prompt_pass_never_copies_the_output_weight_per_ro
     vocab, hidden = model.config.vocab_size, model.config.hidden_size
     broadcast_copy = len(prompts) * hidden * vocab * 2  # bytes
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        engine.generate(model, tokenizer, prompts, greedy=True)
+        engine.generate(model, tokenizer, prompts, engine.sampling.as_greedy())
     largest = max(e.cpu_memory_usage for e in prof.events())
     assert 0 < largest < broadcast_copy / 2, (largest, broadcast_copy)
 

@@ -276,9 +276,9 @@ def test_raw_log_probs_from_a_server_are_detected(tiny_model_dir):
                           torch.ones(1, 3, dtype=torch.long), logprobs[None], torch.tensor([True]))
 
     with pytest.raises(RuntimeError, match="returns raw log-probs; start it with --logprobs-mode processed_logprobs"):
-        engine._check_processed_logprobs(policy, prompt, generation(1.0))
+        engine._check_processed_logprobs(policy, prompt, generation(1.0), 0.5)
     assert not engine._checked_logprobs
-    engine._check_processed_logprobs(policy, prompt, generation(0.5))
+    engine._check_processed_logprobs(policy, prompt, generation(0.5), 0.5)
     assert engine._checked_logprobs
 
 

@@ -5,7 +5,7 @@ import torch
 
 from rllight.models import HFModel
 from rllight.module import RLModule
-from rllight.rollout import HFEngine
+from rllight.rollout import HFEngine, Sampling
 from rllight.rollout.base import pad_left, response_mask_from_ids
 from rllight.types import Rollout
 
@@ -142,7 +142,7 @@ def test_greedy_decoding_equals_model_generate_on_left_padded_prompts(tiny_model
                                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
     policy.generation_config.eos_token_id = [tok.eos_token_id, int(free[1, 1])]
     eos = eos_token_ids(policy, tok)
-    out = HFEngine(max_new_tokens=10).generate(policy, tok, prompts, greedy=True)
+    out = HFEngine().generate(policy, tok, prompts, Sampling(max_new_tokens=10, temperature=0.0))
     assert out.response_mask.sum(-1).min() < out.response_mask.shape[1] and out.truncated.any()
     with torch.no_grad():
         reference = policy.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
@@ -169,8 +169,9 @@ def test_min_new_tokens_forbids_the_end_tokens_as_model_generate_does(tiny_model
                                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
     policy.generation_config.eos_token_id = [tok.eos_token_id, int(free[1, 0]), int(free[0, 1])]
     eos = eos_token_ids(policy, tok)
-    assert HFEngine(max_new_tokens=8).generate(policy, tok, prompts, greedy=True).response_mask.sum(-1).min() <= 2
-    out = HFEngine(max_new_tokens=8, min_new_tokens=5).generate(policy, tok, prompts, greedy=True)
+    greedy = Sampling(max_new_tokens=8, temperature=0.0)
+    assert HFEngine().generate(policy, tok, prompts, greedy).response_mask.sum(-1).min() <= 2
+    out = HFEngine(max_new_tokens=8, min_new_tokens=5).generate(policy, tok, prompts, greedy)
     with torch.no_grad():
         reference = policy.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=5,
                                     do_sample=False, eos_token_id=eos, pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
@@ -180,7 +181,8 @@ def test_min_new_tokens_forbids_the_end_tokens_as_model_generate_does(tiny_model
     assert torch.equal(out.response_mask, ref_mask[:, :width])
     assert torch.equal(out.response_ids[out.response_mask.bool()], reference[:, :width][ref_mask[:, :width].bool()])
     torch.manual_seed(0)
-    sampled = HFEngine(max_new_tokens=8, min_new_tokens=8, temperature=1.0).generate(policy, tok, prompts * 4)
+    engine = HFEngine(max_new_tokens=8, min_new_tokens=8, temperature=1.0)
+    sampled = engine.generate(policy, tok, prompts * 4, engine.sampling)
     assert sampled.response_mask.shape == (12, 8) and bool(sampled.response_mask.all())
     assert not torch.isin(sampled.response_ids, torch.tensor(eos)).any() and sampled.truncated.all()
     with pytest.raises(RecipeError, match="min_new_tokens"):
@@ -220,6 +222,30 @@ def test_a_low_precision_copy_on_a_cpu_without_units_for_it_warns(tiny_model_dir
     for native, warned in ((False, True), (True, False)):
         monkeypatch.setattr(hf, "cpu_bf16", lambda: (native, "CPU has no AVX-512 BF16 or AMX (AVX2)"))
         caplog.clear()
-        HFEngine(max_new_tokens=2, dtype="bfloat16").generate(policy, tok, [[5, 6]], greedy=True)
+        HFEngine(dtype="bfloat16").generate(policy, tok, [[5, 6]], Sampling(max_new_tokens=2, temperature=0.0))
         assert ("much slower" in caplog.text) == warned
         assert ("the CPU has no AVX-512 BF16 or AMX (AVX2): generation" in caplog.text) == warned
+
+
+def test_a_call_samples_as_its_sampling_says_not_as_the_engines_settings(tiny_model_dir):
+    # The engine's own settings (8 tokens, temperature 1.0) stay; each call's Sampling decides: a limit of 3 tokens,
+    # the arg-max at temperature 0, and a seed that gives the same responses whatever the process's stream, and
+    # leaves that stream as it was.
+    policy, tok = HFModel(tiny_model_dir).load()
+    engine = HFEngine(max_new_tokens=8, temperature=1.0)
+    prompts = [[5, 9, 12, 7], [4, 6]] * 4
+    short = engine.generate(policy, tok, prompts, Sampling(max_new_tokens=3, temperature=1.0))
+    assert short.response_ids.shape[1] <= 3 and engine.max_new_tokens == 8
+    greedy = [engine.generate(policy, tok, prompts, engine.sampling.as_greedy()).response_ids for _ in range(2)]
+    assert torch.equal(*greedy) and torch.equal(greedy[0][0::2], greedy[0][0:1].expand(4, -1))
+    seeded = Sampling(max_new_tokens=8, temperature=1.0, seed=7)
+    torch.manual_seed(0)
+    a = engine.generate(policy, tok, prompts, seeded).response_ids
+    torch.manual_seed(1)
+    untouched = torch.rand(3)
+    torch.manual_seed(1)
+    b = engine.generate(policy, tok, prompts, seeded).response_ids
+    assert torch.equal(a, b)  # the same seed from another state of the process's stream: the same responses
+    assert torch.equal(torch.rand(3), untouched)  # and the process's stream is where it was
+    other = engine.generate(policy, tok, prompts, Sampling(max_new_tokens=8, temperature=1.0, seed=8)).response_ids
+    assert not torch.equal(other, a)

@@ -18,7 +18,7 @@ import torch
 from rllight.errors import RecipeError
 from rllight.models import HFModel
 from rllight.module import RLModule
-from rllight.rollout import HFEngine
+from rllight.rollout import HFEngine, Sampling
 from rllight.rollout.base import response_mask_from_ids
 from rllight.rollout.metrics import logprob_mismatch
 from rllight.rollout.vllm import VLLMEngine, _VLLMNoiseFilter, _in_dtype, _save_policy, full_state_dict
@@ -198,7 +198,7 @@ def vllm_module(vllm_model_dir):
     threads = torch.get_num_threads()
     torch.manual_seed(123)
     # Starts the engine; greedy decoding draws no random numbers, so only the start could move the RNG.
-    module.rollout.generate(module.policy, module.tokenizer, [[1, 5, 6]], greedy=True)
+    module.rollout.generate(module.policy, module.tokenizer, [[1, 5, 6]], module.rollout.sampling.as_greedy())
     state = {"threads": (threads, torch.get_num_threads()), "draw": torch.rand(3)}
     torch.manual_seed(123)
     state["untouched_draw"] = torch.rand(3)
@@ -208,7 +208,7 @@ def vllm_module(vllm_model_dir):
 
 def _greedy_hf(module, rows, max_new_tokens):
     prompts = module.producer.encode(rows)
-    return HFEngine(max_new_tokens=max_new_tokens).generate(module.policy, module.tokenizer, prompts, greedy=True)
+    return HFEngine().generate(module.policy, module.tokenizer, prompts, Sampling(max_new_tokens, 0.0))
 
 
 @pytest.mark.vllm
@@ -278,10 +278,10 @@ def test_seeded_sampling_is_reproducible(vllm_module):
     prompts = module.producer.encode(ROWS[:2]) * 2
     engine.seed, engine._calls = 7, 0
     try:
-        a = engine.generate(module.policy, module.tokenizer, prompts)
+        a = engine.generate(module.policy, module.tokenizer, prompts, engine.sampling)
         torch.rand(100)  # other draws of the process do not matter
         engine._calls = 0
-        b = engine.generate(module.policy, module.tokenizer, prompts)
+        b = engine.generate(module.policy, module.tokenizer, prompts, engine.sampling)
     finally:
         engine.seed = None
     assert torch.equal(a.response_ids, b.response_ids)
@@ -411,7 +411,7 @@ def test_a_bfloat16_engine_gets_vllms_own_bits_of_a_float32_policy_without_a_war
     original = {k: v.clone() for k, v in policy.state_dict().items()}
     try:
         with vllm_messages() as messages:
-            engine.generate(policy, module.tokenizer, [[1, 5, 6]], greedy=True)
+            engine.generate(policy, module.tokenizer, [[1, 5, 6]], engine.sampling.as_greedy())
             started = _engine_weights(engine)
             with torch.no_grad():
                 for p in policy.parameters():

@@ -16,7 +16,7 @@ from rllight.errors import ComponentError, RecipeError
 from rllight.evaluation import EvalSettings
 from rllight.models import HFModel
 from rllight.module import RLModule
-from rllight.rollout import HFEngine, ProcessEngine
+from rllight.rollout import HFEngine, ProcessEngine, Sampling
 from rllight.rollout import worker as worker_module
 from rllight.rollout.metrics import rollout_metrics
 from rllight.rollout.producer import SAMPLE_STALENESS
@@ -29,17 +29,17 @@ class HangingEngine(HFEngine):
 
     calls = 0
 
-    def generate(self, model, tokenizer, prompts, greedy=False):
+    def generate(self, model, tokenizer, prompts, sampling):
         self.calls += 1
         if self.calls > 1:
             time.sleep(3600)
-        return super().generate(model, tokenizer, prompts, greedy=greedy)
+        return super().generate(model, tokenizer, prompts, sampling)
 
 
 class DyingEngine(HFEngine):
     """Takes its process down on every request (a crash the worker cannot report)."""
 
-    def generate(self, model, tokenizer, prompts, greedy=False):
+    def generate(self, model, tokenizer, prompts, sampling):
         os._exit(3)
 
 
@@ -73,9 +73,8 @@ def test_settings_are_the_inner_engines_and_bad_values_are_one_line_errors():
     inner = HFEngine(max_new_tokens=5, temperature=0.7, top_p=0.9, top_k=4)
     engine = ProcessEngine(inner)
     assert (engine.max_new_tokens, engine.temperature, engine.top_p, engine.top_k) == (5, 0.7, 0.9, 4)
-    with EvalSettings(temperature=0.3, max_new_tokens=2).applied_to(engine):
-        assert (inner.max_new_tokens, inner.temperature) == (2, 0.3)
-    assert (inner.max_new_tokens, inner.temperature) == (5, 0.7)
+    assert EvalSettings(temperature=0.3, max_new_tokens=2).sampling(engine.sampling) == Sampling(2, 0.3, 1.0, 0)
+    assert (inner.max_new_tokens, inner.temperature) == (5, 0.7)  # evaluation passes its own; nothing changes
     for kwargs, key in [({"sync_every": 0}, "sync_every"), ({"timeout_seconds": 0}, "timeout_seconds")]:
         with pytest.raises(RecipeError, match=f"model.rollout.init_args.{key}"):
             ProcessEngine(HFEngine(), **kwargs)

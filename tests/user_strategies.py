@@ -236,7 +236,7 @@ class ScriptedEngine(RolloutEngine):
     gets its k-th variant. Two runs that see the same prompts get the same rollouts, whatever their processes
     or sharding, so their updates can be compared. Sampling log-probs are those of a uniform distribution."""
 
-    def generate(self, model, tokenizer, prompts, greedy=False):
+    def generate(self, model, tokenizer, prompts, sampling):
         vocab = len(tokenizer)
         seen, responses = {}, []
         for prompt in prompts:
@@ -290,8 +290,8 @@ class FaultyLogprobEngine(ScriptedEngine):
         super().__init__(**kwargs)
         self.fault = fault
 
-    def generate(self, model, tokenizer, prompts, greedy=False):
-        gen = super().generate(model, tokenizer, prompts, greedy)
+    def generate(self, model, tokenizer, prompts, sampling):
+        gen = super().generate(model, tokenizer, prompts, sampling)
         if self.fault == "nan":
             gen.logprobs[0, 0] = float("nan")
         elif self.fault == "positive":

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -58,13 +60,54 @@ def malformed(gen: Generation, rows: int, max_new_tokens: int | None) -> str | N
 
 
 SAMPLING_SETTINGS = ("max_new_tokens", "temperature", "top_p", "top_k")
-"""The engine attributes that decide how a request samples (evaluation changes them for a while)."""
+"""The engine settings (recipe keys under ``model.rollout.init_args``) that make its ``sampling``."""
 
 
-def request_key(engine: "RolloutEngine", prompts: list[list[int]], greedy: bool) -> tuple:
-    """What identifies a generation request sent ahead (asynchronous rollouts): the prompts, greedy or not, and
-    the engine's sampling settings; a later ``generate`` collects it only when all of these are equal."""
-    return (tuple(tuple(p) for p in prompts), bool(greedy), tuple(getattr(engine, n) for n in SAMPLING_SETTINGS))
+@dataclass(frozen=True)
+class Sampling:
+    """How one ``generate`` call samples, passed with it as vLLM passes ``SamplingParams``: training passes the
+    engine's own (``RolloutEngine.sampling``, its recipe settings), evaluation its own, and the engine's settings
+    never change for a call. ``temperature`` 0 decodes greedily (the arg-max; top-p and top-k do not apply);
+    ``seed`` None draws from the engine's random stream, an int from a stream of that seed for this call alone
+    (the engine's stream is left as it was)."""
+
+    max_new_tokens: int
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def as_greedy(self) -> Sampling:
+        """The same with temperature 0: the arg-max."""
+        return replace(self, temperature=0.0)
+
+    def key(self) -> tuple:
+        """What tells two requests' sampling apart (``request_key``)."""
+        settings = (self.max_new_tokens, self.temperature, self.top_p, self.top_k)
+        return settings if self.seed is None else (*settings, self.seed)
+
+
+def request_key(prompts: list[list[int]], sampling: Sampling) -> tuple:
+    """What identifies a generation request sent ahead (asynchronous rollouts): the prompts and the sampling; a
+    later ``generate`` collects it only when both are equal. (The form of the keys in checkpoints, which hold the
+    requests sent ahead: prompts, greedy or not, then the sampling settings.)"""
+    return (tuple(tuple(p) for p in prompts), sampling.greedy, sampling.key())
+
+
+@contextmanager
+def seeded(seed: int | None, device: torch.device) -> Iterator[None]:
+    """Within the block torch draws from a stream of ``seed`` (``Sampling.seed``), and the stream it had is back
+    after; with None nothing changes."""
+    if seed is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        yield
 
 
 class RolloutEngine:
@@ -102,8 +145,13 @@ class RolloutEngine:
         self.last_metrics: dict[str, float] = {}
         """Metrics of the last ``generate`` call (e.g. ``rollout/tokens_per_s``), logged by the module."""
 
-    def generate(self, model: torch.nn.Module, tokenizer, prompts: list[list[int]], greedy: bool = False) -> Generation:
-        """Sample one response per prompt (token id lists). ``greedy`` decodes deterministically."""
+    @property
+    def sampling(self) -> Sampling:
+        """The engine's own sampling (its recipe settings), which training passes to ``generate``."""
+        return Sampling(self.max_new_tokens, self.temperature, self.top_p, self.top_k)
+
+    def generate(self, model: torch.nn.Module, tokenizer, prompts: list[list[int]], sampling: Sampling) -> Generation:
+        """One response per prompt (token id lists), sampled as ``sampling`` says (temperature 0: greedily)."""
         raise NotImplementedError
 
     def check_processes(self, world_size: int) -> None:
@@ -121,10 +169,10 @@ class RolloutEngine:
         itself must keep a full copy of it here (and refresh it in ``update_weights``); engines that hold
         weights of their own need nothing."""
 
-    def prefetch(self, model: torch.nn.Module, tokenizer, prompts: list[list[int]], greedy: bool = False) -> None:
+    def prefetch(self, model: torch.nn.Module, tokenizer, prompts: list[list[int]], sampling: Sampling) -> None:
         """Start generating for ``prompts`` now, with the current weights, to be collected by a later
-        ``generate`` call with the same prompts (an engine that generates in another process overlaps it with
-        training). Engines that generate in the training process do nothing here."""
+        ``generate`` call with the same prompts and sampling (an engine that generates in another process overlaps
+        it with training). Engines that generate in the training process do nothing here."""
 
     def state_dict(self) -> dict:
         """What a checkpoint must hold to resume the engine exactly (e.g. rollouts generated ahead)."""

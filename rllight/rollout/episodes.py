@@ -20,7 +20,7 @@ import torch
 
 from rllight.envs.base import Environment
 from rllight.envs.guard import EpisodeFailed, EpisodeGuard
-from rllight.rollout.base import RolloutEngine, pad_left
+from rllight.rollout.base import RolloutEngine, Sampling, pad_left
 from rllight.types import Rollout
 
 _SENTINEL = "\u2063rllight-turn\u2063"  # content that no template rewrites, to find where a turn's text ends
@@ -113,18 +113,19 @@ class Trajectory:
 
 
 def run_episodes(engine: RolloutEngine, model, tokenizer, episodes: list[Environment], prompts: list[list[int]],
-                 greedy: bool = False, turns: ChatTurns | None = None, guard: EpisodeGuard | None = None,
+                 sampling: Sampling | None = None, turns: ChatTurns | None = None, guard: EpisodeGuard | None = None,
                  failed: Sequence[bool] | None = None) -> list[Trajectory]:
     """Play ``episodes`` (already ``reset``) from the prompt ids ``prompts``, one ``engine.generate`` call per
     turn over the episodes still running. Limits are each episode's ``max_turns`` and ``max_total_tokens``
     (prompt included): a response that would pass the token limit is cut to fit and ends the episode, as does
     an observation that would leave no room for another token; both, and running out of turns, set
-    ``truncated``. So does a final model turn cut by the engine's ``max_new_tokens``.
+    ``truncated``. So does a final model turn cut by ``max_new_tokens``. Each turn samples as ``sampling`` says
+    (None: the engine's own).
 
     Every ``step`` goes through ``guard`` (a new ``EpisodeGuard`` when None): one that fails (raises, times
     out, returns an unusable result) ends its episode, ``failed``, counted by the guard. Episodes marked in
     ``failed`` (their ``reset`` failed) are not played."""
-    turns = turns or ChatTurns(tokenizer)
+    turns, sampling = turns or ChatTurns(tokenizer), sampling or engine.sampling
     trajs = [Trajectory(prompt=list(p)) for p in prompts]
     if guard is None and episodes:
         guard = EpisodeGuard(episodes[0])
@@ -134,7 +135,7 @@ def run_episodes(engine: RolloutEngine, model, tokenizer, episodes: list[Environ
     for i in set(range(len(trajs))) - set(running) - {i for i, t in enumerate(trajs) if t.failed}:
         trajs[i].truncated = True  # no room for a single token: should have been filtered by the caller
     while running:
-        gen = engine.generate(model, tokenizer, [trajs[i].prompt + trajs[i].ids for i in running], greedy=greedy)
+        gen = engine.generate(model, tokenizer, [trajs[i].prompt + trajs[i].ids for i in running], sampling)
         still = []
         for row, i in enumerate(running):
             traj, env = trajs[i], episodes[i]

@@ -17,9 +17,11 @@ from rllight.precision import AUTO, DTYPES, Float32Head, cpu_bf16
 from rllight.rollout.base import (
     Generation,
     RolloutEngine,
+    Sampling,
     distinct_prompts,
     pad_left,
     position_ids,
+    seeded,
     response_mask_from_ids,
 )
 
@@ -195,18 +197,19 @@ class HFEngine(RolloutEngine):
         return {"rollout/sync_time": time.perf_counter() - start}
 
     @torch.no_grad()
-    def generate(self, model, tokenizer, prompts: list[list[int]], greedy: bool = False) -> Generation:
+    def generate(self, model, tokenizer, prompts: list[list[int]], sampling: Sampling) -> Generation:
         start = time.perf_counter()
         try:
-            out = self._generate_all(self._generator(model), tokenizer, prompts, greedy)
+            with seeded(sampling.seed, next(model.parameters()).device):
+                out = self._generate_all(self._generator(model), tokenizer, prompts, sampling)
         finally:
             self._release()
             return_free_memory()  # the copy's weights and the caches, freed: else resident through the update
         self.last_metrics = {"rollout/tokens_per_s": out.response_mask.sum().item() / (time.perf_counter() - start)}
         return out
 
-    def _generate_all(self, model, tokenizer, prompts: list[list[int]], greedy: bool) -> Generation:
-        parts = [self._generate(model, tokenizer, prompts[i : i + self.batch_size], greedy)
+    def _generate_all(self, model, tokenizer, prompts: list[list[int]], sampling: Sampling) -> Generation:
+        parts = [self._generate(model, tokenizer, prompts[i : i + self.batch_size], sampling)
                  for i in range(0, len(prompts), self.batch_size)]
         if len(parts) == 1:
             return parts[0]
@@ -229,7 +232,7 @@ class HFEngine(RolloutEngine):
             truncated=torch.cat([p.truncated for p in parts]),
         )
 
-    def _generate(self, model, tokenizer, prompts: list[list[int]], greedy: bool) -> Generation:
+    def _generate(self, model, tokenizer, prompts: list[list[int]], sampling: Sampling) -> Generation:
         device = next(model.parameters()).device
         prompt_ids, prompt_mask = pad_left(prompts, tokenizer.pad_token_id)
         prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
@@ -239,7 +242,7 @@ class HFEngine(RolloutEngine):
         try:
             with contiguous_head_input(model):
                 response_ids, logprobs = self._decode(model, prompt_ids, prompt_mask, eos, tokenizer.pad_token_id,
-                                                      greedy)
+                                                      sampling)
         finally:
             model.train(was_training)
         mask, truncated = response_mask_from_ids(response_ids, eos)
@@ -248,8 +251,8 @@ class HFEngine(RolloutEngine):
         return Generation(prompt_ids, prompt_mask, response_ids, mask, logprobs, truncated.cpu().to(device))
 
     def _decode(self, model, prompt_ids: Tensor, prompt_mask: Tensor, eos: list[int], pad_id: int,
-                greedy: bool) -> tuple[Tensor, Tensor]:
-        """Sample up to ``max_new_tokens`` per row with a KV cache; ``(response_ids, logprobs)``, both (B, T).
+                sampling: Sampling) -> tuple[Tensor, Tensor]:
+        """Sample up to ``sampling.max_new_tokens`` per row with a KV cache; ``(response_ids, logprobs)``, both (B, T).
 
         Each step keeps only the sampled token's log-prob under the distribution it was drawn from
         (``sample_next``), so memory does not grow with T x V. Rows with the same prompt share one prompt
@@ -259,8 +262,9 @@ class HFEngine(RolloutEngine):
         """
         b, device = prompt_ids.shape[0], prompt_ids.device
         eos_ids = torch.tensor(eos, device=device)
-        response_ids = torch.full((b, self.max_new_tokens), pad_id, dtype=torch.long, device=device)
-        logprobs = torch.zeros((b, self.max_new_tokens), device=device)
+        longest = sampling.max_new_tokens
+        response_ids = torch.full((b, longest), pad_id, dtype=torch.long, device=device)
+        logprobs = torch.zeros((b, longest), device=device)
         # The prompt pass runs once per distinct prompt (a group's G samples share theirs); its cache is then
         # gathered to every row.
         ids, mask, row_prompt = distinct_prompts(prompt_ids, prompt_mask)
@@ -274,14 +278,15 @@ class HFEngine(RolloutEngine):
         mask = prompt_mask
         positions = position_ids(mask)[:, -1:]
         width = 0
-        for step in range(self.max_new_tokens):
+        for step in range(longest):
             if step < self.min_new_tokens:
                 logits = logits.index_fill(-1, eos_ids, float("-inf"))
-            token, logprob = sample_next(logits.float(), self.temperature, self.top_k, self.top_p, greedy)
+            token, logprob = sample_next(logits.float(), sampling.temperature, sampling.top_k, sampling.top_p,
+                                         sampling.greedy)
             response_ids[rows, step], logprobs[rows, step] = token, logprob
             width = step + 1
             running = ~torch.isin(token, eos_ids)
-            if not running.any() or width == self.max_new_tokens:
+            if not running.any() or width == longest:
                 break
             if not running.all():  # the ended rows leave the batch
                 keep = running.nonzero().squeeze(1)

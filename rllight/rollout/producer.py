@@ -22,7 +22,7 @@ from rllight.envs.base import Environment
 from rllight.envs.guard import EpisodeFailed, EpisodeGuard
 from rllight.errors import ComponentError, RecipeError
 from rllight.rewards import Reward, RewardRunner, by_source, score_batch
-from rllight.rollout.base import RolloutEngine, malformed
+from rllight.rollout.base import RolloutEngine, Sampling, malformed
 from rllight.rollout.episodes import ChatTurns, episodes_to_rollout, run_episodes
 from rllight.stopping import end_after_step
 from rllight.types import Rollout
@@ -119,11 +119,15 @@ class RolloutProducer:
     def encode(self, rows: list[dict]) -> list[list[int]]:
         return [encode_chat(self.tokenizer, r["messages"]) for r in rows]
 
-    def sample(self, rows: list[dict], n: int, greedy: bool = False, training: bool = True) -> Rollout:
-        """``n`` responses for each prompt row, scored. ``training`` False (a second pass over the same rows,
-        or validation) leaves the run's counters of dropped prompts and failed reward batches alone."""
+    def sample(self, rows: list[dict], n: int, greedy: bool = False, training: bool = True,
+               sampling: Sampling | None = None) -> Rollout:
+        """``n`` responses for each prompt row, scored, sampled as ``sampling`` says (None: the engine's own;
+        ``greedy``: at temperature 0). ``training`` False (a second pass over the same rows, or validation) leaves
+        the run's counters of dropped prompts and failed reward batches alone."""
+        sampling = sampling or self.engine.sampling
+        sampling = sampling.as_greedy() if greedy else sampling
         if self.environment is not None:
-            return self.sample_episodes(rows, n, greedy=greedy, training=training)
+            return self.sample_episodes(rows, n, sampling, training=training)
         keep, prompts = self._fitting_prompts(rows)
         dropped = len(rows) - len(keep)
         if dropped:
@@ -135,9 +139,9 @@ class RolloutProducer:
         if not prompts:
             return Rollout.empty(extras={"data/dropped_long_prompts": float(dropped), "kept_rows": tuple(keep)})
         t0 = time.perf_counter()
-        gen = self.engine.generate(self.policy, self.tokenizer, [p for p in prompts for _ in range(n)], greedy=greedy)
+        gen = self.engine.generate(self.policy, self.tokenizer, [p for p in prompts for _ in range(n)], sampling)
         t1 = time.perf_counter()
-        problem = malformed(gen, len(prompts) * n, getattr(self.engine, "max_new_tokens", None)) if training else None
+        problem = malformed(gen, len(prompts) * n, sampling.max_new_tokens) if training else None
         self.count_malformed_batch(problem)
         if problem:  # dropped: the step trains on nothing rather than on what the engine got wrong
             return Rollout.empty(extras={"rollout/malformed_batches": 1.0, "data/dropped_long_prompts": float(dropped),
@@ -224,9 +228,10 @@ class RolloutProducer:
             return
         _, prompts = self._fitting_prompts(rows)
         if prompts:
-            self.engine.prefetch(self.policy, self.tokenizer, [p for p in prompts for _ in range(n)])
+            self.engine.prefetch(self.policy, self.tokenizer, [p for p in prompts for _ in range(n)],
+                                 self.engine.sampling)
 
-    def sample_episodes(self, rows: list[dict], n: int, greedy: bool = False, training: bool = True) -> Rollout:
+    def sample_episodes(self, rows: list[dict], n: int, sampling: Sampling, training: bool = True) -> Rollout:
         """``n`` episodes of the environment for each prompt row, as one multi-turn ``Rollout`` (see
         ``rllight.rollout.episodes``). Metrics: ``episode/turns_mean`` (model turns per episode) and
         ``episode/truncated_ratio`` (episodes stopped by ``max_turns`` or ``max_total_tokens``, or whose last
@@ -254,7 +259,7 @@ class RolloutProducer:
         if self._chat_turns is None:
             self._chat_turns = ChatTurns(self.tokenizer)
         t0 = time.perf_counter()
-        trajs = run_episodes(self.engine, self.policy, self.tokenizer, episodes, prompts, greedy=greedy,
+        trajs = run_episodes(self.engine, self.policy, self.tokenizer, episodes, prompts, sampling,
                              turns=self._chat_turns, guard=guard, failed=failed)
         rewards = self._trajectory_rewards(guard, episodes, trajs)
         t1 = time.perf_counter()

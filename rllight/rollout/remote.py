@@ -68,7 +68,7 @@ import torch
 from rllight.distributed import process_rank_and_world
 from rllight.dtensor import is_dtensor
 from rllight.errors import ComponentError, RecipeError
-from rllight.rollout.base import Generation, RolloutEngine, request_key
+from rllight.rollout.base import Generation, RolloutEngine, Sampling, request_key
 from rllight.rollout.hf import eos_token_ids
 from rllight.rollout.vllm import GatheredState, full_state_dict, generation_from_samples
 from rllight.stopping import call_stoppable, wait_stoppable
@@ -258,16 +258,18 @@ class VLLMServerEngine(RolloutEngine):
                 "not used. Resume from the last checkpoint"
             )
 
-    def _complete(self, prompts: list[list[int]], greedy: bool, eos: list[int]) -> list[dict]:
-        sampling = ({"temperature": 0.0} if greedy else
-                    {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k or -1})
+    def _complete(self, prompts: list[list[int]], sampling: Sampling, eos: list[int]) -> list[dict]:
+        settings = ({"temperature": 0.0} if sampling.greedy else
+                    {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k or -1})
+        if sampling.seed is not None:
+            settings["seed"] = sampling.seed
         rank, _ = process_rank_and_world()
         self._requests += 1
         tag = f"rllight-rank{rank}-{self._requests}-{uuid.uuid4().hex[:8]}"  # in the server's log and its answer
         answer = self._request("/v1/completions", {
-            "model": self._served_model(), "prompt": prompts, "max_tokens": self.max_new_tokens, "logprobs": 0,
+            "model": self._served_model(), "prompt": prompts, "max_tokens": sampling.max_new_tokens, "logprobs": 0,
             "return_token_ids": True, "stop_token_ids": eos, "skip_special_tokens": False, "request_id": tag,
-            **sampling})
+            **settings})
         self.last_request_id = str(answer.get("id", tag))
         try:
             choices = sorted(answer.get("choices") or [], key=lambda c: c["index"])
@@ -286,7 +288,8 @@ class VLLMServerEngine(RolloutEngine):
         return choices
 
     @torch.no_grad()
-    def _check_processed_logprobs(self, model: torch.nn.Module, prompt: list[int], gen: Generation) -> None:
+    def _check_processed_logprobs(self, model: torch.nn.Module, prompt: list[int], gen: Generation,
+                                  temperature: float) -> None:
         """The server's log-probs of the first response must be the trainer's after temperature, not before
         (a server started without ``--logprobs-mode processed_logprobs``): one forward pass over it."""
         response = gen.response_ids[0][gen.response_mask[0].bool()]
@@ -297,7 +300,7 @@ class VLLMServerEngine(RolloutEngine):
             # cannot run one of its own; the trainer's gap to the server is logged as train/rollout/logprob_diff_max.
             log.warning("the vLLM server at %s is not checked for processed log-probs under FSDP: start it with "
                         "--logprobs-mode processed_logprobs, or the ratios are wrong at temperature %g",
-                        self.url, self.temperature)
+                        self.url, temperature)
             self._checked_logprobs = True
             return
         device = next(model.parameters()).device
@@ -308,18 +311,18 @@ class VLLMServerEngine(RolloutEngine):
         def gap(scaled: torch.Tensor) -> float:
             return float((scaled.log_softmax(-1).gather(-1, response[:, None].to(device))[:, 0] - server).abs().mean())
 
-        if gap(logits) < gap(logits / self.temperature):
+        if gap(logits) < gap(logits / temperature):
             raise ComponentError(f"model.rollout: the vLLM server at {self.url} returns raw log-probs; start it with "
                                  "--logprobs-mode processed_logprobs (the trainer's ratios need the log-probs of the "
                                  "distribution sampled from)")
         self._checked_logprobs = True
 
     # ------------------------------------------------------------------------- asynchronous
-    def _answer(self, prompts: list[list[int]], greedy: bool, eos: list[int]) -> tuple[list[dict], float]:
+    def _answer(self, prompts: list[list[int]], sampling: Sampling, eos: list[int]) -> tuple[list[dict], float]:
         """One generation with the version checked before and after it; ``(choices, seconds)``."""
         self._check_version("before")
         start = time.perf_counter()
-        choices = self._complete(prompts, greedy, eos)
+        choices = self._complete(prompts, sampling, eos)
         elapsed = time.perf_counter() - start
         self._check_version("after")
         return choices, elapsed
@@ -331,7 +334,7 @@ class VLLMServerEngine(RolloutEngine):
                 self._wait(future)  # done, one way or the other
             self._push(model)
 
-    def prefetch(self, model, tokenizer, prompts: list[list[int]], greedy: bool = False) -> None:
+    def prefetch(self, model, tokenizer, prompts: list[list[int]], sampling: Sampling) -> None:
         """Asynchronous mode: send ``prompts`` now (with the current weights); a later ``generate`` with the same
         prompts and settings collects the answer. Synchronous mode: nothing."""
         if not self.max_staleness:
@@ -339,8 +342,8 @@ class VLLMServerEngine(RolloutEngine):
         self._current(model)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rllight-vllm-server")
-        future = self._pool.submit(self._answer, prompts, greedy, eos_token_ids(model, tokenizer))
-        self._ahead.append((request_key(self, prompts, greedy), self._version, future))
+        future = self._pool.submit(self._answer, prompts, sampling, eos_token_ids(model, tokenizer))
+        self._ahead.append((request_key(prompts, sampling), self._version, future))
 
     def _wait(self, future: Future) -> Future:
         """``future`` once done, waited for in short slices (a stop is honoured within seconds); a generation
@@ -378,12 +381,13 @@ class VLLMServerEngine(RolloutEngine):
             future.set_result(tuple(answer))
             self._ahead.append((tuple(key), version, future))
 
-    def generate(self, model, tokenizer, prompts: list[list[int]], greedy: bool = False) -> Generation:
-        found = self._collect(request_key(self, prompts, greedy)) if self.max_staleness else None
+    def generate(self, model, tokenizer, prompts: list[list[int]], sampling: Sampling) -> Generation:
+        found = self._collect(request_key(prompts, sampling)) if self.max_staleness else None
         if found is None:
             if self._version is None or self.max_staleness:  # synchronous: pushes come with update_weights
                 self._current(model)
-            (choices, elapsed), version = self._answer(prompts, greedy, eos_token_ids(model, tokenizer)), self._version
+            version = self._version
+            choices, elapsed = self._answer(prompts, sampling, eos_token_ids(model, tokenizer))
         else:
             (choices, elapsed), version = found
         gen = generation_from_samples(
@@ -392,8 +396,9 @@ class VLLMServerEngine(RolloutEngine):
             next(model.parameters()).device)
         # Against the trainer's weights only when they are the ones that generated (a rollout sent ahead of an
         # update is another policy's, whatever kind of log-probs the server returns).
-        if not self._checked_logprobs and not greedy and self.temperature != 1.0 and version == self._updates:
-            self._check_processed_logprobs(model, prompts[0], gen)
+        if (not self._checked_logprobs and not sampling.greedy and sampling.temperature != 1.0
+                and version == self._updates):
+            self._check_processed_logprobs(model, prompts[0], gen, sampling.temperature)
         self.last_metrics = {"rollout/tokens_per_s": float(gen.response_mask.sum()) / max(elapsed, 1e-9),
                              "rollout/policy_version": float(version),
                              "rollout/staleness": float(self._updates - version),

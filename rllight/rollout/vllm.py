@@ -59,7 +59,7 @@ from torch import Tensor
 
 from rllight.errors import RecipeError
 from rllight.dtensor import full_tensor, is_dtensor
-from rllight.rollout.base import Generation, RolloutEngine, pad_left
+from rllight.rollout.base import Generation, RolloutEngine, Sampling, pad_left
 from rllight.rollout.hf import eos_token_ids
 
 INSTALL_HINT = (
@@ -548,21 +548,23 @@ class VLLMEngine(RolloutEngine):
 
     # ---------------------------------------------------------------------------- generate
     @torch.no_grad()
-    def generate(self, model, tokenizer, prompts: list[list[int]], greedy: bool = False) -> Generation:
+    def generate(self, model, tokenizer, prompts: list[list[int]], sampling: Sampling) -> Generation:
+        """As vLLM's ``SamplingParams`` from ``sampling``: a seed for each prompt from ``sampling.seed`` where it is
+        set (this call alone), else from the engine's ``seed`` and its count of calls, else vLLM's stream."""
         llm = self.llm if self.llm is not None else self._start(model, tokenizer)
         from vllm import SamplingParams
 
-        common = dict(max_tokens=self.max_new_tokens, logprobs=0, detokenize=False,
+        common = dict(max_tokens=sampling.max_new_tokens, logprobs=0, detokenize=False,
                       stop_token_ids=eos_token_ids(model, tokenizer))
-        if greedy:
+        if sampling.greedy:
             params = SamplingParams(temperature=0.0, **common)
         else:
-            sampling = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, **common)
-            if self.seed is None:
-                params = SamplingParams(**sampling)
+            settings = dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, **common)
+            seed = (sampling.seed,) if sampling.seed is not None else (self.seed, self._calls)
+            if seed[0] is None:
+                params = SamplingParams(**settings)
             else:
-                params = [SamplingParams(seed=hash((self.seed, self._calls, i)) % 2**31, **sampling)
-                          for i in range(len(prompts))]
+                params = [SamplingParams(seed=hash((*seed, i)) % 2**31, **settings) for i in range(len(prompts))]
         self._calls += 1
         t0 = time.perf_counter()
         outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False,

@@ -37,7 +37,7 @@ How it runs:
   as ``HFEngine`` in the training process.
 - **Asynchronous rollouts** (``max_staleness`` k > 0): ``prefetch`` sends a generation request without waiting
   for it (the module sends the next training batches' prompts before each update), and ``generate`` collects the
-  one sent for the same prompts and settings, or generates anew if there is none or it is more than k versions
+  one sent for the same prompts and sampling, or generates anew if there is none or it is more than k versions
   old. Replies come in the order sent; the trainer reads them as it needs them. Weights go with the next request
   after an update (a "sync" queued before it; the buffers are rewritten only once the worker has read the last
   ones), so requests already queued keep the version they were sent with, and each reply names it. The worker
@@ -79,7 +79,7 @@ import torch
 from torch import Tensor
 
 from rllight.errors import ComponentError, RecipeError
-from rllight.rollout.base import SAMPLING_SETTINGS, Generation, RolloutEngine, request_key
+from rllight.rollout.base import SAMPLING_SETTINGS, Generation, RolloutEngine, Sampling, request_key
 from rllight.rollout.vllm import GatheredState, adapter_state_dict, base_state_dict, full_state_dict, lora_config
 from rllight.stopping import check_stop
 
@@ -280,15 +280,13 @@ def _serve_requests(conn, spec: _WorkerSpec) -> None:
                 version = message[1]
                 conn.send(("synced", version))
             elif message[0] == "generate":
-                _, expected, prompts, greedy, settings, rng = message
+                _, expected, prompts, sampling, rng = message
                 if expected != version:
                     conn.send(("stale", version))
                     continue
-                for name, value in settings.items():
-                    setattr(engine, name, value)
                 if rng is not None:  # synchronous mode: the trainer's stream; else the worker's own
                     _set_rng_states(rng, device)
-                out = engine.generate(model, spec.tokenizer, prompts, greedy=greedy)
+                out = engine.generate(model, spec.tokenizer, prompts, sampling)
                 out = Generation(**{f.name: getattr(out, f.name).cpu() for f in dataclasses.fields(Generation)})
                 conn.send(("generated", version, out, dict(engine.last_metrics), _rng_states(device)))
             else:
@@ -429,7 +427,7 @@ class _Request:
 
     kind: str  # "sync" or "generate"
     version: int  # the policy version it was sent with (a sync: the version it loads)
-    key: tuple = ()  # a generation: (prompts, greedy, sampling settings), what a later generate call matches
+    key: tuple = ()  # a generation: its request_key (prompts and sampling), what a later generate call matches
     seq: int = 0  # order of sending
     result: tuple | None = None  # a generation's (Generation as a dict of tensors, the inner engine's metrics)
 
@@ -439,7 +437,8 @@ class ProcessEngine(RolloutEngine):
     optimizer updates with a version (see ``rllight.rollout.worker``).
 
     The sampling settings (``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``) are the inner engine's,
-    read and set through this one, and sent with every request. They can also be given here: an overlay that
+    read and set through this one; each request carries the ``Sampling`` it was called with (training: these
+    settings; evaluation: its own), which the worker passes on. They can also be given here: an overlay that
     switches a recipe's engine to this one (e.g. ``recipes/overlays/process-worker.yaml``) keeps those of the
     recipe's ``model.rollout.init_args`` that this class accepts (the parser drops the rest when the class
     changes), so the worker samples as the recipe says, not with the inner engine's defaults.
@@ -652,20 +651,19 @@ class ProcessEngine(RolloutEngine):
         self._reset()
 
     # ---------------------------------------------------------------------------- generate
-    def generate(self, model, tokenizer, prompts: list[list[int]], greedy: bool = False) -> Generation:
+    def generate(self, model, tokenizer, prompts: list[list[int]], sampling: Sampling) -> Generation:
         if self._weights is None:
             self._start(model, tokenizer)
         if self.asynchronous:
-            return self._collect(model, prompts, greedy)
+            return self._collect(model, prompts, sampling)
         device = next(model.parameters()).device
         expected = self._version
-        settings = {name: getattr(self, name) for name in SAMPLING_SETTINGS}
         rng, own = _rng_states(device), slice(0, len(prompts))
         if self._group is not None:  # the group's prompts, all sampled from its first rank's stream
             parts = self._group.gather((prompts, rng))
             start = sum(len(part) for part, _ in parts[: self._group.rank])
             prompts, rng, own = [p for part, _ in parts for p in part], parts[0][1], slice(start, start + len(prompts))
-        reply = self._call(("generate", expected, prompts, greedy, settings, rng), "generate")
+        reply = self._call(("generate", expected, prompts, sampling, rng), "generate")
         if reply[0] != "generated" or reply[1] != expected:
             raise ComponentError(
                 f"model.rollout: the rollout worker answered with policy version {reply[1]} where {expected} was "
@@ -796,7 +794,7 @@ class ProcessEngine(RolloutEngine):
                 self._abandon_worker()
                 raise
 
-    def prefetch(self, model, tokenizer, prompts: list[list[int]], greedy: bool = False) -> None:
+    def prefetch(self, model, tokenizer, prompts: list[list[int]], sampling: Sampling) -> None:
         """Asynchronous mode: send the trainer's current weights if the worker's are older and ask it to
         generate for ``prompts``, without waiting; a later ``generate`` with the same prompts and settings
         collects the result. Synchronous mode: nothing."""
@@ -804,12 +802,11 @@ class ProcessEngine(RolloutEngine):
             return
         if self._weights is None:
             self._start(model, tokenizer)
-        settings = {name: getattr(self, name) for name in SAMPLING_SETTINGS}
-        key = request_key(self, prompts, greedy)
+        key = request_key(prompts, sampling)
 
         def send() -> None:
             self._sync_if_behind(model)
-            self._send("generate", ("generate", self._version, prompts, greedy, settings, None), key)
+            self._send("generate", ("generate", self._version, prompts, sampling, None), key)
 
         self._resilient(send, "generate")
 
@@ -823,12 +820,11 @@ class ProcessEngine(RolloutEngine):
         self._ready = [r for r in self._ready if r.seq > request.seq]
         return request
 
-    def _collect(self, model, prompts: list[list[int]], greedy: bool) -> Generation:
+    def _collect(self, model, prompts: list[list[int]], sampling: Sampling) -> Generation:
         """Asynchronous ``generate``: the generation sent ahead for these prompts if there is one and it is at
         most ``max_staleness`` versions old, else a new one from the current weights."""
         device = next(model.parameters()).device
-        settings = {name: getattr(self, name) for name in SAMPLING_SETTINGS}
-        key = request_key(self, prompts, greedy)
+        key = request_key(prompts, sampling)
         start = time.perf_counter()
 
         def collect() -> tuple[_Request, bool]:
@@ -841,7 +837,7 @@ class ProcessEngine(RolloutEngine):
                             "max_staleness=%d; it is generated again", request.version,
                             self._updates - request.version, self.max_staleness)
             self._sync_if_behind(model)
-            request = self._send("generate", ("generate", self._version, prompts, greedy, settings, None), key)
+            request = self._send("generate", ("generate", self._version, prompts, sampling, None), key)
             self._wait_for(request)
             self._ready.remove(request)
             return request, False
