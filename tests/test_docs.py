@@ -85,6 +85,17 @@ def _bash_cases() -> list[tuple[str, list[str]]]:
 BASH = _bash_cases()
 
 
+def _record_options() -> set[str]:
+    """The options ``rllight.records.add_record_options`` gives a tool (``--record``, ``--shared``, ...)."""
+    import argparse
+
+    from rllight.records import add_record_options
+
+    parser = argparse.ArgumentParser()
+    add_record_options(parser, id=None, section=None)
+    return {option for action in parser._actions for option in action.option_strings}
+
+
 @pytest.mark.parametrize("page,command", BASH, ids=[f"{rel(p)}:{' '.join(c)[:60]}" for p, c in BASH])
 def test_shell_block_names_what_exists(page, command, tmp_path, capsys, monkeypatch):
     for token in command:
@@ -98,10 +109,11 @@ def test_shell_block_names_what_exists(page, command, tmp_path, capsys, monkeypa
     if head in ("python", ".venv/bin/python") and len(command) > 1 and command[1].startswith("tools/"):
         with open(os.path.join(ROOT, command[1])) as f:
             source = f.read()
+        shared = _record_options() if "add_record_options(" in source else set()  # rllight.records adds them
         for token in command[2:]:
             if token.startswith("--"):
                 option = token.split("=", 1)[0]
-                assert f'"{option}"' in source, f"{rel(page)}: {command[1]} has no option {option}"
+                assert f'"{option}"' in source or option in shared, f"{rel(page)}: {command[1]} has no option {option}"
     if head in RLLIGHT or command[:3] in (["python", "-m", "rllight"], [".venv/bin/python", "-m", "rllight"]):
         args = command[1:] if head in RLLIGHT else command[3:]
         if not args or args[0] not in ("fit", "validate") or any(PLACEHOLDER.search(a) for a in args):
