@@ -60,8 +60,10 @@ def plain_instance(obj):
     """A default made with ``jsonargparse.lazy_instance`` as a plain instance of its class (others unchanged).
 
     A lazy instance is one object shared by every call that takes the default, of a generated class that
-    cannot be pickled: a reward must be sent to worker processes, and a reward runner holds processes of
-    its own, so each module gets its own plain instance."""
+    cannot be pickled, and initialised only when one of its methods is first called (a property read before
+    that finds no attributes): a reward must be sent to worker processes, a reward runner holds processes of
+    its own, and a rollout engine holds state and is asked how it samples, so each module gets its own plain
+    instance."""
     lazy_type = getattr(obj, "_lazy_class_type", None)
     if lazy_type is None or not hasattr(obj, "lazy_get_init_args"):
         return obj

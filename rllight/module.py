@@ -146,7 +146,7 @@ class RLModule(L.LightningModule):
         check_recipe(advantage, critic, kl, sampler, (critic_steps_first, critic_epochs_first), dict(
             ppo_epochs=ppo_epochs, micro_batch_size=micro_batch_size, max_failed_reward_steps=max_failed_reward_steps,
             max_steps_without_update=max_steps_without_update))
-        reward, reward_runner = plain_instance(reward), plain_instance(reward_runner)
+        reward, reward_runner, rollout = plain_instance(reward), plain_instance(reward_runner), plain_instance(rollout)
         self.automatic_optimization = False
         self.source, self.lora, self.gradient_checkpointing = model, lora, gradient_checkpointing
         self.rollout, self.sampler, self.reward, self.environment = rollout, sampler, reward, environment

@@ -249,3 +249,11 @@ def test_a_call_samples_as_its_sampling_says_not_as_the_engines_settings(tiny_mo
     assert torch.equal(torch.rand(3), untouched)  # and the process's stream is where it was
     other = engine.generate(policy, tok, prompts, Sampling(max_new_tokens=8, temperature=1.0, seed=8)).response_ids
     assert not torch.equal(other, a)
+
+
+def test_each_module_has_its_own_default_engine_ready_to_say_how_it_samples(tiny_model_dir):
+    # The recipe's default engine is a lazy default, one object for every module that takes it; a module makes its
+    # own plain engine of it, so that its sampling can be read before anything generated (and no state is shared).
+    a, b = RLModule(HFModel(tiny_model_dir)), RLModule(HFModel(tiny_model_dir))
+    assert a.rollout is not b.rollout and type(a.rollout) is HFEngine
+    assert a.rollout.sampling == Sampling(max_new_tokens=64, temperature=1.0)
