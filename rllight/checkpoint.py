@@ -54,11 +54,8 @@ def save_run_state(checkpoint: dict, module) -> None:
         "rollout_engine": module.rollout.state_dict(),
         **module.producer.state_dict(),
     }
-    world = module.ranks.world_size
-    if world > 1 and torch.distributed.is_initialized():
-        ranks: list = [None] * world
-        torch.distributed.all_gather_object(ranks, {"rng": checkpoint["rng"], "rllight": checkpoint["rllight"]})
-        checkpoint["ranks"] = ranks
+    if module.ranks.world_size > 1 and torch.distributed.is_initialized():
+        checkpoint["ranks"] = module.ranks.gather_objects({"rng": checkpoint["rng"], "rllight": checkpoint["rllight"]})
 
 
 def load_run_state(checkpoint: dict, module) -> None:

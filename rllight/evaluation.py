@@ -178,12 +178,12 @@ class EvalSettings:
         text += ", and one greedy answer" if self.also_greedy else ""
         return text + (f", sampling seed {self.sampling_seed}" if self.sampling_seed is not None else "")
 
-    def sampling(self, engine: Sampling) -> Sampling:
-        """What evaluation passes to the engine's ``generate`` (its own settings never change): these settings
-        in place of the engine's ``engine``, its ``max_new_tokens`` where this one is None; temperature 0 is the
-        arg-max."""
-        return replace(engine, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                       max_new_tokens=self.max_new_tokens or engine.max_new_tokens)
+    def sampling(self, engine_sampling: Sampling) -> Sampling:
+        """What evaluation passes to the engine's ``generate`` (the engine's own settings never change): the
+        engine's ``engine_sampling`` with these settings in its place, and its ``max_new_tokens`` where this one is
+        None; temperature 0 is the arg-max."""
+        return replace(engine_sampling, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                       max_new_tokens=self.max_new_tokens or engine_sampling.max_new_tokens)
 
 
 def _as_list(values, length: int, name: str) -> list | None:

@@ -121,16 +121,16 @@ class Session:
     def __init__(self, policy, tokenizer, settings: dict, greedy: bool, messages: Callable[[object], list[dict]]):
         from rllight.rollout import HFEngine
 
-        self.policy, self.tokenizer, self.greedy, self.messages = policy, tokenizer, greedy, messages
+        self.policy, self.tokenizer, self.messages = policy, tokenizer, messages
         self.system = messages("")[:-1]
         """The recipe's system message (``data.system_prompt``) that starts a chat, if any."""
         self.engine = HFEngine(**settings, batch_size=16)
+        self.sampling = self.engine.sampling.as_greedy() if greedy else self.engine.sampling
 
     def reply(self, conversations: list[list[dict]]) -> list[tuple[str, int, bool]]:
         """For each conversation (chat messages), the model's next message: ``(text, tokens, truncated)``."""
-        sampling = self.engine.sampling.as_greedy() if self.greedy else self.engine.sampling
         gen = self.engine.generate(self.policy, self.tokenizer, [encode(self.tokenizer, c) for c in conversations],
-                                   sampling)
+                                   self.sampling)
         out = []
         for ids, mask, cut in zip(gen.response_ids, gen.response_mask, gen.truncated):
             tokens = ids[mask.bool()].tolist()

@@ -796,7 +796,7 @@ class ProcessEngine(RolloutEngine):
 
     def prefetch(self, model, tokenizer, prompts: list[list[int]], sampling: Sampling) -> None:
         """Asynchronous mode: send the trainer's current weights if the worker's are older and ask it to
-        generate for ``prompts``, without waiting; a later ``generate`` with the same prompts and settings
+        generate for ``prompts``, without waiting; a later ``generate`` with the same prompts and sampling
         collects the result. Synchronous mode: nothing."""
         if not self.asynchronous:
             return
