@@ -1,10 +1,11 @@
 """Rollout callbacks (``rllight.callbacks``): Lightning callbacks with one extra hook,
-``on_rollout(trainer, module, rollout) -> rollout``, called after rewards and before values and
-advantages. A callback keeps its own state in ``state_dict()`` so that resume restores it."""
+``on_rollout(trainer, context, rollout) -> rollout``, called after rewards and before values and
+advantages; ``context`` (``RolloutContext``) is what a callback may use of the run. A callback keeps its own
+state in ``state_dict()`` so that resume restores it."""
 
-from rllight.callbacks.base import RolloutCallback
+from rllight.callbacks.base import RolloutCallback, RolloutContext
 
-__all__ = ["RolloutCallback"]
+__all__ = ["RolloutCallback", "RolloutContext"]
 
 from rllight.callbacks.overlong import OverlongFilter, SoftOverlongPunishment  # noqa: E402
 from rllight.callbacks.replay import SelfImitation  # noqa: E402

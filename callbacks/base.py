@@ -1,10 +1,51 @@
-"""The typed extension point for rollout callbacks."""
+"""The typed extension point for rollout callbacks, and the context they are given."""
 
 from __future__ import annotations
 
-import lightning as L
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
+import lightning as L
+import torch
+
+from rllight.distributed import Ranks
 from rllight.types import Rollout
+
+if TYPE_CHECKING:
+    from rllight.critics import Critic
+    from rllight.scoring import Scoring
+    from rllight.update import Updater
+
+
+@dataclass
+class RolloutContext:
+    """What a rollout callback may use of the run: the module builds one per RL step and passes it to
+    ``on_rollout`` in the module's place. A callback that acts later in the step (``SelfImitation`` replays in
+    ``on_train_batch_end``) keeps the context its ``on_rollout`` was given. A test gives a callback one of these
+    with only the fields it uses."""
+
+    updater: Updater | None = None
+    """Optimizer updates outside the step's own (``rllight.update.Updater``): ``critic_update`` fits the critic,
+    ``nll_update`` imitates responses. A policy they move reaches the rollout engine by itself."""
+    scoring: Scoring | None = None
+    """Forward passes without gradients (``rllight.scoring.Scoring``): ``score(rollout, need_old=..., need_values=...,
+    need_ref=...)`` fills the rollout's log-probs and values."""
+    ranks: Ranks = field(default_factory=Ranks)
+    """Collectives over the run's processes (``rllight.distributed.Ranks``: ``world_size``, ``any``, ``sum``,
+    ``reduce``; default: one process); every rank must call them alike."""
+    tokenizer: Any = None
+    """The policy's tokenizer (``pad_token_id``, ``decode``)."""
+    device: torch.device | str = "cpu"
+    """Where the policy's tensors are."""
+    critic: Critic | None = None
+    """The value model (``model.critic``), or None when the recipe has none."""
+    log: Callable[[dict[str, float]], None] = lambda metrics: None
+    """Log scalars at this RL step under the keys given (e.g. ``train/sil/nll``)."""
+    max_new_tokens: int | None = None
+    """The rollout engine's limit on response tokens (None when the engine has none)."""
+    gamma: float = 1.0
+    """The advantage estimator's discount (``AdvantageEstimator.gamma``: 1.0 when it declares none)."""
 
 
 class RolloutCallback(L.Callback):
@@ -20,12 +61,13 @@ class RolloutCallback(L.Callback):
 
     rollout_order: int = 100
 
-    def on_rollout(self, trainer: L.Trainer, module: L.LightningModule, rollout: Rollout) -> Rollout | None:
+    def on_rollout(self, trainer: L.Trainer, context: RolloutContext, rollout: Rollout) -> Rollout | None:
         """Return the rollout to train on (the same object, changed, or a new one), or None when the
         callback has used it itself and this step makes no policy update (e.g. value pretraining).
 
-        Scalars put in ``rollout.extras`` are logged as ``train/<key>``. Rows can be dropped with
-        ``rollout.select(index)``, and tokens kept out of the loss by zeroing ``response_mask``.
+        ``context`` is what a callback may use of the run (``RolloutContext``). Scalars put in ``rollout.extras``
+        are logged as ``train/<key>``. Rows can be dropped with ``rollout.select(index)``, and tokens kept out of
+        the loss by zeroing ``response_mask``.
         """
         return rollout
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import lightning as L
 
 from rllight.algorithms.shaping import soft_overlong_punishment
-from rllight.callbacks.base import RolloutCallback
+from rllight.callbacks.base import RolloutCallback, RolloutContext
 from rllight.errors import RecipeError
 from rllight.types import Rollout
 
@@ -31,7 +31,7 @@ class OverlongFilter(RolloutCallback):
 
     rollout_order = 20
 
-    def on_rollout(self, trainer: L.Trainer | None, module: L.LightningModule, rollout: Rollout) -> Rollout:
+    def on_rollout(self, trainer: L.Trainer | None, context: RolloutContext | None, rollout: Rollout) -> Rollout:
         truncated = rollout.truncated.bool().to(rollout.response_mask.device)
         masked_tokens = (rollout.response_mask * truncated.unsqueeze(-1)).sum()
         rollout.response_mask = rollout.response_mask * (~truncated).unsqueeze(-1).to(rollout.response_mask.dtype)
@@ -50,7 +50,7 @@ class SoftOverlongPunishment(RolloutCallback):
 
     Args:
         cache_len: L_cache, the width of the punishment buffer (4096 in the paper).
-        max_len: L_max (20480 in the paper); None = the rollout engine's ``max_new_tokens``.
+        max_len: L_max (20480 in the paper); None = the rollout engine's ``max_new_tokens`` (``RolloutContext``).
         coef: Scale of the penalty (verl's ``overlong_penalty_factor``; 1.0 in the paper).
     """
 
@@ -68,8 +68,11 @@ class SoftOverlongPunishment(RolloutCallback):
         self.max_len = max_len
         self.coef = coef
 
-    def on_rollout(self, trainer: L.Trainer | None, module: L.LightningModule, rollout: Rollout) -> Rollout:
-        max_len = self.max_len if self.max_len is not None else module.rollout.max_new_tokens
+    def on_rollout(self, trainer: L.Trainer | None, context: RolloutContext, rollout: Rollout) -> Rollout:
+        max_len = self.max_len if self.max_len is not None else context.max_new_tokens
+        if max_len is None:
+            raise RecipeError("trainer.callbacks: SoftOverlongPunishment.max_len is needed: the rollout engine has no "
+                              "max_new_tokens")
         if max_len < self.cache_len:
             raise RecipeError(f"trainer.callbacks: SoftOverlongPunishment.cache_len ({self.cache_len}) exceeds "
                               f"the longest response ({max_len} = rollout.max_new_tokens); lower cache_len or set "

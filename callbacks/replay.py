@@ -8,7 +8,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from rllight.callbacks.base import RolloutCallback
+from rllight.callbacks.base import RolloutCallback, RolloutContext
 from rllight.distributed import share
 from rllight.errors import RecipeError
 from rllight.rollout.base import pad_left
@@ -52,13 +52,14 @@ def build_rollout(entries: list[dict], pad_id: int, device: torch.device | str =
 class SelfImitation(RolloutCallback):
     """Keep successful responses in a replay buffer and, every ``every_n_steps`` RL steps, take one
     supervised update on a sample of them: ``coef * -log pi(y* | x)``, aggregated like the policy loss
-    (``module.updater.nll_update``; VAPO note 000 step 5, eq. 11).
+    (``RolloutContext.updater.nll_update``; VAPO note 000 step 5, eq. 11).
 
     A response is a success when ``rollout.correct`` is set (or, with ``min_reward``, when its reward is at
     least ``min_reward``). Each entry stores on CPU what rebuilds a Rollout: the prompt's and the
     response's token ids without padding (their lengths give the masks), the reward, answer and text.
-    The replay runs in ``on_train_batch_end``, after the step's policy update as in note 000; a step
-    consumed by an earlier callback (value pretraining) neither stores nor replays.
+    The replay runs in ``on_train_batch_end``, after the step's policy update as in note 000, with the context
+    the step's ``on_rollout`` was given; a step consumed by an earlier callback (value pretraining) neither stores
+    nor replays.
 
     Replacement when the buffer is full (note 000 leaves it open):
         ``fifo``: the oldest entry leaves.
@@ -109,7 +110,7 @@ class SelfImitation(RolloutCallback):
         self.steps_seen = 0
         self._keys: set[tuple] = set()
         self._generator = torch.Generator().manual_seed(seed)
-        self._pending = False
+        self._pending: RolloutContext | None = None  # the context of a step that reached on_rollout, until replay
 
     # ------------------------------------------------------------------------------- buffer
     @staticmethod
@@ -158,9 +159,9 @@ class SelfImitation(RolloutCallback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         share(self.batch_size, trainer.world_size, "trainer.callbacks: SelfImitation.batch_size")  # refused at the start
 
-    def on_rollout(self, trainer: L.Trainer | None, module: L.LightningModule, rollout: Rollout) -> Rollout:
+    def on_rollout(self, trainer: L.Trainer | None, context: RolloutContext, rollout: Rollout) -> Rollout:
         self.steps_seen += 1
-        self._pending = True
+        self._pending = context
         if self.min_reward is not None:
             success = rollout.rewards >= self.min_reward
         elif rollout.correct is not None:
@@ -188,25 +189,23 @@ class SelfImitation(RolloutCallback):
 
     def on_train_batch_end(self, trainer: L.Trainer | None, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if not self._pending:
-            return
-        self._pending = False
-        if self.steps_seen % self.every_n_steps:
+        context, self._pending = self._pending, None
+        if context is None or self.steps_seen % self.every_n_steps:
             return
         # Under DDP every rank replays together (the update is a collective): a rank whose own buffer is
         # still empty takes part with no rows; nobody replays until some rank has an entry.
-        if not pl_module.ranks.any(bool(self.entries)):
+        if not context.ranks.any(bool(self.entries)):
             return
         if self.entries:
-            size = share(self.batch_size, pl_module.ranks.world_size, "trainer.callbacks: SelfImitation.batch_size")
-            replayed = build_rollout(self.sample(size), pl_module.tokenizer.pad_token_id, pl_module.device)
+            size = share(self.batch_size, context.ranks.world_size, "trainer.callbacks: SelfImitation.batch_size")
+            replayed = build_rollout(self.sample(size), context.tokenizer.pad_token_id, context.device)
         else:
-            replayed = Rollout.empty().to(pl_module.device)
-        stats = pl_module.updater.nll_update(replayed, self.coef)
+            replayed = Rollout.empty().to(context.device)
+        stats = context.updater.nll_update(replayed, self.coef)
         metrics = {"train/sil/replayed": float(len(replayed))}
         if "nll/loss" in stats:
             metrics["train/sil/nll"] = float(stats["nll/loss"])
-        pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+        context.log(metrics)
 
     # -------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -220,4 +219,4 @@ class SelfImitation(RolloutCallback):
         self.steps_seen = int(state_dict["steps_seen"])
         self._generator.set_state(state_dict["generator"])
         self._keys = {self._key(e) for e in self.entries}
-        self._pending = False
+        self._pending = None

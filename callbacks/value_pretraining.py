@@ -11,7 +11,7 @@ import lightning as L
 import torch
 
 from rllight.algorithms import explained_variance, gae, masked_mean, value_loss
-from rllight.callbacks.base import RolloutCallback
+from rllight.callbacks.base import RolloutCallback, RolloutContext
 from rllight.distributed import share
 from rllight.errors import RecipeError
 from rllight.types import Rollout
@@ -24,9 +24,9 @@ class ValuePretraining(RolloutCallback):
 
     While pretraining, every rollout is consumed here (``on_rollout`` returns None, so the step makes no
     policy update and ``trainer.global_step`` does not advance): the critic scores it, the targets are
-    the Monte-Carlo returns (GAE with lambda = 1, ``gamma`` of the module's advantage estimator, outcome
-    reward on the last token; a KL penalty is not part of them), and ``module.updater.critic_update`` fits the
-    critic for ``epochs`` passes. With a value head on the shared backbone and ``train_backbone``
+    the Monte-Carlo returns (GAE with lambda = 1, ``gamma`` of the recipe's advantage estimator, outcome
+    reward on the last token; a KL penalty is not part of them), and ``RolloutContext.updater.critic_update`` fits
+    the critic for ``epochs`` passes. With a value head on the shared backbone and ``train_backbone``
     False only the head trains, as note 000 describes; a separate critic trains whole.
 
     Pretraining ends as the paper's criterion asks, when the value loss and the explained variance have
@@ -112,32 +112,32 @@ class ValuePretraining(RolloutCallback):
         if self.minibatch_size is not None:  # a total that must divide among the processes: refused at the start
             share(self.minibatch_size, trainer.world_size, "trainer.callbacks: ValuePretraining.minibatch_size")
 
-    def on_rollout(self, trainer: L.Trainer | None, module: L.LightningModule, rollout: Rollout) -> Rollout | None:
+    def on_rollout(self, trainer: L.Trainer | None, context: RolloutContext, rollout: Rollout) -> Rollout | None:
         if self.finished:
             return rollout
-        if module.critic is None:
+        if context.critic is None:
             raise RecipeError("trainer.callbacks: ValuePretraining needs a value model; set model.critic "
                               "(e.g. class_path: rllight.critics.ValueHead)")
         # Under DDP every rank takes each decision alike (the critic updates are collectives): a rank with
         # nothing to fit joins the others' updates with no rows, and the stopping criterion reads the
         # ranks' mean loss and explained variance.
         empty = len(rollout) == 0 or rollout.response_mask.sum() == 0
-        if not module.ranks.any(not empty):
+        if not context.ranks.any(not empty):
             return None  # nothing to fit anywhere; the step is still not a policy step
         local = torch.zeros(3)  # loss, explained variance, weight
         if empty:
             rollout = rollout.select([])
         else:
-            self._monte_carlo_targets(module, rollout)
+            self._monte_carlo_targets(context, rollout)
             # Held out: the critic has not trained on this rollout yet. The clipped loss equals the plain one
             # here (the values are the rollout's own), so the number is on the scale of the critic's loss.
             mask = rollout.response_mask
             local[0] = masked_mean(value_loss(rollout.values, rollout.values, rollout.returns), mask).detach().cpu()
             local[1] = explained_variance(rollout.values, rollout.returns, mask).detach().cpu()
             local[2] = 1.0
-        stats = module.updater.critic_update(rollout, epochs=self.epochs, minibatch_size=self.minibatch_size,
-                                     train_backbone=self.train_backbone)
-        total = module.ranks.sum(local)
+        stats = context.updater.critic_update(rollout, epochs=self.epochs, minibatch_size=self.minibatch_size,
+                                              train_backbone=self.train_backbone)
+        total = context.ranks.sum(local)
         loss, ev = float(total[0] / total[2]), float(total[1] / total[2])
         reason = self.observe(loss, ev)
         if reason:
@@ -149,16 +149,16 @@ class ValuePretraining(RolloutCallback):
                    "train/value_pretraining/finished": float(self.finished)}
         if "critic_only/loss" in stats:
             metrics["train/value_pretraining/fit_loss"] = float(stats["critic_only/loss"])
-        module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+        context.log(metrics)
         return None
 
-    def _monte_carlo_targets(self, module: L.LightningModule, rollout: Rollout) -> None:
+    def _monte_carlo_targets(self, context: RolloutContext, rollout: Rollout) -> None:
         """Fill ``values`` (the critic's, without gradients), ``token_rewards`` and ``returns`` (B, T)."""
-        module.scoring.score(rollout, need_old=False, need_values=True, need_ref=False)
+        context.scoring.score(rollout, need_old=False, need_values=True, need_ref=False)
         if rollout.values.dim() != 2:
             raise RecipeError("trainer.callbacks: ValuePretraining fits token-level critics (values (B, T)); "
-                              f"{type(module.critic).__name__} gives one value per prompt")
-        gamma = float(module.advantage.gamma)  # the estimator's discount (AdvantageEstimator.gamma: 1.0 if none)
+                              f"{type(context.critic).__name__} gives one value per prompt")
+        gamma = float(context.gamma)  # the estimator's discount (AdvantageEstimator.gamma: 1.0 if none)
         rollout.token_rewards = rollout.outcome_token_rewards()
         # lam = 1: returns are the (discounted) Monte-Carlo returns G_t, independent of the critic.
         _, rollout.returns = gae(rollout.token_rewards, rollout.values, rollout.response_mask, gamma, 1.0)

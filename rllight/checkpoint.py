@@ -18,6 +18,19 @@ REFERENCE_PREFIX = "ref_policy."
 """State-dict keys of the frozen reference policy: reloaded from its source, never saved."""
 
 
+def without_reference(state: dict) -> dict:
+    """A module's state dict without the reference policy's weights (``REFERENCE_PREFIX``)."""
+    return {k: v for k, v in state.items() if not k.startswith(REFERENCE_PREFIX)}
+
+
+def with_reference(state: dict, reference: torch.nn.Module | None) -> dict:
+    """``state`` with the weights of the reference policy as it is now, which a checkpoint does not hold, so that a
+    strict load passes (``reference`` None: ``state`` unchanged)."""
+    if reference is None:
+        return state
+    return {**state, **{f"{REFERENCE_PREFIX}{k}": v for k, v in reference.state_dict().items()}}
+
+
 def rng_state() -> dict:
     """Every random stream a step draws from, as tensors and ints (loadable with weights_only)."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
@@ -41,39 +54,56 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_run_state(checkpoint: dict, module) -> None:
-    """Add the random streams (``rng``) and the run's counters (``rllight``) of an ``RLModule`` to a Lightning
-    checkpoint: the cursor of extra training prompts, the count of skipped updates in a row, the last batch
-    generated ahead, the rollout engine's and the rollout producer's own state. With several processes each rank
-    has its own streams and counters: all of them go into ``ranks`` (a collective: every rank saves)."""
+RUN_STATE_FORMAT = 2
+"""The layout of ``checkpoint["rllight"]``: ``{"format": 2, "parts": {name: state}}``, each part's own
+``state_dict()`` under the name its owner gives it (``RLModule.on_save_checkpoint``). Format 1, written before the
+parts kept their own state, is one flat dict of counters (no ``format`` key): ``FLAT_RUN_STATE`` reads it."""
+
+FLAT_RUN_STATE = {"extra_prompt_cursor": ("prompt_stream", "cursor"),
+                  "consecutive_skips": ("updater", "consecutive_skips"),
+                  "prefetched_through": ("prefetched_through", None), "rollout_engine": ("rollout_engine", None)}
+"""Format 1: a flat key -> the part (and the key in its state; None = the value is the part's state) it is now.
+The other flat keys were the rollout producer's counters (``producer``)."""
+
+
+def save_run_state(checkpoint: dict, parts: dict, ranks) -> None:
+    """Add the random streams (``rng``) and a run's own state (``rllight``: ``parts``, its parts' states by name, in
+    the layout ``RUN_STATE_FORMAT``) to a Lightning checkpoint. With several processes each rank has its own
+    streams and parts: all of them go into ``ranks`` (``rllight.distributed.Ranks``; a collective: every rank
+    saves)."""
     checkpoint["rng"] = rng_state()
-    checkpoint["rllight"] = {
-        "extra_prompt_cursor": module.prompt_stream.cursor if module.prompt_stream is not None else 0,
-        "consecutive_skips": module.updater.consecutive_skips,
-        "prefetched_through": module.prefetched_through,
-        "rollout_engine": module.rollout.state_dict(),
-        **module.producer.state_dict(),
-    }
-    if module.ranks.world_size > 1 and torch.distributed.is_initialized():
-        checkpoint["ranks"] = module.ranks.gather_objects({"rng": checkpoint["rng"], "rllight": checkpoint["rllight"]})
+    checkpoint["rllight"] = {"format": RUN_STATE_FORMAT, "parts": parts}
+    if ranks.world_size > 1 and torch.distributed.is_initialized():
+        checkpoint["ranks"] = ranks.gather_objects({"rng": checkpoint["rng"], "rllight": checkpoint["rllight"]})
 
 
-def load_run_state(checkpoint: dict, module) -> None:
-    """Restore what ``save_run_state`` added (a checkpoint without it leaves the fresh state); each rank takes its
-    own part when the checkpoint has one per rank of this run."""
-    ranks = checkpoint.get("ranks")
-    if ranks and len(ranks) == module.ranks.world_size:
-        checkpoint = ranks[module.ranks.rank]
+def load_run_state(checkpoint: dict, ranks) -> dict:
+    """Restore the random streams that ``save_run_state`` saved and return the parts' states by name (``{}`` for
+    a checkpoint without them: the parts stay fresh); each rank takes its own when the checkpoint has one per rank
+    of this run. A checkpoint of format 1 is read as the parts it held; one of a newer format is refused."""
+    per_rank = checkpoint.get("ranks")
+    if per_rank and len(per_rank) == ranks.world_size:
+        checkpoint = per_rank[ranks.rank]
     if "rng" in checkpoint:
         set_rng_state(checkpoint["rng"])
-    state = checkpoint.get("rllight", {})
-    module.extra_prompt_cursor = state.get("extra_prompt_cursor", 0)  # applied when the stream is built (setup)
-    if module.prompt_stream is not None:
-        module.prompt_stream.cursor = module.extra_prompt_cursor
-    module.updater.consecutive_skips = state.get("consecutive_skips", 0)
-    module.prefetched_through = state.get("prefetched_through", -1)
-    module.rollout.load_state_dict(state.get("rollout_engine", {}))
-    module.producer.load_state_dict(state)
+    saved = checkpoint.get("rllight", {})
+    if "format" not in saved:
+        return parts_of_flat_state(saved)
+    if saved["format"] > RUN_STATE_FORMAT:
+        raise RecipeError(f"--ckpt_path: the checkpoint's run state has format {saved['format']}, newer than this "
+                          f"rllight reads ({RUN_STATE_FORMAT}); resume it with the rllight version that wrote it")
+    return saved["parts"]
+
+
+def parts_of_flat_state(flat: dict) -> dict:
+    """The parts' states held by a run state of format 1 (``FLAT_RUN_STATE``); ``{}`` for none."""
+    if not flat:
+        return {}
+    parts: dict = {"producer": {k: v for k, v in flat.items() if k not in FLAT_RUN_STATE}}
+    for key, (part, inner) in FLAT_RUN_STATE.items():
+        if key in flat:
+            parts[part] = flat[key] if inner is None else {**parts.get(part, {}), inner: flat[key]}
+    return parts
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

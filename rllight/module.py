@@ -11,18 +11,18 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 from torch.profiler import record_function
 
-from rllight._compat import forget_step_metrics, lazy_default, plain_instance, rl_steps_done
-from rllight.callbacks.base import in_rollout_order
-from rllight.checkpoint import REFERENCE_PREFIX, load_run_state, save_run_state
+from rllight._compat import forget_step_metrics, lazy_default, no_gradient_sync, plain_instance, rl_steps_done
+from rllight.callbacks.base import RolloutContext, in_rollout_order
+from rllight.checkpoint import load_run_state, save_run_state, with_reference, without_reference
 from rllight.critics import Critic
 from rllight.data.prompt_stream import PromptStream
 from rllight.distributed import Ranks, deal_rollout
 from rllight.envs import Environment
 from rllight.errors import RecipeError
-from rllight.recipe_checks import check_recipe, check_sharding
 from rllight.evaluation import EvalSettings, Evaluator
 from rllight.fsdp import gathered_policy, is_sharded, shard
 from rllight.models import HFModel, LoRA, disable_dropout
+from rllight.recipe_checks import check_recipe, check_sharding
 from rllight.rewards import IntegerMatch, Reward, RewardRunner, by_source, check_rows
 from rllight.rollout import HFEngine, RolloutEngine
 from rllight.rollout.metrics import critic_explained_variance, logprob_mismatch, rollout_metrics, scalar_extras
@@ -160,18 +160,18 @@ class RLModule(L.LightningModule):
         self.policy: torch.nn.Module | None = None
         self.ref_policy: torch.nn.Module | None = None
         self.tokenizer = None
-        # The layers of a step, each given what it uses: rollout production (prompts -> generation -> reward),
-        # the scoring passes, the updates, and the evaluation passes.
+        # The layers of a step, each given what it uses: rollouts (prompts, generation, reward), scoring, updates.
         self.producer = RolloutProducer(rollout, reward, max_prompt_tokens, max_failed_reward_steps, reward_runner,
                                         environment=environment, max_steps_without_update=max_steps_without_update)
         self.scoring = Scoring(rollout, critic, kl is not None, micro_batch_size, micro_batch_tokens,
                                logprob_chunk_size)
-        self.updater = Updater(self, self.scoring, aggregation, max_grad_norm, critic_max_grad_norm,
-                               max_consecutive_skips, minibatch_size,
-                               ZeroGradientGuard(zero_gradient_warning_steps, max_zero_gradient_steps))
+        self.updater = Updater(self.scoring, aggregation, max_grad_norm, critic_max_grad_norm, max_consecutive_skips,
+                               minibatch_size, ZeroGradientGuard(zero_gradient_warning_steps, max_zero_gradient_steps),
+                               optimizer=self.optimizers, scheduler=self.lr_schedulers, step=lambda: self.global_step,
+                               backward=self.manual_backward, no_sync=lambda: no_gradient_sync(self._trainer),
+                               ranks=lambda: self.ranks, policy_moved=lambda: self.rollout.update_weights(self.policy))
         self.evaluator = Evaluator(evaluation)
-        self.prompt_stream: PromptStream | None = None  # extra training prompts (set up with the data)
-        self.extra_prompt_cursor = 0
+        self.prompt_stream, self._prompt_state = None, {}  # extra training prompts (set up with the data), its state
         self.prefetched_through = -1  # the last training batch whose rollout the engine was asked for ahead
         self._consumed_steps, self._epoch_start = 0, (0, 0)
 
@@ -196,7 +196,7 @@ class RLModule(L.LightningModule):
         self.preflight_rewards(train_rows)
         if train_rows:
             self.prompt_stream = PromptStream(train_rows, world=self.trainer.world_size, rank=self.trainer.global_rank)
-            self.prompt_stream.cursor = self.extra_prompt_cursor
+            self.prompt_stream.load_state_dict(self._prompt_state)
             self.producer.bind(self.policy, self.tokenizer, draw=self.prompt_stream.draw, ranks=self.ranks)
 
     def preflight_rewards(self, train_rows: list[dict]) -> None:
@@ -254,22 +254,28 @@ class RLModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # ---------------------------------------------------------------------------- checkpoints
-    def state_dict(self, *args, **kwargs):
-        # The reference policy is the frozen initial model: reloaded from its source, never saved.
-        state = super().state_dict(*args, **kwargs)
-        return {k: v for k, v in state.items() if not k.startswith(REFERENCE_PREFIX)}
+    def state_dict(self, *args, **kwargs):  # the frozen reference policy is reloaded from its source, never saved
+        return without_reference(super().state_dict(*args, **kwargs))
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        if self.ref_policy is not None:
-            state_dict = dict(state_dict)
-            state_dict.update({f"{REFERENCE_PREFIX}{k}": v for k, v in self.ref_policy.state_dict().items()})
-        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        return super().load_state_dict(with_reference(state_dict, self.ref_policy), strict=strict, assign=assign)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        save_run_state(checkpoint, self)
+        # The run's own state besides the weights and the optimizer's: each part's ``state_dict()``, by name.
+        prompts = self.prompt_stream.state_dict() if self.prompt_stream is not None else self._prompt_state
+        save_run_state(checkpoint, {"updater": self.updater.state_dict(), "prompt_stream": prompts,
+                                    "producer": self.producer.state_dict(), "rollout_engine": self.rollout.state_dict(),
+                                    "prefetched_through": self.prefetched_through}, self.ranks)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        load_run_state(checkpoint, self)
+        state = load_run_state(checkpoint, self.ranks)  # each part's own state, by name: a part missing starts fresh
+        self.updater.load_state_dict(state.get("updater", {}))
+        self._prompt_state = state.get("prompt_stream", {})
+        if self.prompt_stream is not None:
+            self.prompt_stream.load_state_dict(self._prompt_state)
+        self.producer.load_state_dict(state.get("producer", {}))
+        self.rollout.load_state_dict(state.get("rollout_engine", {}))
+        self.prefetched_through = state.get("prefetched_through", -1)
 
     # --------------------------------------------------------------------------------- train
     def training_step(self, rows: list[dict], batch_idx: int) -> None:
@@ -295,8 +301,10 @@ class RLModule(L.LightningModule):
         # With a single update per rollout the live log-probs equal the old ones, so the extra forward
         # is skipped (unless a KL penalty in the reward needs them before the update).
         need_old = updates_per_step > 1 or (self.kl is not None and self.kl.in_reward)
-        self.prefetched_through = prefetch_ahead(self.trainer, self.sampler, self.producer, updates_per_step,
-                                                 self.prefetched_through)  # the next steps overlap this update
+        data, end = self.trainer.datamodule, self.trainer.max_steps  # the next steps' rollouts overlap this update
+        upcoming, left = getattr(data, "upcoming_batches", None), end - self.global_step if end >= 0 else None
+        self.prefetched_through = prefetch_ahead(self.sampler, self.producer, updates_per_step, self.prefetched_through,
+                                                 upcoming, getattr(data, "batches_trained", 0), left)
         scored = time.perf_counter()
         with record_function("rllight.score"):  # 3. score it, in the first epoch's minibatches; 4. advantages
             metrics.update(self._score_and_estimate(rollout, need_old, layout=plan[0]))
@@ -304,12 +312,11 @@ class RLModule(L.LightningModule):
         # critic is fitted first (VAPO: critic-only updates, then the advantages again with the fitted critic)
         terms = [PolicyObjective(self.policy_loss, self.kl, self.entropy_coef), *self.loss_terms]
         if any(self.critic_first.values()):
-            metrics.update(self._critic_first(rollout, layout=plan[0]))
+            metrics.update(self.updater.critic_first(rollout, self.estimate_advantages, plan[0], **self.critic_first))
         elif self.critic is not None:
             terms.append(CriticLoss(self.critic))
         metrics["time/score"] = time.perf_counter() - scored
-        for group in self.optimizers().param_groups:  # the rates of this step's updates (after any schedule)
-            metrics[f"lr/{group.get('name', 'policy')}"] = float(group["lr"])
+        metrics.update(self.updater.learning_rates())  # of this step's updates (after any schedule)
         trained = time.perf_counter()
         metrics.update(self.updater.policy_updates(rollout, terms, plan))  # 6. the updates
         metrics["time/train"] = time.perf_counter() - trained
@@ -321,8 +328,9 @@ class RLModule(L.LightningModule):
         """The rollout callbacks in ``rollout_order`` (stable: equal orders keep the recipe's order), the empty-rollout
         guard, then the groups dealt evenly to the ranks (``deal_rollout``). None (after logging ``metrics``) when a
         callback used the rollout itself (e.g. value pretraining) or every rank's rollout is empty: no update."""
+        context = self.rollout_context()
         for cb in in_rollout_order(self._trainer.callbacks if self._trainer is not None else []):
-            rollout = cb.on_rollout(self.trainer, self, rollout)
+            rollout = cb.on_rollout(self.trainer, context, rollout)
             if rollout is None:
                 self._consumed_steps += 1
                 metrics["time/step"] = time.perf_counter() - start
@@ -343,6 +351,12 @@ class RLModule(L.LightningModule):
             rollout = rollout.select([])
         return deal_rollout(rollout, self.ranks, self.producer.pad_id)  # whole groups, evenly: same updates anywhere
 
+    def rollout_context(self) -> RolloutContext:
+        """What a rollout callback may use of this run, passed in the module's place (``RolloutContext``)."""
+        return RolloutContext(self.updater, self.scoring, self.ranks, self.tokenizer, self.device, self.critic,
+                              lambda metrics: self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1),
+                              getattr(self.rollout, "max_new_tokens", None), getattr(self.advantage, "gamma", 1.0))
+
     def _score_and_estimate(self, rollout: Rollout, need_old: bool, layout: list[Tensor] | None = None) -> dict:
         """Old log-probs, values and reference log-probs without gradients (in the micro-batches of ``layout``,
         the first epoch's minibatches: ``Scoring.score``), then token rewards, advantages and returns; their
@@ -360,18 +374,6 @@ class RLModule(L.LightningModule):
         ev = critic_explained_variance(rollout)  # of the critic as it enters the step, on the fresh rollout
         if ev is not None:
             metrics["value/explained_variance"] = ev
-        return metrics
-
-    def _critic_first(self, rollout: Rollout, layout: list[Tensor] | None = None) -> dict:
-        """VAPO note 000: the critic fits the fresh rollout (K_v steps over ``layout``'s minibatches, or epochs), then
-        values and advantages are recomputed. A shared head trains alone unless ``critic_first_trains_backbone`` (figure
-        5), which moves the policy: old log-probs first (in ``layout``'s micro-batches, as in ``_score_and_estimate``)."""
-        backbone = getattr(self.critic, "critic_first_trains_backbone", False)
-        self.scoring.score(rollout, need_old=backbone and rollout.old_logprobs is None, need_values=False,
-                           layout=layout)
-        metrics = self.updater.critic_update(rollout, **self.critic_first, layout=layout, train_backbone=backbone)
-        self.scoring.score(rollout, need_old=False, need_values=True)
-        self.estimate_advantages(rollout)
         return metrics
 
     def estimate_advantages(self, rollout: Rollout) -> None:

@@ -2,7 +2,7 @@
 
 A number a reader sees on the results page (``docs/results/index.md``) or in the README's results table comes
 from a record under ``docs/results/``; ``tools/results_pages.py`` renders both from the records, and
-``tests/test_results.py`` fails where a page disagrees with its records or a record lacks its provenance.
+``tests/tools/test_results.py`` fails where a page disagrees with its records or a record lacks its provenance.
 
 A record is a JSON object with these keys:
 

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.profiler import record_function
 
-from rllight._compat import no_gradient_sync, return_free_memory
+from rllight._compat import return_free_memory
 from rllight.algorithms.batching import minibatch_shares
 from rllight.distributed import Ranks, share
 from rllight.errors import RecipeError
@@ -67,16 +69,20 @@ class ZeroGradientGuard:
 
 
 class Updater:
-    """Runs optimizer updates for a LightningModule with manual optimisation.
+    """Runs the optimizer updates of a run with manual optimisation.
 
     One update (``update``) over a minibatch: the forward pass computes what the terms need, each micro-batch's
     terms are summed and back-propagated (the loss is normalised by the minibatch's global token or sequence
     count, so the micro-batches' gradients add up to the minibatch's), gradients are summed over ranks, the
     policy's and the critic's parameters are clipped each to its own norm, a non-finite update is skipped, and
-    the optimizer steps; the rollout engine gets the new weights when a term trained the policy.
+    the optimizer steps. ``update`` returns whether the policy moved; the schedules (``policy_updates``,
+    ``critic_update``, ``nll_update``) then call ``policy_moved`` at once, before the next update, where the owner
+    gives the rollout engine the new weights (an engine counts every update: ``sync_every``, staleness).
+
+    The optimizer, the schedule, the backward pass, the ranks and the step count are callables, read at each
+    update: they exist once the run has started (``RLModule`` passes its ``optimizers``, ``lr_schedulers``, ...).
 
     Args:
-        lightning: The LightningModule whose optimizer, schedule and backward this drives.
         scoring: The forward passes.
         aggregation: How per-token losses are averaged.
         max_grad_norm: Gradient-norm clipping of the policy's parameters (None = off).
@@ -86,12 +92,27 @@ class Updater:
             the whole rollout in one update). Every minibatch size given here is a total over the training
             processes: each takes an equal share of the rows.
         zero_gradients: Counts the RL steps in a row whose policy updates had no gradient (None = a default one).
+        optimizer: The optimizer over every trained parameter, as Lightning wraps it: its ``step()`` counts a
+            policy step (``trainer.global_step``), ``.optimizer.step()`` the raw optimizer's does not.
+        scheduler: The learning-rate schedule stepped after each policy step (returns None when there is none).
+        backward: The backward pass of a loss (Lightning's ``manual_backward``).
+        no_sync: A context in which backward passes leave DDP's gradient sync out
+            (``rllight._compat.no_gradient_sync``): the gradients are summed over ranks here, once per update.
+        ranks: Collectives over the run's processes (default: one process).
+        step: The policy steps so far (``trainer.global_step``), for the guards' messages.
+        policy_moved: Called after each update that moved the policy; returns metrics logged with the update's
+            (e.g. ``rollout/sync_time``).
     """
 
-    def __init__(self, lightning, scoring: Scoring, aggregation: Aggregation, max_grad_norm: float | None,
+    def __init__(self, scoring: Scoring, aggregation: Aggregation, max_grad_norm: float | None,
                  critic_max_grad_norm: float | None, max_consecutive_skips: int, minibatch_size: int | None = None,
-                 zero_gradients: ZeroGradientGuard | None = None):
-        self.lightning = lightning
+                 zero_gradients: ZeroGradientGuard | None = None, *, optimizer: Callable[[], Any],
+                 scheduler: Callable[[], Any] = lambda: None, backward: Callable[[Tensor], None] = Tensor.backward,
+                 no_sync: Callable[[], AbstractContextManager] = contextlib.nullcontext,
+                 ranks: Callable[[], Ranks] = Ranks, step: Callable[[], int] = lambda: 0,
+                 policy_moved: Callable[[], dict[str, float]] = dict):
+        self.optimizer, self.scheduler, self.backward, self.no_sync = optimizer, scheduler, backward, no_sync
+        self._ranks, self.step, self.policy_moved = ranks, step, policy_moved
         self.zero_gradients = zero_gradients or ZeroGradientGuard()
         self.minibatch_size = minibatch_size
         self.scoring = scoring
@@ -104,7 +125,14 @@ class Updater:
 
     @property
     def ranks(self) -> Ranks:
-        return Ranks(self.lightning._trainer)
+        return self._ranks()
+
+    def state_dict(self) -> dict[str, int]:
+        """What a resumed run needs of it: the count of non-finite updates in a row."""
+        return {"consecutive_skips": self.consecutive_skips}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.consecutive_skips = state.get("consecutive_skips", 0)
 
     def local_size(self, size: int | None, name: str = "model.minibatch_size") -> int | None:
         """This process's share of a minibatch size given for all processes (None stays None)."""
@@ -135,10 +163,10 @@ class Updater:
         stats: dict[str, list[Tensor]] = {}
         for epoch in plan:
             for index in epoch:
-                out = self.update(rollout.select(index), terms, "policy", "policy/loss", policy_step=True)
+                out = self._update(rollout.select(index), terms, "policy", "policy/loss", policy_step=True)
                 for k, v in out.items():
                     stats.setdefault(k, []).append(v)
-        self.zero_gradients.note(stats.get("policy/grad_norm", []), self.lightning.global_step)
+        self.zero_gradients.note(stats.get("policy/grad_norm", []), self.step())
         return reduce_stats(stats)
 
     def critic_update(self, rollout: Rollout, epochs: int = 1, minibatch_size: int | None = None,
@@ -164,19 +192,37 @@ class Updater:
                  for _ in parts]
         turns = (list(range(len(parts))) * steps)[:steps] if steps else list(range(len(parts))) * epochs
         for i in turns:
-            out = self.update(rollout.select(parts[i]), [terms[i]], "value", total_key="value/total_loss")
+            out = self._update(rollout.select(parts[i]), [terms[i]], "value", total_key="value/total_loss")
             for k, v in out.items():
                 stats.setdefault(f"critic_only/{k.split('/')[-1]}" if k.startswith("value/") else k, []).append(v)
         return {k: torch.stack(v).float().mean() for k, v in stats.items()}
+
+    def critic_first(self, rollout: Rollout, estimate: Callable[[Rollout], None], layout: list[Tensor] | None = None,
+                     steps: int = 0, epochs: int = 0) -> dict[str, Tensor]:
+        """VAPO note 000: the critic fits the fresh rollout first (``critic_update``: ``steps`` K_v optimizer steps over
+        ``layout``'s minibatches, or ``epochs`` passes), then its values are scored again and ``estimate`` recomputes
+        the advantages with them. A shared head trains alone unless ``critic_first_trains_backbone`` (figure 5),
+        which moves the policy: its old log-probs are scored first (in ``layout``'s micro-batches, as the step's)."""
+        backbone = getattr(self.scoring.critic, "critic_first_trains_backbone", False)
+        self.scoring.score(rollout, need_old=backbone and rollout.old_logprobs is None, need_values=False,
+                           layout=layout)
+        metrics = self.critic_update(rollout, steps=steps, epochs=epochs, layout=layout, train_backbone=backbone)
+        self.scoring.score(rollout, need_old=False, need_values=True)
+        estimate(rollout)
+        return metrics
 
     def nll_update(self, rollout: Rollout, coef: float = 1.0, minibatch_size: int | None = None) -> dict[str, Tensor]:
         """Supervised updates on the responses of ``rollout`` (``ResponseNLL``); like ``critic_update`` they do
         not advance ``trainer.global_step``."""
         stats: dict[str, list[Tensor]] = {}
         for index in self.minibatches(len(rollout), self.local_size(minibatch_size or self.minibatch_size)):
-            for k, v in self.update(rollout.select(index), [ResponseNLL(coef)], "nll").items():
+            for k, v in self._update(rollout.select(index), [ResponseNLL(coef)], "nll").items():
                 stats.setdefault(k, []).append(v)
         return {k: torch.stack(v).float().mean() for k, v in stats.items()}
+
+    def learning_rates(self) -> dict[str, float]:
+        """``lr/<group>``: the optimizer's rate of each parameter group now (after any schedule)."""
+        return {f"lr/{group.get('name', 'policy')}": float(group["lr"]) for group in self.optimizer().param_groups}
 
     def minibatches(self, n: int, size: int | None, order: Tensor | None = None) -> list[Tensor]:
         """Row indices of this process's minibatches over its ``n`` rows (``size`` rows each, this process's
@@ -190,9 +236,18 @@ class Updater:
         return parts + [order[:0]] * (count - len(parts))
 
     # ----------------------------------------------------------------------------------- one update
+    def _update(self, mb: Rollout, terms: Sequence[LossTerm], name: str, total_key: str | None = None,
+                policy_step: bool = False) -> dict[str, Tensor]:
+        """``update``, then ``policy_moved`` if the policy moved (its metrics join the update's)."""
+        out, moved = self.update(mb, terms, name, total_key, policy_step)
+        if moved:
+            out.update({k: torch.tensor(float(v)) for k, v in self.policy_moved().items()})
+        return out
+
     def update(self, mb: Rollout, terms: Sequence[LossTerm], name: str, total_key: str | None = None,
-               policy_step: bool = False) -> dict[str, Tensor]:
-        """One optimizer update over the minibatch ``mb`` with the sum of ``terms``. Logs the terms' metrics,
+               policy_step: bool = False) -> tuple[dict[str, Tensor], bool]:
+        """One optimizer update over the minibatch ``mb`` with the sum of ``terms``: its metrics, and whether the
+        policy moved (the optimizer stepped and a term trains the policy). Logs the terms' metrics,
         ``<name>/grad_norm`` (the policy's parameters) and ``value/grad_norm`` (the critic's), the summed loss as
         ``total_key``, and the guards. ``policy_step``: a policy update (steps Lightning's optimizer, which
         counts ``trainer.global_step``, and the learning-rate schedule); else the raw optimizer steps."""
@@ -204,12 +259,12 @@ class Updater:
         if num_tokens.item() == 0:
             # Every response of this minibatch, on every rank, is masked (e.g. all truncated under the overlong
             # filter): nothing to learn from, and a token mean would divide by zero. No update, not a failure.
-            return {"guard/empty_updates": torch.tensor(1.0)}
+            return {"guard/empty_updates": torch.tensor(1.0)}, False
 
         def aggregate(per_token: Tensor, mask: Tensor) -> Tensor:
             return self.aggregation(per_token, mask, num_tokens=num_tokens, num_seqs=num_seqs)
 
-        optimizer = self.lightning.optimizers()
+        optimizer = self.optimizer()
         optimizer.zero_grad(set_to_none=True)
         stats, finite = self._accumulate(mb, terms, aggregate, total_key, ranks.world_size)
         params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
@@ -222,13 +277,13 @@ class Updater:
             finite = bool(ranks.reduce(torch.tensor(float(not finite), device=grad_norm.device)).item() == 0)
         if not finite or not torch.isfinite(grad_norm):
             out["guard/skipped_updates"] = self._skip(optimizer)
-            return out
+            return out, False
         self.consecutive_skips = 0
         out["guard/skipped_updates"] = torch.tensor(0.0)
         if policy_step:
             with record_function("rllight.update.optimizer"):
                 optimizer.step()
-            scheduler = self.lightning.lr_schedulers()
+            scheduler = self.scheduler()
             if scheduler is not None:
                 scheduler.step()
         else:
@@ -238,10 +293,7 @@ class Updater:
         # generation's caches and the engine's copy of the policy until then.
         optimizer.zero_grad(set_to_none=True)
         return_free_memory()  # the update's activations, casts and gradients, freed: else resident through the next phase
-        if any("policy" in term.trains for term in terms):  # the policy moved
-            synced = self.scoring.engine.update_weights(self.scoring.policy)
-            out.update({k: torch.tensor(float(v)) for k, v in synced.items()})
-        return out
+        return out, any("policy" in term.trains for term in terms)
 
     def _accumulate(self, mb: Rollout, terms: Sequence[LossTerm], aggregate, total_key: str | None,
                     world_size: int) -> tuple[dict[str, list[Tensor]], bool]:
@@ -282,8 +334,8 @@ class Updater:
                 if not self.scoring.sharded:
                     continue
             # The denominators are global (all ranks), so the ranks' gradients are summed, not averaged.
-            with no_gradient_sync(self.lightning._trainer), record_function("rllight.update.backward"):
-                self.lightning.manual_backward(loss)
+            with self.no_sync(), record_function("rllight.update.backward"):
+                self.backward(loss)
             if total_key is not None and real:
                 record(total_key, loss * world_size)
         return stats, finite
@@ -291,7 +343,7 @@ class Updater:
     def _skip(self, optimizer) -> Tensor:
         """Drop a non-finite update's gradients; stop the run after ``max_consecutive_skips`` in a row."""
         self.consecutive_skips += 1
-        step = self.lightning.global_step
+        step = self.step()
         log.warning("after update %d: non-finite loss or gradient; update skipped (%d in a row), the run stops at "
                     "model.max_consecutive_skips=%d: if it recurs, lower the learning rate or set model.max_grad_norm",
                     step, self.consecutive_skips, self.max_consecutive_skips)

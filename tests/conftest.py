@@ -1,7 +1,17 @@
 import importlib.util
 import os
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The tests mirror the package (tests/rollout/ for rllight/rollout/, ...) and import each other's fakes by module
+# name (``from test_dapo import make_rollout``), as the runs they start name test classes by ``class_path``
+# (``test_environments.Faulty``): every test folder is on the import path, here and in the processes they start.
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+TEST_FOLDERS = [_TESTS] + sorted(os.path.join(_TESTS, name) for name in os.listdir(_TESTS)
+                                 if name not in ("assets", "__pycache__") and os.path.isdir(os.path.join(_TESTS, name)))
+sys.path[:0] = [folder for folder in TEST_FOLDERS if folder not in sys.path]
+_given = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
+os.environ["PYTHONPATH"] = os.pathsep.join([*(f for f in TEST_FOLDERS if f not in _given), *_given])
 if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n 2: one thread per worker (and its children), not two each
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -40,7 +40,7 @@ def tiny_overrides(tmp_path, model_dir: str, **model_overrides) -> str:
             "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": 1e-2, "weight_decay": 0.0}},
             "export_dir": None,
             # Rewards in this process (the test rewards score digits, not answers: no pre-flight); the worker
-            # processes are tested in tests/test_reward_runner.py and tests/test_reward_guards.py.
+            # processes are tested in tests/rewards/test_reward_runner.py and tests/rewards/test_reward_guards.py.
             "reward_runner": {"class_path": "rllight.rewards.RewardRunner", "init_args": {"workers": 0}},
             "reward_preflight": 0,
             **model_overrides,

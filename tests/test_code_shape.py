@@ -13,12 +13,7 @@ ROOT = os.path.dirname(RECIPES)
 PACKAGES = {"rllight": "rllight", "callbacks": "rllight.callbacks"}  # folder -> import name
 
 MAX_FILE_LINES = 500
-LONG_FILES = {  # a file of rllight/, callbacks/ or tools/ over MAX_FILE_LINES -> why it stays long for now
-    "rllight/evaluation.py": "settings, accumulators, files and the evaluator in one file: to be split along them",
-    "rllight/rollout/vllm.py": "the engine's start, its weight sync and its generation in one file: to be split",
-    "rllight/rollout/worker.py": "its supervised process and its queue of requests sent ahead are to become parts "
-                                 "shared with the reward runner and the server engine, and leave the file",
-}
+LONG_FILES: dict[str, str] = {}  # a file of rllight/, callbacks/ or tools/ over MAX_FILE_LINES -> why it stays long
 
 
 def _modules() -> dict[str, str]:
@@ -103,16 +98,38 @@ def test_no_import_circle_and_only_the_cli_imports_the_module():
 
 def test_a_vllm_test_skips_where_vllm_is_not_installed(tmp_path):
     """The ``vllm`` marker skips the test without vLLM (tests/conftest.py), also one whose body would fail before
-    an importorskip: here vLLM is hidden from a child pytest on tests/test_vllm_lora.py."""
+    an importorskip: here vLLM is hidden from a child pytest on tests/rollout/test_vllm_lora.py."""
     (tmp_path / "hide_vllm.py").write_text('import sys\n\nsys.modules["vllm"] = None  # import vllm fails\n')
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1")
     tests = os.path.dirname(os.path.abspath(__file__))
     run = subprocess.run([sys.executable, "-m", "pytest", "-v", "-rs", "-m", "vllm", "-p", "hide_vllm",
-                          "-p", "no:cacheprovider", os.path.join(tests, "test_vllm_lora.py")], cwd=tests, env=env,
+                          "-p", "no:cacheprovider", os.path.join(tests, "rollout", "test_vllm_lora.py")], cwd=tests, env=env,
                          capture_output=True, text=True, timeout=300, check=False)
     assert run.returncode == 0, run.stdout[-3000:]
     assert re.search(r"test_a_rollout_worker_running_vllm_gets_the_base_weights_once_and_then_the_adapter "
                      r"SKIPPED", run.stdout), run.stdout[-3000:]
-    assert re.search(r"SKIPPED \[\d+\] test_vllm_lora.py:\d+: vLLM is not installed", run.stdout), run.stdout[-3000:]
+    assert re.search(r"SKIPPED \[\d+\] (rollout/)?test_vllm_lora.py:\d+: vLLM is not installed", run.stdout), run.stdout[-3000:]
     assert not re.search(r"\b(FAILED|ERROR)\b", run.stdout), run.stdout[-3000:]
+
+
+def test_tests_mirror_the_package_layout():
+    """The tests of ``rllight/<sub>/`` live in ``tests/<sub>/`` (and those of ``tools/``, ``recipes/`` and ``docs/``
+    in folders of those names); tests of rllight's top-level modules and of whole runs stay in ``tests/``. A test
+    file named after a module of a subpackage (``test_worker.py`` for ``rllight/rollout/worker.py``) lives in that
+    subpackage's folder; fixture files live in ``tests/assets/``."""
+    tests = os.path.join(ROOT, "tests")
+    subpackages = {name for name in os.listdir(os.path.join(ROOT, "rllight"))
+                   if os.path.isfile(os.path.join(ROOT, "rllight", name, "__init__.py"))}
+    folders = {name for name in os.listdir(tests) if os.path.isdir(os.path.join(tests, name))} - {"__pycache__"}
+    assert folders - {"assets"} <= subpackages | {"tools", "recipes", "docs", "callbacks"}
+    top_level = {name[:-3] for name in os.listdir(os.path.join(ROOT, "rllight")) if name.endswith(".py")}
+    home = {name[:-3]: sub for sub in subpackages for name in os.listdir(os.path.join(ROOT, "rllight", sub))
+            if name.endswith(".py") and name != "__init__.py"}
+    home.update({sub: sub for sub in subpackages})  # test_<subpackage>.py belongs in its folder too
+    misplaced = [name for name in os.listdir(tests) if name.startswith("test_") and name.endswith(".py")
+                 and name[5:-3] in home and name[5:-3] not in top_level]
+    assert misplaced == [], "move them into the folder of the subpackage they test"
+    for folder in folders - {"assets"}:  # no two test files of one name: pytest imports them by their base name
+        for name in os.listdir(os.path.join(tests, folder)):
+            assert not os.path.exists(os.path.join(tests, name)) or not name.startswith("test_"), name

@@ -168,15 +168,15 @@ def test_two_ranks_share_one_tensor_parallel_vllm_engine_and_each_samples_its_ow
                             "max_new_tokens": 6}}
     (tmp_path / "tp").mkdir()
     overlay = _ddp_overlay(tmp_path, model_dir, "tp", rollout=engine)
-    from rllight.rollout.worker import _vllm_shm_segments
+    from rllight.rollout.worker_process import vllm_shm_segments
 
-    before = _vllm_shm_segments()
+    before = vllm_shm_segments()
     run = fit_in_child("grpo.yaml", "--config", overlay, *DDP, "--trainer.max_steps", "3", timeout=900,
                        RLLIGHT_TEST_DUMP=str(tmp_path / "rank{rank}.pt"), RLLIGHT_TEST_LOGPROB_GAP="1")
     assert run.returncode == 0, run.stderr[-4000:]
     # vLLM's CPU group leaves its shared-memory segments behind, under the same names in every run: the workers
     # remove their own, or the next run of this test (or a user's) on the machine could not start its group.
-    assert _vllm_shm_segments() <= before
+    assert vllm_shm_segments() <= before
     r0, r1 = _same_weights_on_both_ranks(tmp_path)
     assert (r0["tensor_parallel_rank"], r1["tensor_parallel_rank"]) == (0, 1)
     assert r0["prompts"] != r1["prompts"]

@@ -201,9 +201,7 @@ def test_the_updates_are_planned_over_all_ranks_rows():
     assert minibatch_shares([6, 2], None) == [[6, 2]] and minibatch_shares([0, 0], 4) == []
 
     def plan(rank, ranks):
-        updater = Updater(SimpleNamespace(_trainer=SimpleNamespace(world_size=2, global_rank=rank,
-                                                                   strategy=ranks._strategy)),
-                          None, None, None, None, 3, 4)
+        updater = Updater(None, None, None, None, 3, 4, optimizer=None, ranks=lambda: ranks)
         return updater.plan([6, 2][rank], 2, 4, seed=5)
 
     plans = _on_ranks(2, plan)

@@ -7,23 +7,23 @@ worked out by hand carry their arithmetic in the comments.
 
 Components whose mechanism is tested elsewhere (ALGORITHMS.md's formulas against hand-computed numbers):
 
-- DAPO soft overlong punishment: tests/test_dapo.py::test_soft_overlong_punishment_at_the_buffer_edges (R_len at
+- DAPO soft overlong punishment: tests/strategies/test_dapo.py::test_soft_overlong_punishment_at_the_buffer_edges (R_len at
   16384, 16385, 18432, 20479, 20480, 20481) and ::test_soft_overlong_punishment_adds_R_len_to_the_reward.
-- DAPO dynamic sampling's resampling rounds and a_G(p): tests/test_dapo.py::test_dynamic_sampling_* and
+- DAPO dynamic sampling's resampling rounds and a_G(p): tests/strategies/test_dapo.py::test_dynamic_sampling_* and
   ::test_group_retention_probability_hand_computed; its cross-rank target: tests/test_global_batch.py.
-- VAPO decoupled GAE: tests/test_vapo.py::test_decoupled_gae_hand_computed (lambda 1 returns, lambda 0.5
+- VAPO decoupled GAE: tests/strategies/test_vapo.py::test_decoupled_gae_hand_computed (lambda 1 returns, lambda 0.5
   advantages) and ::test_critic_steps_first_recompute_advantages_with_the_updated_critic (note 000's order).
-- VAPO length-adaptive lambda: tests/test_vapo.py::test_vapo_lambda_hand_computed (1 - 1/(0.05 L) at L = 100,
+- VAPO length-adaptive lambda: tests/strategies/test_vapo.py::test_vapo_lambda_hand_computed (1 - 1/(0.05 L) at L = 100,
   1000, 20, 10, 0) and ::test_adaptive_lambda_hand_computed (note 000, eq. 7).
-- VAPO positive-example NLL: tests/test_positive_nll.py::test_gradient_of_the_paper_form (only the correct
+- VAPO positive-example NLL: tests/strategies/test_positive_nll.py::test_gradient_of_the_paper_form (only the correct
   response's tokens get the NLL gradient, -mu / N_correct).
-- SPPO sequence-level clip: tests/test_sppo.py::test_sequence_clip_hand_computed (the min taken once per response
+- SPPO sequence-level clip: tests/strategies/test_sppo.py::test_sequence_clip_hand_computed (the min taken once per response
   on the summed ratios, and its gradient).
-- VESPO asymmetric kernel: tests/test_vespo.py::test_kernel_hand_computed (phi at W = 0.5, 1, 2 for A > 0 and
+- VESPO asymmetric kernel: tests/strategies/test_vespo.py::test_kernel_hand_computed (phi at W = 0.5, 1, 2 for A > 0 and
   A < 0) and ::test_loss_and_gradient_hand_computed.
-- The other objectives of tests/test_components_act.py's clip list: tests/test_algorithms.py (PPO clip sides,
-  dual clip), tests/test_baselines.py (GSPO, CISPO, truncated IS), tests/test_masked_is.py; the bf16 engine:
-  tests/test_rollout.py::test_a_bfloat16_engine_copy_is_the_behaviour_policy_and_follows_updates.
+- The other objectives of tests/test_components_act.py's clip list: tests/algorithms/test_algorithms.py (PPO clip sides,
+  dual clip), tests/strategies/test_baselines.py (GSPO, CISPO, truncated IS), tests/strategies/test_masked_is.py; the bf16 engine:
+  tests/rollout/test_rollout.py::test_a_bfloat16_engine_copy_is_the_behaviour_policy_and_follows_updates.
 """
 
 import os

@@ -1,7 +1,7 @@
 """rllight.records: a record lacking its provenance or holding a value for no column is refused, naming the field;
 what the measuring tools call to write one (``--record``) parses their printed values back exactly and refuses a
 path that could not hold the record before anything is measured. (The pages rendered from the records:
-tests/test_results.py.)"""
+tests/tools/test_results.py.)"""
 
 import argparse
 import json

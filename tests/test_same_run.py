@@ -1,13 +1,13 @@
 """The same run as before: fixed-seed 3-step runs of six recipes on a tiny in-process model log the same
 metrics at every step and end with the same policy and critic weights as the reference stored in
-``tests/data/same_run/<recipe>.pt``, to float32 rounding.
+``tests/assets/same_run/<recipe>.pt``, to float32 rounding.
 
 The reference was made by this file at the commit it records (``commit`` in each file), before a redesign
 of the module, the critics, the callbacks and the scoring code; a change meant to keep behaviour must pass
 it unchanged. A change that alters a run on purpose (a new metric, another update order, a fixed bug)
 regenerates the reference and says why in its commit:
 
-    python tests/test_same_run.py --write tests/data/same_run
+    python tests/test_same_run.py --write tests/assets/same_run
 
 Each run is its recipe with the tiny model in place of every model (the policy, and a critic that names a
 model of its own), an in-process reward that varies between samples, 2 prompts per step, responses of at
@@ -56,7 +56,7 @@ from helpers import CaptureLogger, build, tiny_overrides
 from rllight.testing import build_tiny_model
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
-REFERENCE = os.path.join(TESTS, "data", "same_run")
+REFERENCE = os.path.join(TESTS, "assets", "same_run")
 SEED = 0
 THREADS = 1
 
@@ -73,7 +73,7 @@ RUNS: dict[str, dict] = {
     "dapo": {
         "model": _SMALL_BATCHES,
         # The random tiny model almost never ends a response within 6 tokens, so the overlong filter would
-        # mask every response and no update would ever happen (as in tests/test_dapo.py); the punishment stays.
+        # mask every response and no update would ever happen (as in tests/strategies/test_dapo.py); the punishment stays.
         "callbacks": {"OverlongFilter": None},
     },
     "vapo": {
@@ -246,7 +246,7 @@ def write(out: str, recipes=RECIPE_NAMES) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="Write the reference of tests/test_same_run.py.")
-    parser.add_argument("--write", required=True, metavar="DIR", help="folder for <recipe>.pt (tests/data/same_run)")
+    parser.add_argument("--write", required=True, metavar="DIR", help="folder for <recipe>.pt (tests/assets/same_run)")
     parser.add_argument("--recipes", nargs="*", default=list(RECIPE_NAMES), choices=RECIPE_NAMES)
     args = parser.parse_args()
     write(args.write, args.recipes)

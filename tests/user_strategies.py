@@ -113,15 +113,17 @@ class KillAt(RolloutCallback):
 
 class DumpState(RolloutCallback):
     """Records, on each rank, the last step's local and global token counts and the final weights
-    (to the path in RLLIGHT_TEST_DUMP, with {rank} filled in)."""
+    (to the path in RLLIGHT_TEST_DUMP, with {rank} filled in). A probe: beyond its ``RolloutContext`` it reads the
+    policy and the engine of the trainer's module."""
 
     def __init__(self):
         self.record = {}
 
-    def on_rollout(self, trainer, module, rollout):
+    def on_rollout(self, trainer, context, rollout):
+        module = trainer.lightning_module
         local = rollout.response_mask.sum().float()
         self.record["local_tokens"] = local.item()
-        self.record["global_tokens"] = module.ranks.reduce(local.clone()).item()
+        self.record["global_tokens"] = context.ranks.reduce(local.clone()).item()
         self.record["prompts"] = sorted(rollout.answers)
         self.record.setdefault("prompts_seen", []).extend(sorted(set(rollout.answers)))  # every step's prompts
         self.record.setdefault("rollout_sizes", []).append(len(rollout))
@@ -147,7 +149,7 @@ class DumpState(RolloutCallback):
             from rllight.rollout.metrics import logprob_mismatch
 
             with torch.no_grad():
-                logprobs = module.scoring.forward(rollout).logprobs
+                logprobs = context.scoring.forward(rollout).logprobs
             gap = logprob_mismatch(logprobs, rollout.sample_logprobs, rollout.response_mask)["rollout/logprob_diff_max"]
             self.record.setdefault("logprob_gap", []).append(float(gap))
         return rollout

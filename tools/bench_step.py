@@ -137,7 +137,7 @@ from bench_step_report import print_async, print_comparison, print_rllight, reco
 from bench_step_sides import (DEFAULT_REWARD, ENGINES, LEARNING, PRECISIONS, PROMPTS_PER_STEP, REASONING_GYM_TASK, ROOT,
                               TRL_VENV, run_async, run_rllight, run_trl, setup_trl)
 
-# Named as bench_step's too, as before the split (tests/test_bench_step.py, tests/test_tools.py).
+# Named as bench_step's too, as before the split (tests/tools/test_bench_step.py, tests/tools/test_tools.py).
 from bench_step_learning import blocks, by_task  # noqa: F401
 from bench_step_sides import MAX_NEW_TOKENS, TORCH_PIN, data_config, overlay, trl_inputs  # noqa: F401
 

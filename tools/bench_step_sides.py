@@ -16,14 +16,14 @@ import sys
 
 import yaml
 
+from rllight.rollout.base import SAMPLING_SETTINGS
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRL_VENV = ".venv-trl"
 TORCH_PIN = "torch==2.13.0"  # first, so that TRL's dependencies find torch met (a bare one pulls a CUDA build)
 ENGINES = {"hf": "rllight.rollout.HFEngine", "vllm": "rllight.rollout.vllm.VLLMEngine"}
 ENGINE_ARGS = "model.rollout.init_args."
 PRECISIONS = ("32-true", "bf16-mixed", "auto")
-# Set on a ProcessEngine too: there they replace the ones it keeps from the recipe's engine.
-SAMPLING_SETTINGS = ("max_new_tokens", "temperature", "top_p", "top_k")
 
 PROMPTS_PER_STEP = 4
 GROUP_SIZE = 4
@@ -110,6 +110,7 @@ def overlay(args: argparse.Namespace, name: str = "rllight", staleness: int | No
         rollout_args["min_new_tokens"] = int(longest[-1]) if longest else MAX_NEW_TOKENS
     rollout = {"class_path": ENGINES[args.engine], "init_args": rollout_args}
     if staleness is not None:
+        # Set on the ProcessEngine too: there they replace the ones it keeps from the recipe's engine.
         sampling = {k: v for k, v in rollout_args.items() if k in SAMPLING_SETTINGS}
         rollout = {"class_path": "rllight.rollout.worker.ProcessEngine",
                    "init_args": {"engine": rollout, "max_staleness": staleness, **sampling}}

@@ -47,7 +47,7 @@ class Entry:
     name: str
     """The name of the number (the first ``name=`` of the command's last line)."""
     command: str
-    """The command, exactly as docs/development/tools.md shows it (tests/test_tools.py checks)."""
+    """The command, exactly as docs/development/tools.md shows it (tests/tools/test_tools.py checks)."""
     tiny: tuple[str, ...]
     """Arguments for ``--tiny``: the smallest run, ``{model}`` standing for a tiny model folder, ``{out}`` for a
     scratch folder."""

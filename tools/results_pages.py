@@ -4,7 +4,7 @@
     .venv/bin/python tools/results_pages.py --check   # exit 1, naming the file, where either differs
 
 The records (``rllight.records``) are the only source of the numbers: edit a record by rerunning the command it
-names with ``--record``, then run this script. ``tests/test_results.py`` runs ``--check``.
+names with ``--record``, then run this script. ``tests/tools/test_results.py`` runs ``--check``.
 """
 
 from __future__ import annotations

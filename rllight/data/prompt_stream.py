@@ -33,3 +33,10 @@ class PromptStream:
             out.append(self.rows[self._order[position]])
             self.cursor += 1
         return out
+
+    def state_dict(self) -> dict[str, int]:
+        """The position: the order of every pass follows from it."""
+        return {"cursor": self.cursor}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.cursor = state.get("cursor", 0)

@@ -8,12 +8,12 @@ runs past the timeout or takes its worker process down gets reward 0 and counts 
 on their main thread, so ``math-verify``'s SIGALRM-based timeouts work there (they do not on a trainer's
 helper thread).
 
-The workers are fresh interpreters (``subprocess`` with ``sys.executable``, talking over
-``multiprocessing.connection`` pipes), never forks of the trainer, which holds torch threads. Unlike
-``multiprocessing``'s spawn and forkserver starts they do not re-import the trainer's ``__main__`` (under
-``rllight fit`` that is torch and Lightning: seconds and hundreds of MB per worker); they import
-``rllight.rewards`` and ``math-verify`` only, with the trainer's ``sys.path``. They start at the first
-``score`` and are reused; the reward is pickled once per ``score`` call and sent to a worker only when that
+The workers are fresh interpreters (``SupervisedProcess.interpreter`` of ``rllight.supervised``: a kill also ends
+what a hung reward started, and a worker ends with the trainer), never forks of the trainer, which holds torch
+threads. Unlike ``multiprocessing``'s spawn and forkserver starts they do not re-import the trainer's ``__main__``
+(under ``rllight fit`` that is torch and Lightning: seconds and hundreds of MB per worker); they import
+``rllight.rewards`` and ``math-verify`` only, with the trainer's ``sys.path``. They start at the first ``score``
+and are reused; the reward is pickled once per ``score`` call and sent to a worker only when that
 worker has not seen the same pickle.
 
 ``RewardRunner.preflight`` runs before training: the reward must give a few rows' reference answers their
@@ -26,12 +26,7 @@ import collections
 import hashlib
 import logging
 import math
-import os
 import pickle
-import signal
-import subprocess
-import sys
-import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -41,6 +36,7 @@ from typing import Self
 from rllight.errors import RecipeError
 from rllight.rewards.base import Reward, _finite_in_float32, _quote
 from rllight.rewards.combine import Weighted
+from rllight.supervised import ChildDied, SupervisedProcess, become_child
 
 log = logging.getLogger(__name__)
 
@@ -107,23 +103,19 @@ def _describe(err: BaseException) -> str:
 
 
 # --------------------------------------------------------------------------------------------- worker side
-def _serve(read_fd: int, write_fd: int) -> None:
+def _serve(connection: Connection) -> None:
     """A worker's main loop: load rewards, score one sample per message, until told to stop or the trainer's
     end of the pipe closes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it then stops us
-    inbox, outbox = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
-    os.set_inheritable(read_fd, False)  # a reward's own subprocesses must not hold our pipes open
-    os.set_inheritable(write_fd, False)
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    become_child()
     try:  # the built-in verifier's import (seconds) must not count against the first sample's timeout
         import math_verify  # noqa: F401
     except ImportError:
         pass
-    outbox.send(("ready",))
+    connection.send(("ready",))
     rewards: collections.OrderedDict[str, object] = collections.OrderedDict()
     while True:
         try:
-            message = inbox.recv()
+            message = connection.recv()
         except EOFError:
             return
         if message[0] == "reward":
@@ -131,53 +123,29 @@ def _serve(read_fd: int, write_fd: int) -> None:
             try:
                 rewards[key] = pickle.loads(blob)
                 error = None
-            except Exception as err:
+            except Exception as err:  # noqa: BLE001 - whatever failed, the trainer raises it as one line
                 error = _describe(err)
             while len(rewards) > _CACHED_REWARDS:
                 rewards.popitem(last=False)
-            outbox.send(("loaded", key, error))
+            connection.send(("loaded", key, error))
         elif message[0] == "score":
             _, key, index, response, answer = message
             try:
                 value, ok, parts = score_one(rewards[key], response, answer)
-                outbox.send(("done", index, value, ok, parts, None))
-            except Exception as err:  # counted by the trainer, like score_batch does in-process
-                outbox.send(("done", index, 0.0, False, None, _describe(err)))
+                connection.send(("done", index, value, ok, parts, None))
+            except Exception as err:  # noqa: BLE001 - counted by the trainer, like score_batch does in-process
+                connection.send(("done", index, 0.0, False, None, _describe(err)))
         else:
             return
 
 
-def _exit_with_parent(parent: int) -> None:
-    # A worker stuck in a reward never reads the pipe's end-of-file: leave when the trainer is gone.
-    while True:
-        time.sleep(1.0)
-        if os.getppid() != parent:
-            os._exit(0)
-
-
 # --------------------------------------------------------------------------------------------- trainer side
 class _Worker:
-    """One worker process and its two pipes; ``state`` is starting, idle, loading (a reward) or busy (a
-    sample)."""
+    """One worker process (``child``) and where it is in the pool: ``state`` is starting, idle, loading (a
+    reward) or busy (a sample), until ``deadline``."""
 
     def __init__(self):
-        to_child_r, to_child_w = os.pipe()
-        from_child_r, from_child_w = os.pipe()
-        code = (f"import sys; sys.path[:] = {list(sys.path)!r}; "
-                f"from rllight.rewards.runner import _serve; _serve({to_child_r}, {from_child_w})")
-        try:
-            # A session of its own: Ctrl-C in a terminal reaches only the trainer, and killing the group
-            # also ends whatever a hung reward started.
-            self.process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL,
-                                            pass_fds=(to_child_r, from_child_w), start_new_session=True)
-        except BaseException:
-            for fd in (to_child_r, to_child_w, from_child_r, from_child_w):
-                os.close(fd)
-            raise
-        os.close(to_child_r)
-        os.close(from_child_w)
-        self.inbox = Connection(to_child_w, readable=False)
-        self.outbox = Connection(from_child_r, writable=False)
+        self.child = SupervisedProcess.interpreter("rllight.rewards.runner:_serve", name="a reward worker process")
         self.state = "starting"
         self.deadline = time.monotonic() + _START_TIMEOUT
         self.loaded: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -186,37 +154,15 @@ class _Worker:
         self.index: int | None = None
 
     def send(self, message: tuple, state: str, seconds: float) -> None:
-        self.inbox.send(message)
+        """Send ``message`` and expect the answer within ``seconds`` (``ChildDied`` if the worker is gone)."""
+        self.child.send(message)
         self.state, self.deadline = state, time.monotonic() + seconds
-
-    def kill(self) -> int | None:
-        """Kill the worker (and anything it started); returns its exit code."""
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            code = self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            code = None
-        self.inbox.close()
-        self.outbox.close()
-        return code
-
-    def stop(self) -> None:
-        """Ask an idle worker to leave, then make sure it has."""
-        try:
-            self.inbox.send(("stop",))
-            self.process.wait(timeout=2)
-        except (OSError, subprocess.TimeoutExpired):
-            pass
-        self.kill()
 
 
 def _stop_all(workers: list[_Worker]) -> None:
     while workers:
         worker = workers.pop()
-        worker.stop() if worker.state == "idle" else worker.kill()
+        worker.child.stop(grace_seconds=2.0) if worker.state == "idle" else worker.child.kill()
 
 
 class RewardRunner:
@@ -281,7 +227,7 @@ class RewardRunner:
             for i, (response, answer) in enumerate(zip(responses, answers)):
                 try:
                     self._record(result, i, *score_one(reward, response, answer), None, reward)
-                except Exception as err:  # a user's verifier must not stop the run; the failure is counted
+                except Exception as err:  # noqa: BLE001 - a user's verifier must not stop the run; it is counted
                     self._record(result, i, 0.0, False, None, _describe(err), reward)
             return result
         if responses:
@@ -292,14 +238,14 @@ class RewardRunner:
                 # next one with stale results.
                 for worker in [w for w in self._pool if w.state != "idle"]:
                     self._pool.remove(worker)
-                    worker.kill()
+                    worker.child.kill()
                 raise
         return result
 
     def _score_in_workers(self, reward, responses: list[str], answers: list[str], result: RewardScores) -> None:
         try:
             blob = pickle.dumps(reward)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - whatever failed, it is raised as one line
             raise RecipeError(f"model.reward: {type(reward).__name__} cannot be sent to reward worker processes "
                               f"({_describe(err)}); define it at the top level of an importable module, or "
                               "score in-process with workers: 0") from None
@@ -320,27 +266,28 @@ class RewardRunner:
                         i = pending.popleft()
                         worker.index = i
                         worker.send(("score", key, i, responses[i], answers[i]), "busy", self.timeout_seconds)
-                except OSError:  # it died while idle (e.g. the OOM killer): not this sample's fault
+                except ChildDied:  # it died while idle (e.g. the OOM killer): not this sample's fault
                     if worker.state == "idle" and worker.index is not None and key in worker.loaded:
                         pending.appendleft(worker.index)
                     self._pool.remove(worker)
-                    worker.kill()
+                    worker.child.kill()
             waiting = [w for w in self._pool if w.state != "idle"]
             if not waiting:
                 continue
-            ready = wait([w.outbox for w in waiting], max(0.0, min(w.deadline for w in waiting) - time.monotonic()))
+            ready = wait([w.child.connection for w in waiting],
+                         max(0.0, min(w.deadline for w in waiting) - time.monotonic()))
             for worker in waiting:
-                if worker.outbox in ready:
+                if worker.child.connection in ready:
                     self._receive(worker, reward, result)
                 elif time.monotonic() >= worker.deadline:
                     self._expire(worker, reward, result)
 
     def _receive(self, worker: _Worker, reward, result: RewardScores) -> None:
         try:
-            message = worker.outbox.recv()
-        except (EOFError, OSError):  # the process is gone: os._exit, a signal, the OOM killer
+            message = worker.child.receive(0.0, "answer")  # ready: it answered or its end closed
+        except ChildDied:  # the process is gone: os._exit, a signal, the OOM killer
             self._pool.remove(worker)
-            code = worker.kill()
+            code = worker.child.kill()
             if worker.state != "busy":
                 raise RuntimeError(f"a reward worker process exited with code {code} while "
                                    f"{'starting' if worker.state == 'starting' else 'loading the reward'}; "
@@ -368,7 +315,7 @@ class RewardRunner:
 
     def _expire(self, worker: _Worker, reward, result: RewardScores) -> None:
         self._pool.remove(worker)
-        worker.kill()
+        worker.child.kill()
         if worker.state != "busy":
             raise RuntimeError(f"a reward worker process did not finish "
                                f"{'starting' if worker.state == 'starting' else 'loading the reward'} within "

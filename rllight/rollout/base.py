@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -123,7 +124,7 @@ class RolloutEngine:
 
     syncs_merged_weights = False
     """The engine holds weights of its own, filled from the policy's full state dict with LoRA adapters merged
-    (``rllight.rollout.vllm.full_state_dict``), rather than generating with the policy or a copy of it."""
+    (``rllight.rollout.weights.full_state_dict``), rather than generating with the policy or a copy of it."""
 
     def __init__(self, max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0):
         key = "model.rollout.init_args"
@@ -180,6 +181,24 @@ class RolloutEngine:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore ``state_dict()``."""
+
+
+def outer_or_inner_sampling(inner: RolloutEngine, given: dict, key: str) -> dict:
+    """The sampling settings of an engine that runs ``inner`` (``ProcessEngine``), from those ``given`` to it (None:
+    not given) and the inner engine's own: for each, the one that differs from every engine's default (64 tokens,
+    temperature 1.0, top_p 1.0, top_k 0), since a default cannot be told from a value left out. Two values that both
+    differ from the default and from each other are refused in one line naming ``key`` (the outer engine's
+    ``init_args``)."""
+    defaults = inspect.signature(RolloutEngine).parameters
+    settings = {}
+    for name, value in given.items():
+        own, default = getattr(inner, name), defaults[name].default
+        if value is not None and value != own and default not in (value, own):
+            raise RecipeError(f"{key}.{name}={value} and {key}.engine.init_args.{name}={own} disagree (the first is "
+                              "usually the recipe's, kept when an overlay switched the engine to ProcessEngine); give "
+                              "it in one place, or the same value in both")
+        settings[name] = own if value is None or value == default else value
+    return settings
 
 
 def pad_left(sequences: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:

@@ -11,8 +11,8 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from rllight._compat import return_free_memory
-from rllight.errors import RecipeError
 from rllight.dtensor import full_tensor
+from rllight.errors import RecipeError
 from rllight.precision import AUTO, DTYPES, Float32Head, cpu_bf16
 from rllight.rollout.base import (
     Generation,
@@ -21,8 +21,8 @@ from rllight.rollout.base import (
     distinct_prompts,
     pad_left,
     position_ids,
-    seeded,
     response_mask_from_ids,
+    seeded,
 )
 
 log = logging.getLogger(__name__)

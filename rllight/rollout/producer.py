@@ -22,6 +22,7 @@ from rllight.envs.base import Environment
 from rllight.envs.guard import EpisodeFailed, EpisodeGuard
 from rllight.errors import ComponentError, RecipeError
 from rllight.rewards import Reward, RewardRunner, by_source, score_batch
+from rllight.rollout.ahead import steps_ahead
 from rllight.rollout.base import RolloutEngine, Sampling, malformed
 from rllight.rollout.episodes import ChatTurns, episodes_to_rollout, run_episodes
 from rllight.stopping import end_after_step
@@ -401,22 +402,28 @@ class RolloutProducer:
         self.failed_reward_steps = state.get("failed_reward_steps", 0)
 
 
-def prefetch_ahead(trainer, sampler, producer: RolloutProducer, updates_per_step: int, prefetched_through: int) -> int:
+def prefetch_ahead(sampler, producer: RolloutProducer, updates_per_step: int, prefetched_through: int,
+                   upcoming_batches: Callable[[int, int], list[list[dict]]] | None, current: int,
+                   updates_left: int | None) -> int:
     """Asynchronous rollouts (an engine with ``max_staleness`` k > 0): ask the engine now for the rollouts of the
     next ``k // updates_per_step`` training batches, generated with the weights as they are before this step's
     update, so that no response is more than k updates old when its step trains on it; not past the run's
-    ``max_steps``, nor again for a batch asked for before (through ``prefetched_through``). Under DDP each rank
-    asks its own engine for its own share of the batches. Returns the last batch asked for."""
-    ahead = getattr(producer.engine, "max_staleness", 0) // max(updates_per_step, 1)
-    datamodule = trainer.datamodule
-    if ahead < 1 or not hasattr(datamodule, "upcoming_batches"):
+    end, nor again for a batch asked for before (through ``prefetched_through``). Under DDP each rank asks its
+    own engine for its own share of the batches. Returns the last batch asked for.
+
+    Args:
+        upcoming_batches: ``(first, count)`` -> the rows of this process's training batches ``first ..
+            first + count - 1`` (``RLDataModule.upcoming_batches``); None = nothing can be sent ahead.
+        current: The index of this step's training batch (counted from the run's first).
+        updates_left: Policy updates the run makes from this step on, this step's included (None = no end).
+    """
+    ahead = steps_ahead(getattr(producer.engine, "max_staleness", 0), updates_per_step)
+    if ahead < 1 or upcoming_batches is None:
         return prefetched_through
-    current = datamodule.batches_trained  # this step's batch
-    max_steps = trainer.max_steps
-    if max_steps is not None and max_steps >= 0:  # batches still trained on after this one
-        ahead = min(ahead, max(0, math.ceil((max_steps - trainer.global_step) / max(updates_per_step, 1)) - 1))
+    if updates_left is not None:  # batches still trained on after this one
+        ahead = min(ahead, max(0, math.ceil(updates_left / max(updates_per_step, 1)) - 1))
     first = max(current + 1, prefetched_through + 1)
-    upcoming = datamodule.upcoming_batches(first, current + ahead + 1 - first)  # this process's share
+    upcoming = upcoming_batches(first, current + ahead + 1 - first)  # this process's share
     for index, rows in enumerate(upcoming, start=first):
         sampler.prefetch(producer, rows)
         prefetched_through = index

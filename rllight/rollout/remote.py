@@ -68,9 +68,11 @@ import torch
 from rllight.distributed import process_rank_and_world
 from rllight.dtensor import is_dtensor
 from rllight.errors import ComponentError, RecipeError
+from rllight.rollout.ahead import SentAhead
 from rllight.rollout.base import Generation, RolloutEngine, Sampling, request_key
 from rllight.rollout.hf import eos_token_ids
-from rllight.rollout.vllm import GatheredState, full_state_dict, generation_from_samples
+from rllight.rollout.samples import generation_from_samples
+from rllight.rollout.weights import GatheredState, full_state_dict
 from rllight.stopping import call_stoppable, wait_stoppable
 
 log = logging.getLogger(__name__)
@@ -107,11 +109,8 @@ class VLLMServerEngine(RolloutEngine):
             raise RecipeError(f"{key}.timeout_seconds must be > 0, got {timeout_seconds}")
         if weights_dir is not None and os.path.exists(weights_dir) and not os.path.isdir(weights_dir):
             raise RecipeError(f"{key}.weights_dir {weights_dir!r} is a file; name a folder the server can read")
-        if max_staleness < 0:
-            raise RecipeError(f"{key}.max_staleness must be >= 0 (0 = synchronous), got {max_staleness}")
-        if max_staleness and sync_every != 1:
-            raise RecipeError(f"{key}: max_staleness={max_staleness} with sync_every={sync_every}; asynchronous "
-                              "rollouts push the weights with the next request, so leave sync_every at 1")
+        self._ahead = SentAhead(max_staleness, key)  # (request key, version, future of the answer), oldest first
+        self._ahead.check_sync_every(sync_every, key)
         self.max_staleness = max_staleness
         self.url = url.rstrip("/")
         self.weights_dir = weights_dir
@@ -123,14 +122,12 @@ class VLLMServerEngine(RolloutEngine):
         self._checked_logprobs = False
         self._sync_time = 0.0
         self._pool: ThreadPoolExecutor | None = None
-        self._ahead: list[tuple[tuple, int, Future]] = []  # (request key, version, answer), oldest first
-        self._discarded = 0
         self._requests = 0  # completions requested by this process (its part of each request's tag)
         self.last_request_id: str | None = None  # the server's id of the last completion, e.g. cmpl-rllight-rank1-7-...
 
     def __getstate__(self) -> dict:  # copies (checkpoints, deep copies) carry the settings, not the threads
         state = dict(self.__dict__)
-        state.update(_pool=None, _ahead=[])
+        state.update(_pool=None, _ahead=SentAhead(self.max_staleness))
         return state
 
     # ------------------------------------------------------------------------------- HTTP
@@ -330,8 +327,8 @@ class VLLMServerEngine(RolloutEngine):
     def _current(self, model: torch.nn.Module) -> None:
         """Push the trainer's weights if the server's are older, once no request is in flight."""
         if self._version is None or self._version != self._updates:
-            for _, _, future in self._ahead:
-                self._wait(future)  # done, one way or the other
+            for sent in self._ahead.entries:
+                self._wait(sent.handle)  # done, one way or the other
             self._push(model)
 
     def prefetch(self, model, tokenizer, prompts: list[list[int]], sampling: Sampling) -> None:
@@ -343,7 +340,7 @@ class VLLMServerEngine(RolloutEngine):
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rllight-vllm-server")
         future = self._pool.submit(self._answer, prompts, sampling, eos_token_ids(model, tokenizer))
-        self._ahead.append((request_key(prompts, sampling), self._version, future))
+        self._ahead.add(request_key(prompts, sampling), self._version, future)
 
     def _wait(self, future: Future) -> Future:
         """``future`` once done, waited for in short slices (a stop is honoured within seconds); a generation
@@ -355,41 +352,27 @@ class VLLMServerEngine(RolloutEngine):
                                  f"ahead within 3 x timeout_seconds={self.timeout_seconds:g}; check that it runs")
         return future
 
-    def _collect(self, key: tuple) -> tuple[tuple[list[dict], float], int] | None:
-        """The oldest answer sent ahead for ``key`` if it is at most ``max_staleness`` versions old (older
-        entries, for steps already past, are dropped)."""
-        index = next((i for i, (k, _, _) in enumerate(self._ahead) if k == key), None)
-        if index is None:
-            return None
-        _, version, future = self._ahead[index]
-        del self._ahead[: index + 1]
-        answer = self._wait(future).result()
-        if self._updates - version > self.max_staleness:
-            self._discarded += 1
-            return None
-        return answer, version
-
     def state_dict(self) -> dict:
         """The update count and, when asynchronous, the answers sent ahead (waited for)."""
-        ahead = [(key, version, self._wait(future).result()) for key, version, future in self._ahead]
-        return {"updates": self._updates, "ahead": ahead}
+        return {"updates": self._updates, "ahead": self._ahead.answers(lambda sent: self._wait(sent.handle).result())}
 
     def load_state_dict(self, state: dict) -> None:
         self._updates = state.get("updates", self._updates)
         for key, version, answer in state.get("ahead", []):
             future: Future = Future()
             future.set_result(tuple(answer))
-            self._ahead.append((tuple(key), version, future))
+            self._ahead.add(key, version, future)
 
     def generate(self, model, tokenizer, prompts: list[list[int]], sampling: Sampling) -> Generation:
-        found = self._collect(request_key(prompts, sampling)) if self.max_staleness else None
+        found = (self._ahead.claim(request_key(prompts, sampling), self._updates,
+                                   lambda sent: self._wait(sent.handle).result()) if self.max_staleness else None)
         if found is None:
             if self._version is None or self.max_staleness:  # synchronous: pushes come with update_weights
                 self._current(model)
             version = self._version
             choices, elapsed = self._answer(prompts, sampling, eos_token_ids(model, tokenizer))
         else:
-            (choices, elapsed), version = found
+            version, (choices, elapsed) = found[0].version, found[1]
         gen = generation_from_samples(
             prompts, [c["token_ids"] for c in choices], [c["logprobs"]["token_logprobs"] for c in choices],
             [c["finish_reason"] == "length" for c in choices], tokenizer.pad_token_id,
@@ -405,8 +388,8 @@ class VLLMServerEngine(RolloutEngine):
                              "rollout/sync_time": self._sync_time}
         if self.max_staleness:
             self.last_metrics.update({"rollout/generated_ahead": float(found is not None),
-                                      "rollout/stale_discarded": float(self._discarded)})
-        self._sync_time, self._discarded = 0.0, 0
+                                      "rollout/stale_discarded": float(self._ahead.pop_discarded())})
+        self._sync_time = 0.0
         return gen
 
 

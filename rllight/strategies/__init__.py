@@ -2,10 +2,25 @@
 hyper-parameters (its docstring is the CLI help); ``__call__`` delegates to ``rllight.algorithms``.
 Subclass any base class in your own module and name it in a recipe; nothing here needs editing.
 
+One file per kind, named after the recipe key it fills; every class is exported here, which is the ``class_path``
+a recipe names (``rllight.strategies.GroupRelative``):
+
+- ``advantages.py``, advantage estimators (``model.advantage``): ``AdvantageEstimator``, ``GAE``, ``DecoupledGAE``,
+  ``PromptBaseline``, ``GroupRelative``, ``RLOO``, ``ReMax``, ``ReinforcePP``;
+- ``lambdas.py``, lambda schedules (``DecoupledGAE``'s ``policy_lambda``): ``LambdaSchedule``, ``FixedLambda``,
+  ``AdaptiveLambda``, ``VAPOLambda``;
+- ``policy_losses.py``, policy losses (``model.policy_loss``): ``PolicyLoss``, ``ClippedSurrogate``, ``CISPO``,
+  ``VESPO``, ``SequenceClippedSurrogate``, ``GSPO``;
+- ``loss_wrappers.py``, policy losses that wrap one of those: ``TruncatedIS``, ``MaskedIS``, ``PositiveExampleNLL``;
+- ``aggregations.py``, aggregations (``model.aggregation``): ``Aggregation``, ``TokenMean``, ``SeqMeanTokenMean``,
+  ``SeqMeanTokenSum``, ``SeqMeanTokenSumNorm``;
+- ``samplers.py``, samplers (``model.sampler``): ``Sampler``, ``GroupSampler``, ``ReMaxSampler``, ``DynamicSampling``;
+- ``kl.py``, the KL penalty (``model.kl``): ``KLPenalty``.
+
 A method is a recipe, not a class. What the recipe of each method (``recipes/<recipe>.yaml``) composes: its
 advantage + policy loss + aggregation + sampler, then a critic (``critics.``: ``rllight.critics``), rollout callbacks
 (``callbacks.``: ``rllight.callbacks``, in ``trainer.callbacks``) or a KL penalty (``model.kl``) where it has one. The
-settings shown are those that make the method (the recipe sets more); ``tests/test_strategies_table.py`` checks each
+settings shown are those that make the method (the recipe sets more); ``tests/strategies/test_strategies_table.py`` checks each
 row against its recipe.
 
 ```text
@@ -33,63 +48,66 @@ CISPO        2506.13585   cispo          GroupRelative + CISPO(clip_low=None, cl
 ```
 """
 
-from rllight.strategies.advantages import GAE, AdvantageEstimator, GroupRelative
-from rllight.strategies.losses import (
+from rllight.strategies.advantages import (
+    GAE,
+    RLOO,
+    AdvantageEstimator,
+    DecoupledGAE,
+    GroupRelative,
+    PromptBaseline,
+    ReinforcePP,
+    ReMax,
+)
+from rllight.strategies.aggregations import (
     Aggregation,
-    ClippedSurrogate,
-    KLPenalty,
-    PolicyLoss,
     SeqMeanTokenMean,
     SeqMeanTokenSum,
     SeqMeanTokenSumNorm,
     TokenMean,
 )
-from rllight.strategies.samplers import GroupSampler, Sampler
+from rllight.strategies.kl import KLPenalty
+from rllight.strategies.lambdas import AdaptiveLambda, FixedLambda, LambdaSchedule, VAPOLambda
+from rllight.strategies.loss_wrappers import MaskedIS, PositiveExampleNLL, TruncatedIS
+from rllight.strategies.policy_losses import (
+    CISPO,
+    GSPO,
+    VESPO,
+    ClippedSurrogate,
+    PolicyLoss,
+    SequenceClippedSurrogate,
+)
+from rllight.strategies.samplers import DynamicSampling, GroupSampler, ReMaxSampler, Sampler
 
 __all__ = [
+    "CISPO",
     "GAE",
+    "GSPO",
+    "RLOO",
+    "VESPO",
+    "AdaptiveLambda",
     "AdvantageEstimator",
     "Aggregation",
     "ClippedSurrogate",
+    "DecoupledGAE",
+    "DynamicSampling",
+    "FixedLambda",
     "GroupRelative",
     "GroupSampler",
     "KLPenalty",
+    "LambdaSchedule",
+    "MaskedIS",
     "PolicyLoss",
+    "PositiveExampleNLL",
+    "PromptBaseline",
+    "ReMax",
+    "ReMaxSampler",
+    "ReinforcePP",
     "Sampler",
     "SeqMeanTokenMean",
     "SeqMeanTokenSum",
     "SeqMeanTokenSumNorm",
-    "TokenMean",
-]
-
-from rllight.strategies.baselines import (  # noqa: E402
-    CISPO, GSPO, RLOO, MaskedIS, ReinforcePP, ReMax, ReMaxSampler, TruncatedIS)
-from rllight.strategies.sppo import PromptBaseline, SequenceClippedSurrogate  # noqa: E402
-from rllight.strategies.vespo import VESPO  # noqa: E402
-
-__all__ += [
-    "CISPO",
-    "GSPO",
-    "PromptBaseline",
-    "RLOO",
-    "ReMax",
-    "ReMaxSampler",
-    "ReinforcePP",
     "SequenceClippedSurrogate",
+    "TokenMean",
     "TruncatedIS",
-    "MaskedIS",
-    "VESPO",
+    "VAPOLambda",
 ]
-
-from rllight.strategies.dapo import DynamicSampling  # noqa: E402
-from rllight.strategies.vapo import (  # noqa: E402
-    AdaptiveLambda,
-    DecoupledGAE,
-    FixedLambda,
-    LambdaSchedule,
-    PositiveExampleNLL,
-    VAPOLambda,
-)
-
-__all__ += ["AdaptiveLambda", "DecoupledGAE", "DynamicSampling", "FixedLambda", "LambdaSchedule", "PositiveExampleNLL",
-            "VAPOLambda"]

@@ -1,12 +1,28 @@
-"""Advantage estimators: each maps a scored Rollout to ``(advantages, returns)``, both (B, T)."""
+"""Advantage estimators (``model.advantage``): each maps a scored Rollout to ``(advantages, returns)``, both (B, T);
+``returns`` are the critic's value targets (None without a critic).
+
+- With a critic: ``GAE`` (PPO), ``DecoupledGAE`` (VC-PPO / VAPO: its policy lambda is a schedule of
+  ``rllight.strategies.lambdas``), ``PromptBaseline`` (SPPO: a prompt-level critic).
+- From the rewards alone: ``GroupRelative`` (GRPO, Dr. GRPO), ``RLOO``, ``ReMax`` (with ``ReMaxSampler``'s greedy
+  rewards), ``ReinforcePP`` (REINFORCE++: discounted token rewards).
+"""
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
-from rllight.algorithms import gae, group_relative, masked_whiten
+from rllight._compat import lazy_default
+from rllight.algorithms import gae, group_relative, masked_whiten, reinforce_pp, remax, rloo
 from rllight.errors import RecipeError
+from rllight.strategies.lambdas import AdaptiveLambda, LambdaSchedule
+from rllight.strategies.samplers import GREEDY_REWARDS
 from rllight.types import Rollout
+
+__all__ = ["GAE", "RLOO", "AdvantageEstimator", "DecoupledGAE", "GroupRelative", "PromptBaseline", "ReMax",
+           "ReinforcePP"]
+
+_NORMALIZE = ("none", "batch_std", "bernoulli")  # PromptBaseline's sigma
 
 
 class AdvantageEstimator:
@@ -32,6 +48,10 @@ class AdvantageEstimator:
     def __call__(self, rollout: Rollout) -> tuple[Tensor, Tensor | None]:
         """``(advantages (B, T), returns (B, T) or None)``, zero outside ``rollout.response_mask``."""
         raise NotImplementedError
+
+
+def _broadcast(adv: Tensor, rollout: Rollout) -> Tensor:
+    return adv.unsqueeze(-1) * rollout.response_mask.to(adv.dtype)
 
 
 class GAE(AdvantageEstimator):
@@ -64,6 +84,109 @@ class GAE(AdvantageEstimator):
         return advantages, returns
 
 
+class DecoupledGAE(AdvantageEstimator):
+    """GAE with separate lambdas for the policy and the value targets (decoupled GAE of VC-PPO,
+    arXiv:2503.01491, used by VAPO, arXiv:2504.05118).
+
+    Policy advantages: ``gae(token_rewards, values, lam = policy_lambda(L))``, optionally whitened.
+    Value targets (``returns``): ``gae(..., lam = value_lam) + values``; with ``gamma = value_lam = 1``
+    they are the Monte-Carlo returns ``G_t``, so the critic is fitted without bootstrapping on itself.
+    ``value_lam: null`` couples them again (targets use the policy's lambda, as plain PPO).
+
+    The update order of note 000 (K_v critic optimizer steps on the fresh rollout, then values and advantages
+    recomputed with the updated critic, then the policy update) is ``model.critic_steps_first``.
+
+    Lambda statistics go to ``rollout.extras`` as ``advantage/lambda_{mean,min,max}``.
+
+    Args:
+        policy_lambda: The policy's lambda, one per sequence (``AdaptiveLambda``, ``VAPOLambda``) or
+            ``FixedLambda``.
+        value_lam: Lambda of the value targets (1.0 = Monte-Carlo; null = the policy's lambda).
+        gamma: Discount (1.0 for outcome rewards).
+        whiten: Normalise advantages over the batch's valid tokens.
+    """
+
+    needs_values = True
+    uses_token_rewards = True
+
+    def __init__(self, policy_lambda: LambdaSchedule = lazy_default(AdaptiveLambda), value_lam: float | None = 1.0,
+                 gamma: float = 1.0, whiten: bool = True):
+        if value_lam is not None and not 0.0 <= value_lam <= 1.0:
+            raise RecipeError(f"model.advantage.value_lam must be in [0, 1] or null, got {value_lam}")
+        if not 0.0 <= gamma <= 1.0:
+            raise RecipeError(f"model.advantage.gamma must be in [0, 1], got {gamma}")
+        self.policy_lambda = policy_lambda
+        self.value_lam = value_lam
+        self.gamma = gamma
+        self.whiten = whiten
+
+    def __call__(self, rollout: Rollout) -> tuple[Tensor, Tensor]:
+        if rollout.values is None or rollout.values.dim() != 2:
+            raise RecipeError("model.advantage: DecoupledGAE needs token-level values; set model.critic (e.g. "
+                              "rllight.critics.ValueHead)")
+        lengths = rollout.response_lengths
+        self.policy_lambda.total = self.total  # a schedule's batch statistics are the global batch's
+        lam = self.policy_lambda(lengths)
+        advantages, returns = gae(rollout.token_rewards, rollout.values, rollout.response_mask, self.gamma, lam)
+        if self.value_lam is not None:
+            _, returns = gae(rollout.token_rewards, rollout.values, rollout.response_mask, self.gamma, self.value_lam)
+        if self.whiten:
+            advantages = masked_whiten(advantages, rollout.response_mask, total=self.total)
+        lam_t = lam if isinstance(lam, Tensor) else torch.full_like(lengths, lam, dtype=torch.float32)
+        if lam_t.numel():
+            rollout.extras.update({"advantage/lambda_mean": float(lam_t.float().mean()),
+                                   "advantage/lambda_min": float(lam_t.min()),
+                                   "advantage/lambda_max": float(lam_t.max())})
+        return advantages, returns
+
+
+class PromptBaseline(AdvantageEstimator):
+    """SPPO's sequence-level advantage (Wang et al., arXiv:2604.08865) ``A = (R - V(prompt)) / sigma``, broadcast
+    over every response token. ``V`` comes from a prompt-level critic (``rllight.critics.PromptCritic``, values (B,)).
+
+    ``sigma`` by ``normalize``:
+        ``none``: 1 (the note's simplified form, ``A = R - V``);
+        ``batch_std``: the std of ``R - V`` over the rollout (unbiased), plus ``eps``;
+        ``bernoulli``: ``sqrt(V (1 - V))``, the std of a Bernoulli outcome of success probability V;
+        it is floored at ``min_sigma`` so that a confident critic cannot blow the advantage up (the
+        floor is ours, not the paper's).
+
+    Returns no value targets: the critic is fitted to the rewards themselves. Reads the outcome reward
+    only, so a KL penalty belongs in the loss (``model.kl.in_reward: false``).
+
+    Args:
+        normalize: none, batch_std or bernoulli.
+        min_sigma: Floor of the Bernoulli sigma.
+        eps: Added to the batch std.
+    """
+
+    needs_values = True
+
+    def __init__(self, normalize: str = "none", min_sigma: float = 0.05, eps: float = 1e-6):
+        if normalize not in _NORMALIZE:
+            raise RecipeError(f"model.advantage.normalize: '{normalize}' is not one of {', '.join(_NORMALIZE)}")
+        if min_sigma <= 0:
+            raise RecipeError(f"model.advantage.min_sigma must be > 0, got {min_sigma}")
+        self.normalize = normalize
+        self.min_sigma = min_sigma
+        self.eps = eps
+
+    def __call__(self, rollout: Rollout) -> tuple[Tensor, None]:
+        values = rollout.values
+        if values is None or values.dim() != 1:
+            raise RecipeError("model.critic: PromptBaseline needs a prompt-level critic with one value per response "
+                              "(class_path: rllight.critics.PromptCritic)")
+        adv = rollout.rewards.to(values.dtype) - values
+        if self.normalize == "batch_std":
+            total = self.total or (lambda t: t)  # the global batch's standard deviation
+            n, s1, s2 = total(torch.stack([adv.new_tensor(float(adv.numel())), adv.sum(), (adv * adv).sum()]))
+            std = ((s2 - s1 * s1 / n.clamp(min=1)) / (n - 1).clamp(min=1)).clamp(min=0).sqrt() if n > 1 else n * 0
+            adv = adv / (std + self.eps)
+        elif self.normalize == "bernoulli":
+            adv = adv / torch.sqrt(values * (1.0 - values)).clamp(min=self.min_sigma)
+        return adv.unsqueeze(-1) * rollout.response_mask.to(adv.dtype), None
+
+
 class GroupRelative(AdvantageEstimator):
     """GRPO's group-relative advantage (arXiv:2402.03300), or Dr. GRPO's (arXiv:2503.20783) with
     ``scale_by_std: false``, broadcast to every token of the response.
@@ -82,3 +205,49 @@ class GroupRelative(AdvantageEstimator):
     def __call__(self, rollout: Rollout) -> tuple[Tensor, None]:
         adv = group_relative(rollout.rewards, rollout.group_ids, self.scale_by_std, self.eps)
         return adv.unsqueeze(-1) * rollout.response_mask.to(adv.dtype), None
+
+
+class RLOO(AdvantageEstimator):
+    """REINFORCE leave-one-out (Ahmadian et al., arXiv:2402.14740): the baseline of a response is the
+    mean reward of the other responses to its prompt, ``A_i = R_i - mean_{j != i} R_j``, broadcast to
+    every token. Needs ``group_size >= 2``; a group of one gets A = 0. Reads the outcome reward only: a KL
+    penalty belongs in the loss (``model.kl.in_reward: false``) with this estimator."""
+
+    min_group_size = 2
+
+    def __call__(self, rollout: Rollout) -> tuple[Tensor, None]:
+        return _broadcast(rloo(rollout.rewards, rollout.group_ids), rollout), None
+
+
+class ReMax(AdvantageEstimator):
+    """ReMax (Li et al., arXiv:2310.10505): ``A_i = R_i - R(greedy response to the same prompt)``,
+    broadcast to every token. Needs ``model.sampler: rllight.strategies.ReMaxSampler``, which generates
+    and scores the greedy responses. Reads the outcome rewards only (put a KL penalty in the loss)."""
+
+    def __call__(self, rollout: Rollout) -> tuple[Tensor, None]:
+        if GREEDY_REWARDS not in rollout.extras:
+            raise RecipeError("model.advantage: ReMax needs the greedy rewards; set model.sampler to "
+                              "rllight.strategies.ReMaxSampler")
+        return _broadcast(remax(rollout.rewards, rollout.extras[GREEDY_REWARDS]), rollout), None
+
+
+class ReinforcePP(AdvantageEstimator):
+    """REINFORCE++ (Hu et al., arXiv:2501.03262): discounted returns of the token rewards, whitened over
+    the batch. The token rewards hold the outcome on the last token and, with
+    ``model.kl: {in_reward: true}``, the KL penalty on every token: that is how REINFORCE++ uses KL.
+    Returns no value targets (no critic).
+
+    Args:
+        gamma: Discount (1.0 in the paper).
+    """
+
+    uses_token_rewards = True
+
+    def __init__(self, gamma: float = 1.0):
+        if not 0 < gamma <= 1:
+            raise RecipeError(f"model.advantage.gamma must be in (0, 1], got {gamma}")
+        self.gamma = gamma
+
+    def __call__(self, rollout: Rollout) -> tuple[Tensor, None]:
+        advantages, _ = reinforce_pp(rollout.token_rewards, rollout.response_mask, self.gamma, total=self.total)
+        return advantages, None

@@ -1,14 +1,30 @@
-"""Samplers decide which responses make up a rollout."""
+"""Samplers (``model.sampler``) decide which responses make up a rollout: ``GroupSampler`` (G responses per prompt),
+``ReMaxSampler`` (and one greedy response per prompt, for ``ReMax``), ``DynamicSampling`` (DAPO: over-sample and keep
+the groups with mixed outcomes)."""
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
+import torch
+
+from rllight.algorithms.batching import first_in_rank_order
+from rllight.algorithms.shaping import mixed_groups
+from rllight.distributed import share
 from rllight.errors import RecipeError
 from rllight.types import Rollout
 
 if TYPE_CHECKING:
     from rllight.rollout.producer import RolloutProducer
+
+__all__ = ["DynamicSampling", "GroupSampler", "ReMaxSampler", "Sampler"]
+
+log = logging.getLogger(__name__)
+
+
+GREEDY_REWARDS = "greedy_rewards"
+"""Key in ``rollout.extras`` of the (B,) rewards of the greedy response to each row's prompt."""
 
 
 class Sampler:
@@ -45,3 +61,158 @@ class GroupSampler(Sampler):
 
     def __call__(self, producer: RolloutProducer, rows: list[dict]) -> Rollout:
         return producer.sample(rows, self.group_size)
+
+
+class ReMaxSampler(Sampler):
+    """ReMax's rollout (Li et al., arXiv:2310.10505): ``group_size`` sampled responses per prompt, plus
+    one greedy response per prompt that is scored but not trained on; its reward is stored per row in
+    ``rollout.extras["greedy_rewards"]`` (B,) for ``ReMax``. Logs ``reward/greedy_mean``.
+
+    Args:
+        group_size: Sampled responses per prompt (ReMax uses 1).
+    """
+
+    def __init__(self, group_size: int = 1):
+        if group_size < 1:
+            raise RecipeError(f"model.sampler.init_args.group_size must be >= 1, got {group_size}")
+        self.group_size = group_size
+
+    def __call__(self, producer: RolloutProducer, rows: list[dict]) -> Rollout:
+        rollout = producer.sample(rows, self.group_size)
+        if len(rollout) == 0:
+            return rollout
+        greedy = producer.sample(rows, 1, greedy=True, training=False)  # dropped prompts counted above
+        if len(greedy) * self.group_size != len(rollout):  # both calls drop the same over-long prompts
+            raise RuntimeError(f"ReMaxSampler: {len(greedy)} greedy responses for {len(rollout)} samples")
+        rollout.extras[GREEDY_REWARDS] = greedy.rewards.repeat_interleave(self.group_size)
+        rollout.extras["reward/greedy_mean"] = greedy.rewards.mean()
+        # The greedy pass is part of the rollout's cost.
+        for key in ("time/rollout", "time/reward"):
+            rollout.extras[key] = rollout.extras.get(key, 0.0) + greedy.extras.get(key, 0.0)
+        return rollout
+
+
+_METRICS = ("reward", "correct")
+
+
+class DynamicSampling(Sampler):
+    """Over-sample and keep only groups with mixed outcomes (DAPO, arXiv:2503.14476, section 3.2).
+
+    Each round samples ``group_size`` responses for a set of prompts and drops every group whose
+    rewards are all equal (all right or all wrong: its group-relative advantage is zero). Rounds repeat
+    with fresh prompts from ``producer.more_prompts`` (the datamodule's stream) until ``target_groups``
+    mixed groups are kept (surplus mixed groups of the last round are dropped, as verl does) or
+    ``max_rounds`` rounds ran.
+    When the cap is hit the step trains on the mixed groups it has (possibly none: the module then
+    skips the update), logs a warning and sets ``sampling/cap_hit``.
+    On several processes the target is global and the first mixed groups in rank order are kept
+    (``rllight.algorithms.first_in_rank_order``), so the ranks keep different numbers; the module then deals
+    the kept groups evenly to the ranks before the update (``rllight.distributed.deal_rollout``), so a
+    rollout makes the updates its global sizes imply (``rllight.algorithms.minibatch_shares``).
+
+    With success rate p a group survives with probability ``a_G(p) = 1 - (1-p)^G - p^G``
+    (``rllight.algorithms.group_retention_probability``), so the cost per kept group is ``1 / a_G(p)``
+    groups; the metrics make that cost visible.
+
+    Metrics (``train/sampling/...``): ``groups_drawn``, ``groups_kept``, ``rounds``, ``cap_hit`` (0/1),
+    ``groups_short`` (mixed groups the step lacks against its target, over all processes),
+    ``retention`` (mixed / drawn), ``responses_drawn`` and ``generated_tokens`` (every generated
+    response token, discarded groups included).
+
+    Args:
+        group_size: G, responses per prompt (DAPO: 16).
+        target_groups: Mixed groups a step trains on (None = the number of prompts in the step's batch).
+        max_rounds: Cap on sampling rounds per step, the first included (verl's max_num_gen_batches).
+        prompts_per_round: Prompts drawn in each extra round (None = the step's batch size).
+        metric: What must vary inside a group: ``reward`` (the task reward, as ALGORITHMS.md states it)
+            or ``correct`` (the 0/1 accuracy, as DAPO's verl recipe filters on ``acc``).
+    """
+
+    def __init__(self, group_size: int = 16, target_groups: int | None = None, max_rounds: int = 10,
+                 prompts_per_round: int | None = None, metric: str = "reward"):
+        if group_size < 2:
+            raise RecipeError(f"model.sampler.init_args.group_size must be >= 2 for dynamic sampling (a group of "
+                              f"one is never mixed), got {group_size}")
+        if target_groups is not None and target_groups < 1:
+            raise RecipeError(f"model.sampler.init_args.target_groups must be >= 1 or null, got {target_groups}")
+        if max_rounds < 1:
+            raise RecipeError(f"model.sampler.init_args.max_rounds must be >= 1, got {max_rounds}")
+        if prompts_per_round is not None and prompts_per_round < 1:
+            raise RecipeError(
+                f"model.sampler.init_args.prompts_per_round must be >= 1 or null, got {prompts_per_round}"
+            )
+        if metric not in _METRICS:
+            raise RecipeError(f"model.sampler.init_args.metric must be one of {', '.join(_METRICS)}, got {metric!r}")
+        self.group_size = group_size
+        self.target_groups = target_groups
+        self.max_rounds = max_rounds
+        self.prompts_per_round = prompts_per_round
+        self.metric = metric
+
+    def __call__(self, producer: RolloutProducer, rows: list[dict]) -> Rollout:
+        ranks = producer.ranks
+        target = self.target_groups or len(rows) * ranks.world_size  # over all processes, as data.batch_size
+        per_round = len(rows)
+        if self.prompts_per_round is not None:
+            per_round = share(self.prompts_per_round, ranks.world_size, "model.sampler.init_args.prompts_per_round")
+        mixed_parts: list[tuple[Rollout, list[int]]] = []  # each round's rollout and its mixed groups
+        n_kept = n_drawn = n_mixed = responses = 0
+        tokens = 0.0
+        totals: dict[str, float] = {}  # the engine's per-call scalars (timings, failures): summed over rounds
+        rounds = 0
+        batch = rows
+        while rounds < self.max_rounds and n_kept < target:  # n_kept: over all processes, so they stop together
+            if rounds:
+                batch = producer.more_prompts(per_round)
+            part = producer.sample(batch, self.group_size)
+            rounds += 1
+            for key, value in part.extras.items():
+                if isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.dim() == 0):
+                    totals[key] = totals.get(key, 0.0) + float(value)
+            # producer.sample numbers groups 0..n-1 in every call: shift them so that groups of
+            # different rounds never share an id.
+            part.group_ids = part.group_ids + n_drawn
+            n_drawn += len(batch)
+            responses += len(part)
+            tokens += float(part.response_lengths.sum())
+            values = part.rewards if self.metric == "reward" else part.correct
+            ids = torch.unique(part.group_ids[mixed_groups(values, part.group_ids)]).tolist()  # in prompt order
+            n_mixed += len(ids)
+            mixed_parts.append((part, ids))
+            n_kept = int(ranks.sum(float(n_mixed)).item())
+        # The first `target` mixed groups over the processes are kept, the processes in rank order (a surplus of
+        # the last round is dropped, as verl does); the module then deals them evenly to the ranks (deal_rollout).
+        quota = first_in_rank_order([round(c) for c in ranks.gather(float(n_mixed))], target)[ranks.rank]
+        kept = self._first_groups(mixed_parts, quota)
+        n_kept = min(n_kept, target)
+        cap_hit = n_kept < target
+        if cap_hit:
+            log.warning("dynamic sampling: cap hit, %d of %d mixed groups after max_rounds=%d (%d groups drawn); "
+                        "training on the %d kept (if it recurs, raise max_rounds or the group size)", n_kept, target,
+                        self.max_rounds, n_drawn, n_kept)
+        rollout = Rollout.cat(kept, pad_id=producer.pad_id)
+        rollout.extras.update(totals)
+        rollout.extras.update({
+            "sampling/groups_drawn": float(n_drawn),
+            "sampling/groups_kept": float(quota),
+            "sampling/rounds": float(rounds),
+            "sampling/cap_hit": float(cap_hit),
+            "sampling/groups_short": float(target - n_kept),  # over all processes: the partial batch's gap
+            "sampling/retention": n_mixed / max(n_drawn, 1),
+            "sampling/responses_drawn": float(responses),
+            "sampling/generated_tokens": tokens,
+        })
+        return rollout
+
+    @staticmethod
+    def _first_groups(parts: list[tuple[Rollout, list[int]]], quota: int) -> list[Rollout]:
+        """The first ``quota`` mixed groups of the rounds' rollouts, in order (an empty rollout of the right shape
+        when there are none)."""
+        kept = []
+        for part, ids in parts:
+            ids = ids[:quota]
+            if ids:
+                keep = torch.isin(part.group_ids, torch.tensor(ids, device=part.group_ids.device))
+                kept.append(part.select(torch.nonzero(keep).squeeze(-1).cpu()))
+                quota -= len(ids)
+        return kept or [parts[-1][0].select([])]
