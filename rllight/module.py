@@ -23,7 +23,7 @@ from rllight.evaluation import EvalSettings, Evaluator
 from rllight.fsdp import gathered_policy, is_sharded, shard
 from rllight.models import HFModel, LoRA, disable_dropout
 from rllight.recipe_checks import check_recipe, check_sharding
-from rllight.rewards import IntegerMatch, Reward, RewardRunner, by_source, check_rows
+from rllight.rewards import BatchReward, IntegerMatch, Reward, RewardRunner, by_source, check_rows
 from rllight.rollout import HFEngine, RolloutEngine
 from rllight.rollout.metrics import critic_explained_variance, logprob_mismatch, rollout_metrics, scalar_extras
 from rllight.rollout.producer import RolloutProducer, prefetch_ahead
@@ -55,7 +55,7 @@ class RLModule(L.LightningModule):
         gradient_checkpointing: Recompute the policy's activations in the backward pass (less memory, more compute).
         rollout: Generation engine and sampling settings.
         sampler: Which responses form a rollout (e.g. G per prompt).
-        reward: Outcome reward of a response against the reference answer.
+        reward: Outcome reward of a response against the reference answer, or a ``BatchReward`` (a reward model).
         environment: Multi-turn episodes instead of one response per prompt (e.g. ``rllight.envs.Calculator``): the
             model's turns are trained, the environment's observations are context. None = one response per prompt.
         reward_runner: Where rewards are computed: worker processes with a per-sample timeout (a hanging or crashing
@@ -111,7 +111,7 @@ class RLModule(L.LightningModule):
         gradient_checkpointing: bool = False,
         rollout: RolloutEngine = lazy_default(HFEngine),
         sampler: Sampler = lazy_default(GroupSampler),
-        reward: Reward = lazy_default(IntegerMatch),
+        reward: Reward | BatchReward = lazy_default(IntegerMatch),
         environment: Environment | None = None,
         reward_runner: RewardRunner | None = lazy_default(RewardRunner),
         reward_preflight: int = 4,
@@ -209,8 +209,7 @@ class RLModule(L.LightningModule):
         self._preflight_done = True
 
     def teardown(self, stage: str) -> None:
-        if self.reward_runner is not None:
-            self.reward_runner.close()  # the workers start again at the next score
+        self.producer.close()  # the reward workers, a batch reward's model: they start again at the next score
 
     def configure_model(self) -> None:
         if self.policy is not None:

@@ -11,7 +11,8 @@ A mixture of datasets (GSM8K integers next to MATH expressions) needs a verifier
         default: {class_path: rllight.rewards.MathVerify}
 
 ``score_rows`` and ``check_rows`` score and check rows with whatever reward a recipe names: a reward with
-``for_source`` is asked per row, any other is used for every row.
+``for_source`` is asked per row, any other is used for every row. A data source's reward may be a ``BatchReward``
+(``rllight.rewards.batch``, e.g. a reward model): the trainer scores its rows' samples in one call.
 """
 
 from __future__ import annotations
@@ -20,24 +21,26 @@ from collections.abc import Sequence
 
 from rllight.errors import RecipeError
 from rllight.rewards.base import Reward, check_answers, score_batch
+from rllight.rewards.batch import BatchReward
 
 
 class PerSource(Reward):
     """Score each row with the reward of its ``data_source`` (the datamodule's ``data_source_key`` field).
 
     Args:
-        rewards: A reward per data source name, exactly as the rows spell it.
+        rewards: A reward per data source name, exactly as the rows spell it (a ``Reward`` or a ``BatchReward``).
         default: The reward of rows whose data source is not in ``rewards`` (None: such a row is an error
             that names its source).
     """
 
-    def __init__(self, rewards: dict[str, Reward] | None = None, default: Reward | None = None):
+    def __init__(self, rewards: dict[str, Reward | BatchReward] | None = None,
+                 default: Reward | BatchReward | None = None):
         rewards = dict(rewards or {})
         if not rewards and default is None:
             raise RecipeError("model.reward.init_args: PerSource needs 'rewards' (a reward per data source) or a "
                               "'default' reward")
         for name, reward in rewards.items():
-            if not callable(reward):
+            if not (callable(reward) or isinstance(reward, BatchReward)):
                 raise RecipeError(f"model.reward.init_args.rewards.{name} is a {type(reward).__name__}, not a reward; "
                                   "give a class_path such as rllight.rewards.IntegerMatch")
         # The base class's scale is the default's, so that a caller that treats this as one reward reads
@@ -46,7 +49,7 @@ class PerSource(Reward):
         self.rewards = rewards
         self.default = default
 
-    def for_source(self, data_source: str) -> Reward:
+    def for_source(self, data_source: str) -> Reward | BatchReward:
         """The reward of rows whose ``data_source`` is ``data_source``."""
         reward = self.rewards.get(data_source, self.default)
         if reward is None:
@@ -66,7 +69,21 @@ class PerSource(Reward):
         if self.default is None:
             raise RecipeError("model.reward: PerSource was asked to score a response without its data_source and "
                               "has no default; score rows with rllight.rewards.score_rows")
+        if isinstance(self.default, BatchReward):
+            raise TypeError(f"PerSource's default {type(self.default).__name__} is a BatchReward: it scores "
+                            "Samples (BatchReward.score), not one (response, answer) pair")
         return self.default
+
+
+def batch_rewards(reward) -> list[BatchReward]:
+    """The ``BatchReward``s among what ``reward`` scores with: itself, or a ``PerSource``'s rewards and default
+    (each once); empty when every one is a ``Reward``."""
+    parts = [*reward.rewards.values(), reward.default] if isinstance(reward, PerSource) else [reward]
+    found: list[BatchReward] = []
+    for part in parts:
+        if isinstance(part, BatchReward) and not any(part is f for f in found):
+            found.append(part)
+    return found
 
 
 def by_source(reward, data_sources: Sequence[str | None]) -> list[tuple[Reward, list[int]]]:
@@ -95,6 +112,9 @@ def score_rows(
                          f"responses, {len(answers)} answers, {len(data_sources)} data sources")
     rewards, correct, failures = [0.0] * len(responses), [False] * len(responses), 0
     for sub, index in by_source(reward, data_sources):
+        if isinstance(sub, BatchReward):
+            raise TypeError(f"score_rows: {type(sub).__name__} is a BatchReward; it scores Samples (its score "
+                            "method), not (response, answer) pairs")
         values, ok, failed = score_batch(sub, [responses[i] for i in index], [answers[i] for i in index])
         failures += failed
         for j, i in enumerate(index):

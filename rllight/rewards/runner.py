@@ -18,6 +18,10 @@ worker has not seen the same pickle.
 
 ``RewardRunner.preflight`` runs before training: the reward must give a few rows' reference answers their
 full reward and a wrong answer less, through the same workers, or the recipe stops with one line.
+
+A ``BatchReward`` (``rllight.rewards.batch``: a reward model, a judge) is none of this: it scores a whole batch in
+the trainer's process (``RolloutProducer.score`` calls it), is never pickled to a worker, and has no pre-flight (a
+reward model cannot be checked with reference answers).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from typing import Self
 
 from rllight.errors import RecipeError
 from rllight.rewards.base import Reward, _finite_in_float32, _quote
+from rllight.rewards.batch import BatchReward
 from rllight.rewards.combine import Weighted
 from rllight.supervised import ChildDied, SupervisedProcess, become_child
 
@@ -168,6 +173,9 @@ def _stop_all(workers: list[_Worker]) -> None:
 class RewardRunner:
     """Scores rewards in worker processes with a per-sample timeout (see ``rllight.rewards.runner``).
 
+    Only a ``Reward`` (one response against its answer) goes to the workers; a ``BatchReward`` runs in the trainer's
+    process, called once per batch by the rollout producer, and ``score`` refuses it.
+
     Args:
         workers: Worker processes (started at the first ``score``, then reused). 0 scores in the trainer's
             process, without timeouts or protection from a reward that hangs or exits: for debugging.
@@ -218,6 +226,9 @@ class RewardRunner:
     # ----------------------------------------------------------------------------------------- scoring
     def score(self, reward: Reward, responses: list[str], answers: list[str]) -> RewardScores:
         """Score ``responses[i]`` against ``answers[i]`` for every i; see ``RewardScores``."""
+        if isinstance(reward, BatchReward):
+            raise TypeError(f"RewardRunner.score: {type(reward).__name__} is a BatchReward, which runs in the trainer's "
+                            "process: call its score method with the batch's Samples")
         if len(responses) != len(answers):
             raise ValueError(f"{len(responses)} responses but {len(answers)} answers")
         result = RewardScores(rewards=[0.0] * len(responses), correct=[False] * len(responses))
@@ -338,7 +349,7 @@ class RewardRunner:
             values[i] = float(parts[name]) if parts else 0.0
 
     # ----------------------------------------------------------------------------------------- pre-flight
-    def preflight(self, reward: Reward, rows: list[dict], k: int = 4, field: str = "answer") -> None:
+    def preflight(self, reward: Reward | BatchReward, rows: list[dict], k: int = 4, field: str = "answer") -> None:
         """Before training, check that the reward tells right from wrong on ``k`` of the rows (spread evenly).
 
         For each, the response ``REFERENCE_RESPONSE`` ("The answer is \\boxed{<answer>}.", with the answer the
@@ -348,8 +359,15 @@ class RewardRunner:
         "<answer> + 1" when it has no digit. Otherwise raises ``RecipeError`` in one line naming the reward
         class and the row (its ``source``, e.g. "train.jsonl row 3"): a reward that scores every response 0,
         or 1, would otherwise train on nothing without a word.
+
+        A ``BatchReward`` is not checked (one info line says so): a reward model or a judge scores a response by
+        more than its stated answer.
         """
         if k < 1 or not rows:
+            return
+        if isinstance(reward, BatchReward):
+            log.info("model.reward: %s scores whole batches (a BatchReward), which reference answers cannot check: "
+                     "no reward pre-flight for it", type(reward).__name__)
             return
         picks = sorted({i * len(rows) // min(k, len(rows)) for i in range(min(k, len(rows)))})
         answers = [str(rows[i].get(field, "")).strip() for i in picks]

@@ -1,10 +1,11 @@
 """Rollout production: prompt rows in, scored rollouts out.
 
 ``RolloutProducer`` encodes chat prompts, drops over-long ones, generates with the engine and scores the
-responses with the reward. Samplers compose it (``producer.sample(rows, n)``, ``producer.more_prompts(n)``);
-it knows nothing of the trainer, so a new kind of rollout is a new sampler or producer, not a trainer
-subclass. The trainer hands it the policy and tokenizer once they are loaded (``bind``) and a prompt
-stream for extra draws (the datamodule's order).
+responses with the reward (a ``Reward`` per response, or a ``BatchReward`` once per batch of ``Sample``s).
+Samplers compose it (``producer.sample(rows, n)``, ``producer.more_prompts(n)``); it knows nothing of the
+trainer, so a new kind of rollout is a new sampler or producer, not a trainer subclass. The trainer hands it the
+policy and tokenizer once they are loaded (``bind``) and a prompt stream for extra draws (the datamodule's
+order).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from rllight.distributed import Ranks
 from rllight.envs.base import Environment
 from rllight.envs.guard import EpisodeFailed, EpisodeGuard
 from rllight.errors import ComponentError, RecipeError
-from rllight.rewards import Reward, RewardRunner, by_source, score_batch
+from rllight.rewards import Reward, RewardRunner, batch_rewards, by_source, score_batch
+from rllight.rewards.batch import BatchReward, Sample, as_batch_scores
 from rllight.rollout.ahead import steps_ahead
 from rllight.rollout.base import RolloutEngine, Sampling, malformed
 from rllight.rollout.episodes import ChatTurns, episodes_to_rollout, run_episodes
@@ -53,14 +55,17 @@ def with_first_observation(messages: list[dict], observation: str | None) -> lis
 
 
 class RolloutProducer:
-    """Samples responses to prompt rows with a ``RolloutEngine`` and scores them with a ``Reward``.
+    """Samples responses to prompt rows with a ``RolloutEngine`` and scores them with a ``Reward`` or a
+    ``BatchReward``.
 
     Prompts longer than ``max_prompt_tokens`` are dropped and counted (``data/dropped_long_prompts``), never
     truncated: a cut prompt is a different question. A training batch on which the reward failed for every
     sample is a warning; ``max_failed_reward_steps`` of them in a row stop the run with one line.
 
     Rewards are computed by ``runner`` (worker processes with a per-sample timeout: a reward that hangs,
-    raises or kills its process costs that sample 0, counted, never the run); None = in this process.
+    raises or kills its process costs that sample 0, counted, never the run); None = in this process. A
+    ``BatchReward`` (a reward model, a judge) is called in this process, once per batch (per data source under
+    ``PerSource``), with one ``Sample`` per response; if it raises, every sample of the batch is a failure (0).
 
     With an ``environment`` every sample is a multi-turn episode (``rllight.rollout.episodes``): the environment
     scores it, not ``reward``, and a prompt is dropped as too long also when it leaves no room under the
@@ -73,7 +78,7 @@ class RolloutProducer:
     spans them (dynamic sampling fills one global target).
     """
 
-    def __init__(self, engine: RolloutEngine, reward: Reward, max_prompt_tokens: int | None = None,
+    def __init__(self, engine: RolloutEngine, reward: Reward | BatchReward, max_prompt_tokens: int | None = None,
                  max_failed_reward_steps: int = 3, runner: RewardRunner | None = None,
                  environment: Environment | None = None, max_steps_without_update: int | None = None):
         self.max_steps_without_update = max_steps_without_update
@@ -152,7 +157,8 @@ class RolloutProducer:
         texts = self.tokenizer.batch_decode(gen.response_ids, skip_special_tokens=True)
         answers = [r["answer"] for r in rows for _ in range(n)]
         sources = [r.get("data_source") for r in rows for _ in range(n)]
-        rewards, correct, failures, reward_metrics = self.score(texts, answers, sources)
+        samples = self.samples(rows, prompts, n, gen, texts) if batch_rewards(self.reward) else None
+        rewards, correct, failures, reward_metrics = self.score(texts, answers, sources, samples)
         self.reward_failures += failures
         if training:
             self.count_failed_reward_batch(failures == len(texts))
@@ -323,15 +329,34 @@ class RolloutProducer:
             traj.correct = traj.correct and not traj.failed
         return rewards
 
-    def score(self, texts: list[str], answers: list[str], sources: list[str | None]):
+    def samples(self, rows: list[dict], prompts: list[list[int]], n: int, gen, texts: list[str]) -> list[Sample]:
+        """One ``Sample`` per response of ``gen`` (``n`` per prompt, in order) for a ``BatchReward``: the prompt
+        decoded as the policy saw it (special tokens kept), the row's messages, the response's text and ids (up
+        to its end token), the answer, the row (a shallow copy per prompt), the prompt's index as its group."""
+        prompt_texts = self.tokenizer.batch_decode(prompts)
+        lengths, ids = gen.response_mask.sum(-1).tolist(), gen.response_ids.tolist()
+        truncated = gen.truncated.tolist()
+        copies = [dict(row) for row in rows]
+        return [Sample(prompt=prompt_texts[i // n], messages=copies[i // n].get("messages"), response=texts[i],
+                       response_ids=ids[i][:int(lengths[i])], answer=str(copies[i // n].get("answer", "")),
+                       row=copies[i // n], group=i // n, truncated=bool(truncated[i])) for i in range(len(texts))]
+
+    def score(self, texts: list[str], answers: list[str], sources: list[str | None],
+              samples: list[Sample] | None = None):
         """``(rewards, correct, failures, metrics)`` of the responses ``texts``: each scored by its data
-        source's reward (``PerSource``) or the one reward, in the worker processes of ``runner`` if any."""
+        source's reward (``PerSource``) or the one reward, in the worker processes of ``runner`` if any; a
+        ``BatchReward`` scores its responses' ``samples`` (``samples``) in one call, in this process."""
         rewards, correct = [0.0] * len(texts), [False] * len(texts)
         failures, metrics = 0, {}
         parts: dict[str, list[float]] = {}
         for reward, index in by_source(self.reward, sources):
             sub_texts, sub_answers = [texts[i] for i in index], [answers[i] for i in index]
-            if self.runner is not None:
+            if isinstance(reward, BatchReward):
+                if samples is None:
+                    raise ValueError(f"RolloutProducer.score: {type(reward).__name__} is a BatchReward and needs "
+                                     "the responses' samples")
+                values, oks, fails = score_samples(reward, [samples[i] for i in index])
+            elif self.runner is not None:
                 scores = self.runner.score(reward, sub_texts, sub_answers)
                 values, oks, fails = scores.rewards, scores.correct, scores.failures
                 for key in ("timeouts", "worker_deaths"):
@@ -345,6 +370,14 @@ class RolloutProducer:
             failures += fails
         metrics.update({f"reward/{name}": sum(v) / max(len(v), 1) for name, v in parts.items()})
         return rewards, correct, failures, metrics
+
+    def close(self) -> None:
+        """Stop the reward worker processes and free what a ``BatchReward`` holds (``close``); both start
+        again at the next score."""
+        if self.runner is not None:
+            self.runner.close()
+        for reward in batch_rewards(self.reward):
+            reward.close()
 
     def count_malformed_batch(self, problem: str | None) -> None:
         """Count a training batch the engine returned malformed (``rllight.rollout.base.malformed``: log-probs not
@@ -400,6 +433,32 @@ class RolloutProducer:
         self.reward_failures = state.get("reward_failures", 0)
         self.dropped_prompts = state.get("dropped_prompts", 0)
         self.failed_reward_steps = state.get("failed_reward_steps", 0)
+
+
+def score_samples(reward: BatchReward, samples: list[Sample]) -> tuple[list[float], list[bool], int]:
+    """``(rewards, correct, failures)`` of ``samples`` from one call of ``reward.score`` (``as_batch_scores``
+    checks it). A call that raises fails the whole batch: every sample 0, not correct and a failure, with one
+    warning naming the reward and the error. A ``RecipeError`` (the reward's own set-up, or a wrong number of
+    scores) is raised: it is the recipe's fault, not the batch's. A sample the reward says it could not score
+    (``BatchScores.failed``) gets 0 and counts, one warning for them all."""
+    name = type(reward).__name__
+    if not samples:
+        return [], [], 0
+    try:
+        out = reward.score(samples)
+    except RecipeError:
+        raise
+    except Exception as err:  # noqa: BLE001 - a reward model out of memory, a judge down: the batch, not the run
+        why = " ".join(f"{type(err).__name__}: {err}".split())
+        log.warning("reward %s failed on its whole batch of %d samples (each scored 0; fix the reward): %s", name,
+                    len(samples), why)
+        return [0.0] * len(samples), [False] * len(samples), len(samples)
+    scores = as_batch_scores(reward, samples, out)
+    if scores.failed:
+        first = min(scores.failed)
+        log.warning("reward %s could not score %d of %d samples (each scored 0); sample %d: %s", name,
+                    len(scores.failed), len(samples), first, scores.failed[first])
+    return scores.scores, scores.correct, len(scores.failed)
 
 
 def prefetch_ahead(sampler, producer: RolloutProducer, updates_per_step: int, prefetched_through: int,

@@ -6,7 +6,7 @@ One file per kind, named after the recipe key it fills; every class is exported 
 a recipe names (``rllight.strategies.GroupRelative``):
 
 - ``advantages.py``, advantage estimators (``model.advantage``): ``AdvantageEstimator``, ``GAE``, ``DecoupledGAE``,
-  ``PromptBaseline``, ``GroupRelative``, ``RLOO``, ``ReMax``, ``ReinforcePP``;
+  ``PromptBaseline``, ``GroupRelative``, ``RLOO``, ``ReMax``, ``ReinforcePP``, ``OnPolicyDistillation``;
 - ``lambdas.py``, lambda schedules (``DecoupledGAE``'s ``policy_lambda``): ``LambdaSchedule``, ``FixedLambda``,
   ``AdaptiveLambda``, ``VAPOLambda``;
 - ``policy_losses.py``, policy losses (``model.policy_loss``): ``PolicyLoss``, ``ClippedSurrogate``, ``CISPO``,
@@ -45,6 +45,8 @@ GSPO         2507.18071   gspo           GroupRelative + GSPO + SeqMeanTokenMean
 Dr. GRPO     2503.20783   dr_grpo        GroupRelative(scale_by_std=False) + ClippedSurrogate
                                          + SeqMeanTokenSumNorm(max_len=24) + GroupSampler
 CISPO        2506.13585   cispo          GroupRelative + CISPO(clip_low=None, clip_high=0.28) + TokenMean + GroupSampler
+OPD          2306.13649   distill-quickstart  OnPolicyDistillation(task=GroupRelative, task_weight=0.0)
+                                         + ClippedSurrogate + TokenMean + GroupSampler + callbacks.TeacherLogprobs
 ```
 """
 
@@ -54,6 +56,7 @@ from rllight.strategies.advantages import (
     AdvantageEstimator,
     DecoupledGAE,
     GroupRelative,
+    OnPolicyDistillation,
     PromptBaseline,
     ReinforcePP,
     ReMax,
@@ -96,6 +99,7 @@ __all__ = [
     "KLPenalty",
     "LambdaSchedule",
     "MaskedIS",
+    "OnPolicyDistillation",
     "PolicyLoss",
     "PositiveExampleNLL",
     "PromptBaseline",

@@ -5,6 +5,8 @@
   ``rllight.strategies.lambdas``), ``PromptBaseline`` (SPPO: a prompt-level critic).
 - From the rewards alone: ``GroupRelative`` (GRPO, Dr. GRPO), ``RLOO``, ``ReMax`` (with ``ReMaxSampler``'s greedy
   rewards), ``ReinforcePP`` (REINFORCE++: discounted token rewards).
+- From a teacher: ``OnPolicyDistillation`` (the teacher's minus the student's log-prob of each sampled token, with
+  ``rllight.callbacks.TeacherLogprobs``), optionally plus one of the above.
 """
 
 from __future__ import annotations
@@ -19,10 +21,13 @@ from rllight.strategies.lambdas import AdaptiveLambda, LambdaSchedule
 from rllight.strategies.samplers import GREEDY_REWARDS
 from rllight.types import Rollout
 
-__all__ = ["GAE", "RLOO", "AdvantageEstimator", "DecoupledGAE", "GroupRelative", "PromptBaseline", "ReMax",
-           "ReinforcePP"]
+__all__ = ["GAE", "RLOO", "TEACHER_LOGPROBS", "AdvantageEstimator", "DecoupledGAE", "GroupRelative",
+           "OnPolicyDistillation", "PromptBaseline", "ReMax", "ReinforcePP"]
 
 _NORMALIZE = ("none", "batch_std", "bernoulli")  # PromptBaseline's sigma
+TEACHER_LOGPROBS = "teacher_logprobs"
+"""``rollout.extras`` key of the teacher's log-probs of the sampled tokens, shape (B, T), zero outside the response
+mask: ``rllight.callbacks.TeacherLogprobs`` puts them there, ``OnPolicyDistillation`` reads them."""
 
 
 class AdvantageEstimator:
@@ -251,3 +256,59 @@ class ReinforcePP(AdvantageEstimator):
     def __call__(self, rollout: Rollout) -> tuple[Tensor, None]:
         advantages, _ = reinforce_pp(rollout.token_rewards, rollout.response_mask, self.gamma, total=self.total)
         return advantages, None
+
+
+class OnPolicyDistillation(AdvantageEstimator):
+    """On-policy distillation: the student samples, a teacher scores the sampled tokens, and each token's advantage
+    is the teacher's minus the student's log-prob of it (GKD, Agarwal et al., arXiv:2306.13649, in the per-token
+    form of NeMo-RL's and TRL's on-policy distillation):
+
+        A_t = coef * (log pi_T(y_t) - log pi_S(y_t)) + task_weight * A_task_t
+
+    on the response mask, zero elsewhere. The first term is minus the single-sample estimate of the reverse KL at
+    token t; it is a constant for the update (no gradient flows through either log-prob), so the policy loss
+    raises the tokens the teacher likes more than the student does and lowers the others. It is per token: no
+    future tokens' terms are summed into it (a discount of 0).
+
+    The teacher's log-probs are ``rollout.extras["teacher_logprobs"]`` (``TEACHER_LOGPROBS``), which the rollout
+    callback ``rllight.callbacks.TeacherLogprobs`` computes; recipes list it in ``trainer.callbacks``. The student's
+    are ``rollout.old_logprobs`` when the step computed them (several updates per rollout, or a KL penalty in the
+    reward: the trainer's log-probs under the policy that sampled, the ratio's base), else ``rollout.sample_logprobs``
+    (the engine's log-probs of the same policy at the same temperature; a step with a single update skips the old
+    pass, as these are the same numbers up to rounding). The teacher's are computed at the same temperature.
+
+    Args:
+        coef: Weight of the distillation term.
+        task: An advantage estimator on the task's reward (e.g. ``GroupRelative``) added to the distillation
+            term; None = distillation alone. Its ``min_group_size``, ``needs_values``, ``uses_token_rewards`` and
+            ``gamma`` are this estimator's, and its value targets (``returns``) are returned.
+        task_weight: Weight of the task's advantage (ignored without ``task``).
+    """
+
+    def __init__(self, coef: float = 1.0, task: AdvantageEstimator | None = None, task_weight: float = 1.0):
+        if coef < 0 or task_weight < 0:
+            raise RecipeError(f"model.advantage.init_args: coef and task_weight must be >= 0, got {coef} and "
+                              f"{task_weight}")
+        self.coef = coef
+        self.task = task
+        self.task_weight = task_weight
+        if task is not None:  # what the module and the recipe checks read of an estimator is the task's
+            self.min_group_size = task.min_group_size
+            self.needs_values = task.needs_values
+            self.uses_token_rewards = task.uses_token_rewards
+            self.gamma = task.gamma
+
+    def __call__(self, rollout: Rollout) -> tuple[Tensor, Tensor | None]:
+        teacher = rollout.extras.get(TEACHER_LOGPROBS)
+        if teacher is None:
+            raise RecipeError("model.advantage: OnPolicyDistillation needs the teacher's log-probs; add "
+                              "rllight.callbacks.TeacherLogprobs to trainer.callbacks")
+        student = rollout.old_logprobs if rollout.old_logprobs is not None else rollout.sample_logprobs
+        mask = rollout.response_mask.to(torch.float32)
+        advantages = self.coef * (teacher.to(mask) - student.to(mask)) * mask
+        returns = None
+        if self.task is not None:
+            self.task.total = self.total  # its batch statistics are the global batch's
+            task_advantages, returns = self.task(rollout)
+            advantages = advantages + self.task_weight * task_advantages.to(mask) * mask
+        return advantages, returns

@@ -18,7 +18,8 @@ import rllight.critics
 import rllight.strategies
 from conftest import RECIPES
 
-METHODS = ("PPO", "GRPO", "DAPO", "VAPO", "SPPO", "VESPO", "RLOO", "ReMax", "REINFORCE++", "GSPO", "Dr. GRPO", "CISPO")
+METHODS = ("PPO", "GRPO", "DAPO", "VAPO", "SPPO", "VESPO", "RLOO", "ReMax", "REINFORCE++", "GSPO", "Dr. GRPO", "CISPO",
+           "OPD")
 PACKAGES = {"": rllight.strategies, "critics.": rllight.critics, "callbacks.": rllight.callbacks}
 COMPONENTS = ("advantage", "policy_loss", "aggregation", "sampler", "critic", "kl")
 NAME = re.compile(r"\b((?:critics\.|callbacks\.)?)([A-Z]\w*)(?:\(([^()]*)\))?")

@@ -1,0 +1,199 @@
+"""On-policy distillation's teacher, in the trainer process or behind a URL (``rllight.callbacks.distillation_remote``):
+a frozen model that scores the tokens the student sampled, for ``rllight.strategies.OnPolicyDistillation``."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import lightning as L
+import torch
+from torch import Tensor
+
+from rllight.algorithms import chunked_logprobs_and_entropy, logprobs_and_entropy
+from rllight.callbacks.base import RolloutCallback, RolloutContext
+from rllight.callbacks.distillation_remote import TeacherServer
+from rllight.errors import RecipeError
+from rllight.models import HFModel, disable_dropout, response_hidden_states
+from rllight.scoring import micro_batches
+from rllight.strategies.advantages import TEACHER_LOGPROBS
+from rllight.types import Rollout
+
+__all__ = ["TEACHER_LOGPROBS", "TeacherLogprobs", "tokenizer_difference"]
+
+KEY = "trainer.callbacks: TeacherLogprobs.model"
+_URL_TEMPERATURE = ("trainer.callbacks: TeacherLogprobs.url: a vLLM server's prompt log-probs are at temperature 1 "
+                    "(it applies no temperature to prompt tokens), not at the {what} {temperature:g}; set "
+                    "TeacherLogprobs.temperature: 1.0 to distil at temperature 1, or load the teacher in the trainer "
+                    "(no url)")
+_ROLES = ("bos_token", "eos_token", "unk_token")  # not the pad token: HFModel gives one to a tokenizer without
+
+
+def tokenizer_difference(policy: Any, teacher: Any) -> str | None:
+    """What differs between the policy's and the teacher's tokenizers, in a few words, or None when every token
+    id names the same token in both and the special tokens are the same: the teacher is given the student's token
+    ids, so an id must mean the same text to both. Compared: the vocabulary's size, each id's token (added tokens
+    included), the beginning / end / unknown tokens and the other special tokens. The pad token is not: padding is
+    never scored."""
+    ours, theirs = policy.get_vocab(), teacher.get_vocab()
+    if len(ours) != len(theirs):
+        return f"vocabulary size {len(theirs)} (teacher) vs {len(ours)} (policy)"
+    if ours != theirs:
+        by_id, their_by_id = {i: t for t, i in ours.items()}, {i: t for t, i in theirs.items()}
+        i = min(i for i in set(by_id) | set(their_by_id) if by_id.get(i) != their_by_id.get(i))
+        return f"token id {i} is {their_by_id.get(i)!r} in the teacher's and {by_id.get(i)!r} in the policy's"
+    for role in _ROLES:
+        if getattr(policy, role, None) != getattr(teacher, role, None):
+            return f"{role} {getattr(teacher, role, None)!r} (teacher) vs {getattr(policy, role, None)!r} (policy)"
+    ours, theirs = set(policy.all_special_tokens), set(teacher.all_special_tokens)
+    ours.discard(policy.pad_token)
+    theirs.discard(teacher.pad_token)
+    if ours != theirs:
+        return f"special tokens {sorted(theirs - ours)} only in the teacher's, {sorted(ours - theirs)} only in the policy's"
+    return None
+
+
+def _tokenizer(source: HFModel, key: str):
+    """``source``'s tokenizer, loaded alone (no weights); a folder that is missing is named under ``key``."""
+    from transformers import AutoTokenizer
+
+    try:
+        path = source.resolve()
+    except RecipeError as err:  # HFModel names the policy's key; this is the teacher's or the policy's
+        raise RecipeError(str(err).replace("model.model.init_args.path", f"{key}.init_args.path")) from None
+    kwargs: dict[str, Any] = {"trust_remote_code": source.trust_remote_code}
+    if source.gguf_file:
+        kwargs["gguf_file"] = source.gguf_file
+    return AutoTokenizer.from_pretrained(path, **kwargs)
+
+
+@torch.no_grad()
+def teacher_logprobs(teacher: torch.nn.Module, rollout: Rollout, temperature: float, micro_batch_size: int,
+                     chunk_size: int | None = 1024) -> Tensor:
+    """The teacher's log-probs of ``rollout``'s response tokens given their prompts and the responses before them,
+    in micro-batches of ``micro_batch_size`` rows, the logits divided by ``temperature``.
+
+    Returns:
+        Shape (B, T), float32, zero outside ``rollout.response_mask``.
+    """
+    mask = rollout.response_mask.to(torch.float32)
+    out = torch.zeros_like(mask)
+    for rows, micro in micro_batches(rollout, micro_batch_size):
+        hidden = response_hidden_states(teacher.get_decoder(), micro)
+        head = teacher.get_output_embeddings()
+        if chunk_size and type(head) is torch.nn.Linear:  # never the full (b, t, V) float32 logits
+            logprobs, _ = chunked_logprobs_and_entropy(hidden, head.weight, micro.response_ids, temperature,
+                                                       bias=head.bias, chunk_size=chunk_size)
+        else:  # e.g. a float32 output layer (HFModel's float32_lm_head): through its own forward
+            logprobs, _ = logprobs_and_entropy(head(hidden), micro.response_ids, temperature)
+        out[rows, : logprobs.shape[1]] = logprobs.float()
+    return out * mask
+
+
+class TeacherLogprobs(RolloutCallback):
+    """The teacher of on-policy distillation (``rllight.strategies.OnPolicyDistillation``), in the trainer process:
+    after each rollout it computes the teacher's log-prob of every sampled response token and stores them as
+    ``rollout.extras["teacher_logprobs"]`` (shape (B, T), zero outside ``response_mask``).
+
+    The teacher loads in ``setup`` (at ``fit``), frozen and in eval mode, in the policy's dtype
+    (``model.model.init_args.dtype``, whatever its own ``dtype`` says) on the trainer's device; it is not saved in
+    checkpoints (it is loaded again on resume). Before any weights load, its tokenizer is compared with the
+    policy's: the teacher is given the student's token ids, so a tokenizer that differs (vocabulary size, a token,
+    the special tokens; see ``tokenizer_difference``) is refused with one line.
+
+    Under several processes each rank scores its own rows with a full copy of the teacher (replicated, not sharded
+    under FSDP: it must fit on each device beside the policy's shard).
+
+    **Behind a URL** (``url`` set): the teacher is a vLLM server (``vllm serve <teacher folder>``), asked for the
+    prompt log-probs of each row's prompt and response tokens (``rllight.callbacks.distillation_remote``, which cites
+    the request and answer fields in vLLM's source); no weights load in the trainer. ``model`` is then the teacher's
+    folder (or hub id) as the recipe knows it, for its tokenizer only, which is compared with the policy's at
+    ``setup`` as above; ``served_model`` is the name the server serves it under. vLLM computes prompt log-probs
+    before any temperature (whatever its ``--logprobs-mode``), so the teacher's temperature must be 1: an engine
+    sampling at another temperature is refused in one line unless ``temperature: 1.0`` is set. Every rank sends its
+    own rows. A server that fails after the retries stops the step with one line naming the URL.
+
+    ``rollout_order`` 25: after the reward shaping (10) and the loss masks (20), before the callbacks that train on
+    the rollout or store it (``ValuePretraining``: 30, ``SelfImitation``: 40), which then see the teacher's log-probs.
+
+    Args:
+        model: The teacher (``rllight.models.HFModel``: a folder or a hub id), with the policy's tokenizer.
+        micro_batch_size: Rows per teacher forward pass.
+        temperature: The teacher's logits are divided by it. None = the rollout engine's sampling temperature, at
+            which the student's log-probs (the engine's and the trainer's) are computed: both log-probs then
+            describe distributions at one temperature, and their difference estimates the reverse KL between them.
+            With ``url``: must come out as 1 (null with an engine at temperature 1, or 1.0).
+        url: The teacher's vLLM server's base URL (e.g. ``http://teacher-node:8000``; ``/v1/completions`` is
+            appended); None = the teacher loads in the trainer process. ``micro_batch_size`` is then the rows per
+            request.
+        served_model: With ``url``: the request's ``model`` (None = the first of the server's ``GET /v1/models``).
+        api_key_env: With ``url``: the NAME of the environment variable that holds the server's API key (sent as a
+            bearer token, read at each request); None = no key. The key itself is never a setting.
+        timeout_seconds: With ``url``: longest wait for one attempt's answer.
+        retries: With ``url``: further attempts after an HTTP 429 or 5xx, a timeout or a refused connection (not
+            after another 4xx), ``backoff_seconds`` apart, the wait doubling each time.
+        backoff_seconds: With ``url``: the wait before the first retry.
+    """
+
+    rollout_order = 25
+
+    def __init__(self, model: HFModel, micro_batch_size: int = 8, temperature: float | None = None,
+                 url: str | None = None, served_model: str | None = None, api_key_env: str | None = None,
+                 timeout_seconds: float = 600.0, retries: int = 2, backoff_seconds: float = 1.0):
+        if micro_batch_size < 1:
+            raise RecipeError(f"trainer.callbacks: TeacherLogprobs.micro_batch_size must be >= 1, got "
+                              f"{micro_batch_size}")
+        if temperature is not None and temperature <= 0:
+            raise RecipeError(f"trainer.callbacks: TeacherLogprobs.temperature must be > 0 or null, got {temperature}")
+        if url is not None and temperature is not None and temperature != 1.0:
+            raise RecipeError(_URL_TEMPERATURE.format(temperature=temperature, what="temperature"))
+        self.server = None if url is None else TeacherServer(url, served_model, api_key_env, micro_batch_size,
+                                                             timeout_seconds, retries, backoff_seconds)
+        """With ``url``: the client of the teacher's server (``TeacherServer``); None in the trainer process."""
+        self.model = model
+        self.micro_batch_size = micro_batch_size
+        self.temperature = temperature
+        self.teacher: torch.nn.Module | None = None
+        self.used_temperature = 1.0 if temperature is None else temperature
+        """The temperature ``on_rollout`` divides the teacher's logits by (set in ``setup``)."""
+
+    def check_tokenizer(self, policy: HFModel) -> None:
+        """Refuse, in one line, a teacher whose tokenizer differs from the policy's (``tokenizer_difference``).
+        Loads the two tokenizers only."""
+        difference = tokenizer_difference(_tokenizer(policy, "model.model"), _tokenizer(self.model, KEY))
+        if difference is not None:
+            raise RecipeError(f"{KEY}: the teacher's tokenizer differs from the policy's ({difference}); "
+                              "distillation compares log-probs of the same token ids, so give a teacher of the "
+                              "policy's tokenizer")
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage != "fit" or self.teacher is not None:
+            return
+        policy = getattr(pl_module, "source", None)  # the policy's HFModel
+        if policy is not None:
+            self.check_tokenizer(policy)
+        engine_temperature = getattr(getattr(pl_module, "rollout", None), "temperature", None)
+        if self.temperature is None and engine_temperature is not None:
+            self.used_temperature = float(engine_temperature)
+        if self.server is not None:
+            if self.used_temperature != 1.0:
+                raise RecipeError(_URL_TEMPERATURE.format(temperature=self.used_temperature,
+                                                          what="engine's sampling temperature"))
+            return
+        source = copy.copy(self.model)
+        if policy is not None:
+            source.dtype = policy.dtype
+        teacher, _ = source.load()
+        disable_dropout(teacher)
+        teacher.config.use_cache = False
+        self.teacher = teacher.requires_grad_(False).eval().to(trainer.strategy.root_device)
+
+    def on_rollout(self, trainer: L.Trainer, context: RolloutContext, rollout: Rollout) -> Rollout:
+        if self.server is not None:
+            rollout.extras[TEACHER_LOGPROBS] = self.server.logprobs(rollout)
+            return rollout
+        if self.teacher is None:
+            raise RecipeError("trainer.callbacks: TeacherLogprobs has no teacher loaded; it loads when fit starts")
+        rollout.extras[TEACHER_LOGPROBS] = teacher_logprobs(self.teacher, rollout, self.used_temperature,
+                                                            self.micro_batch_size)
+        return rollout

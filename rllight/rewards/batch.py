@@ -1,0 +1,111 @@
+"""Rewards that score a whole batch at once, seeing each sample's prompt, response, row and group: reward models,
+LLM judges (pointwise or the whole group at once), and any reward that needs more than ``(response, answer)``.
+
+A ``BatchReward`` is selected in a recipe like any reward (``model.reward: {class_path: ...}``). The trainer calls
+``score`` once per batch with one ``Sample`` per response, in the batch's order; the samples of one prompt share a
+``group``. A ``Reward`` (one response against its answer: the verifiers) keeps its own interface and its worker
+processes (``RewardRunner``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rllight.errors import RecipeError
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One response to score, with what it answers."""
+
+    prompt: str
+    """The prompt as the policy saw it (its chat template applied), as text."""
+    messages: list[dict] | None
+    """The row's chat messages (``[{"role": ..., "content": ...}, ...]``) when the row is a conversation, else None."""
+    response: str
+    """The response, as text (special tokens removed)."""
+    response_ids: list[int]
+    """The response's token ids (its end token included when it has one)."""
+    answer: str
+    """The row's reference answer (``""`` when it has none)."""
+    row: dict[str, Any]
+    """Every field of the prompt's row (``data_source``, ``source``, the task's own fields...)."""
+    group: int
+    """The prompt's index in the batch: the responses to one prompt share it."""
+    truncated: bool = False
+    """The response reached ``max_new_tokens`` without an end token."""
+
+
+@dataclass
+class BatchScores:
+    """What ``BatchReward.score`` returns when a plain list of floats does not say enough.
+
+    ``scores[i]`` is sample i's reward. ``correct[i]`` whether it counts as solved (for ``reward/accuracy``; None:
+    ``scores[i] >= reward.correct``). ``failed`` maps the index of a sample that could not be scored to why (it
+    gets reward 0 and counts as a reward failure, like a verifier that raised).
+    """
+
+    scores: list[float]
+    correct: list[bool] | None = None
+    failed: dict[int, str] = field(default_factory=dict)
+
+
+class BatchReward:
+    """Base class of rewards that score a batch of ``Sample``s at once (see ``rllight.rewards.batch``).
+
+    Subclass it, implement ``score``, and name the class in a recipe with ``class_path``.
+
+    Args:
+        correct: A sample whose score is at least this counts as solved in ``reward/accuracy`` (unless ``score``
+            says otherwise through ``BatchScores.correct``).
+    """
+
+    def __init__(self, correct: float = 1.0):
+        self.correct = correct
+
+    def score(self, samples: Sequence[Sample]) -> list[float] | BatchScores:
+        """A reward per sample, in the order given (or a ``BatchScores``)."""
+        raise NotImplementedError
+
+    def check_answer(self, answer: str) -> str | None:
+        """A one-line reason when no response can ever be scored against the reference ``answer``; None when one
+        can (the default: a reward model or a judge reads any row)."""
+        return None
+
+    def close(self) -> None:
+        """Free what the reward holds (a model, connections); the trainer calls it when the run ends."""
+
+
+def as_batch_scores(reward: BatchReward, samples: Sequence[Sample], out: list[float] | BatchScores) -> BatchScores:
+    """``out`` (what ``reward.score`` returned for ``samples``) as a checked ``BatchScores``: one finite score per
+    sample (a sample whose score is not finite fails, with the reason), ``correct`` filled in from
+    ``reward.correct``. Raises ``RecipeError`` in one line when the count is wrong (a bug in the reward, not a
+    failed sample)."""
+    scores = out if isinstance(out, BatchScores) else BatchScores(scores=list(out))
+    name = type(reward).__name__
+    if len(scores.scores) != len(samples):
+        raise RecipeError(f"model.reward: {name}.score returned {len(scores.scores)} scores for {len(samples)} "
+                          "samples; it must return one per sample, in the order given")
+    if scores.correct is not None and len(scores.correct) != len(samples):
+        raise RecipeError(f"model.reward: {name}.score returned {len(scores.correct)} correct flags for "
+                          f"{len(samples)} samples")
+    values, failed = [], dict(scores.failed)
+    for i, value in enumerate(scores.scores):
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            failed.setdefault(i, f"score {value!r} is not a number")
+            value = 0.0
+        if not math.isfinite(value):
+            failed.setdefault(i, f"score {value!r} is not finite")
+        values.append(0.0 if i in failed else value)
+    correct = ([bool(c) for c in scores.correct] if scores.correct is not None
+               else [v >= getattr(reward, "correct", 1.0) for v in values])
+    correct = [ok and i not in failed for i, ok in enumerate(correct)]
+    return BatchScores(scores=values, correct=correct, failed=failed)
+
+
+__all__ = ["BatchReward", "BatchScores", "Sample", "as_batch_scores"]

@@ -1,0 +1,468 @@
+"""An LLM judge: another model, served at any OpenAI-compatible ``/v1/chat/completions`` endpoint (vLLM, SGLang,
+llama.cpp's server, OpenAI, a gateway), reads each response and gives the reward.
+
+Select it in a recipe::
+
+    model:
+      reward:
+        class_path: rllight.rewards.judge.LLMJudge
+        init_args: {url: "http://127.0.0.1:8000/v1", model: Qwen/Qwen2.5-7B-Instruct, api_key_env: JUDGE_API_KEY}
+
+How it runs:
+- **One request per response** (``mode: pointwise``), or **one per group** (``mode: group``: the responses to one
+  prompt listed as ``Response 1``, ``Response 2``, ..., the judge answers one score per response, in order). The
+  prompt is ``template`` filled with ``{question}`` (the row's last user message, else the prompt as the policy
+  saw it), ``{response}`` (in group mode the numbered list) and ``{answer}`` (the reference answer); ``{count}``
+  is the number of responses.
+- **The verdict** is parsed from the judge's answer: ``number`` (the last ``Score: N``, or an answer that is only
+  a number; divided by ``scale``), ``label`` (the label after the last ``Verdict:``, else the last one named,
+  mapped through ``labels``) or ``yes_logprob`` (P(yes) from the first token's top log-probs, normalised over the
+  yes and no variants: ``yes``, `` Yes``, ``YES``...).
+- **Faults cost a counted failure, never a hung run**: every attempt waits at most ``timeout_seconds``; HTTP 429
+  and 5xx and connection errors are retried ``retries`` times with exponential backoff (``Retry-After`` honoured
+  up to the next backoff's double), other 4xx are not; the whole batch has a time bound (what its requests could
+  take, retries and rate limit included, plus a few seconds) and the trainer waits for it in short slices, so
+  Ctrl-C is honoured within seconds. A response whose request failed, or whose verdict cannot be parsed, gets
+  reward 0 and a one-line reason (``BatchScores.failed``); a batch where every response failed counts towards
+  ``model.max_failed_reward_steps``, which ends the run in one line.
+- **The API key** is read from the environment variable ``api_key_env`` names, at each batch, and sent as
+  ``Authorization: Bearer <key>``. It is never an attribute, so ``repr``, pickles (checkpoints, worker copies),
+  ``--print_config`` and exports cannot hold it; failure reasons and log lines have it replaced by ``[key]``.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import math
+import os
+import re
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Literal
+
+from rllight.errors import RecipeError
+from rllight.rewards.batch import BatchReward, BatchScores, Sample
+from rllight.stopping import wait_stoppable
+
+log = logging.getLogger(__name__)
+
+KEY = "model.reward.init_args"
+ROUTE = "/chat/completions"
+
+_HEAD = "Grade {what} to a question, using the reference answer.\n\nQuestion:\n{{question}}\n\nReference answer:\n{{answer}}\n\n"
+_ASK = {
+    ("pointwise", "number"): "Response:\n{response}\n\nHow correct is the response? Reason briefly, then end with a "
+                             "line `Score: N`, N an integer from 0 (wrong) to 10 (fully correct).",
+    ("pointwise", "label"): "Response:\n{response}\n\nIs the response correct? Reason briefly, then end with a line "
+                            "`Verdict: L`, L one of: {labels}.",
+    ("pointwise", "yes_logprob"): "Response:\n{response}\n\nIs the response correct? Answer with one word: yes or no.",
+    ("group", "number"): "{response}\n\nHow correct is each response? Reason briefly, then end with one line per "
+                         "response, in order: `Response K: Score: N`, N an integer from 0 (wrong) to 10 (fully correct).",
+    ("group", "label"): "{response}\n\nIs each response correct? Reason briefly, then end with one line per response, "
+                        "in order: `Response K: Verdict: L`, L one of: {labels}.",
+}
+
+
+def default_template(mode: str, verdict: str, labels: Sequence[str] = ()) -> str:
+    """The prompt the judge gets when the recipe sets no ``template``, for ``mode`` and ``verdict``."""
+    what = "a response" if mode == "pointwise" else "{count} responses"
+    names = ", ".join(n.replace("{", "{{").replace("}", "}}") for n in labels)
+    ask = _ASK[(mode, verdict)].replace("{response}", "{{response}}").format(labels=names)
+    return _HEAD.format(what=what) + ask
+
+
+class _Failed(Exception):
+    """A request or a verdict that gives its samples a counted failure; the message is the reason."""
+
+
+class LLMJudge(BatchReward):
+    """Rewards from an LLM judge at an OpenAI-compatible chat-completions endpoint (see ``rllight.rewards.judge``).
+
+    Args:
+        url: The endpoint's base URL, as OpenAI clients take it: ``http://127.0.0.1:8000/v1``,
+            ``https://api.openai.com/v1``. ``/chat/completions`` is appended.
+        model: The served model's name (the request's ``model``).
+        api_key_env: The NAME of the environment variable that holds the API key (sent as a bearer token), read
+            at each batch; None = no key. The key itself is never a setting.
+        template: The judge's prompt, with ``{question}``, ``{response}`` and ``{answer}`` (and optionally
+            ``{count}``) placeholders; literal braces doubled. None = a default for ``mode`` and ``verdict``
+            (``default_template``).
+        verdict: How the reward is read from the answer: ``number`` (the last ``Score: N``, divided by ``scale``;
+            outside 0..scale fails), ``label`` (mapped through ``labels``) or ``yes_logprob`` (P(yes) from the first
+            token's top log-probs; pointwise only, the server must return ``logprobs``, and one token is asked
+            for whatever ``max_tokens`` says).
+        labels: Label mode: each label's reward (case-insensitive). None = ``{correct: 1.0, incorrect: 0.0}``.
+        scale: Number mode: the judge's top score, which becomes reward 1.
+        mode: ``pointwise`` (one request per response) or ``group`` (one request per prompt, listing its responses;
+            an answer with the wrong number of verdicts fails the group's samples).
+        max_concurrency: Requests in flight at once.
+        requests_per_second: At most this many requests (retries included) start per second (a token bucket of
+            one: no bursts); None = no limit.
+        timeout_seconds: Longest wait for one attempt's answer.
+        retries: Further attempts after an HTTP 429 or 5xx, a timeout or a connection error (not after another 4xx).
+        backoff_seconds: Wait before the first retry; it doubles with each further one.
+        temperature: Sampling temperature of the judge (0: the same answer to the same prompt, on most servers).
+        max_tokens: Longest judge answer, in tokens.
+        correct: A response whose reward is at least this counts as solved in ``reward/accuracy``.
+    """
+
+    def __init__(self, url: str, model: str, api_key_env: str | None = None, template: str | None = None,
+                 verdict: Literal["number", "label", "yes_logprob"] = "number", labels: dict[str, float] | None = None,
+                 scale: float = 10.0, mode: Literal["pointwise", "group"] = "pointwise", max_concurrency: int = 8,
+                 requests_per_second: float | None = None, timeout_seconds: float = 60.0, retries: int = 2,
+                 backoff_seconds: float = 1.0, temperature: float = 0.0, max_tokens: int = 512, correct: float = 0.5):
+        super().__init__(correct=correct)
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise RecipeError(f"{KEY}.url must start with http:// or https://, got {url!r}")
+        if url.rstrip("/").endswith(ROUTE):
+            raise RecipeError(f"{KEY}.url is the base URL (e.g. http://127.0.0.1:8000/v1): drop {ROUTE}, the judge "
+                              "appends it")
+        if not model:
+            raise RecipeError(f"{KEY}.model must name the served model (the request's 'model')")
+        if api_key_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", api_key_env):
+            raise RecipeError(f"{KEY}.api_key_env must be the NAME of an environment variable (letters, digits, "
+                              "underscores), not the key itself")
+        if verdict not in ("number", "label", "yes_logprob"):
+            raise RecipeError(f"{KEY}.verdict must be number, label or yes_logprob, got {verdict!r}")
+        if mode not in ("pointwise", "group"):
+            raise RecipeError(f"{KEY}.mode must be pointwise or group, got {mode!r}")
+        if mode == "group" and verdict == "yes_logprob":
+            raise RecipeError(f"{KEY}.verdict yes_logprob reads one verdict per answer: use it with mode pointwise")
+        if labels is not None and verdict != "label":
+            raise RecipeError(f"{KEY}.labels is read by verdict label only; set verdict: label or drop labels")
+        labels = {"correct": 1.0, "incorrect": 0.0} if labels is None and verdict == "label" else labels
+        if labels is not None:
+            names = [str(n).strip().lower() for n in labels]
+            if not names or not all(names) or len(set(names)) != len(names):
+                raise RecipeError(f"{KEY}.labels must map distinct, non-empty labels to rewards, got {labels!r}")
+            if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in labels.values()):
+                raise RecipeError(f"{KEY}.labels' rewards must be finite numbers, got {labels!r}")
+            labels = {str(n).strip(): float(v) for n, v in labels.items()}
+        if not (isinstance(scale, (int, float)) and scale > 0 and math.isfinite(scale)):
+            raise RecipeError(f"{KEY}.scale must be a number > 0 (the judge's top score), got {scale!r}")
+        if max_concurrency < 1:
+            raise RecipeError(f"{KEY}.max_concurrency must be >= 1, got {max_concurrency}")
+        if requests_per_second is not None and not requests_per_second > 0:
+            raise RecipeError(f"{KEY}.requests_per_second must be > 0 or null (no limit), got {requests_per_second}")
+        if not timeout_seconds > 0:
+            raise RecipeError(f"{KEY}.timeout_seconds must be > 0, got {timeout_seconds}")
+        if retries < 0 or backoff_seconds < 0:
+            raise RecipeError(f"{KEY}.retries and backoff_seconds must be >= 0, got {retries} and {backoff_seconds}")
+        if temperature < 0 or max_tokens < 1:
+            raise RecipeError(f"{KEY}.temperature must be >= 0 and max_tokens >= 1, got {temperature} and {max_tokens}")
+        template = default_template(mode, verdict, list(labels or ())) if template is None else template
+        try:
+            template.format(question="", response="", answer="", count=0)
+        except (KeyError, IndexError, ValueError) as err:
+            raise RecipeError(f"{KEY}.template: only {{question}}, {{response}}, {{answer}} and {{count}} may be "
+                              f"placeholders, literal braces doubled ({type(err).__name__}: {err})") from None
+        if "{response}" not in template:
+            raise RecipeError(f"{KEY}.template has no {{response}} placeholder: the judge would not see the response")
+        self.url, self.model, self.api_key_env, self.template = url.rstrip("/"), model, api_key_env, template
+        self.verdict, self.labels, self.scale, self.mode = verdict, labels, float(scale), mode
+        self.max_concurrency, self.requests_per_second = max_concurrency, requests_per_second
+        self.timeout_seconds, self.retries, self.backoff_seconds = float(timeout_seconds), retries, float(backoff_seconds)
+        self.temperature, self.max_tokens = temperature, max_tokens
+        self._pool: ThreadPoolExecutor | None = None
+        self._rate_lock = threading.Lock()
+        self._next_start = 0.0  # time.monotonic() before which no request may start (the rate limit)
+
+    def __repr__(self) -> str:  # settings only: the key is not one
+        return (f"LLMJudge(url={self.url!r}, model={self.model!r}, api_key_env={self.api_key_env!r}, "
+                f"verdict={self.verdict!r}, mode={self.mode!r})")
+
+    def __getstate__(self) -> dict:  # copies (checkpoints, worker processes) carry the settings, not threads or locks
+        state = dict(self.__dict__)
+        state.update(_pool=None, _rate_lock=None, _next_start=0.0)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._rate_lock = threading.Lock()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    # ------------------------------------------------------------------------------ scoring
+    def score(self, samples: Sequence[Sample]) -> BatchScores:
+        """One reward per sample, in order; a sample whose request failed or whose verdict could not be read gets
+        0 and its reason in ``failed``."""
+        key = self._api_key()
+        if self.mode == "pointwise":
+            jobs = [([i], self._prompt(s, s.response, 1)) for i, s in enumerate(samples)]  # (indices, prompt)
+        else:
+            groups: dict[int, list[int]] = {}
+            for i, s in enumerate(samples):
+                groups.setdefault(s.group, []).append(i)
+            jobs = [(index, self._prompt(samples[index[0]], "\n\n".join(
+                f"Response {k + 1}:\n{samples[i].response}" for k, i in enumerate(index)), len(index)))
+                for index in groups.values()]
+        scores, failed = [0.0] * len(samples), {}
+        for (index, _), outcome in zip(jobs, self._run([(prompt, len(index)) for index, prompt in jobs], key)):
+            if isinstance(outcome, str):
+                failed.update({i: outcome for i in index})
+            else:
+                for i, value in zip(index, outcome):
+                    scores[i] = value
+        failed = {i: _redact(reason, key) for i, reason in failed.items()}
+        if failed:  # the trainer warns once per batch (``score_samples``); the details for a debug log
+            log.debug("LLM judge at %s: %d of %d samples failed (first: %s)", self.url, len(failed), len(samples),
+                      failed[min(failed)])
+        return BatchScores(scores=scores, failed=failed)
+
+    def _api_key(self) -> str | None:
+        if self.api_key_env is None:
+            return None
+        key = os.environ.get(self.api_key_env)
+        if not key:
+            raise RecipeError(f"{KEY}.api_key_env: the environment variable {self.api_key_env} is not set (or "
+                              "empty); export it with the judge's API key before the run")
+        return key
+
+    def _prompt(self, sample: Sample, response: str, count: int) -> str:
+        users = [m.get("content") for m in sample.messages or [] if isinstance(m, dict) and m.get("role") == "user"]
+        question = users[-1] if users and isinstance(users[-1], str) else sample.prompt
+        return self.template.format(question=question, response=response, answer=sample.answer, count=count)
+
+    def _run(self, prompts: list[tuple[str, int]], key: str | None) -> list[list[float] | str]:
+        """Each ``(prompt, number of responses in it)``'s verdicts (a list of rewards) or the reason it failed,
+        waiting at most the batch's time bound."""
+        if not prompts:
+            return []
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="rllight-judge")
+        attempts = self.retries + 1
+        per_request = attempts * self.timeout_seconds + self.backoff_seconds * (2 ** self.retries - 1)
+        waves = math.ceil(len(prompts) / self.max_concurrency)
+        rate = len(prompts) * attempts / self.requests_per_second if self.requests_per_second else 0.0
+        bound = waves * per_request + rate + 5.0
+        deadline = time.monotonic() + bound
+        cancel, done, left = threading.Event(), threading.Event(), [len(prompts)]
+        lock = threading.Lock()
+
+        def finished(_: Future) -> None:
+            with lock:
+                left[0] -= 1
+                if not left[0]:
+                    done.set()
+
+        futures = []
+        for prompt, count in prompts:
+            future = self._pool.submit(self._judge, prompt, count, key, cancel, deadline)
+            future.add_done_callback(finished)
+            futures.append(future)
+        try:
+            wait_stoppable(done, bound, f"the LLM judge at {self.url}")
+        finally:
+            cancel.set()  # retries and rate-limit waits of what is still running stop now
+            for future in futures:
+                future.cancel()
+        out: list[list[float] | str] = []
+        for future in futures:
+            if not future.done() or future.cancelled():
+                out.append(f"no verdict within the batch's time bound of {bound:.0f} s")
+            elif isinstance(future.exception(), _Failed):
+                out.append(str(future.exception()))
+            elif future.exception() is not None:
+                err = future.exception()
+                out.append(f"{type(err).__name__}: {err}"[:200])
+            else:
+                out.append(future.result())
+        return out
+
+    def _judge(self, prompt: str, count: int, key: str | None, cancel: threading.Event,
+               deadline: float) -> list[float]:
+        body = {"model": self.model, "messages": [{"role": "user", "content": prompt}],
+                "temperature": self.temperature, "max_tokens": self.max_tokens}
+        if self.verdict == "yes_logprob":
+            body.update(logprobs=True, top_logprobs=5, max_tokens=1)
+        answer = self._post(body, key, cancel, deadline)
+        try:
+            choice = answer["choices"][0]
+            text = choice["message"]["content"] or ""
+        except (KeyError, IndexError, TypeError):
+            raise _Failed(f"the judge's answer has no choices[0].message.content: {_snippet(json.dumps(answer))}") \
+                from None
+        if self.verdict == "yes_logprob":
+            return [yes_probability(choice)]
+        if self.verdict == "number":
+            values = parse_scores(text, count)
+            for v in values:
+                if not 0 <= v <= self.scale:
+                    raise _Failed(f"score {v:g} is outside 0..{self.scale:g} (scale): {_snippet(text)}")
+            return [v / self.scale for v in values]
+        return [self.labels[name] for name in parse_labels(text, list(self.labels), count)]
+
+    # --------------------------------------------------------------------------------- HTTP
+    def _post(self, body: dict, key: str | None, cancel: threading.Event, deadline: float) -> dict:
+        """``POST`` ``body`` to the endpoint with retries; the decoded JSON object, or ``_Failed`` with why."""
+        headers = {"Content-Type": "application/json"}
+        if key is not None:
+            headers["Authorization"] = f"Bearer {key}"
+        data = json.dumps(body).encode()
+        for attempt in range(self.retries + 1):
+            self._wait_for_rate(cancel)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _Failed(f"no verdict within the batch's time bound (attempt {attempt + 1})")
+            request = urllib.request.Request(self.url + ROUTE, data=data, headers=headers)
+            retry_after = None
+            try:
+                with urllib.request.urlopen(request, timeout=min(self.timeout_seconds, left)) as response:
+                    text = _redact(response.read().decode(errors="replace"), key)  # before any of it is quoted
+            except urllib.error.HTTPError as err:
+                detail = _snippet(_redact(err.read().decode(errors="replace"), key)) or err.reason
+                reason = f"HTTP {err.code} from the judge ({detail})"
+                if err.code != 429 and err.code < 500:
+                    raise _Failed(reason) from None
+                retry_after = _seconds(err.headers.get("Retry-After") if err.headers else None)
+            except (urllib.error.URLError, TimeoutError, OSError, http.client.HTTPException) as err:
+                cause = getattr(err, "reason", err)
+                reason = (f"no answer within timeout_seconds={self.timeout_seconds:g}"
+                          if isinstance(cause, TimeoutError) or "timed out" in str(cause)
+                          else f"cannot reach the judge ({_snippet(str(cause))})")
+            else:
+                try:
+                    answer = json.loads(text)
+                except ValueError:
+                    answer = None
+                if not isinstance(answer, dict):
+                    raise _Failed(f"the judge's answer is not a JSON object: {_snippet(text)}")
+                return answer
+            if attempt == self.retries:
+                break
+            delay = self.backoff_seconds * 2 ** attempt
+            delay = delay if retry_after is None else min(retry_after, 2 * delay)
+            if cancel.wait(delay):
+                break
+        tries = self.retries + 1
+        raise _Failed(f"{reason}, after {tries} attempt{'s' if tries > 1 else ''}")
+
+    def _wait_for_rate(self, cancel: threading.Event) -> None:
+        if not self.requests_per_second:
+            return
+        with self._rate_lock:
+            now = time.monotonic()
+            start = max(now, self._next_start)
+            self._next_start = start + 1.0 / self.requests_per_second
+        if start > now and cancel.wait(start - now):
+            raise _Failed("given up before its turn under requests_per_second")
+
+
+# ------------------------------------------------------------------------------------ verdicts
+_NUMBER = r"(-?\d+(?:\.\d+)?)"
+_SCORE = re.compile(r"score[\s:=*]*" + _NUMBER, re.IGNORECASE)
+_ONLY_NUMBER = re.compile(r"\s*\**\s*" + _NUMBER + r"\s*(?:/\s*\d+(?:\.\d+)?)?\s*\**\s*\.?\s*")
+_NUMBERED_SCORE = re.compile(r"response\s*#?\s*(\d+)\s*[:.)\-]*\s*\**\s*(?:score[\s:=*]*)?" + _NUMBER,
+                             re.IGNORECASE)
+
+
+def parse_scores(text: str, count: int = 1) -> list[float]:
+    """``count`` scores read from a judge's answer, in order; ``_Failed`` when it does not hold exactly that many.
+
+    One score: the last ``Score: N``, else an answer that is only a number (``7``, ``7/10``). Several (group
+    mode): ``Response K: [Score:] N`` lines for K = 1..count (the last line for each K wins), else the last JSON list
+    of ``count`` numbers, else exactly ``count`` ``Score: N``s in order."""
+    if count == 1:
+        found = _SCORE.findall(text)
+        if found:
+            return [float(found[-1])]
+        only = _ONLY_NUMBER.fullmatch(text)
+        if only:
+            return [float(only.group(1))]
+        raise _Failed(f"no 'Score: N' in the judge's answer: {_snippet(text)}")
+    numbered = {int(k): float(v) for k, v in _NUMBERED_SCORE.findall(text)}
+    if set(numbered) == set(range(1, count + 1)):
+        return [numbered[k] for k in range(1, count + 1)]
+    for values in reversed(_json_lists(text)):
+        if len(values) == count and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            return [float(v) for v in values]
+    found = _SCORE.findall(text)
+    if len(found) == count:
+        return [float(v) for v in found]
+    given = max(len(numbered), len(found))
+    raise _Failed(f"the judge's answer gives {given} scores for {count} responses: {_snippet(text)}")
+
+
+def parse_labels(text: str, labels: list[str], count: int = 1) -> list[str]:
+    """``count`` labels (as spelled in ``labels``) read from a judge's answer; ``_Failed`` when it does not hold
+    exactly that many. One: the first label after the last ``Verdict:``, else the last label named (whole words,
+    case-insensitive). Several: ``Response K: [Verdict:] L`` for K = 1..count, else the last JSON list of labels."""
+    spelled = {n.lower(): n for n in labels}
+    names = "|".join(re.escape(n) for n in sorted(spelled, key=len, reverse=True))
+    label = re.compile(rf"(?<![\w-])({names})(?![\w-])", re.IGNORECASE)
+    if count == 1:
+        marker = list(re.finditer(r"verdict[\s:=*]*", text, re.IGNORECASE))
+        tail = text[marker[-1].end():] if marker else ""
+        found = label.search(tail) if tail else None
+        found = found or (label.findall(text) or [None])[-1]
+        if found is None:
+            raise _Failed(f"none of the labels {labels} in the judge's answer: {_snippet(text)}")
+        return [spelled[(found if isinstance(found, str) else found.group(1)).lower()]]
+    numbered_re = re.compile(rf"response\s*#?\s*(\d+)\s*[:.)\-]*\s*\**\s*(?:verdict[\s:=*]*)?({names})(?![\w-])",
+                             re.IGNORECASE)
+    numbered = {int(k): v.lower() for k, v in numbered_re.findall(text)}
+    if set(numbered) == set(range(1, count + 1)):
+        return [spelled[numbered[k]] for k in range(1, count + 1)]
+    for values in reversed(_json_lists(text)):
+        if len(values) == count and all(isinstance(v, str) and v.strip().lower() in spelled for v in values):
+            return [spelled[v.strip().lower()] for v in values]
+    raise _Failed(f"the judge's answer gives {len(numbered)} labels for {count} responses: {_snippet(text)}")
+
+
+def yes_probability(choice: dict) -> float:
+    """P(yes) from a chat completion's ``choices[0]``: the first token's top log-probs (and the sampled token's
+    own), summed over the variants of yes and of no (stripped, case-insensitive), normalised over the two."""
+    try:
+        first = choice["logprobs"]["content"][0]
+    except (KeyError, IndexError, TypeError):
+        raise _Failed("the judge's answer has no log-probs (choices[0].logprobs.content); the server must support "
+                      "logprobs and top_logprobs") from None
+    tokens = {}
+    for item in [first, *(first.get("top_logprobs") or [])]:
+        if isinstance(item, dict) and isinstance(item.get("token"), str) and isinstance(item.get("logprob"), (int, float)):
+            tokens[item["token"]] = float(item["logprob"])
+    yes = sum(math.exp(lp) for t, lp in tokens.items() if t.strip().lower() == "yes")
+    no = sum(math.exp(lp) for t, lp in tokens.items() if t.strip().lower() == "no")
+    if not yes + no > 0:
+        raise _Failed(f"neither yes nor no among the first token's top log-probs ({sorted(tokens)[:5]})")
+    return yes / (yes + no)
+
+
+def _json_lists(text: str) -> list[list]:
+    out = []
+    for m in re.finditer(r"\[[^\[\]]*\]", text):
+        try:
+            value = json.loads(m.group(0))
+        except ValueError:
+            continue
+        if isinstance(value, list):
+            out.append(value)
+    return out
+
+
+def _seconds(value: str | None) -> float | None:
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None  # an HTTP date: the exponential backoff instead
+
+
+def _snippet(text: str, n: int = 80) -> str:
+    text = " ".join(str(text).split())
+    return repr(text[:n] + ("..." if len(text) > n else ""))
+
+
+def _redact(text: str, key: str | None) -> str:
+    return text.replace(key, "[key]") if key else text
+
+
+__all__ = ["LLMJudge", "default_template", "parse_labels", "parse_scores", "yes_probability"]

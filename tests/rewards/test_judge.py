@@ -1,0 +1,346 @@
+"""The LLM judge against a fake OpenAI-compatible server on 127.0.0.1: verdicts parsed and scaled; a judge that
+hangs, errors, answers garbage or is slow costs counted failures within its time bound, never a hung run; the
+concurrency and rate limits hold; the API key travels in the Authorization header and nowhere else."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import pickle
+import re
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from conftest import RECIPES
+
+from rllight import stopping
+from rllight.errors import RecipeError
+from rllight.rewards.batch import BatchReward, Sample, as_batch_scores
+from rllight.rewards.judge import LLMJudge, default_template, parse_labels, parse_scores
+
+SECRET = "sk-test-J7x9-never-print-me"  # the key: asserted absent from every output
+ENV = "RLLIGHT_TEST_JUDGE_KEY"
+
+
+class FakeJudge:
+    """A chat-completions server whose behaviour the test switches: ``reply(body, n)`` returns ``(status, text,
+    headers)`` or None to hang (until the server stops); ``n`` counts requests from 1. It records each request's
+    arrival time, body and Authorization header, and the most requests in flight at once."""
+
+    def __init__(self):
+        self.reply = lambda body, n: (200, chat("Score: 7"), {})
+        self.delay = 0.0
+        self.arrivals, self.bodies, self.auth = [], [], []
+        self.in_flight = self.max_in_flight = 0
+        self.lock, self.stop = threading.Lock(), threading.Event()
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with fake.lock:
+                    fake.arrivals.append(time.monotonic())
+                    fake.bodies.append(body)
+                    fake.auth.append(self.headers.get("Authorization"))
+                    fake.in_flight += 1
+                    fake.max_in_flight = max(fake.max_in_flight, fake.in_flight)
+                    n = len(fake.arrivals)
+                try:
+                    fake.stop.wait(fake.delay)
+                    out = fake.reply(body, n)
+                    if out is None:  # hang: longer than any timeout here
+                        fake.stop.wait(60)
+                        return
+                    status, text, headers = out
+                    data = text.encode()
+                    self.send_response(status)
+                    for k, v in {"Content-Type": "application/json", **headers}.items():
+                        self.send_header(k, v)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+                finally:
+                    with fake.lock:
+                        fake.in_flight -= 1
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.stop.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def chat(content: str, logprobs: dict | None = None) -> str:
+    choice = {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}
+    if logprobs is not None:
+        choice["logprobs"] = logprobs
+    return json.dumps({"id": "chatcmpl-1", "object": "chat.completion", "choices": [choice]})
+
+
+def samples(n: int, group_size: int = 1, answer: str = "42") -> list[Sample]:
+    return [Sample(prompt=f"<user>What is 6*7? ({i // group_size})</user>", messages=None, response=f"resp-{i}",
+                   response_ids=[1, 2], answer=answer, row={"answer": answer}, group=i // group_size)
+            for i in range(n)]
+
+
+@pytest.fixture
+def fake():
+    server = FakeJudge()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def key(monkeypatch):
+    monkeypatch.setenv(ENV, SECRET)
+    return SECRET
+
+
+def judge(fake, **kwargs) -> LLMJudge:
+    kwargs = {"url": fake.url, "model": "judge-model", "api_key_env": ENV, "timeout_seconds": 5.0,
+              "backoff_seconds": 0.05, **kwargs}
+    return LLMJudge(**kwargs)
+
+
+def test_scores_are_parsed_scaled_and_sent_with_the_key(fake, key):
+    answers = {"resp-0": "Good.\nScore: 7", "resp-1": "**Score:** 10/10", "resp-2": "3"}
+    fake.reply = lambda body, n: (200, chat(next(v for k, v in answers.items() if k in
+                                                 body["messages"][0]["content"])), {})
+    j = judge(fake)
+    out = j.score(samples(3))
+    assert out.scores == [0.7, 1.0, 0.3] and out.failed == {}
+    checked = as_batch_scores(j, samples(3), out)
+    assert checked.correct == [True, True, False]  # correct = 0.5 by default
+    assert fake.auth == [f"Bearer {SECRET}"] * 3
+    body = fake.bodies[0]
+    assert body["model"] == "judge-model" and body["temperature"] == 0.0 and body["max_tokens"] == 512
+    prompt = body["messages"][0]["content"]  # the question, the reference answer and the response are filled in
+    assert "What is 6*7?" in prompt and "42" in prompt and "Score: N" in prompt
+    j.close()
+
+
+def test_the_question_is_the_rows_last_user_message(fake, key):
+    s = Sample(prompt="<chat template>...", messages=[{"role": "system", "content": "sys"},
+                                                      {"role": "user", "content": "How many legs has a spider?"}],
+               response="8", response_ids=[1], answer="8", row={}, group=0)
+    j = judge(fake, template="Q={question} R={response} A={answer}")
+    assert j.score([s]).scores == [0.7]
+    assert fake.bodies[0]["messages"][0]["content"] == "Q=How many legs has a spider? R=8 A=8"
+
+
+def test_a_hanging_judge_fails_its_samples_within_the_time_bound(fake, key):
+    fake.reply = lambda body, n: None if "resp-1" in body["messages"][0]["content"] else (200, chat("Score: 5"), {})
+    j = judge(fake, timeout_seconds=0.5, retries=1)
+    start = time.monotonic()
+    out = j.score(samples(3))
+    elapsed = time.monotonic() - start
+    assert elapsed < 0.5 * 2 + 0.05 + 2.0  # timeout x (retries + 1) + the backoff + room for a busy machine
+    assert out.scores == [0.5, 0.0, 0.5] and list(out.failed) == [1]
+    assert "no answer within timeout_seconds=0.5, after 2 attempts" in out.failed[1]
+    assert len([b for b in fake.bodies if "resp-1" in b["messages"][0]["content"]]) == 2
+    # the next batch is scored (the pool is not left stuck)
+    fake.reply = lambda body, n: (200, chat("Score: 9"), {})
+    assert j.score(samples(2)).scores == [0.9, 0.9]
+
+
+def test_a_stop_asked_while_the_judge_hangs_ends_the_wait_within_seconds(fake, key, monkeypatch):
+    fake.reply = lambda body, n: None
+    # Ctrl-C asked STOP_GRACE_SECONDS ago: the wait gives up at its next slice, not after timeout_seconds.
+    monkeypatch.setitem(stopping._stop, "Ctrl-C", time.monotonic() - stopping.STOP_GRACE_SECONDS)
+    start = time.monotonic()
+    with pytest.raises(stopping.Interrupted):
+        judge(fake, timeout_seconds=30.0).score(samples(2))
+    assert time.monotonic() - start < 3.0
+
+
+def test_a_server_error_is_retried_and_then_scored(fake, key):
+    fake.reply = lambda body, n: (500, '{"error": "overloaded"}', {}) if n == 1 else (200, chat("Score: 8"), {})
+    out = judge(fake, retries=2).score(samples(1))
+    assert out.scores == [0.8] and out.failed == {} and len(fake.bodies) == 2
+
+
+def test_a_server_error_without_retries_is_a_counted_failure(fake, key):
+    fake.reply = lambda body, n: (500, '{"error": "overloaded"}', {})
+    out = judge(fake, retries=0).score(samples(1))
+    assert out.scores == [0.0] and out.failed[0].startswith("HTTP 500 from the judge") and len(fake.bodies) == 1
+
+
+def test_429_waits_and_retries_but_another_4xx_does_not(fake, key):
+    fake.reply = lambda body, n: (429, '{"error": "rate"}', {"Retry-After": "0"}) if n == 1 else (
+        200, chat("Score: 6"), {})
+    assert judge(fake).score(samples(1)).scores == [0.6] and len(fake.bodies) == 2
+    fake.bodies.clear()
+    fake.reply = lambda body, n: (400, '{"error": "bad request"}', {})
+    out = judge(fake, retries=3).score(samples(1))
+    assert "HTTP 400" in out.failed[0] and len(fake.bodies) == 1
+
+
+@pytest.mark.parametrize("text,reason", [
+    (chat("I think it is fine."), "no 'Score: N' in the judge's answer"),
+    ("<html>Bad gateway</html>", "not a JSON object"),
+    ('{"choices": []}', "has no choices[0].message.content"),
+    (chat("Score: 75"), "outside 0..10"),
+])
+def test_garbage_is_a_counted_failure_with_a_reason(fake, key, text, reason):
+    fake.reply = lambda body, n: (200, text, {})
+    j = judge(fake)
+    out = j.score(samples(2))
+    assert out.scores == [0.0, 0.0] and sorted(out.failed) == [0, 1] and reason in out.failed[0]
+    assert len(fake.bodies) == 2  # an answer that cannot be read is not asked again
+    checked = as_batch_scores(j, samples(2), out)
+    assert checked.correct == [False, False] and checked.failed == out.failed
+
+
+def test_a_slow_judge_within_the_timeout_is_scored(fake, key):
+    fake.delay = 0.4
+    out = judge(fake, timeout_seconds=3.0, retries=0).score(samples(2))
+    assert out.scores == [0.7, 0.7] and out.failed == {}
+
+
+def test_the_concurrency_limit_holds(fake, key):
+    fake.delay = 0.2
+    out = judge(fake, max_concurrency=2).score(samples(8))
+    assert out.scores == [0.7] * 8
+    assert fake.max_in_flight == 2  # parallel, and never more than the limit
+
+
+def test_the_rate_limit_holds(fake, key):
+    start = time.monotonic()
+    out = judge(fake, max_concurrency=6, requests_per_second=10.0).score(samples(6))
+    assert out.scores == [0.7] * 6
+    # One start per 0.1 s: only k requests may start in the first k x 0.1 s, so the k-th to reach the server
+    # (from 0) came no sooner than that, however the machine delayed each on its way.
+    arrivals = sorted(fake.arrivals)
+    assert all(t - start >= k * 0.1 - 1e-3 for k, t in enumerate(arrivals)), [t - start for t in arrivals]
+    assert arrivals[-1] - start < 0.5 + 2.0  # and not much later either
+
+
+def test_group_mode_one_request_per_group_in_order(fake, key):
+    def reply(body, n):
+        text = body["messages"][0]["content"]
+        assert "Response 1:\nresp-" in text and "Response 3:" in text and "Response 4:" not in text
+        first = int(re.search(r"resp-(\d+)", text).group(1))
+        if first == 0:
+            return 200, chat("Reasoning...\nResponse 1: Score: 2\nResponse 2: Score: 10\nResponse 3: Score: 5"), {}
+        if first == 3:
+            return 200, chat("Scores: [4, 6, 8]"), {}
+        return 200, chat("Response 1: Score: 2\nResponse 2: Score: 3"), {}  # one short: the group fails
+    fake.reply = reply
+    j = judge(fake, mode="group")
+    out = j.score(samples(9, group_size=3))
+    assert len(fake.bodies) == 3
+    assert out.scores[:6] == [0.2, 1.0, 0.5, 0.4, 0.6, 0.8] and out.scores[6:] == [0.0] * 3
+    assert sorted(out.failed) == [6, 7, 8] and "gives 2 scores for 3 responses" in out.failed[6]
+
+
+def test_label_verdicts(fake, key):
+    answers = {"resp-0": "It matches. Verdict: correct", "resp-1": "Not right; the answer is INCORRECT.",
+               "resp-2": "Hmm, partially."}
+    fake.reply = lambda body, n: (200, chat(next(v for k, v in answers.items() if k in
+                                                 body["messages"][0]["content"])), {})
+    out = judge(fake, verdict="label").score(samples(3))
+    assert out.scores == [1.0, 0.0, 0.0] and list(out.failed) == [2] and "none of the labels" in out.failed[2]
+    assert "correct, incorrect" in fake.bodies[0]["messages"][0]["content"]
+
+
+def test_yes_logprob_scores_p_yes_over_yes_and_no(fake, key):
+    top = [{"token": "Yes", "logprob": math.log(0.6)}, {"token": " yes", "logprob": math.log(0.1)},
+           {"token": "No", "logprob": math.log(0.2)}, {"token": "Maybe", "logprob": math.log(0.1)}]
+    fake.reply = lambda body, n: (200, chat("Yes", {"content": [{"token": "Yes", "logprob": math.log(0.6),
+                                                                  "top_logprobs": top}]}), {})
+    out = judge(fake, verdict="yes_logprob").score(samples(1))
+    assert out.scores == [pytest.approx((0.6 + 0.1) / (0.6 + 0.1 + 0.2))]
+    body = fake.bodies[0]
+    assert body["logprobs"] is True and body["top_logprobs"] == 5 and body["max_tokens"] == 1
+    fake.reply = lambda body, n: (200, chat("Yes"), {})  # a server without log-probs
+    assert "no log-probs" in judge(fake, verdict="yes_logprob").score(samples(1)).failed[0]
+
+
+def test_parsers():
+    assert parse_scores("Score: 3\nOn reflection, Score = 4.5") == [4.5]
+    assert parse_scores("[1, 2]", 2) == [1.0, 2.0]
+    assert parse_scores("Response 2: 9\nResponse 1: 1", 2) == [1.0, 9.0]
+    assert parse_labels("Verdict: **incorrect** (not correct)", ["correct", "incorrect"]) == ["incorrect"]
+    assert parse_labels('["Correct", "incorrect"]', ["correct", "incorrect"], 2) == ["correct", "incorrect"]
+    assert default_template("group", "number").format(question="q", response="r", answer="a", count=3).startswith(
+        "Grade 3 responses")
+
+
+def test_the_key_appears_in_no_output(fake, key, caplog, capsys, tmp_path, monkeypatch):
+    # An auth error whose body echoes the Authorization header (as some gateways do) fails the sample, redacted.
+    # The key starts inside the 80 characters a reason quotes and ends past them: no prefix of it may show.
+    fake.reply = lambda body, n: (401, json.dumps({"error": f"{'x' * 50} bad key {fake.auth[-1]}"}), {})
+    j = judge(fake, retries=0)
+    with caplog.at_level(logging.DEBUG):
+        out = j.score(samples(2))
+        fake.reply = lambda body, n: None  # and a hang, logged at debug
+        judge(fake, retries=0, timeout_seconds=0.3).score(samples(1))
+    assert sorted(out.failed) == [0, 1] and "HTTP 401" in out.failed[0] and "Bearer [ke" in out.failed[0]
+    assert "LLM judge at" in caplog.text
+    for text in [*out.failed.values(), caplog.text, repr(j), str(vars(j))]:
+        assert SECRET[:12] not in text
+    assert SECRET.encode() not in pickle.dumps(j)
+    copy = pickle.loads(pickle.dumps(j))
+    assert copy.api_key_env == ENV and copy._pool is None
+    # --print_config of a recipe using it: only the variable's name is a setting.
+    from rllight.module import RLModule
+    if "BatchReward" not in str(RLModule.__init__.__annotations__.get("reward")):
+        pytest.skip("model.reward does not accept a BatchReward yet")
+    from rllight.cli import main
+    overlay = tmp_path / "judge.yaml"
+    overlay.write_text(f"model:\n  reward:\n    class_path: rllight.rewards.judge.LLMJudge\n    init_args:\n"
+                       f"      url: {fake.url}\n      model: judge-model\n      api_key_env: {ENV}\n")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", "--config", f"{RECIPES}/quickstart.yaml", "--config", str(overlay), "--print_config"])
+    printed = capsys.readouterr()
+    assert exc.value.code in (0, None), printed.err
+    assert "rllight.rewards.judge.LLMJudge" in printed.out and ENV in printed.out
+    assert SECRET not in printed.out + printed.err
+
+
+def test_a_missing_key_variable_is_one_line_naming_it(fake, monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    j = judge(fake)  # the key is read at the first call, not when the recipe is parsed
+    with pytest.raises(RecipeError, match=f"model.reward.init_args.api_key_env: the environment variable {ENV} is "
+                                          "not set") as err:
+        j.score(samples(1))
+    assert "\n" not in str(err.value) and fake.bodies == []
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"url": "127.0.0.1:8000/v1"}, "url"),
+    ({"url": "http://x/v1/chat/completions"}, "url"),
+    ({"api_key_env": "sk-abc key"}, "api_key_env"),
+    ({"verdict": "stars"}, "verdict"),
+    ({"mode": "group", "verdict": "yes_logprob"}, "verdict"),
+    ({"labels": {"good": 1.0}}, "labels"),
+    ({"verdict": "label", "labels": {}}, "labels"),
+    ({"scale": 0}, "scale"),
+    ({"max_concurrency": 0}, "max_concurrency"),
+    ({"requests_per_second": 0}, "requests_per_second"),
+    ({"timeout_seconds": 0}, "timeout_seconds"),
+    ({"retries": -1}, "retries"),
+    ({"template": "Rate {response} with {score}"}, "template"),
+    ({"template": "Rate the question {question}"}, "template"),
+])
+def test_bad_settings_are_one_line_naming_the_field(kwargs, field):
+    with pytest.raises(RecipeError, match=rf"model\.reward\.init_args\.{field}") as err:
+        LLMJudge(**{"url": "http://127.0.0.1:1/v1", "model": "m", **kwargs})
+    assert "\n" not in str(err.value)
+
+
+def test_it_is_a_batch_reward():
+    assert isinstance(LLMJudge(url="http://127.0.0.1:1/v1", model="m"), BatchReward)

@@ -1,0 +1,187 @@
+"""The reward model's placements (``rllight.rewards.reward_model``): in the trainer's process, in a worker process,
+at a URL (``reward_model_worker``, ``reward_model_remote``).
+
+- One tiny ``LlamaForSequenceClassification`` and the same samples give equal scores (to 1e-5) in every placement:
+  ``process``, ``worker``, and ``url`` against a fake server in this process that scores with the same classifier,
+  for each protocol (vLLM's Pooling API, OpenRLHF's remote reward model), with the request fields each documents.
+- A worker killed mid-batch is restarted once and the batch still scored; killed again, the batch fails, counted
+  (``score_samples``: every sample 0). A worker that hangs fails its batch within about ``timeout_seconds``, and the
+  next batch is scored by a new one. ``close`` stops the worker; a pickle carries the settings only.
+- A server that answers 500 is retried, then the batch fails, counted; a bad placement, protocol or URL is one
+  ``RecipeError`` line naming ``model.reward.init_args.<field>``.
+"""
+
+import json
+import logging
+import pickle
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from reward_model_fixtures import DIE_MARKER, make_classifier
+
+from rllight.errors import RecipeError
+from rllight.rewards import RewardModel
+from rllight.rewards.batch import Sample
+from rllight.rollout.producer import score_samples
+
+QUESTIONS = ["What is 2 + 3?", "What is 7 - 4?", "Name a prime."]
+
+
+def sample(response: str, question: str | None = None, group: int = 0) -> Sample:
+    messages = [{"role": "user", "content": question}] if question is not None else None
+    return Sample(prompt=f"Q: {question or '1 + 1?'}\nA: ", messages=messages, response=response, response_ids=[1],
+                  answer="5", row={}, group=group)
+
+
+CHATS = [sample(r, q, i) for i, (q, r) in enumerate(zip(QUESTIONS, ["5", "it is three, 3", "seven is one"]))]
+PLAIN = [sample("2 and some more words")]  # no messages: the prompt as the policy saw it, then the response
+
+
+@pytest.fixture(scope="module")
+def classifier_dir(tiny_model_dir, tmp_path_factory) -> str:
+    return make_classifier(tmp_path_factory.mktemp("rm") / "classifier", tiny_model_dir)
+
+
+class Misbehaving(RewardModel):
+    """A reward model whose worker hangs on a ``HANG`` text and dies on a ``DIE`` one (``serve_misbehaving``)."""
+
+    _worker_target = "reward_model_fixtures:serve_misbehaving"
+
+
+# ------------------------------------------------------------------------------------------------- a fake server
+class FakeServer:
+    """A reward-model server on 127.0.0.1 that scores with the tiny classifier in this process, at ``/pooling``
+    (vLLM) and ``/get_reward`` (OpenRLHF); ``fail`` makes it answer HTTP 500. It keeps every request body."""
+
+    def __init__(self, folder: str):
+        self.scorer, self.fail, self.bodies = RewardModel(folder), False, []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                server.bodies.append((self.path, body))
+                status, answer = (500, {"error": "busy"}) if server.fail else (200, server.answer(self.path, body))
+                data = json.dumps(answer).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def answer(self, path: str, body: dict) -> dict:
+        if path == "/get_reward":  # OpenRLHF: full texts in, {"rewards": [...]} out; these are templated texts
+            return {"rewards": self.scorer.forward([(q, True) for q in body["query"]])}
+        scores = self.scorer.forward([(t, not body["add_special_tokens"]) for t in body["input"]])
+        data = [{"index": i, "object": "pooling", "data": [s]} for i, s in enumerate(scores)]
+        return {"object": "list", "model": body["model"], "data": data[::-1]}  # in any order: "index" says which
+
+
+@pytest.fixture(scope="module")
+def server(classifier_dir):
+    fake = FakeServer(classifier_dir)
+    yield fake
+    fake.http.shutdown()
+
+
+# ------------------------------------------------------------------------------------------------- equal scores
+def test_every_placement_gives_the_same_scores(classifier_dir, server):
+    expected = RewardModel(classifier_dir).score(CHATS + PLAIN)
+    assert max(expected) - min(expected) > 0.1  # the texts are told apart
+    worker = RewardModel(classifier_dir, placement="worker")
+    try:
+        assert worker.score(CHATS + PLAIN) == pytest.approx(expected, abs=1e-5)
+        copy = pickle.loads(pickle.dumps(worker))  # settings only, no process
+        assert copy._worker is None and copy.placement == "worker"
+        child = worker._worker.child
+    finally:
+        worker.close()
+    assert child.exit_code(wait_seconds=5.0) is not None and worker._worker is None  # close stops it
+    vllm = RewardModel(classifier_dir, placement="url", url=server.url + "/pooling", protocol="vllm_pooling")
+    server.bodies.clear()
+    assert vllm.score(CHATS + PLAIN) == pytest.approx(expected, abs=1e-5)
+    # Templated and plain texts go in two requests, each saying whether the server adds special tokens.
+    assert [(path, body["model"], body["add_special_tokens"], len(body["input"])) for path, body in server.bodies] \
+        == [("/pooling", classifier_dir, False, 3), ("/pooling", classifier_dir, True, 1)]
+    assert server.bodies[0][1]["input"] == [vllm.text(s)[0] for s in CHATS]
+    openrlhf = RewardModel(classifier_dir, placement="url", url=server.url + "/get_reward", protocol="openrlhf")
+    server.bodies.clear()
+    assert openrlhf.score(CHATS) == pytest.approx(expected[:3], abs=1e-5)
+    [(_, body)] = server.bodies
+    assert body == {"query": [openrlhf.text(s)[0] for s in CHATS], "prompts": [s.prompt for s in CHATS],
+                    "labels": ["5"] * 3}
+
+
+# ------------------------------------------------------------------------------------------------- the worker
+def test_a_worker_killed_mid_batch_is_restarted_once(classifier_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv(DIE_MARKER, str(tmp_path / "died-once"))
+    reward = Misbehaving(classifier_dir, placement="worker")
+    dying = [*CHATS[:2], sample("DIE now", QUESTIONS[2], 2)]
+    try:
+        scores = reward.score(dying)  # the first child SIGKILLs itself; the restart scores the batch
+        assert (tmp_path / "died-once").exists()
+        assert scores == pytest.approx(RewardModel(classifier_dir).score(dying), abs=1e-5)
+        # Now the running child dies on it (its marker gone) and so does its restart (no marker): the batch fails.
+        (tmp_path / "died-once").unlink()
+        monkeypatch.delenv(DIE_MARKER)
+        values, correct, failures = score_samples(reward, dying)
+        assert values == [0.0] * 3 and correct == [False] * 3 and failures == 3
+    finally:
+        reward.close()
+
+
+def test_a_worker_that_hangs_fails_its_batch_within_the_timeout(classifier_dir, caplog):
+    reward = Misbehaving(classifier_dir, placement="worker", timeout_seconds=3)
+    try:
+        reward.score(CHATS[:1])  # started and loaded: the timeout is the batch's alone
+        started = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="rllight.rollout.producer"):
+            values, _, failures = score_samples(reward, [sample("HANG", QUESTIONS[0])] + CHATS[1:])
+        assert time.monotonic() - started < 3 + 10 and failures == 3 and values == [0.0] * 3
+        assert any("did not score a batch of 3 texts within 3 s" in r.getMessage() for r in caplog.records)
+        assert reward._worker.child is None  # killed
+        assert reward.score(CHATS) == pytest.approx(RewardModel(classifier_dir).score(CHATS), abs=1e-5)
+    finally:
+        reward.close()
+
+
+# ------------------------------------------------------------------------------------------------- the server
+def test_a_server_that_answers_500_is_retried_then_the_batch_fails(classifier_dir, server, caplog):
+    reward = RewardModel(classifier_dir, placement="url", url=server.url + "/pooling", retries=2,
+                         backoff_seconds=0.01, timeout_seconds=5)
+    server.bodies.clear()
+    server.fail = True
+    try:
+        with caplog.at_level(logging.WARNING, logger="rllight.rollout.producer"):
+            values, _, failures = score_samples(reward, CHATS)
+    finally:
+        server.fail = False
+    assert values == [0.0] * 3 and failures == 3 and len(server.bodies) == 3  # one request and two retries
+    [line] = [r.getMessage() for r in caplog.records if "whole batch" in r.getMessage()]
+    assert "HTTP 500 from the reward model" in line and "after 3 attempts" in line
+    assert reward.score(CHATS) == pytest.approx(RewardModel(classifier_dir).score(CHATS), abs=1e-5)  # back up
+
+
+@pytest.mark.parametrize(("settings", "field"), [
+    ({"placement": "gpu"}, "placement"),
+    ({"placement": "url", "url": "http://127.0.0.1:1/pooling", "protocol": "grpc"}, "protocol"),
+    ({"placement": "url", "url": "127.0.0.1:8000/pooling"}, "url"),
+    ({"placement": "url", "url": None}, "url"),
+    ({"placement": "url", "url": "http://127.0.0.1:8000/v1"}, "url"),  # vLLM's pooling route is not under /v1
+    ({"placement": "worker", "url": "http://127.0.0.1:8000/pooling"}, "url"),
+    ({"placement": "url", "url": "http://h/pooling", "api_key_env": "sk-secret value"}, "api_key_env"),
+    ({"placement": "worker", "timeout_seconds": 0}, "timeout_seconds"),
+])
+def test_a_bad_placement_setting_is_one_line_naming_it(settings, field):
+    with pytest.raises(RecipeError) as err:
+        RewardModel("any/model", **settings)
+    assert str(err.value).startswith(f"model.reward.init_args.{field}") and "\n" not in str(err.value), str(err.value)
