@@ -61,6 +61,10 @@ class RolloutCallback(L.Callback):
 
     rollout_order: int = 100
 
+    def check_before_fit(self, module: L.LightningModule) -> None:
+        """Checks that need no model: ``rllight fit`` calls this before any model loads (before the evaluation that
+        opens a run), so that a wrong setting costs a line, not minutes. Raise ``RecipeError`` with one line."""
+
     def on_rollout(self, trainer: L.Trainer, context: RolloutContext, rollout: Rollout) -> Rollout | None:
         """Return the rollout to train on (the same object, changed, or a new one), or None when the
         callback has used it itself and this step makes no policy update (e.g. value pretraining).

@@ -156,6 +156,7 @@ class TeacherLogprobs(RolloutCallback):
         self.teacher: torch.nn.Module | None = None
         self.used_temperature = 1.0 if temperature is None else temperature
         """The temperature ``on_rollout`` divides the teacher's logits by (set in ``setup``)."""
+        self._checked = False  # check_before_fit has passed
 
     def check_tokenizer(self, policy: HFModel) -> None:
         """Refuse, in one line, a teacher whose tokenizer differs from the policy's (``tokenizer_difference``).
@@ -166,20 +167,30 @@ class TeacherLogprobs(RolloutCallback):
                               "distillation compares log-probs of the same token ids, so give a teacher of the "
                               "policy's tokenizer")
 
+    def check_before_fit(self, module: L.LightningModule) -> None:
+        """The tokenizers and the temperature, before any model loads (``rllight fit`` calls it first; ``setup``
+        does otherwise): a teacher folder that is missing or of another tokenizer costs one line, not the minutes of
+        the evaluation that opens a run."""
+        if self._checked:
+            return
+        policy = getattr(module, "source", None)  # the policy's HFModel
+        if policy is not None:
+            self.check_tokenizer(policy)
+        engine_temperature = getattr(getattr(module, "rollout", None), "temperature", None)
+        if self.temperature is None and engine_temperature is not None:
+            self.used_temperature = float(engine_temperature)
+        if self.server is not None and self.used_temperature != 1.0:
+            raise RecipeError(_URL_TEMPERATURE.format(temperature=self.used_temperature,
+                                                      what="engine's sampling temperature"))
+        self._checked = True
+
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit" or self.teacher is not None:
             return
-        policy = getattr(pl_module, "source", None)  # the policy's HFModel
-        if policy is not None:
-            self.check_tokenizer(policy)
-        engine_temperature = getattr(getattr(pl_module, "rollout", None), "temperature", None)
-        if self.temperature is None and engine_temperature is not None:
-            self.used_temperature = float(engine_temperature)
+        self.check_before_fit(pl_module)
         if self.server is not None:
-            if self.used_temperature != 1.0:
-                raise RecipeError(_URL_TEMPERATURE.format(temperature=self.used_temperature,
-                                                          what="engine's sampling temperature"))
             return
+        policy = getattr(pl_module, "source", None)
         source = copy.copy(self.model)
         if policy is not None:
             source.dtype = policy.dtype

@@ -279,6 +279,9 @@ class RLLightCLI(LightningCLI):
     def before_fit(self) -> None:
         self._check_outputs()
         self._check_resume()
+        for callback in self.trainer.callbacks:  # e.g. a teacher's folder and tokenizer: before any model loads
+            if hasattr(callback, "check_before_fit"):
+                callback.check_before_fit(self.model)
         evaluate = self.config.fit.evaluate_before_after and self._no_validation() is None
         if evaluate and isinstance(self.datamodule, RLDataModule):  # not after an evaluation's minutes
             self.datamodule.setup("fit")

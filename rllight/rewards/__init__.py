@@ -12,7 +12,7 @@ A ``BatchReward`` (``rllight.rewards.batch``) scores a whole batch of ``Sample``
 
 from rllight.rewards.base import IntegerMatch, MathVerify, Reward, check_answers, last_integer, score_batch
 from rllight.rewards.batch import BatchReward, BatchScores, Sample, as_batch_scores
-from rllight.rewards.combine import FormatReward, Weighted
+from rllight.rewards.combine import FormatReward, Weighted, WeightedBatch
 from rllight.rewards.judge import LLMJudge
 from rllight.rewards.per_source import PerSource, batch_rewards, by_source, check_rows, score_rows
 from rllight.rewards.reasoning_gym import ReasoningGymScore
@@ -21,5 +21,5 @@ from rllight.rewards.runner import RewardRunner, RewardScores
 
 __all__ = ["BatchReward", "BatchScores", "FormatReward", "IntegerMatch", "LLMJudge", "MathVerify", "PerSource",
            "ReasoningGymScore", "Reward", "RewardModel", "RewardRunner", "RewardScores", "Sample", "Weighted",
-           "as_batch_scores", "batch_rewards", "by_source", "check_answers", "check_rows", "last_integer",
-           "score_batch", "score_rows"]
+           "WeightedBatch", "as_batch_scores", "batch_rewards", "by_source", "check_answers", "check_rows",
+           "last_integer", "score_batch", "score_rows"]

@@ -45,12 +45,14 @@ class BatchScores:
 
     ``scores[i]`` is sample i's reward. ``correct[i]`` whether it counts as solved (for ``reward/accuracy``; None:
     ``scores[i] >= reward.correct``). ``failed`` maps the index of a sample that could not be scored to why (it
-    gets reward 0 and counts as a reward failure, like a verifier that raised).
+    gets reward 0 and counts as a reward failure, like a verifier that raised). ``components`` (optional, e.g.
+    ``WeightedBatch``'s) maps a name to one value per sample, each logged as ``train/reward/<name>`` (its mean).
     """
 
     scores: list[float]
     correct: list[bool] | None = None
     failed: dict[int, str] = field(default_factory=dict)
+    components: dict[str, list[float]] = field(default_factory=dict)
 
 
 class BatchReward:
@@ -92,6 +94,10 @@ def as_batch_scores(reward: BatchReward, samples: Sequence[Sample], out: list[fl
     if scores.correct is not None and len(scores.correct) != len(samples):
         raise RecipeError(f"model.reward: {name}.score returned {len(scores.correct)} correct flags for "
                           f"{len(samples)} samples")
+    for part, vals in scores.components.items():
+        if len(vals) != len(samples):
+            raise RecipeError(f"model.reward: {name}.score returned {len(vals)} values of component {part!r} for "
+                              f"{len(samples)} samples")
     values, failed = [], dict(scores.failed)
     for i, value in enumerate(scores.scores):
         try:
@@ -105,7 +111,9 @@ def as_batch_scores(reward: BatchReward, samples: Sequence[Sample], out: list[fl
     correct = ([bool(c) for c in scores.correct] if scores.correct is not None
                else [v >= getattr(reward, "correct", 1.0) for v in values])
     correct = [ok and i not in failed for i, ok in enumerate(correct)]
-    return BatchScores(scores=values, correct=correct, failed=failed)
+    components = {part: [0.0 if i in failed else float(v) for i, v in enumerate(vals)]
+                  for part, vals in scores.components.items()}
+    return BatchScores(scores=values, correct=correct, failed=failed, components=components)
 
 
 __all__ = ["BatchReward", "BatchScores", "Sample", "as_batch_scores"]

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 
 from rllight.errors import RecipeError
-from rllight.rewards.base import Reward
+from rllight.rewards.base import Reward, _finite_in_float32
+from rllight.rewards.batch import BatchReward, BatchScores, Sample, as_batch_scores
 
 
 class FormatReward(Reward):
@@ -63,31 +65,9 @@ class Weighted(Reward):
 
     def __init__(self, rewards: dict[str, Reward], weights: dict[str, float] | None = None,
                  correct_from: str | None = None):
-        if not rewards:
-            raise RecipeError("Weighted.rewards is empty; name at least one reward, e.g. "
-                              "{correctness: {class_path: rllight.rewards.MathVerify}}")
-        names = list(rewards)
-        for name, reward in rewards.items():
-            if not isinstance(reward, Reward):
-                raise RecipeError(f"Weighted.rewards.{name} is a {type(reward).__name__}, not a Reward; "
-                                  "give it as {class_path: ..., init_args: ...} of a rllight.rewards.Reward")
-        weights = {name: 1.0 for name in names} if weights is None else dict(weights)
-        for name in weights:
-            if name not in rewards:
-                raise RecipeError(f"Weighted.weights.{name}: no reward of that name in rewards "
-                                  f"({', '.join(names)}); weigh only the rewards you name")
-        for name in names:
-            if name not in weights:
-                raise RecipeError(f"Weighted.weights has no weight for {name!r}; give every reward in rewards a "
-                                  "weight (or leave weights out to weigh each by 1)")
-            if not math.isfinite(float(weights[name])):
-                raise RecipeError(f"Weighted.weights.{name} is {weights[name]}; give a finite number")
-        correct_from = names[0] if correct_from is None else correct_from
-        if correct_from not in rewards:
-            raise RecipeError(f"Weighted.correct_from {correct_from!r} is not a reward in rewards "
-                              f"({', '.join(names)}); name the component that judges correctness")
+        weights, correct_from = _checked("Weighted", rewards, weights, correct_from, (Reward,))
         self.rewards = dict(rewards)
-        self.weights = {name: float(weights[name]) for name in names}
+        self.weights = weights
         self.correct_from = correct_from
         ends = [(w * self.rewards[n].correct, w * self.rewards[n].wrong) for n, w in self.weights.items()]
         super().__init__(correct=sum(max(e) for e in ends), wrong=sum(min(e) for e in ends))
@@ -117,3 +97,117 @@ class Weighted(Reward):
 
     def reference_answer(self, answer: str) -> str:
         return self.rewards[self.correct_from].reference_answer(answer)
+
+
+class WeightedBatch(BatchReward):
+    """``Weighted`` for a mix that holds a ``BatchReward`` (a reward model, a judge): the weighted sum of named
+    rewards, scored a batch of ``Sample``s at a time.
+
+    Each ``Reward`` component scores each sample's ``(response, answer)`` (``rllight.rewards.runner.score_one``'s
+    rules, in the trainer's process); each ``BatchReward`` component scores the whole batch in one call of its ``score``.
+    A sample is correct when ``correct_from`` says so (its full reward, or its ``BatchScores.correct``). A component
+    that fails on a sample (it raised, gave a value that is not finite, or said it could not score it) fails that
+    sample: 0, counted in ``train/reward/failures``; a ``BatchReward`` component that raises fails every sample. The
+    trainer closes the batch components through ``batch_rewards``.
+
+    Args:
+        rewards: The components by name, each a ``Reward`` or a ``BatchReward``. Each name is logged as
+            ``train/reward/<name>`` (its unweighted mean, 0 on a failed sample).
+        weights: Weight of each component, one per name in ``rewards``; None weighs each by 1.
+        correct_from: Name of the component that decides whether a response is correct (and whose
+            ``check_answer`` checks the reference answers); None: the first name in ``rewards``.
+    """
+
+    def __init__(self, rewards: dict[str, Reward | BatchReward], weights: dict[str, float] | None = None,
+                 correct_from: str | None = None):
+        self.weights, self.correct_from = _checked("WeightedBatch", rewards, weights, correct_from,
+                                                   (Reward, BatchReward))
+        self.rewards = dict(rewards)
+        # the total when every component gives its full reward (a BatchReward has no ``wrong``: 0)
+        super().__init__(correct=sum(max(w * r.correct, w * getattr(r, "wrong", 0.0))
+                                     for r, w in zip(self.rewards.values(), self.weights.values())))
+
+    def score(self, samples: Sequence[Sample]) -> BatchScores:
+        total, correct, failed = [0.0] * len(samples), [False] * len(samples), {}
+        components: dict[str, list[float]] = {}
+        for name, reward in self.rewards.items():
+            values, oks, fails = _component_scores(reward, samples)
+            components[name] = values
+            for i, why in fails.items():
+                failed.setdefault(i, f"{name}: {why}")
+            total = [t + self.weights[name] * v for t, v in zip(total, values)]
+            if name == self.correct_from:
+                correct = oks
+        components = {name: [0.0 if i in failed else v for i, v in enumerate(vals)]
+                      for name, vals in components.items()}
+        return BatchScores(scores=[0.0 if i in failed else t for i, t in enumerate(total)],
+                           correct=[ok and i not in failed for i, ok in enumerate(correct)], failed=failed,
+                           components=components)
+
+    def check_answer(self, answer: str) -> str | None:
+        return self.rewards[self.correct_from].check_answer(answer)
+
+
+def _component_scores(reward: Reward | BatchReward, samples: Sequence[Sample]
+                      ) -> tuple[list[float], list[bool], dict[int, str]]:
+    """``(values, correct, failed)`` of one ``WeightedBatch`` component on ``samples``; ``failed`` maps a sample the
+    component could not score to why (its value is 0). A ``RecipeError`` is raised: the recipe's fault."""
+    if isinstance(reward, BatchReward):
+        try:
+            out = reward.score(samples)
+        except RecipeError:
+            raise
+        except Exception as err:  # noqa: BLE001 - a judge down fails this batch's samples, not the run
+            why = " ".join(f"{type(err).__name__}: {err}".split())
+            return [0.0] * len(samples), [False] * len(samples), dict.fromkeys(range(len(samples)), why)
+        checked = as_batch_scores(reward, samples, out)
+        return checked.scores, checked.correct, checked.failed
+    values, oks, failed = [], [], {}
+    for i, s in enumerate(samples):
+        try:  # ``rllight.rewards.runner.score_one``'s rules (the runner imports this module)
+            if isinstance(reward, Weighted):
+                parts = reward.components(s.response, s.answer)
+                value, ok = float(reward.combine(parts)), reward.correct_given(parts)
+            else:
+                value = float(reward(s.response, s.answer))
+                ok = value >= reward.correct
+            if not _finite_in_float32(value):
+                raise ValueError(f"reward {value!r} is not finite in float32")
+        except Exception as err:  # noqa: BLE001 - a user's verifier must not stop the run; the sample fails
+            failed[i], value, ok = " ".join(f"{type(err).__name__}: {err}".split()), 0.0, False
+        values.append(value)
+        oks.append(ok)
+    return values, oks, failed
+
+
+def _checked(kind: str, rewards: dict, weights: dict[str, float] | None, correct_from: str | None,
+             types: tuple[type, ...]) -> tuple[dict[str, float], str]:
+    """``(weights, correct_from)`` of a weighted sum of ``rewards`` (``kind``: the class, for the messages),
+    with None filled in; a one-line ``RecipeError`` for an empty ``rewards``, a component not of ``types``, a
+    missing, unknown or non-finite weight, or an unknown ``correct_from``."""
+    if not rewards:
+        raise RecipeError(f"{kind}.rewards is empty; name at least one reward, e.g. "
+                          "{correctness: {class_path: rllight.rewards.MathVerify}}")
+    names = list(rewards)
+    what = " or ".join(f"a rllight.rewards.{t.__name__}" for t in types)
+    for name, reward in rewards.items():
+        if not isinstance(reward, types):
+            raise RecipeError(f"{kind}.rewards.{name} is a {type(reward).__name__}, not a "
+                              f"{'Reward' if types == (Reward,) else 'reward'}; "
+                              f"give it as {{class_path: ..., init_args: ...}} of {what}")
+    weights = {name: 1.0 for name in names} if weights is None else dict(weights)
+    for name in weights:
+        if name not in rewards:
+            raise RecipeError(f"{kind}.weights.{name}: no reward of that name in rewards "
+                              f"({', '.join(names)}); weigh only the rewards you name")
+    for name in names:
+        if name not in weights:
+            raise RecipeError(f"{kind}.weights has no weight for {name!r}; give every reward in rewards a "
+                              "weight (or leave weights out to weigh each by 1)")
+        if not math.isfinite(float(weights[name])):
+            raise RecipeError(f"{kind}.weights.{name} is {weights[name]}; give a finite number")
+    correct_from = names[0] if correct_from is None else correct_from
+    if correct_from not in rewards:
+        raise RecipeError(f"{kind}.correct_from {correct_from!r} is not a reward in rewards "
+                          f"({', '.join(names)}); name the component that judges correctness")
+    return {name: float(weights[name]) for name in names}, correct_from

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from rllight.errors import RecipeError
 from rllight.rewards.base import Reward, check_answers, score_batch
 from rllight.rewards.batch import BatchReward
+from rllight.rewards.combine import WeightedBatch
 
 
 class PerSource(Reward):
@@ -76,13 +77,19 @@ class PerSource(Reward):
 
 
 def batch_rewards(reward) -> list[BatchReward]:
-    """The ``BatchReward``s among what ``reward`` scores with: itself, or a ``PerSource``'s rewards and default
-    (each once); empty when every one is a ``Reward``."""
-    parts = [*reward.rewards.values(), reward.default] if isinstance(reward, PerSource) else [reward]
+    """The ``BatchReward``s among what ``reward`` scores with, each once: itself, a ``PerSource``'s rewards and
+    default, and the batch rewards inside a ``WeightedBatch`` (after it); empty when every one is a ``Reward``."""
     found: list[BatchReward] = []
-    for part in parts:
+
+    def visit(part) -> None:
         if isinstance(part, BatchReward) and not any(part is f for f in found):
             found.append(part)
+            if isinstance(part, WeightedBatch):
+                for inner in part.rewards.values():
+                    visit(inner)
+
+    for part in [*reward.rewards.values(), reward.default] if isinstance(reward, PerSource) else [reward]:
+        visit(part)
     return found
 
 

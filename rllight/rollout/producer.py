@@ -355,7 +355,7 @@ class RolloutProducer:
                 if samples is None:
                     raise ValueError(f"RolloutProducer.score: {type(reward).__name__} is a BatchReward and needs "
                                      "the responses' samples")
-                values, oks, fails = score_samples(reward, [samples[i] for i in index])
+                values, oks, fails = score_samples(reward, [samples[i] for i in index], parts)
             elif self.runner is not None:
                 scores = self.runner.score(reward, sub_texts, sub_answers)
                 values, oks, fails = scores.rewards, scores.correct, scores.failures
@@ -435,12 +435,14 @@ class RolloutProducer:
         self.failed_reward_steps = state.get("failed_reward_steps", 0)
 
 
-def score_samples(reward: BatchReward, samples: list[Sample]) -> tuple[list[float], list[bool], int]:
+def score_samples(reward: BatchReward, samples: list[Sample],
+                  parts: dict[str, list[float]] | None = None) -> tuple[list[float], list[bool], int]:
     """``(rewards, correct, failures)`` of ``samples`` from one call of ``reward.score`` (``as_batch_scores``
     checks it). A call that raises fails the whole batch: every sample 0, not correct and a failure, with one
     warning naming the reward and the error. A ``RecipeError`` (the reward's own set-up, or a wrong number of
     scores) is raised: it is the recipe's fault, not the batch's. A sample the reward says it could not score
-    (``BatchScores.failed``) gets 0 and counts, one warning for them all."""
+    (``BatchScores.failed``) gets 0 and counts, one warning for them all. ``BatchScores.components`` (e.g.
+    ``WeightedBatch``'s) are appended to ``parts`` by name, when given."""
     name = type(reward).__name__
     if not samples:
         return [], [], 0
@@ -458,6 +460,8 @@ def score_samples(reward: BatchReward, samples: list[Sample]) -> tuple[list[floa
         first = min(scores.failed)
         log.warning("reward %s could not score %d of %d samples (each scored 0); sample %d: %s", name,
                     len(scores.failed), len(samples), first, scores.failed[first])
+    for name, values in scores.components.items() if parts is not None else ():
+        parts.setdefault(name, []).extend(values)
     return scores.scores, scores.correct, len(scores.failed)
 
 

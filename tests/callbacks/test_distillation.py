@@ -250,3 +250,24 @@ def test_a_few_steps_bring_the_students_logprobs_towards_the_teachers(tiny_model
     # Mean |teacher - student| over the held-out tokens: it must shrink by a fifth at least (the student moving
     # away from the teacher, or not at all, fails).
     assert gap_after < 0.8 * gap_before, (float(gap_before), float(gap_after))
+
+
+def test_a_missing_teacher_is_one_line_before_the_evaluation_that_opens_a_run(tiny_model_dir, tmp_path, monkeypatch,
+                                                                              capsys):
+    """``evaluate_before_after`` evaluates the policy before training (minutes on a real model): the teacher's folder
+    is checked before it (``check_before_fit``), and before any model loads."""
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("a model loaded before the teacher's folder was checked")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_weights)
+    missing = tmp_path / "teacher.yaml"
+    missing.write_text(yaml.safe_dump({"evaluate_before_after": True, "trainer": {"limit_val_batches": 1, "callbacks": [
+        {"class_path": "rllight.callbacks.TeacherLogprobs", "init_args": {
+            "model": {"class_path": "rllight.models.HFModel", "init_args": {"path": str(tmp_path / "none")}}}}]}}))
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", "--config", os.path.join(RECIPES, "distill-quickstart.yaml"), "--config",
+              tiny_overrides(tmp_path, tiny_model_dir), "--config", str(missing)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{KEY}.init_args.path: folder" in err and "does not exist" in err, err

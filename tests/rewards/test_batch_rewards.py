@@ -28,6 +28,8 @@ from rllight.errors import RecipeError
 from rllight.models import HFModel
 from rllight.rewards import BatchReward, BatchScores, IntegerMatch, PerSource, RewardModel, RewardRunner, check_rows
 from rllight.rewards.batch import Sample
+from rllight.rewards.combine import WeightedBatch
+from rllight.rewards.per_source import batch_rewards
 from rllight.rollout import HFEngine
 from rllight.rollout.producer import RolloutProducer, encode_chat
 
@@ -157,6 +159,59 @@ def test_a_wrong_number_of_scores_is_one_recipe_error_line(policy):
     assert "\n" not in str(err.value)
     assert str(err.value).startswith("model.reward: TooFew.score returned 1 scores for 4 samples")
 
+
+
+# ------------------------------------------------------------------------- a batch reward mixed with a verifier
+def test_weighted_batch_is_the_weighted_sum_correct_from_the_verifier():
+    recording = Recording()
+    mix = WeightedBatch({"correctness": IntegerMatch(), "judge": recording}, weights={"correctness": 1.0, "judge": 0.5})
+    out = mix.score([sample(response="5"), sample(response="it is 5"), sample(response="it is 4")])
+    # correctness 1, 1, 0; judge = len(response) 1, 7, 7; total = correctness + 0.5 * judge
+    assert out.scores == [1.0 + 0.5 * 1, 1.0 + 0.5 * 7, 0.0 + 0.5 * 7]
+    assert out.correct == [True, True, False]  # from IntegerMatch, whatever the judge's correct (3) says
+    assert out.components == {"correctness": [1.0, 1.0, 0.0], "judge": [1.0, 7.0, 7.0]} and not out.failed
+    assert len(recording.calls) == 1  # the batch reward scored the batch once
+    assert batch_rewards(mix) == [mix, recording]  # the trainer's close() reaches the judge
+    assert batch_rewards(PerSource(rewards={"a": mix, "b": recording})) == [mix, recording]
+
+
+def test_weighted_batch_through_the_producer_logs_each_component(policy):
+    mix = WeightedBatch({"correctness": IntegerMatch(), "judge": Recording()}, weights={"correctness": 1.0, "judge": 0.5})
+    rollout = producer_for(mix, policy).sample(ROWS, 2)
+    answers = [r["answer"] for r in ROWS for _ in range(2)]
+    verdicts = [float(IntegerMatch()(t, a)) for t, a in zip(rollout.texts, answers)]
+    assert rollout.rewards.tolist() == pytest.approx([v + 0.5 * len(t) for v, t in zip(verdicts, rollout.texts)])
+    assert rollout.correct.tolist() == verdicts
+    assert rollout.extras["reward/correctness"] == pytest.approx(sum(verdicts) / 4)
+    assert rollout.extras["reward/judge"] == pytest.approx(sum(len(t) for t in rollout.texts) / 4)
+    assert rollout.extras["reward/failures"] == 0.0
+
+
+def test_a_component_that_fails_on_a_sample_fails_that_sample_counted(policy, caplog):
+    mix = WeightedBatch({"correctness": IntegerMatch(), "judge": PartlyFails()}, weights={"correctness": 1.0,
+                                                                                          "judge": 0.5})
+    producer = producer_for(mix, policy)
+    with caplog.at_level(logging.WARNING, logger="rllight.rollout.producer"):
+        rollout = producer.sample(ROWS, 2)
+    answers = [r["answer"] for r in ROWS for _ in range(2)]
+    verdicts = [float(IntegerMatch()(t, a)) for t, a in zip(rollout.texts, answers)]
+    # PartlyFails: 1.0 each, but sample 1 is nan and sample 2 it could not score
+    assert rollout.rewards.tolist() == [verdicts[0] + 0.5, 0.0, 0.0, verdicts[3] + 0.5]
+    assert rollout.extras["reward/failures"] == 2.0 and producer.reward_failures == 2
+    assert rollout.extras["reward/judge"] == 0.5  # (1 + 0 + 0 + 1) / 4: a failed sample's component is 0
+    [line] = [r.getMessage() for r in caplog.records]
+    assert "could not score 2 of 4 samples" in line and "sample 1: judge: score nan is not finite" in line
+
+
+@pytest.mark.parametrize(("kwargs", "start"), [
+    ({"weights": {"correctness": 1.0}}, "WeightedBatch.weights has no weight for 'judge'"),
+    ({"weights": {"correctness": 1.0, "judge": float("inf")}}, "WeightedBatch.weights.judge is inf"),
+    ({"correct_from": "style"}, "WeightedBatch.correct_from 'style' is not a reward"),
+])
+def test_weighted_batch_bad_weights_are_one_recipe_error_line(kwargs, start):
+    with pytest.raises(RecipeError) as err:
+        WeightedBatch({"correctness": IntegerMatch(), "judge": Recording()}, **kwargs)
+    assert str(err.value).startswith(start) and "\n" not in str(err.value)
 
 def test_the_checks_before_training_skip_a_batch_reward(caplog):
     reward = RewardModel("/no/such/folder")  # never loaded: the checks must not need the weights
