@@ -442,3 +442,41 @@ def test_rerun_numbers_knows_every_published_command_and_reruns_one(tmp_path, ca
     assert out[-1] == "numbers=1/1"
     with pytest.raises(SystemExit):
         rerun_numbers.parse_args(["--only", "nope"])
+
+
+def test_distill_measure_distils_the_first_grpo_model_and_records_each_run(tmp_path, monkeypatch, capsys):
+    """The tool's pipeline on a tiny model: a GRPO run per seed, the first one's export the teacher of each
+    distillation run (its folder in the written recipe), and a record whose rows and means are the printed ones."""
+    overlay = tmp_path / "tiny.yaml"
+    model = build_tiny_model(str(tmp_path / "model"))
+    overlay.write_text(yaml.safe_dump({
+        "trainer": {"max_steps": 1},
+        "model": {"model": {"class_path": "rllight.models.HFModel", "init_args": {"path": model}},
+                  "reward": {"class_path": "user_strategies.DigitReward"}, "reward_preflight": 0,
+                  "reward_runner": None, "minibatch_size": None,
+                  "rollout": {"init_args": {"max_new_tokens": 4}}, "sampler": {"init_args": {"group_size": 2}},
+                  "evaluation": {"n": 2, "ks": [1, 2]}},
+        "data": {"batch_size": 1, "val_size": 2}}))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
+    out = tmp_path / "distill"
+    code = load_tool("distill_measure").main(["--seeds", "3", "4", "--config", str(overlay), "--out", str(out),
+                                              "--record", str(tmp_path / "records" / "d.json")])
+    assert code == 0
+    printout = capsys.readouterr().out
+    machine, last = printout.strip().splitlines()[-2:]
+    assert machine.startswith("machine: ")
+    recipe = yaml.safe_load((out / "distill-quickstart.yaml").read_text())
+    (teacher,) = [c for c in recipe["trainer"]["callbacks"] if c["class_path"].endswith("TeacherLogprobs")]
+    assert teacher["init_args"]["model"]["init_args"]["path"] == str(out / "grpo-s3" / "model")
+    assert (out / "grpo-s3" / "model" / "config.json").is_file()
+    for name in ("grpo-s3", "grpo-s4", "distill-s3", "distill-s4"):
+        saved = yaml.safe_load(next((out / name / "lightning_logs").glob("version_*/config.yaml")).read_text())
+        assert saved["seed_everything"] == int(name[-1])
+    written = recorded(tmp_path / "records" / "d.json", "distill_measure")
+    assert [(r["run"], r["seed"]) for r in written["rows"]] == [("grpo", 3), ("grpo", 4), ("distill", 3),
+                                                               ("distill", 4)]
+    assert written["rows"][0]["teacher"] == "is the teacher" and written["rows"][2]["teacher"] == "grpo seed 3"
+    assert written["summary"]["teacher_accuracy"] == written["rows"][0]["accuracy_after"]
+    agrees(written["summary"], last)
+    grpo_after = [r["accuracy_after"] for r in written["rows"][:2]]
+    assert parse_pairs(last)["grpo_accuracy_after"] == pytest.approx(sum(grpo_after) / 2, abs=1e-3)
