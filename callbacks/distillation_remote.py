@@ -24,17 +24,11 @@ so processed_* and raw_* yield the same scores here"), so the server's log-probs
 
 from __future__ import annotations
 
-import json
-import os
-import re
-import time
-import urllib.error
-import urllib.request
-
 import torch
 from torch import Tensor
 
 from rllight.errors import ComponentError, RecipeError
+from rllight.http_client import Failure, JSONClient, attempts, check_key_env, read_key
 from rllight.stopping import call_stoppable
 from rllight.types import Rollout
 
@@ -42,10 +36,6 @@ __all__ = ["TeacherServer"]
 
 KEY = "trainer.callbacks: TeacherLogprobs"
 ROUTE = "/v1/completions"
-
-
-class _Retry(Exception):
-    """A failed attempt that another may mend (HTTP 429 or 5xx, a timeout, a refused connection)."""
 
 
 class TeacherServer:
@@ -66,9 +56,7 @@ class TeacherServer:
         if url.rstrip("/").endswith(("/v1", ROUTE)):
             raise RecipeError(f"{KEY}.url is the server's base URL (e.g. http://teacher-node:8000), without /v1: "
                               f"the teacher appends {ROUTE}")
-        if api_key_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", api_key_env):
-            raise RecipeError(f"{KEY}.api_key_env must be the NAME of an environment variable (letters, digits, "
-                              "underscores), not the key itself")
+        check_key_env(api_key_env, KEY)
         if not timeout_seconds > 0:
             raise RecipeError(f"{KEY}.timeout_seconds must be > 0, got {timeout_seconds}")
         if retries < 0 or backoff_seconds < 0:
@@ -82,61 +70,34 @@ class TeacherServer:
 
     # ------------------------------------------------------------------------------------------ HTTP
     def _api_key(self) -> str | None:
-        if self.api_key_env is None:
-            return None
-        key = os.environ.get(self.api_key_env)
-        if not key:
-            raise RecipeError(f"{KEY}.api_key_env: the environment variable {self.api_key_env} is not set (or "
-                              "empty); export it with the teacher server's API key before the run")
-        return key
-
-    def _attempt(self, route: str, body: dict | None, key: str | None) -> dict:
-        data = None if body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"} if data else {}
-        if key:
-            headers["Authorization"] = f"Bearer {key}"
-        request = urllib.request.Request(f"{self.url}{route}", data=data, headers=headers)
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout_seconds) as response:
-                text = response.read().decode(errors="replace")
-        except urllib.error.HTTPError as err:
-            detail = " ".join(err.read().decode(errors="replace").split())[:300]
-            if key:
-                detail = detail.replace(key, "[key]")
-            line = (f"{KEY}: the teacher's vLLM server at {self.url} answered {route} with HTTP {err.code} "
-                    f"({detail or err.reason})")
-            if err.code == 429 or err.code >= 500:
-                raise _Retry(f"{line}; see the server's log") from None
-            hint = ("check api_key_env" if err.code in (401, 403) else
-                    "check that the URL is a vLLM server (vllm serve) of a version >= 0.10"
-                    if err.code == 404 else "check served_model and that the server is vLLM (prompt_logprobs)")
-            raise ComponentError(f"{line}; {hint}") from None
-        except (urllib.error.URLError, TimeoutError, OSError) as err:
-            raise _Retry(f"{KEY}: no answer from the teacher's vLLM server at {self.url} to {route} within "
-                         f"timeout_seconds={self.timeout_seconds:g} ({getattr(err, 'reason', err)}); check that it "
-                         "runs and the URL (TeacherLogprobs.url)") from None
-        try:
-            answer = json.loads(text)
-        except ValueError:
-            answer = None
-        if not isinstance(answer, dict):
-            raise ComponentError(f"{KEY}: the teacher's vLLM server at {self.url} answered {route} with something "
-                                 f"other than a JSON object ({' '.join(text.split())[:80]!r}); check that the URL "
-                                 "(TeacherLogprobs.url) is a vLLM server (vllm serve)")
-        return answer
+        return read_key(self.api_key_env, KEY, "the teacher server's")
 
     def _with_retries(self, route: str, body: dict | None, key: str | None) -> dict:
-        wait = self.backoff_seconds
-        for attempt in range(self.retries + 1):
-            try:
-                return self._attempt(route, body, key)
-            except _Retry as err:
-                if attempt == self.retries:
-                    suffix = f" (after {self.retries + 1} attempts)" if self.retries else ""
-                    raise ComponentError(f"{err}{suffix}") from None
-            time.sleep(wait)
-            wait *= 2
-        raise AssertionError("unreachable")
+        client = JSONClient(self.timeout_seconds, self.retries, self.backoff_seconds)
+        try:
+            return client.call(f"{self.url}{route}", body, key)
+        except Failure as failure:
+            if failure.kind == "not_json":
+                raise ComponentError(f"{KEY}: the teacher's vLLM server at {self.url} answered {route} with something "
+                                     f"other than a JSON object ({failure.detail[:80]!r}); check that the URL "
+                                     "(TeacherLogprobs.url) is a vLLM server (vllm serve)") from None
+            if failure.kind == "status":
+                line = (f"{KEY}: the teacher's vLLM server at {self.url} answered {route} with HTTP {failure.status} "
+                        f"({failure.detail[:300] or failure.phrase})")
+                if failure.retryable:
+                    line += "; see the server's log"
+                else:
+                    code = failure.status
+                    line += "; " + ("check api_key_env" if code in (401, 403) else
+                                    "check that the URL is a vLLM server (vllm serve) of a version >= 0.10"
+                                    if code == 404 else "check served_model and that the server is vLLM "
+                                    "(prompt_logprobs)")
+            else:
+                line = (f"{KEY}: no answer from the teacher's vLLM server at {self.url} to {route} within "
+                        f"timeout_seconds={self.timeout_seconds:g} ({failure.detail}); check that it runs and the "
+                        "URL (TeacherLogprobs.url)")
+            suffix = f" (after {attempts(failure.attempts)})" if failure.retryable and failure.attempts > 1 else ""
+            raise ComponentError(line + suffix) from None
 
     def request(self, route: str, body: dict | None = None) -> dict:
         """``GET`` (no body) or ``POST`` a JSON body, with the retries; the decoded JSON answer. Waited for in short

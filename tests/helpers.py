@@ -180,3 +180,50 @@ def one_line_error(tmp_path, model_dir: str, capsys, recipe: str = "grpo.yaml", 
     assert "Traceback" not in "\n".join(err)
     return err[-1]
 
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def vllm_server(model_dir: str, log_path: str, *args: str, env: dict | None = None, start_seconds: float = 420):
+    """A vLLM OpenAI-compatible server on ``model_dir`` (float32, eager, 256 tokens, seed 0, ``args`` added) on a free
+    port of 127.0.0.1, its output in ``log_path``; yields its URL once ``/v1/models`` answers, and stops it after.
+    RuntimeError naming the log where it dies or does not answer within ``start_seconds``."""
+    import json
+    import time
+    import urllib.request
+
+    port = free_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
+    url = f"http://127.0.0.1:{port}"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--port", str(port),
+             "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--seed", "0",
+             *args], env=env, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + start_seconds
+        try:
+            while True:
+                try:
+                    with urllib.request.urlopen(f"{url}/v1/models", timeout=5) as r:
+                        json.loads(r.read())
+                    break
+                except OSError:
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        log.flush()
+                        raise RuntimeError(f"the vLLM server did not start; see {log_path}") from None
+                    time.sleep(2)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()

@@ -32,21 +32,18 @@ How it runs:
 
 from __future__ import annotations
 
-import http.client
 import json
 import logging
 import math
-import os
 import re
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Literal
 
 from rllight.errors import RecipeError
+from rllight.http_client import Failure, JSONClient, attempts, check_key_env, read_key, redact, snippet
 from rllight.rewards.batch import BatchReward, BatchScores, Sample
 from rllight.stopping import wait_stoppable
 
@@ -125,9 +122,7 @@ class LLMJudge(BatchReward):
                               "appends it")
         if not model:
             raise RecipeError(f"{KEY}.model must name the served model (the request's 'model')")
-        if api_key_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", api_key_env):
-            raise RecipeError(f"{KEY}.api_key_env must be the NAME of an environment variable (letters, digits, "
-                              "underscores), not the key itself")
+        check_key_env(api_key_env, KEY)
         if verdict not in ("number", "label", "yes_logprob"):
             raise RecipeError(f"{KEY}.verdict must be number, label or yes_logprob, got {verdict!r}")
         if mode not in ("pointwise", "group"):
@@ -212,20 +207,14 @@ class LLMJudge(BatchReward):
             else:
                 for i, value in zip(index, outcome):
                     scores[i] = value
-        failed = {i: _redact(reason, key) for i, reason in failed.items()}
+        failed = {i: redact(reason, key) for i, reason in failed.items()}
         if failed:  # the trainer warns once per batch (``score_samples``); the details for a debug log
             log.debug("LLM judge at %s: %d of %d samples failed (first: %s)", self.url, len(failed), len(samples),
                       failed[min(failed)])
         return BatchScores(scores=scores, failed=failed)
 
     def _api_key(self) -> str | None:
-        if self.api_key_env is None:
-            return None
-        key = os.environ.get(self.api_key_env)
-        if not key:
-            raise RecipeError(f"{KEY}.api_key_env: the environment variable {self.api_key_env} is not set (or "
-                              "empty); export it with the judge's API key before the run")
-        return key
+        return read_key(self.api_key_env, KEY, "the judge's")
 
     def _prompt(self, sample: Sample, response: str, count: int) -> str:
         users = [m.get("content") for m in sample.messages or [] if isinstance(m, dict) and m.get("role") == "user"]
@@ -289,7 +278,7 @@ class LLMJudge(BatchReward):
             choice = answer["choices"][0]
             text = choice["message"]["content"] or ""
         except (KeyError, IndexError, TypeError):
-            raise _Failed(f"the judge's answer has no choices[0].message.content: {_snippet(json.dumps(answer))}") \
+            raise _Failed(f"the judge's answer has no choices[0].message.content: {snippet(json.dumps(answer))}") \
                 from None
         if self.verdict == "yes_logprob":
             return [yes_probability(choice)]
@@ -297,54 +286,36 @@ class LLMJudge(BatchReward):
             values = parse_scores(text, count)
             for v in values:
                 if not 0 <= v <= self.scale:
-                    raise _Failed(f"score {v:g} is outside 0..{self.scale:g} (scale): {_snippet(text)}")
+                    raise _Failed(f"score {v:g} is outside 0..{self.scale:g} (scale): {snippet(text)}")
             return [v / self.scale for v in values]
         return [self.labels[name] for name in parse_labels(text, list(self.labels), count)]
 
     # --------------------------------------------------------------------------------- HTTP
     def _post(self, body: dict, key: str | None, cancel: threading.Event, deadline: float) -> dict:
         """``POST`` ``body`` to the endpoint with retries; the decoded JSON object, or ``_Failed`` with why."""
-        headers = {"Content-Type": "application/json"}
-        if key is not None:
-            headers["Authorization"] = f"Bearer {key}"
-        data = json.dumps(body).encode()
-        for attempt in range(self.retries + 1):
+
+        def before(attempt: int) -> float:
             self._wait_for_rate(cancel)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise _Failed(f"no verdict within the batch's time bound (attempt {attempt + 1})")
-            request = urllib.request.Request(self.url + ROUTE, data=data, headers=headers)
-            retry_after = None
-            try:
-                with urllib.request.urlopen(request, timeout=min(self.timeout_seconds, left)) as response:
-                    text = _redact(response.read().decode(errors="replace"), key)  # before any of it is quoted
-            except urllib.error.HTTPError as err:
-                detail = _snippet(_redact(err.read().decode(errors="replace"), key)) or err.reason
-                reason = f"HTTP {err.code} from the judge ({detail})"
-                if err.code != 429 and err.code < 500:
+            return min(self.timeout_seconds, left)
+
+        client = JSONClient(self.timeout_seconds, self.retries, self.backoff_seconds)
+        try:
+            return client.call(self.url + ROUTE, body, key, wait=cancel.wait, before=before)
+        except Failure as failure:
+            if failure.kind == "not_json":
+                raise _Failed(f"the judge's answer is not a JSON object: {snippet(failure.detail)}") from None
+            if failure.kind == "status":
+                reason = f"HTTP {failure.status} from the judge ({snippet(failure.detail) if failure.detail else failure.phrase})"
+                if not failure.retryable:
                     raise _Failed(reason) from None
-                retry_after = _seconds(err.headers.get("Retry-After") if err.headers else None)
-            except (urllib.error.URLError, TimeoutError, OSError, http.client.HTTPException) as err:
-                cause = getattr(err, "reason", err)
-                reason = (f"no answer within timeout_seconds={self.timeout_seconds:g}"
-                          if isinstance(cause, TimeoutError) or "timed out" in str(cause)
-                          else f"cannot reach the judge ({_snippet(str(cause))})")
+            elif failure.kind == "timeout":
+                reason = f"no answer within timeout_seconds={self.timeout_seconds:g}"
             else:
-                try:
-                    answer = json.loads(text)
-                except ValueError:
-                    answer = None
-                if not isinstance(answer, dict):
-                    raise _Failed(f"the judge's answer is not a JSON object: {_snippet(text)}")
-                return answer
-            if attempt == self.retries:
-                break
-            delay = self.backoff_seconds * 2 ** attempt
-            delay = delay if retry_after is None else min(retry_after, 2 * delay)
-            if cancel.wait(delay):
-                break
-        tries = self.retries + 1
-        raise _Failed(f"{reason}, after {tries} attempt{'s' if tries > 1 else ''}")
+                reason = f"cannot reach the judge ({snippet(failure.detail)})"
+            raise _Failed(f"{reason}, after {attempts(failure.attempts)}") from None
 
     def _wait_for_rate(self, cancel: threading.Event) -> None:
         if not self.requests_per_second:
@@ -378,7 +349,7 @@ def parse_scores(text: str, count: int = 1) -> list[float]:
         only = _ONLY_NUMBER.fullmatch(text)
         if only:
             return [float(only.group(1))]
-        raise _Failed(f"no 'Score: N' in the judge's answer: {_snippet(text)}")
+        raise _Failed(f"no 'Score: N' in the judge's answer: {snippet(text)}")
     numbered = {int(k): float(v) for k, v in _NUMBERED_SCORE.findall(text)}
     if set(numbered) == set(range(1, count + 1)):
         return [numbered[k] for k in range(1, count + 1)]
@@ -389,7 +360,7 @@ def parse_scores(text: str, count: int = 1) -> list[float]:
     if len(found) == count:
         return [float(v) for v in found]
     given = max(len(numbered), len(found))
-    raise _Failed(f"the judge's answer gives {given} scores for {count} responses: {_snippet(text)}")
+    raise _Failed(f"the judge's answer gives {given} scores for {count} responses: {snippet(text)}")
 
 
 def parse_labels(text: str, labels: list[str], count: int = 1) -> list[str]:
@@ -405,7 +376,7 @@ def parse_labels(text: str, labels: list[str], count: int = 1) -> list[str]:
         found = label.search(tail) if tail else None
         found = found or (label.findall(text) or [None])[-1]
         if found is None:
-            raise _Failed(f"none of the labels {labels} in the judge's answer: {_snippet(text)}")
+            raise _Failed(f"none of the labels {labels} in the judge's answer: {snippet(text)}")
         return [spelled[(found if isinstance(found, str) else found.group(1)).lower()]]
     numbered_re = re.compile(rf"response\s*#?\s*(\d+)\s*[:.)\-]*\s*\**\s*(?:verdict[\s:=*]*)?({names})(?![\w-])",
                              re.IGNORECASE)
@@ -415,7 +386,7 @@ def parse_labels(text: str, labels: list[str], count: int = 1) -> list[str]:
     for values in reversed(_json_lists(text)):
         if len(values) == count and all(isinstance(v, str) and v.strip().lower() in spelled for v in values):
             return [spelled[v.strip().lower()] for v in values]
-    raise _Failed(f"the judge's answer gives {len(numbered)} labels for {count} responses: {_snippet(text)}")
+    raise _Failed(f"the judge's answer gives {len(numbered)} labels for {count} responses: {snippet(text)}")
 
 
 def yes_probability(choice: dict) -> float:
@@ -447,22 +418,6 @@ def _json_lists(text: str) -> list[list]:
         if isinstance(value, list):
             out.append(value)
     return out
-
-
-def _seconds(value: str | None) -> float | None:
-    try:
-        return max(0.0, float(value)) if value is not None else None
-    except ValueError:
-        return None  # an HTTP date: the exponential backoff instead
-
-
-def _snippet(text: str, n: int = 80) -> str:
-    text = " ".join(str(text).split())
-    return repr(text[:n] + ("..." if len(text) > n else ""))
-
-
-def _redact(text: str, key: str | None) -> str:
-    return text.replace(key, "[key]") if key else text
 
 
 __all__ = ["LLMJudge", "default_template", "parse_labels", "parse_scores", "yes_probability"]

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
 from rllight.errors import RecipeError
+from rllight.http_client import check_key_env
 from rllight.rewards.batch import BatchReward, Sample
 from rllight.rewards.reward_model_remote import PROTOCOLS, RemoteClassifier
 from rllight.rewards.reward_model_worker import ClassifierWorker
@@ -287,9 +288,7 @@ def _check_placement(placement, url, protocol, api_key_env, timeout_seconds, ret
     elif url is not None:
         raise RecipeError(f"{KEY}.url is read by placement url only (placement is {placement!r}); drop it or set "
                           "placement: url")
-    if api_key_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(api_key_env)):
-        raise RecipeError(f"{KEY}.api_key_env must be the NAME of an environment variable (letters, digits, "
-                          "underscores), not the key itself")
+    check_key_env(api_key_env, KEY)
     if not (isinstance(timeout_seconds, (int, float)) and math.isfinite(timeout_seconds) and timeout_seconds > 0):
         raise RecipeError(f"{KEY}.timeout_seconds must be a positive number of seconds, got {timeout_seconds!r}")
     if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:

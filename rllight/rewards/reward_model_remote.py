@@ -17,7 +17,8 @@ Two documented protocols (``protocol``):
   trainer's tokenizer would read them; ``use_activation: false`` asks for the logit, not its sigmoid.
 
 Faults cost a counted batch, never a hung run: each attempt waits at most ``timeout_seconds``; HTTP 429 and 5xx and
-connection errors are retried ``retries`` times with exponential backoff, other 4xx are not; the whole batch has a
+connection errors are retried ``retries`` times with exponential backoff (``rllight.http_client``, ``Retry-After``
+honoured), other 4xx are not; the whole batch has a
 time bound and the trainer waits for it in short slices (``rllight.stopping.call_stoppable``), so Ctrl-C is
 honoured within seconds. A failed batch raises a plain exception, which the rollout producer counts (every sample 0).
 The API key is read at each batch from the environment variable ``api_key_env`` names, sent as a bearer token, and
@@ -26,15 +27,9 @@ never kept, logged or pickled (``[key]`` in messages).
 
 from __future__ import annotations
 
-import http.client
-import json
 import math
-import os
-import time
-import urllib.error
-import urllib.request
 
-from rllight.errors import RecipeError
+from rllight.http_client import Failure, JSONClient, attempts, read_key, snippet
 from rllight.stopping import call_stoppable
 
 PROTOCOLS = ("openrlhf", "vllm_pooling")
@@ -88,13 +83,7 @@ class RemoteClassifier:
         return scores
 
     def _api_key(self) -> str | None:
-        if self.api_key_env is None:
-            return None
-        key = os.environ.get(self.api_key_env)
-        if not key:
-            raise RecipeError(f"{self.where}.api_key_env: the environment variable {self.api_key_env} is not set "
-                              "(or empty); export it with the server's API key before the run")
-        return key
+        return read_key(self.api_key_env, self.where, "the server's")
 
     def _requests(self, texts: list[tuple[str, bool]], prompts: list[str],
                   labels: list[str]) -> list[tuple[list[int], dict]]:
@@ -115,48 +104,33 @@ class RemoteClassifier:
         if self.protocol == "openrlhf":
             values = answer.get("rewards")
             if not isinstance(values, list) or len(values) != count:
-                raise RemoteFailed(f"the reward model's answer has no list of {count} 'rewards': {_snippet(answer)}")
+                raise RemoteFailed(f"the reward model's answer has no list of {count} 'rewards': {snippet(answer)}")
             return [_number(v) for v in values]
         data = answer.get("data")
         if not isinstance(data, list) or len(data) != count or not all(isinstance(d, dict) for d in data):
-            raise RemoteFailed(f"the pooling answer has no list of {count} 'data' items: {_snippet(answer)}")
+            raise RemoteFailed(f"the pooling answer has no list of {count} 'data' items: {snippet(answer)}")
         data = sorted(data, key=lambda d: d.get("index", 0))
         return [_pooled_score(d.get("data")) for d in data]
 
     def _post(self, body: dict, key: str | None) -> dict:
         """``POST`` ``body`` with retries; the decoded JSON object, else ``RemoteFailed`` saying why."""
-        headers = {"Content-Type": "application/json"}
-        if key is not None:
-            headers["Authorization"] = f"Bearer {key}"
-        data = json.dumps(body).encode()
-        for attempt in range(self.retries + 1):
-            request = urllib.request.Request(self.url, data=data, headers=headers)
-            try:
-                with urllib.request.urlopen(request, timeout=self.timeout_seconds) as response:
-                    text = response.read().decode(errors="replace")
-            except urllib.error.HTTPError as err:
-                detail = _redact(_snippet(err.read().decode(errors="replace")), key) or err.reason
-                reason = f"HTTP {err.code} from the reward model at {self.url} ({detail})"
-                if err.code != 429 and err.code < 500:
+        client = JSONClient(self.timeout_seconds, self.retries, self.backoff_seconds)
+        try:
+            return client.call(self.url, body, key)
+        except Failure as failure:
+            if failure.kind == "not_json":
+                raise RemoteFailed(f"the reward model's answer is not a JSON object: {snippet(failure.detail)}") \
+                    from None
+            if failure.kind == "status":
+                reason = (f"HTTP {failure.status} from the reward model at {self.url} "
+                          f"({snippet(failure.detail) if failure.detail else failure.phrase})")
+                if not failure.retryable:
                     raise RemoteFailed(reason) from None
-            except (urllib.error.URLError, TimeoutError, OSError, http.client.HTTPException) as err:
-                cause = getattr(err, "reason", err)
-                reason = (f"no answer from the reward model at {self.url} within timeout_seconds="
-                          f"{self.timeout_seconds:g}" if isinstance(cause, TimeoutError) or "timed out" in str(cause)
-                          else f"cannot reach the reward model at {self.url} ({_redact(_snippet(cause), key)})")
+            elif failure.kind == "timeout":
+                reason = f"no answer from the reward model at {self.url} within timeout_seconds={self.timeout_seconds:g}"
             else:
-                try:
-                    answer = json.loads(text)
-                except ValueError:
-                    answer = None
-                if not isinstance(answer, dict):
-                    raise RemoteFailed(f"the reward model's answer is not a JSON object: "
-                                     f"{_redact(_snippet(text), key)}")
-                return answer
-            if attempt < self.retries:
-                time.sleep(self.backoff_seconds * 2 ** attempt)
-        tries = self.retries + 1
-        raise RemoteFailed(f"{reason}, after {tries} attempt{'s' if tries > 1 else ''}")
+                reason = f"cannot reach the reward model at {self.url} ({snippet(failure.detail)})"
+            raise RemoteFailed(f"{reason}, after {attempts(failure.attempts)}") from None
 
 
 def _pooled_score(value) -> float:
@@ -173,17 +147,8 @@ def _pooled_score(value) -> float:
 
 def _number(value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise RemoteFailed(f"the reward model returned {_snippet(value)}, not a finite number")
+        raise RemoteFailed(f"the reward model returned {snippet(value)}, not a finite number")
     return float(value)
-
-
-def _snippet(value, n: int = 80) -> str:
-    text = " ".join(str(value).split())
-    return repr(text[:n] + ("..." if len(text) > n else ""))
-
-
-def _redact(text: str, key: str | None) -> str:
-    return text.replace(key, "[key]") if key else text
 
 
 __all__ = ["PROTOCOLS", "RemoteClassifier", "RemoteFailed"]

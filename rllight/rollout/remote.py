@@ -53,13 +53,10 @@ How it runs:
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -68,6 +65,7 @@ import torch
 from rllight.distributed import process_rank_and_world
 from rllight.dtensor import is_dtensor
 from rllight.errors import ComponentError, RecipeError
+from rllight.http_client import Failure, JSONClient
 from rllight.rollout.ahead import SentAhead
 from rllight.rollout.base import Generation, RolloutEngine, Sampling, request_key
 from rllight.rollout.hf import eos_token_ids
@@ -149,36 +147,24 @@ class VLLMServerEngine(RolloutEngine):
         return value
 
     def _send(self, route: str, body: dict | None) -> dict:
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(f"{self.url}{route}", data=data,
-                                         headers={"Content-Type": "application/json"} if data else {})
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_seconds) as response:
-                text = response.read().decode(errors="replace")
-        except urllib.error.HTTPError as err:
-            detail = " ".join(err.read().decode(errors="replace").split())[:300]
-            hint = ("start the server with VLLM_SERVER_DEV_MODE=1" if err.code == 404 and route in
-                    ("/collective_rpc", "/reset_prefix_cache") else
-                    "check that the URL is a vLLM server (vllm serve) of a version with this route"
-                    if err.code == 404 else "see the server's log")
-            raise ComponentError(f"model.rollout: the vLLM server at {self.url} answered {route} with HTTP "
-                                 f"{err.code} ({detail or err.reason}); {hint}") from None
-        except (urllib.error.URLError, TimeoutError, OSError) as err:
-            reason = getattr(err, "reason", err)
+            return JSONClient(self.timeout_seconds).once(f"{self.url}{route}", body, empty={})
+        except Failure as failure:
+            if failure.kind == "not_json":
+                raise ComponentError(f"model.rollout: the vLLM server at {self.url} answered {route} with something "
+                                     f"other than a JSON object ({failure.detail[:80]!r}); check that the URL "
+                                     "(model.rollout.init_args.url) is a vLLM server (vllm serve), not another web "
+                                     "server") from None
+            if failure.kind == "status":
+                hint = ("start the server with VLLM_SERVER_DEV_MODE=1" if failure.status == 404 and route in
+                        ("/collective_rpc", "/reset_prefix_cache") else
+                        "check that the URL is a vLLM server (vllm serve) of a version with this route"
+                        if failure.status == 404 else "see the server's log")
+                raise ComponentError(f"model.rollout: the vLLM server at {self.url} answered {route} with HTTP "
+                                     f"{failure.status} ({failure.detail[:300] or failure.phrase}); {hint}") from None
             raise ComponentError(f"model.rollout: no answer from the vLLM server at {self.url} to {route} within "
-                                 f"timeout_seconds={self.timeout_seconds:g} ({reason}); check that it runs and the "
-                                 "URL (model.rollout.init_args.url)") from None
-        if not text.strip():
-            return {}
-        try:
-            answer = json.loads(text)
-        except ValueError:
-            answer = None
-        if not isinstance(answer, dict):
-            raise ComponentError(f"model.rollout: the vLLM server at {self.url} answered {route} with something "
-                                 f"other than a JSON object ({' '.join(text.split())[:80]!r}); check that the URL "
-                                 "(model.rollout.init_args.url) is a vLLM server (vllm serve), not another web server")
-        return answer
+                                 f"timeout_seconds={self.timeout_seconds:g} ({failure.detail}); check that it runs "
+                                 "and the URL (model.rollout.init_args.url)") from None
 
     def _served_model(self) -> str:
         if self.model is None:

@@ -7,17 +7,13 @@ from __future__ import annotations
 
 import http.server
 import json
-import os
-import socket
-import subprocess
-import sys
 import threading
 import time
-import urllib.request
 from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import free_port, vllm_server
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rllight.callbacks import RolloutContext, TeacherLogprobs
@@ -33,12 +29,6 @@ _TRAINER = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cp
 def _module(policy_dir: str, temperature: float = 1.0) -> SimpleNamespace:
     """What ``setup`` reads of the RLModule: the policy's source and the engine's temperature."""
     return SimpleNamespace(source=HFModel(policy_dir), rollout=SimpleNamespace(temperature=temperature))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +183,7 @@ def test_a_client_error_is_not_retried(tiny_model_dir, teacher_dir, fake):
 
 
 def test_a_server_that_is_down_is_one_line_naming_the_url(tiny_model_dir, teacher_dir):
-    url = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     callback = TeacherLogprobs(HFModel(teacher_dir), url=url, served_model="teacher", retries=1,
                                backoff_seconds=0.01, timeout_seconds=5)
     start = time.monotonic()
@@ -235,36 +225,11 @@ def test_bad_url_settings_are_one_line_errors(teacher_dir):
 @pytest.fixture(scope="module")
 def vllm_teacher(tmp_path_factory):
     """A vLLM OpenAI-compatible server on a tiny teacher (head size 32, as vLLM's CPU attention needs), float32; its
-    URL and folder (as tests/rollout/test_remote.py starts one)."""
+    URL and folder."""
     pytest.importorskip("vllm")
     model_dir = build_tiny_model(str(tmp_path_factory.mktemp("vllm_teacher") / "model"), hidden_size=64, seed=1)
-    port = _free_port()
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
-    url = f"http://127.0.0.1:{port}"
-    with open(tmp_path_factory.mktemp("teacher_log") / "server.log", "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--port", str(port),
-             "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--seed", "0"],
-            env=env, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 420
-        try:
-            while True:
-                try:
-                    with urllib.request.urlopen(f"{url}/v1/models", timeout=5) as r:
-                        json.loads(r.read())
-                    break
-                except OSError:
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        log.flush()
-                        raise RuntimeError(f"the vLLM server did not start; see {log.name}") from None
-                    time.sleep(2)
-            yield url, model_dir
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    with vllm_server(model_dir, str(tmp_path_factory.mktemp("teacher_log") / "server.log")) as url:
+        yield url, model_dir
 
 
 @pytest.mark.vllm

@@ -48,6 +48,14 @@ class FakeJudge:
                     fake.in_flight += 1
                     fake.max_in_flight = max(fake.max_in_flight, fake.in_flight)
                     n = len(fake.arrivals)
+                held = [True]
+
+                def release():
+                    with fake.lock:
+                        if held[0]:
+                            fake.in_flight -= 1
+                            held[0] = False
+
                 try:
                     fake.stop.wait(fake.delay)
                     out = fake.reply(body, n)
@@ -56,6 +64,7 @@ class FakeJudge:
                         return
                     status, text, headers = out
                     data = text.encode()
+                    release()  # answered: the client may start its next request before this thread ends
                     self.send_response(status)
                     for k, v in {"Content-Type": "application/json", **headers}.items():
                         self.send_header(k, v)
@@ -65,8 +74,7 @@ class FakeJudge:
                 except (BrokenPipeError, ConnectionResetError):
                     pass
                 finally:
-                    with fake.lock:
-                        fake.in_flight -= 1
+                    release()
 
             def log_message(self, *args):
                 pass

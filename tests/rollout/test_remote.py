@@ -6,17 +6,13 @@ the tests skip when vLLM is not installed; the option checks need no server."""
 
 import copy
 import json
-import os
 import socket
-import subprocess
-import sys
 import time
 import urllib.request
 
 import pytest
 import torch
-from conftest import RECIPES
-from helpers import fit_in_child, tiny_overrides
+from helpers import fit_in_child, free_port, tiny_overrides, vllm_server
 
 from rllight.errors import ComponentError, RecipeError
 from rllight.models import HFModel
@@ -136,7 +132,7 @@ def test_a_faulty_server_is_one_line_naming_the_url_and_what_to_do(mode, message
 def test_a_refused_server_ends_the_cli_with_one_line_and_exit_2(tmp_path, capsys, tiny_model_dir):
     from helpers import one_line_error
 
-    port = _free_port()  # nothing listens there
+    port = free_port()  # nothing listens there
     rollout = {"class_path": "rllight.rollout.remote.VLLMServerEngine",
                "init_args": {"url": f"http://127.0.0.1:{port}", "weights_dir": str(tmp_path / "weights"),
                              "model": "served", "max_new_tokens": 4}}
@@ -173,47 +169,15 @@ def test_sigterm_is_honoured_within_seconds_while_the_server_never_answers(tmp_p
 
 
 # ------------------------------------------------------------------------------ with a vLLM server
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """A vLLM OpenAI-compatible server on the tiny model (head size 32, as vLLM's CPU attention needs), float32,
-    processed log-probs, the development routes on; its URL."""
+    processed log-probs, the development routes on; its URL and folder."""
     pytest.importorskip("vllm")
     model_dir = build_tiny_model(str(tmp_path_factory.mktemp("tiny_server") / "model"), hidden_size=64)
-    port = _free_port()
-    log = open(tmp_path_factory.mktemp("server_log") / "server.log", "w")
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--port", str(port),
-         "--host", "127.0.0.1", "--dtype", "float32", "--logprobs-mode", "processed_logprobs", "--enforce-eager",
-         "--max-model-len", "256", "--seed", "0"],
-        env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 420
-    try:
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/v1/models", timeout=5) as r:
-                    json.loads(r.read())
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    log.flush()
-                    raise RuntimeError(f"the vLLM server did not start; see {log.name}")
-                time.sleep(2)
+    with vllm_server(model_dir, str(tmp_path_factory.mktemp("server_log") / "server.log"), "--logprobs-mode",
+                     "processed_logprobs", env={"VLLM_SERVER_DEV_MODE": "1"}) as url:
         yield url, model_dir
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
 
 
 def _trainer_logprobs(module, rollout, policy=None):
