@@ -23,7 +23,7 @@ from rllight.evaluation import EvalSettings, Evaluator
 from rllight.fsdp import gathered_policy, is_sharded, shard
 from rllight.models import HFModel, LoRA, disable_dropout
 from rllight.recipe_checks import check_recipe, check_sharding
-from rllight.rewards import BatchReward, IntegerMatch, Reward, RewardRunner, by_source, check_rows
+from rllight.rewards import BatchReward, IntegerMatch, Reward, RewardRunner, batch_rewards, by_source, check_rows
 from rllight.rollout import HFEngine, RolloutEngine
 from rllight.rollout.metrics import critic_explained_variance, logprob_mismatch, rollout_metrics, scalar_extras
 from rllight.rollout.producer import RolloutProducer, prefetch_ahead
@@ -200,7 +200,9 @@ class RLModule(L.LightningModule):
             self.producer.bind(self.policy, self.tokenizer, draw=self.prompt_stream.draw, ranks=self.ranks)
 
     def preflight_rewards(self, train_rows: list[dict]) -> None:
-        """The reward pre-flight (``RewardRunner.preflight``), once: before any evaluation that precedes training."""
+        """``BatchReward.check`` of each batch reward, then the pre-flight (``RewardRunner.preflight``), once."""
+        for reward in [] if self._preflight_done else batch_rewards(self.reward):
+            reward.check()
         if not train_rows or not self.reward_preflight or self._preflight_done:
             return
         runner = self.reward_runner or RewardRunner(workers=0)

@@ -77,6 +77,11 @@ class BatchReward:
         can (the default: a reward model or a judge reads any row)."""
         return None
 
+    def check(self) -> None:
+        """Raise ``RecipeError`` in one line for what can be found wrong before the policy loads (a model folder that
+        is not the right kind, an API key's environment variable that is unset); the trainer calls it first. The
+        default checks nothing."""
+
     def close(self) -> None:
         """Free what the reward holds (a model, connections); the trainer calls it when the run ends."""
 

@@ -1,5 +1,8 @@
-"""An LLM judge: another model, served at any OpenAI-compatible ``/v1/chat/completions`` endpoint (vLLM, SGLang,
-llama.cpp's server, OpenAI, a gateway), reads each response and gives the reward.
+"""An LLM judge: another model reads each response and gives the reward. It is served at any OpenAI-compatible
+``/v1/chat/completions`` endpoint (vLLM, SGLang, llama.cpp's server, OpenAI, a gateway: ``placement: url``, the
+default), or it is a local Hugging Face causal LM that answers in the trainer's process (``placement: process``) or in
+a supervised worker process (``placement: worker``; ``rllight.rewards.judge_local``). Every placement reads the same
+verdicts from answers of the same form (``rllight.rewards.judge_verdicts``).
 
 Select it in a recipe::
 
@@ -35,7 +38,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import re
 import threading
 import time
 from collections.abc import Sequence
@@ -45,12 +47,18 @@ from typing import Literal
 from rllight.errors import RecipeError
 from rllight.http_client import Failure, JSONClient, attempts, check_key_env, read_key, redact, snippet
 from rllight.rewards.batch import BatchReward, BatchScores, Sample
+from rllight.rewards.judge_local import LocalChat
+from rllight.rewards.judge_verdicts import JudgeFailed, parse_labels, parse_scores, yes_probability
+from rllight.rewards.reward_model_worker import ClassifierWorker
 from rllight.stopping import wait_stoppable
 
 log = logging.getLogger(__name__)
 
 KEY = "model.reward.init_args"
 ROUTE = "/chat/completions"
+PLACEMENTS = ("url", "process", "worker")
+"""The values of ``LLMJudge.placement``."""
+WORKER_TARGET = "rllight.rewards.judge_local:serve_worker"
 
 _HEAD = "Grade {what} to a question, using the reference answer.\n\nQuestion:\n{{question}}\n\nReference answer:\n{{answer}}\n\n"
 _ASK = {
@@ -74,17 +82,17 @@ def default_template(mode: str, verdict: str, labels: Sequence[str] = ()) -> str
     return _HEAD.format(what=what) + ask
 
 
-class _Failed(Exception):
-    """A request or a verdict that gives its samples a counted failure; the message is the reason."""
+_Failed = JudgeFailed  # a request or a verdict that gives its samples a counted failure; the message is why
 
 
 class LLMJudge(BatchReward):
     """Rewards from an LLM judge at an OpenAI-compatible chat-completions endpoint (see ``rllight.rewards.judge``).
 
     Args:
-        url: The endpoint's base URL, as OpenAI clients take it: ``http://127.0.0.1:8000/v1``,
+        url: ``placement: url``: the endpoint's base URL, as OpenAI clients take it: ``http://127.0.0.1:8000/v1``,
             ``https://api.openai.com/v1``. ``/chat/completions`` is appended.
-        model: The served model's name (the request's ``model``).
+        model: ``url``: the served model's name (the request's ``model``); ``process`` and ``worker``: the judge
+            model's folder or hub id (a causal LM, its own chat template).
         api_key_env: The NAME of the environment variable that holds the API key (sent as a bearer token), read
             at each batch; None = no key. The key itself is never a setting.
         template: The judge's prompt, with ``{question}``, ``{response}`` and ``{answer}`` (and optionally
@@ -107,21 +115,28 @@ class LLMJudge(BatchReward):
         temperature: Sampling temperature of the judge (0: the same answer to the same prompt, on most servers).
         max_tokens: Longest judge answer, in tokens.
         correct: A response whose reward is at least this counts as solved in ``reward/accuracy``.
+        placement: ``url`` (a server), ``process`` (a local judge model in the trainer's process) or ``worker`` (in
+            a supervised child process, each batch within ``timeout_seconds``). ``max_concurrency``,
+            ``requests_per_second``, ``retries`` and ``backoff_seconds`` are read by ``url`` only.
+        batch_size: ``process`` and ``worker``: prompts the judge model answers together.
+        dtype: ``process`` and ``worker``: the judge's weights, ``auto`` (the trainer's mixed-precision dtype, else
+            float32), ``float32``, ``bfloat16`` or ``float16``.
+        device: ``process`` and ``worker``: ``auto`` (this process's CUDA device, else the CPU) or a torch device.
     """
 
-    def __init__(self, url: str, model: str, api_key_env: str | None = None, template: str | None = None,
+    _worker_target = WORKER_TARGET
+    """The worker placement's child function (tests name one that misbehaves)."""
+
+    def __init__(self, url: str | None = None, model: str | None = None, api_key_env: str | None = None,
+                 template: str | None = None,
                  verdict: Literal["number", "label", "yes_logprob"] = "number", labels: dict[str, float] | None = None,
                  scale: float = 10.0, mode: Literal["pointwise", "group"] = "pointwise", max_concurrency: int = 8,
                  requests_per_second: float | None = None, timeout_seconds: float = 60.0, retries: int = 2,
-                 backoff_seconds: float = 1.0, temperature: float = 0.0, max_tokens: int = 512, correct: float = 0.5):
+                 backoff_seconds: float = 1.0, temperature: float = 0.0, max_tokens: int = 512, correct: float = 0.5,
+                 placement: Literal["url", "process", "worker"] = "url", batch_size: int = 8, dtype: str = "auto",
+                 device: str = "auto"):
         super().__init__(correct=correct)
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise RecipeError(f"{KEY}.url must start with http:// or https://, got {url!r}")
-        if url.rstrip("/").endswith(ROUTE):
-            raise RecipeError(f"{KEY}.url is the base URL (e.g. http://127.0.0.1:8000/v1): drop {ROUTE}, the judge "
-                              "appends it")
-        if not model:
-            raise RecipeError(f"{KEY}.model must name the served model (the request's 'model')")
+        _check_placement(placement, url, model, api_key_env, batch_size, dtype)
         check_key_env(api_key_env, KEY)
         if verdict not in ("number", "label", "yes_logprob"):
             raise RecipeError(f"{KEY}.verdict must be number, label or yes_logprob, got {verdict!r}")
@@ -159,7 +174,11 @@ class LLMJudge(BatchReward):
                               f"placeholders, literal braces doubled ({type(err).__name__}: {err})") from None
         if "{response}" not in template:
             raise RecipeError(f"{KEY}.template has no {{response}} placeholder: the judge would not see the response")
-        self.url, self.model, self.api_key_env, self.template = url.rstrip("/"), model, api_key_env, template
+        self.url = url.rstrip("/") if url else None
+        self.model, self.api_key_env, self.template = model, api_key_env, template
+        self.placement, self.batch_size, self.dtype, self.device = placement, batch_size, dtype, device
+        self._local: LocalChat | None = None
+        self._worker: ClassifierWorker | None = None
         self.verdict, self.labels, self.scale, self.mode = verdict, labels, float(scale), mode
         self.max_concurrency, self.requests_per_second = max_concurrency, requests_per_second
         self.timeout_seconds, self.retries, self.backoff_seconds = float(timeout_seconds), retries, float(backoff_seconds)
@@ -169,12 +188,13 @@ class LLMJudge(BatchReward):
         self._next_start = 0.0  # time.monotonic() before which no request may start (the rate limit)
 
     def __repr__(self) -> str:  # settings only: the key is not one
-        return (f"LLMJudge(url={self.url!r}, model={self.model!r}, api_key_env={self.api_key_env!r}, "
+        where = f"url={self.url!r}" if self.placement == "url" else f"placement={self.placement!r}"
+        return (f"LLMJudge({where}, model={self.model!r}, api_key_env={self.api_key_env!r}, "
                 f"verdict={self.verdict!r}, mode={self.mode!r})")
 
     def __getstate__(self) -> dict:  # copies (checkpoints, worker processes) carry the settings, not threads or locks
         state = dict(self.__dict__)
-        state.update(_pool=None, _rate_lock=None, _next_start=0.0)
+        state.update(_pool=None, _rate_lock=None, _next_start=0.0, _local=None, _worker=None)
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -185,12 +205,28 @@ class LLMJudge(BatchReward):
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+        if self._worker is not None:
+            self._worker.close()
+        self._local = self._worker = None
+
+    def check(self) -> None:
+        """Before the policy loads: the key's environment variable is set (``url``), or the judge model is a causal
+        LM whose tokenizer loads (``process``, ``worker``); ``RecipeError`` in one line."""
+        if self.placement == "url":
+            self._api_key()
+        else:
+            self._chat().load_tokenizer()
+
+    def _chat(self) -> LocalChat:
+        if self._local is None:
+            self._local = LocalChat(self.model, self.batch_size, self.dtype, self.device, where=f"{KEY}.model")
+        return self._local
 
     # ------------------------------------------------------------------------------ scoring
     def score(self, samples: Sequence[Sample]) -> BatchScores:
         """One reward per sample, in order; a sample whose request failed or whose verdict could not be read gets
         0 and its reason in ``failed``."""
-        key = self._api_key()
+        key = self._api_key() if self.placement == "url" else None
         if self.mode == "pointwise":
             jobs = [([i], self._prompt(s, s.response, 1)) for i, s in enumerate(samples)]  # (indices, prompt)
         else:
@@ -201,7 +237,8 @@ class LLMJudge(BatchReward):
                 f"Response {k + 1}:\n{samples[i].response}" for k, i in enumerate(index)), len(index)))
                 for index in groups.values()]
         scores, failed = [0.0] * len(samples), {}
-        for (index, _), outcome in zip(jobs, self._run([(prompt, len(index)) for index, prompt in jobs], key)):
+        run = self._run if self.placement == "url" else self._run_local
+        for (index, _), outcome in zip(jobs, run([(prompt, len(index)) for index, prompt in jobs], key)):
             if isinstance(outcome, str):
                 failed.update({i: outcome for i in index})
             else:
@@ -267,13 +304,45 @@ class LLMJudge(BatchReward):
                 out.append(future.result())
         return out
 
-    def _judge(self, prompt: str, count: int, key: str | None, cancel: threading.Event,
-               deadline: float) -> list[float]:
+    def _run_local(self, prompts: list[tuple[str, int]], key: None = None) -> list[list[float] | str]:
+        """``_run`` for a local judge model: every prompt answered in one pass (in this process, or the worker's),
+        then each answer's verdicts read as a server's would be. A pass that fails fails every prompt of it."""
+        if not prompts:
+            return []
+        bodies = [self._body(prompt) for prompt, _ in prompts]
+        try:
+            if self.placement == "process":
+                answers = self._chat().complete(bodies)
+            else:
+                if self._worker is None:
+                    self._worker = ClassifierWorker(self._worker_target, self._chat().settings(), self.timeout_seconds,
+                                                    name="the judge's worker process", loads="the judge model")
+                answers = self._worker.score(bodies)
+        except (RecipeError, KeyboardInterrupt):
+            raise
+        except Exception as err:  # noqa: BLE001 - a failed pass is counted, as a server's failure is
+            return [" ".join(f"{type(err).__name__}: {err}".split())[:300]] * len(prompts)
+        out: list[list[float] | str] = []
+        for answer, (_, count) in zip(answers, prompts):
+            try:
+                out.append(self._verdicts(answer, count))
+            except _Failed as err:
+                out.append(str(err))
+        return out
+
+    def _body(self, prompt: str) -> dict:
         body = {"model": self.model, "messages": [{"role": "user", "content": prompt}],
                 "temperature": self.temperature, "max_tokens": self.max_tokens}
         if self.verdict == "yes_logprob":
             body.update(logprobs=True, top_logprobs=5, max_tokens=1)
-        answer = self._post(body, key, cancel, deadline)
+        return body
+
+    def _judge(self, prompt: str, count: int, key: str | None, cancel: threading.Event,
+               deadline: float) -> list[float]:
+        return self._verdicts(self._post(self._body(prompt), key, cancel, deadline), count)
+
+    def _verdicts(self, answer: dict, count: int) -> list[float]:
+        """The rewards an OpenAI chat completion ``answer`` gives its ``count`` responses; ``_Failed`` with why."""
         try:
             choice = answer["choices"][0]
             text = choice["message"]["content"] or ""
@@ -308,7 +377,8 @@ class LLMJudge(BatchReward):
             if failure.kind == "not_json":
                 raise _Failed(f"the judge's answer is not a JSON object: {snippet(failure.detail)}") from None
             if failure.kind == "status":
-                reason = f"HTTP {failure.status} from the judge ({snippet(failure.detail) if failure.detail else failure.phrase})"
+                detail = snippet(failure.detail) if failure.detail else failure.phrase
+                reason = f"HTTP {failure.status} from the judge ({detail})"
                 if not failure.retryable:
                     raise _Failed(reason) from None
             elif failure.kind == "timeout":
@@ -328,96 +398,29 @@ class LLMJudge(BatchReward):
             raise _Failed("given up before its turn under requests_per_second")
 
 
-# ------------------------------------------------------------------------------------ verdicts
-_NUMBER = r"(-?\d+(?:\.\d+)?)"
-_SCORE = re.compile(r"score[\s:=*]*" + _NUMBER, re.IGNORECASE)
-_ONLY_NUMBER = re.compile(r"\s*\**\s*" + _NUMBER + r"\s*(?:/\s*\d+(?:\.\d+)?)?\s*\**\s*\.?\s*")
-_NUMBERED_SCORE = re.compile(r"response\s*#?\s*(\d+)\s*[:.)\-]*\s*\**\s*(?:score[\s:=*]*)?" + _NUMBER,
-                             re.IGNORECASE)
-
-
-def parse_scores(text: str, count: int = 1) -> list[float]:
-    """``count`` scores read from a judge's answer, in order; ``_Failed`` when it does not hold exactly that many.
-
-    One score: the last ``Score: N``, else an answer that is only a number (``7``, ``7/10``). Several (group
-    mode): ``Response K: [Score:] N`` lines for K = 1..count (the last line for each K wins), else the last JSON list
-    of ``count`` numbers, else exactly ``count`` ``Score: N``s in order."""
-    if count == 1:
-        found = _SCORE.findall(text)
-        if found:
-            return [float(found[-1])]
-        only = _ONLY_NUMBER.fullmatch(text)
-        if only:
-            return [float(only.group(1))]
-        raise _Failed(f"no 'Score: N' in the judge's answer: {snippet(text)}")
-    numbered = {int(k): float(v) for k, v in _NUMBERED_SCORE.findall(text)}
-    if set(numbered) == set(range(1, count + 1)):
-        return [numbered[k] for k in range(1, count + 1)]
-    for values in reversed(_json_lists(text)):
-        if len(values) == count and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-            return [float(v) for v in values]
-    found = _SCORE.findall(text)
-    if len(found) == count:
-        return [float(v) for v in found]
-    given = max(len(numbered), len(found))
-    raise _Failed(f"the judge's answer gives {given} scores for {count} responses: {snippet(text)}")
-
-
-def parse_labels(text: str, labels: list[str], count: int = 1) -> list[str]:
-    """``count`` labels (as spelled in ``labels``) read from a judge's answer; ``_Failed`` when it does not hold
-    exactly that many. One: the first label after the last ``Verdict:``, else the last label named (whole words,
-    case-insensitive). Several: ``Response K: [Verdict:] L`` for K = 1..count, else the last JSON list of labels."""
-    spelled = {n.lower(): n for n in labels}
-    names = "|".join(re.escape(n) for n in sorted(spelled, key=len, reverse=True))
-    label = re.compile(rf"(?<![\w-])({names})(?![\w-])", re.IGNORECASE)
-    if count == 1:
-        marker = list(re.finditer(r"verdict[\s:=*]*", text, re.IGNORECASE))
-        tail = text[marker[-1].end():] if marker else ""
-        found = label.search(tail) if tail else None
-        found = found or (label.findall(text) or [None])[-1]
-        if found is None:
-            raise _Failed(f"none of the labels {labels} in the judge's answer: {snippet(text)}")
-        return [spelled[(found if isinstance(found, str) else found.group(1)).lower()]]
-    numbered_re = re.compile(rf"response\s*#?\s*(\d+)\s*[:.)\-]*\s*\**\s*(?:verdict[\s:=*]*)?({names})(?![\w-])",
-                             re.IGNORECASE)
-    numbered = {int(k): v.lower() for k, v in numbered_re.findall(text)}
-    if set(numbered) == set(range(1, count + 1)):
-        return [spelled[numbered[k]] for k in range(1, count + 1)]
-    for values in reversed(_json_lists(text)):
-        if len(values) == count and all(isinstance(v, str) and v.strip().lower() in spelled for v in values):
-            return [spelled[v.strip().lower()] for v in values]
-    raise _Failed(f"the judge's answer gives {len(numbered)} labels for {count} responses: {snippet(text)}")
-
-
-def yes_probability(choice: dict) -> float:
-    """P(yes) from a chat completion's ``choices[0]``: the first token's top log-probs (and the sampled token's
-    own), summed over the variants of yes and of no (stripped, case-insensitive), normalised over the two."""
-    try:
-        first = choice["logprobs"]["content"][0]
-    except (KeyError, IndexError, TypeError):
-        raise _Failed("the judge's answer has no log-probs (choices[0].logprobs.content); the server must support "
-                      "logprobs and top_logprobs") from None
-    tokens = {}
-    for item in [first, *(first.get("top_logprobs") or [])]:
-        if isinstance(item, dict) and isinstance(item.get("token"), str) and isinstance(item.get("logprob"), (int, float)):
-            tokens[item["token"]] = float(item["logprob"])
-    yes = sum(math.exp(lp) for t, lp in tokens.items() if t.strip().lower() == "yes")
-    no = sum(math.exp(lp) for t, lp in tokens.items() if t.strip().lower() == "no")
-    if not yes + no > 0:
-        raise _Failed(f"neither yes nor no among the first token's top log-probs ({sorted(tokens)[:5]})")
-    return yes / (yes + no)
-
-
-def _json_lists(text: str) -> list[list]:
-    out = []
-    for m in re.finditer(r"\[[^\[\]]*\]", text):
-        try:
-            value = json.loads(m.group(0))
-        except ValueError:
-            continue
-        if isinstance(value, list):
-            out.append(value)
-    return out
+def _check_placement(placement, url, model, api_key_env, batch_size, dtype) -> None:
+    """One ``RecipeError`` line, naming the setting, for where-the-judge-runs settings that cannot work."""
+    if placement not in PLACEMENTS:
+        raise RecipeError(f"{KEY}.placement: {placement!r} is not one of {', '.join(PLACEMENTS)}")
+    if placement == "url":
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise RecipeError(f"{KEY}.url must start with http:// or https://, got {url!r}")
+        if url.rstrip("/").endswith(ROUTE):
+            raise RecipeError(f"{KEY}.url is the base URL (e.g. http://127.0.0.1:8000/v1): drop {ROUTE}, the "
+                              "judge appends it")
+        if not model:
+            raise RecipeError(f"{KEY}.model must name the served model (the request's 'model')")
+    else:
+        if url is not None or api_key_env is not None:
+            raise RecipeError(f"{KEY}.url and api_key_env are read by placement url only (placement is "
+                              f"{placement!r}, a local judge model); drop them or set placement: url")
+        if not model:
+            raise RecipeError(f"{KEY}.model must be the folder or hub id of the judge model (placement "
+                              f"{placement!r})")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise RecipeError(f"{KEY}.batch_size must be an integer >= 1, got {batch_size!r}")
+        if dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise RecipeError(f"{KEY}.dtype: {dtype!r} is not one of auto, float32, bfloat16, float16")
 
 
 __all__ = ["LLMJudge", "default_template", "parse_labels", "parse_scores", "yes_probability"]

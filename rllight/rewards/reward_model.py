@@ -34,7 +34,7 @@ from rllight.errors import RecipeError
 from rllight.http_client import check_key_env
 from rllight.rewards.batch import BatchReward, Sample
 from rllight.rewards.reward_model_remote import PROTOCOLS, RemoteClassifier
-from rllight.rewards.reward_model_worker import ClassifierWorker
+from rllight.rewards.reward_model_worker import ClassifierWorker, serve
 
 if TYPE_CHECKING:  # torch is imported when a reward model scores: reward worker processes import this package
     from multiprocessing.connection import Connection
@@ -48,6 +48,27 @@ DTYPES = ("float32", "bfloat16", "float16")
 """The dtypes ``RewardModel.dtype`` names (besides ``auto``)."""
 PLACEMENTS = ("process", "worker", "url")
 """The values of ``RewardModel.placement``."""
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto``: this process's current CUDA device when CUDA is available, else the CPU; else ``device``."""
+    import torch
+
+    if device != "auto":
+        return torch.device(device)
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``auto``: the dtype of the trainer's mixed-precision autocast on ``device`` where one is on, else float32;
+    else the torch dtype ``dtype`` names."""
+    import torch
+
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    if torch.is_autocast_enabled(device.type):  # the trainer's mixed precision (Lightning's forward context)
+        return torch.get_autocast_dtype(device.type)
+    return torch.float32
 
 
 def whiten(scores: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -140,20 +161,14 @@ class RewardModel(BatchReward):
 
     # ------------------------------------------------------------------------------------------ loading
     def _target(self) -> torch.device:
-        import torch
-
-        if self.device != "auto":
-            return torch.device(self.device)
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        return resolve_device(self.device)
 
     def _weights_dtype(self, device: torch.device) -> torch.dtype:
-        import torch
+        return resolve_dtype(self.dtype, device)
 
-        if self.dtype != "auto":
-            return getattr(torch, self.dtype)
-        if torch.is_autocast_enabled(device.type):  # the trainer's mixed precision (Lightning's forward context)
-            return torch.get_autocast_dtype(device.type)
-        return torch.float32
+    def check(self) -> None:
+        """Before the policy loads: ``model`` is a sequence classifier with one label and its tokenizer loads."""
+        self.load_tokenizer()
 
     def load_tokenizer(self) -> None:
         """Load the tokenizer, once, after checking that ``model`` is a sequence classifier with one label; raises
@@ -299,40 +314,17 @@ def _check_placement(placement, url, protocol, api_key_env, timeout_seconds, ret
 
 # ------------------------------------------------------------------------------------------------ worker side
 def serve_worker(connection: Connection) -> None:
-    """The child of ``placement: worker`` (``rllight.rewards.reward_model_worker``): load the classifier from the
-    settings sent first (``("load", settings)`` -> ``("loaded", error)``), keep it on its device, and score each
-    ``("score", texts)`` -> ``("scores", scores, error)`` until ``("stop",)`` or the trainer's end closes."""
-    from rllight.supervised import become_child
-
-    become_child()
-    try:
-        _, settings = connection.recv()
-    except EOFError:  # the trainer left before sending the settings
-        return
-    try:
-        model = RewardModel(**settings)
-        model.load()
-        model._net.to(model._target())
-        model._resident = True
-    except Exception as err:  # noqa: BLE001 - the trainer raises it, in one line
-        connection.send(("loaded", _describe(err)))
-        return
-    connection.send(("loaded", None))
-    while True:
-        try:
-            message = connection.recv()
-        except EOFError:
-            return
-        if message[0] != "score":
-            return
-        try:
-            connection.send(("scores", model.forward(message[1]), None))
-        except Exception as err:  # noqa: BLE001 - this batch fails in the trainer, counted; the next is scored
-            connection.send(("scores", None, _describe(err)))
+    """The child of ``placement: worker`` (``rllight.rewards.reward_model_worker.serve``): the classifier built from
+    the settings, kept on its device, scoring each batch of rendered texts."""
+    serve(connection, _resident_classifier)
 
 
-def _describe(err: BaseException) -> str:
-    return " ".join(f"{type(err).__name__}: {err}".split())[:500]
+def _resident_classifier(settings: dict):
+    model = RewardModel(**settings)
+    model.load()
+    model._net.to(model._target())
+    model._resident = True
+    return model.forward
 
 
-__all__ = ["PLACEMENTS", "RewardModel", "serve_worker", "whiten"]
+__all__ = ["PLACEMENTS", "RewardModel", "resolve_device", "resolve_dtype", "serve_worker", "whiten"]

@@ -45,10 +45,14 @@ class ClassifierWorker:
             ``("score", texts)`` with ``("scores", scores, error or None)`` until ``("stop",)``.
         settings: What the child builds its classifier from (sent once per child).
         timeout_seconds: Longest wait for one batch's scores.
+        name: What the messages call the child (``the reward model's worker process``).
+        loads: What the child loads, in messages (``the classifier``).
     """
 
-    def __init__(self, target: str, settings: dict, timeout_seconds: float):
+    def __init__(self, target: str, settings: dict, timeout_seconds: float, name: str = NAME,
+                 loads: str = "the classifier"):
         self.target, self.settings, self.timeout_seconds = target, settings, float(timeout_seconds)
+        self.name, self.loads = name, loads
         self._box: list[SupervisedProcess] = []  # the running child, if any
         self._finalizer = weakref.finalize(self, _stop, self._box)
 
@@ -61,13 +65,14 @@ class ClassifierWorker:
         _stop(self._box)
 
     def _start(self) -> SupervisedProcess:
-        child = SupervisedProcess.interpreter(self.target, name=NAME, timed_out=lambda what, seconds: TimeoutError(
-            f"{NAME} did not {what} within {seconds:g} s; it was killed"))
+        name = self.name
+        child = SupervisedProcess.interpreter(self.target, name=name, timed_out=lambda what, seconds: TimeoutError(
+            f"{name} did not {what} within {seconds:g} s; it was killed"))
         self._box.append(child)
         child.send(("load", self.settings))
-        _, error = child.receive(LOAD_TIMEOUT, "load the classifier")
+        _, error = child.receive(LOAD_TIMEOUT, f"load {self.loads}")
         if error is not None:
-            raise RuntimeError(f"{NAME} could not load the classifier: {error}")
+            raise RuntimeError(f"{name} could not load {self.loads}: {error}")
         return child
 
     def _drop(self) -> int | None:
@@ -81,11 +86,11 @@ class ClassifierWorker:
         try:
             return self._score_once(texts)
         except ChildDied:
-            log.warning("%s died (exit code %s); restarting it once for this batch", NAME, self._drop())
+            log.warning("%s died (exit code %s); restarting it once for this batch", self.name, self._drop())
         try:
             return self._score_once(texts)
         except ChildDied:
-            raise RuntimeError(f"{NAME} died again on the same batch (exit code {self._drop()}); the batch fails, "
+            raise RuntimeError(f"{self.name} died again on the same batch (exit code {self._drop()}); the batch fails, "
                                "the next one starts a new process") from None
 
     def _score_once(self, texts: list[tuple[str, bool]]) -> list[float]:
@@ -99,8 +104,43 @@ class ClassifierWorker:
             self._drop()
             raise
         if error is not None:
-            raise RuntimeError(f"{NAME} could not score the batch: {error}")
+            raise RuntimeError(f"{self.name} could not score the batch: {error}")
         return scores
 
 
-__all__ = ["LOAD_TIMEOUT", "ClassifierWorker"]
+def serve(connection, build) -> None:
+    """A worker child's loop: ``build(settings)`` from the first message (``("load", settings)`` ->
+    ``("loaded", error or None)``) gives the function that answers each ``("score", payload)`` with
+    ``("scores", result, error or None)``, until ``("stop",)`` or the trainer's end closes the connection. An
+    error in one batch fails that batch in the trainer (counted); the next is answered."""
+    from rllight.supervised import become_child
+
+    become_child()
+    try:
+        _, settings = connection.recv()
+    except EOFError:  # the trainer left before sending the settings
+        return
+    try:
+        answer = build(settings)
+    except Exception as err:  # noqa: BLE001 - the trainer raises it, in one line
+        connection.send(("loaded", _describe(err)))
+        return
+    connection.send(("loaded", None))
+    while True:
+        try:
+            message = connection.recv()
+        except EOFError:
+            return
+        if message[0] != "score":
+            return
+        try:
+            connection.send(("scores", answer(message[1]), None))
+        except Exception as err:  # noqa: BLE001 - this batch fails in the trainer, counted; the next is answered
+            connection.send(("scores", None, _describe(err)))
+
+
+def _describe(err: BaseException) -> str:
+    return " ".join(f"{type(err).__name__}: {err}".split())[:500]
+
+
+__all__ = ["LOAD_TIMEOUT", "ClassifierWorker", "serve"]

@@ -1,0 +1,110 @@
+"""Reading a judge's verdicts from its answer: scores (``parse_scores``), labels (``parse_labels``) and P(yes) from
+the first token's log-probs (``yes_probability``). Each raises ``JudgeFailed`` with a one-line reason where the answer
+does not hold what was asked for; ``rllight.rewards.judge.LLMJudge`` counts it as the sample's failure."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+from rllight.http_client import snippet
+
+
+class JudgeFailed(Exception):
+    """A request or a verdict that gives its samples a counted failure; the message is the reason."""
+
+
+_NUMBER = r"(-?\d+(?:\.\d+)?)"
+_SCORE = re.compile(r"score[\s:=*]*" + _NUMBER, re.IGNORECASE)
+_ONLY_NUMBER = re.compile(r"\s*\**\s*" + _NUMBER + r"\s*(?:/\s*\d+(?:\.\d+)?)?\s*\**\s*\.?\s*")
+_NUMBERED_SCORE = re.compile(r"response\s*#?\s*(\d+)\s*[:.)\-]*\s*\**\s*(?:score[\s:=*]*)?" + _NUMBER,
+                             re.IGNORECASE)
+
+
+def parse_scores(text: str, count: int = 1) -> list[float]:
+    """``count`` scores read from a judge's answer, in order; ``_Failed`` when it does not hold exactly that many.
+
+    One score: the last ``Score: N``, else an answer that is only a number (``7``, ``7/10``). Several (group
+    mode): ``Response K: [Score:] N`` lines for K = 1..count (the last line for each K wins), else the last JSON list
+    of ``count`` numbers, else exactly ``count`` ``Score: N``s in order."""
+    if count == 1:
+        found = _SCORE.findall(text)
+        if found:
+            return [float(found[-1])]
+        only = _ONLY_NUMBER.fullmatch(text)
+        if only:
+            return [float(only.group(1))]
+        raise JudgeFailed(f"no 'Score: N' in the judge's answer: {snippet(text)}")
+    numbered = {int(k): float(v) for k, v in _NUMBERED_SCORE.findall(text)}
+    if set(numbered) == set(range(1, count + 1)):
+        return [numbered[k] for k in range(1, count + 1)]
+    for values in reversed(_json_lists(text)):
+        if len(values) == count and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            return [float(v) for v in values]
+    found = _SCORE.findall(text)
+    if len(found) == count:
+        return [float(v) for v in found]
+    given = max(len(numbered), len(found))
+    raise JudgeFailed(f"the judge's answer gives {given} scores for {count} responses: {snippet(text)}")
+
+
+def parse_labels(text: str, labels: list[str], count: int = 1) -> list[str]:
+    """``count`` labels (as spelled in ``labels``) read from a judge's answer; ``_Failed`` when it does not hold
+    exactly that many. One: the first label after the last ``Verdict:``, else the last label named (whole words,
+    case-insensitive). Several: ``Response K: [Verdict:] L`` for K = 1..count, else the last JSON list of labels."""
+    spelled = {n.lower(): n for n in labels}
+    names = "|".join(re.escape(n) for n in sorted(spelled, key=len, reverse=True))
+    label = re.compile(rf"(?<![\w-])({names})(?![\w-])", re.IGNORECASE)
+    if count == 1:
+        marker = list(re.finditer(r"verdict[\s:=*]*", text, re.IGNORECASE))
+        tail = text[marker[-1].end():] if marker else ""
+        found = label.search(tail) if tail else None
+        found = found or (label.findall(text) or [None])[-1]
+        if found is None:
+            raise JudgeFailed(f"none of the labels {labels} in the judge's answer: {snippet(text)}")
+        return [spelled[(found if isinstance(found, str) else found.group(1)).lower()]]
+    numbered_re = re.compile(rf"response\s*#?\s*(\d+)\s*[:.)\-]*\s*\**\s*(?:verdict[\s:=*]*)?({names})(?![\w-])",
+                             re.IGNORECASE)
+    numbered = {int(k): v.lower() for k, v in numbered_re.findall(text)}
+    if set(numbered) == set(range(1, count + 1)):
+        return [spelled[numbered[k]] for k in range(1, count + 1)]
+    for values in reversed(_json_lists(text)):
+        if len(values) == count and all(isinstance(v, str) and v.strip().lower() in spelled for v in values):
+            return [spelled[v.strip().lower()] for v in values]
+    raise JudgeFailed(f"the judge's answer gives {len(numbered)} labels for {count} responses: {snippet(text)}")
+
+
+def yes_probability(choice: dict) -> float:
+    """P(yes) from a chat completion's ``choices[0]``: the first token's top log-probs (and the sampled token's
+    own), summed over the variants of yes and of no (stripped, case-insensitive), normalised over the two."""
+    try:
+        first = choice["logprobs"]["content"][0]
+    except (KeyError, IndexError, TypeError):
+        raise JudgeFailed("the judge's answer has no log-probs (choices[0].logprobs.content); the server must support "
+                      "logprobs and top_logprobs") from None
+    tokens = {}
+    for item in [first, *(first.get("top_logprobs") or [])]:
+        if isinstance(item, dict) and isinstance(item.get("token"), str) and isinstance(item.get("logprob"), (int, float)):
+            tokens[item["token"]] = float(item["logprob"])
+    yes = sum(math.exp(lp) for t, lp in tokens.items() if t.strip().lower() == "yes")
+    no = sum(math.exp(lp) for t, lp in tokens.items() if t.strip().lower() == "no")
+    if not yes + no > 0:
+        raise JudgeFailed(f"neither yes nor no among the first token's top log-probs ({sorted(tokens)[:5]})")
+    return yes / (yes + no)
+
+
+def _json_lists(text: str) -> list[list]:
+    out = []
+    for m in re.finditer(r"\[[^\[\]]*\]", text):
+        try:
+            value = json.loads(m.group(0))
+        except ValueError:
+            continue
+        if isinstance(value, list):
+            out.append(value)
+    return out
+
+
+
+__all__ = ["JudgeFailed", "parse_labels", "parse_scores", "yes_probability"]

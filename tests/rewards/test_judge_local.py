@@ -1,0 +1,186 @@
+"""``LLMJudge`` with a local judge model (``placement: process`` and ``worker``, ``rllight.rewards.judge_local``) on
+tiny models built here: P(yes) equals the one computed by hand from the judge's logits, both placements give the same
+rewards and the same failure reasons, a judge trained to answer ``Score: 7`` gives 0.7 by the number verdict, a worker
+that hangs costs its batch (counted) and the next batch is judged, and wrong settings are one line before anything
+loads."""
+
+import math
+import os
+import time
+
+import pytest
+import torch
+from conftest import RECIPES
+from helpers import tiny_overrides
+from reward_model_fixtures import make_classifier
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rllight.cli import main
+from rllight.errors import RecipeError
+from rllight.rewards import LLMJudge, Sample
+from rllight.rollout.producer import encode_chat, score_samples
+from rllight.testing import build_tiny_model
+
+QUESTIONS = ["What is 2 + 3?", "What is 7 - 4?", "Name a prime.", "What is 6 * 7?"]
+RESPONSES = ["5", "it is three", "seven", "42, surely"]
+
+
+def sample(question: str, response: str, group: int = 0) -> Sample:
+    return Sample(prompt=f"Q: {question}\nA: ", messages=[{"role": "user", "content": question}], response=response,
+                  response_ids=[1], answer="5", row={}, group=group)
+
+
+SAMPLES = [sample(q, r, i) for i, (q, r) in enumerate(zip(QUESTIONS, RESPONSES))]
+
+
+@pytest.fixture(scope="module")
+def judge_dir(tmp_path_factory) -> str:
+    """The tiny model with ``yes`` and ``no`` as tokens of their own (its 300-token BPE has neither)."""
+    path = build_tiny_model(str(tmp_path_factory.mktemp("judge") / "model"), hidden_size=32, seed=3)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.add_tokens(["yes", "no", " Yes"])
+    model = AutoModelForCausalLM.from_pretrained(path)
+    model.resize_token_embeddings(len(tokenizer))
+    with torch.no_grad():  # logits of the size of the others: P(yes) varies with the prompt
+        torch.manual_seed(0)
+        model.get_output_embeddings().weight[-3:].copy_(torch.randn(3, model.config.hidden_size) * 0.3)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def score7_dir(tmp_path_factory) -> str:
+    """A tiny judge fine-tuned to answer every prompt with ``Score: 7``."""
+    path = build_tiny_model(str(tmp_path_factory.mktemp("score7") / "model"), hidden_size=32, seed=4)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    target = tokenizer("Score: 7", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    prompts = [encode_chat(tokenizer, [{"role": "user", "content": f"Grade response {i}: {'x' * (i % 7)}"}])
+               for i in range(16)]
+    width = max(len(p) for p in prompts) + len(target)
+    ids = torch.full((len(prompts), width), tokenizer.pad_token_id)
+    labels, mask = torch.full_like(ids, -100), torch.zeros_like(ids)
+    for j, p in enumerate(prompts):
+        ids[j, : len(p) + len(target)] = torch.tensor(p + target)
+        labels[j, len(p) : len(p) + len(target)] = torch.tensor(target)  # the loss on the answer only
+        mask[j, : len(p) + len(target)] = 1
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(60):
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.save_pretrained(path)
+    return path
+
+
+def hand_yes_probability(judge_dir: str, judge: LLMJudge, s: Sample) -> float:
+    """P(yes) / (P(yes) + P(no)) over every token that reads yes or no, from one forward pass of the judge's
+    templated prompt."""
+    tokenizer = AutoTokenizer.from_pretrained(judge_dir)
+    model = AutoModelForCausalLM.from_pretrained(judge_dir, dtype=torch.float32).eval()
+    text = tokenizer.apply_chat_template([{"role": "user", "content": judge._prompt(s, s.response, 1)}],
+                                         tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        probs = model(input_ids=ids).logits[0, -1].float().softmax(-1)
+    words = {i: tokenizer.decode([i]).strip().lower() for i in range(len(tokenizer))}
+    yes = sum(float(probs[i]) for i, w in words.items() if w == "yes")
+    no = sum(float(probs[i]) for i, w in words.items() if w == "no")
+    return yes / (yes + no)
+
+
+def test_p_yes_is_the_judges_own_over_every_yes_and_no_token_in_both_placements(judge_dir):
+    process = LLMJudge(model=judge_dir, placement="process", verdict="yes_logprob", batch_size=3, dtype="float32")
+    out = process.score(SAMPLES)
+    assert not out.failed
+    expected = [hand_yes_probability(judge_dir, process, s) for s in SAMPLES]
+    assert out.scores == pytest.approx(expected, abs=1e-5)
+    assert max(expected) - min(expected) > 1e-4  # the reward depends on the response (a judge blind to it: 1e-15)
+    worker = LLMJudge(model=judge_dir, placement="worker", verdict="yes_logprob", batch_size=2, dtype="float32")
+    try:
+        assert worker.score(SAMPLES).scores == pytest.approx(expected, abs=1e-5)
+    finally:
+        worker.close()
+
+
+def test_generated_verdicts_and_their_failures_are_the_same_in_both_placements(judge_dir, score7_dir):
+    trained = LLMJudge(model=score7_dir, placement="process", max_tokens=8, dtype="float32")
+    out = trained.score(SAMPLES)
+    assert out.scores == [0.7] * 4 and not out.failed
+    # The untrained judge answers noise: each sample fails with the same reason in both placements.
+    process = LLMJudge(model=judge_dir, placement="process", max_tokens=6, dtype="float32").score(SAMPLES)
+    worker = LLMJudge(model=judge_dir, placement="worker", max_tokens=6, dtype="float32")
+    try:
+        in_worker = worker.score(SAMPLES)
+    finally:
+        worker.close()
+    assert sorted(process.failed) == [0, 1, 2, 3] and in_worker.failed == process.failed
+    assert all("no score" in reason or "Score" in reason or "score" in reason for reason in process.failed.values())
+
+
+def test_sampling_judge_leaves_the_training_runs_random_stream_alone(score7_dir):
+    judge = LLMJudge(model=score7_dir, placement="process", max_tokens=8, temperature=1.0, dtype="float32")
+    torch.manual_seed(123)
+    judge.score(SAMPLES)
+    after_judge = torch.rand(3)
+    torch.manual_seed(123)
+    assert torch.equal(torch.rand(3), after_judge)
+
+
+class Hanging(LLMJudge):
+    _worker_target = "judge_local_fixtures:serve_hanging"
+
+
+def test_a_judge_worker_that_hangs_costs_its_batch_and_the_next_is_judged(judge_dir):
+    judge = Hanging(model=judge_dir, placement="worker", verdict="yes_logprob", timeout_seconds=3, dtype="float32")
+    try:
+        judge.score(SAMPLES[:1])  # started and loaded: the timeout is the batch's alone
+        started = time.monotonic()
+        values, _, failures = score_samples(judge, [sample("HANG", "x")] + SAMPLES[1:])
+        assert time.monotonic() - started < 3 + 10 and failures == 4 and values == [0.0] * 4
+        assert judge._worker.child is None  # killed
+        out = judge.score(SAMPLES)
+        assert not out.failed and all(0 < v < 1 for v in out.scores)
+    finally:
+        judge.close()
+
+
+def test_wrong_local_judge_settings_are_one_line_before_anything_loads(tmp_path, judge_dir, monkeypatch):
+    with pytest.raises(RecipeError, match="url and api_key_env are read by placement url only"):
+        LLMJudge(url="http://127.0.0.1:8000/v1", model=judge_dir, placement="process")
+    with pytest.raises(RecipeError, match=r"^model.reward.init_args.model must be the folder or hub id"):
+        LLMJudge(placement="worker")
+    with pytest.raises(RecipeError, match="placement: 'gpu' is not one of url, process, worker"):
+        LLMJudge(model=judge_dir, placement="gpu")
+    classifier = make_classifier(tmp_path / "classifier", judge_dir)
+    with pytest.raises(RecipeError, match=r"is a LlamaForSequenceClassification, not a causal LM"):
+        LLMJudge(model=classifier, placement="process").check()
+    with pytest.raises(RecipeError, match=r"cannot be read as a Hugging Face model"):
+        LLMJudge(model=str(tmp_path / "missing"), placement="worker").check()
+    monkeypatch.delenv("RLLIGHT_NO_SUCH_KEY", raising=False)
+    with pytest.raises(RecipeError, match="RLLIGHT_NO_SUCH_KEY is not set"):
+        LLMJudge(url="http://127.0.0.1:8000/v1", model="m", api_key_env="RLLIGHT_NO_SUCH_KEY").check()
+    LLMJudge(model=judge_dir, placement="process").check()  # a causal LM: no error
+    assert math.isfinite(LLMJudge(model=judge_dir, placement="process", verdict="yes_logprob").score(SAMPLES[:1])
+                         .scores[0])
+
+
+def test_a_judge_that_is_not_a_causal_lm_is_one_line_before_any_model_loads(tmp_path, tiny_model_dir, judge_dir,
+                                                                            monkeypatch, capsys):
+    def no_weights(*args, **kwargs):
+        raise AssertionError("a model loaded before the judge's folder was checked")
+
+    classifier = make_classifier(tmp_path / "classifier", judge_dir)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_weights)
+    overlay = tiny_overrides(tmp_path, tiny_model_dir, reward={
+        "class_path": "rllight.rewards.LLMJudge", "init_args": {"model": classifier, "placement": "process"}})
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", "--config", os.path.join(RECIPES, "grpo.yaml"), "--config", overlay])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and err.count("rllight: error") == 1, err
+    assert err.splitlines()[-1].endswith(f"model.reward.init_args.model: '{classifier}' is a "
+                                         "LlamaForSequenceClassification, not a causal LM: a local judge generates "
+                                         "its verdict (AutoModelForCausalLM)"), err
