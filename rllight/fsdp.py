@@ -135,7 +135,7 @@ def padding_row(like: Rollout) -> Rollout:
     one = torch.ones((1, 1), dtype=torch.long, device=device)
     fields = {}
     for name in ("rewards", "correct", "old_logprobs", "ref_logprobs", "values", "advantages", "returns",
-                 "token_rewards"):
+                 "token_rewards", "dense_rewards"):
         value = getattr(like, name)
         if value is not None:
             fields[name] = torch.zeros((1, 1) if value.dim() == 2 else (1,), dtype=value.dtype, device=device)

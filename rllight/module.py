@@ -22,7 +22,7 @@ from rllight.errors import RecipeError
 from rllight.evaluation import EvalSettings, Evaluator
 from rllight.fsdp import gathered_policy, is_sharded, shard
 from rllight.models import HFModel, LoRA, disable_dropout
-from rllight.recipe_checks import check_recipe, check_sharding
+from rllight.recipe_checks import check_recipe, check_sharding, with_token_scores
 from rllight.rewards import BatchReward, IntegerMatch, Reward, RewardRunner, batch_rewards, by_source, check_rows
 from rllight.rollout import HFEngine, RolloutEngine
 from rllight.rollout.metrics import critic_explained_variance, logprob_mismatch, rollout_metrics, scalar_extras
@@ -380,7 +380,7 @@ class RLModule(L.LightningModule):
     def estimate_advantages(self, rollout: Rollout) -> None:
         """Token rewards (the outcome on the last response token, minus the KL penalty when it is in the
         reward), then advantages and returns on the full rollout (groups need every member)."""
-        token_rewards = rollout.outcome_token_rewards()
+        token_rewards = with_token_scores(rollout.outcome_token_rewards(), rollout.dense_rewards, self.advantage)
         if self.kl is not None and self.kl.in_reward:
             base = rollout.old_logprobs if rollout.old_logprobs is not None else rollout.sample_logprobs
             kl = self.kl(base, rollout.ref_logprobs)

@@ -56,3 +56,15 @@ def check_sharding(trainer, lora, engine) -> None:
         raise RecipeError(f"model.lora with trainer.strategy FSDP: {type(engine).__name__} needs merged weights, "
                           "which a sharded LoRA policy cannot give yet; use model.rollout: rllight.rollout.HFEngine "
                           "or rllight.rollout.vllm.VLLMEngine with lora_sync: adapter")
+
+
+def with_token_scores(token_rewards, dense_rewards, advantage):
+    """``token_rewards`` plus the scores a reward gave per response token (``Rollout.dense_rewards``; None: none).
+    One line where ``advantage`` reads only the outcome reward, which would drop them without a word."""
+    if dense_rewards is None:
+        return token_rewards
+    if not advantage.uses_token_rewards:
+        raise RecipeError(f"model.reward gives scores per response token, which model.advantage "
+                          f"{type(advantage).__name__} does not read (it reads one reward per response); choose an "
+                          "estimator that reads token rewards (GAE, VAPO, REINFORCE++) or give one score per response")
+    return token_rewards + dense_rewards

@@ -41,6 +41,9 @@ class Rollout:
     """Shape (B,), float 0/1: whether the response solved the task (for accuracy metrics)."""
     token_rewards: Tensor | None = None
     """Shape (B, T): per-token rewards; the outcome reward sits on the last response token."""
+    dense_rewards: Tensor | None = None
+    """Shape (B, T): rewards a reward gave per response token (``BatchScores.token_scores``), zero elsewhere; added
+    to ``token_rewards`` with the outcome. None: the reward gives none."""
     old_logprobs: Tensor | None = None
     """Shape (B, T): log-probs under the policy before this step's updates (the PPO ratio's base)."""
     ref_logprobs: Tensor | None = None
@@ -188,6 +191,9 @@ class Rollout:
             values = [getattr(r, f.name) for r in parts]
             if f.name == "context_mask" and any(v is not None for v in values):
                 values = [r.valid_mask for r in parts]  # a single-turn part's context is its response
+            if f.name == "dense_rewards" and any(v is not None for v in values):  # a part without: zeros
+                values = [torch.zeros_like(r.response_mask, dtype=torch.float32) if v is None else v
+                          for r, v in zip(parts, values)]
             if f.name == "extras":
                 out[f.name] = {
                     k: torch.cat([r.extras[k] for r in parts])

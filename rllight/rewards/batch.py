@@ -47,12 +47,20 @@ class BatchScores:
     ``scores[i] >= reward.correct``). ``failed`` maps the index of a sample that could not be scored to why (it
     gets reward 0 and counts as a reward failure, like a verifier that raised). ``components`` (optional, e.g.
     ``WeightedBatch``'s) maps a name to one value per sample, each logged as ``train/reward/<name>`` (its mean).
+
+    ``token_scores`` (optional) gives rewards per response token: for sample i None, or one number per token of
+    its ``response_ids`` (the policy's own tokens, so a reward with another tokenizer maps its scores onto them). They
+    are rewards on those tokens in addition to ``scores[i]``, which sits on the last token: the return from token t
+    is the outcome plus the token scores from t on (a process reward, or a shaping whose sum is zero). Only an
+    advantage estimator that reads token rewards uses them (GAE, VAPO, REINFORCE++); another refuses them in one
+    line at the first batch. A failed sample's token scores are dropped.
     """
 
     scores: list[float]
     correct: list[bool] | None = None
     failed: dict[int, str] = field(default_factory=dict)
     components: dict[str, list[float]] = field(default_factory=dict)
+    token_scores: list[list[float] | None] | None = None
 
 
 class BatchReward:
@@ -103,7 +111,9 @@ def as_batch_scores(reward: BatchReward, samples: Sequence[Sample], out: list[fl
         if len(vals) != len(samples):
             raise RecipeError(f"model.reward: {name}.score returned {len(vals)} values of component {part!r} for "
                               f"{len(samples)} samples")
-    values, failed = [], dict(scores.failed)
+    failed = dict(scores.failed)
+    tokens = _checked_tokens(name, samples, scores.token_scores, failed)  # marks a sample with a token score not finite
+    values = []
     for i, value in enumerate(scores.scores):
         try:
             value = float(value)
@@ -118,7 +128,31 @@ def as_batch_scores(reward: BatchReward, samples: Sequence[Sample], out: list[fl
     correct = [ok and i not in failed for i, ok in enumerate(correct)]
     components = {part: [0.0 if i in failed else float(v) for i, v in enumerate(vals)]
                   for part, vals in scores.components.items()}
-    return BatchScores(scores=values, correct=correct, failed=failed, components=components)
+    if tokens is not None:  # a failed sample's token scores do not train either
+        tokens = [None if i in failed else t for i, t in enumerate(tokens)]
+    return BatchScores(scores=values, correct=correct, failed=failed, components=components, token_scores=tokens)
+
+
+def _checked_tokens(name: str, samples: Sequence[Sample], tokens, failed: dict[int, str]):
+    """``tokens`` (``BatchScores.token_scores``) as floats; ``RecipeError`` in one line for a wrong count of samples
+    or of a sample's tokens; a sample with a token score that is not finite is marked in ``failed``."""
+    if tokens is None:
+        return None
+    if len(tokens) != len(samples):
+        raise RecipeError(f"model.reward: {name}.score returned token scores for {len(tokens)} samples of "
+                          f"{len(samples)}; give one entry per sample (None for a sample without)")
+    out: list[list[float] | None] = []
+    for i, (values, sample) in enumerate(zip(tokens, samples)):
+        if values is not None and len(values) != len(sample.response_ids):
+            raise RecipeError(f"model.reward: {name}.score returned {len(values)} token scores for sample {i}, whose "
+                              f"response has {len(sample.response_ids)} tokens (Sample.response_ids); give one per "
+                              "token")
+        values = None if values is None else [float(v) for v in values]
+        if values is not None and not all(math.isfinite(v) for v in values):
+            failed.setdefault(i, "a token score is not finite")
+            values = None
+        out.append(values)
+    return out
 
 
 __all__ = ["BatchReward", "BatchScores", "Sample", "as_batch_scores"]

@@ -130,9 +130,14 @@ class WeightedBatch(BatchReward):
     def score(self, samples: Sequence[Sample]) -> BatchScores:
         total, correct, failed = [0.0] * len(samples), [False] * len(samples), {}
         components: dict[str, list[float]] = {}
+        tokens: list[list[float] | None] = [None] * len(samples)
         for name, reward in self.rewards.items():
-            values, oks, fails = _component_scores(reward, samples)
+            values, oks, fails, dense = _component_scores(reward, samples)
             components[name] = values
+            for i, part in enumerate(dense or ()):  # the weighted sum of the components' token scores
+                if part is not None:
+                    base = tokens[i] or [0.0] * len(part)
+                    tokens[i] = [b + self.weights[name] * v for b, v in zip(base, part)]
             for i, why in fails.items():
                 failed.setdefault(i, f"{name}: {why}")
             total = [t + self.weights[name] * v for t, v in zip(total, values)]
@@ -142,16 +147,17 @@ class WeightedBatch(BatchReward):
                       for name, vals in components.items()}
         return BatchScores(scores=[0.0 if i in failed else t for i, t in enumerate(total)],
                            correct=[ok and i not in failed for i, ok in enumerate(correct)], failed=failed,
-                           components=components)
+                           components=components, token_scores=tokens if any(t is not None for t in tokens) else None)
 
     def check_answer(self, answer: str) -> str | None:
         return self.rewards[self.correct_from].check_answer(answer)
 
 
 def _component_scores(reward: Reward | BatchReward, samples: Sequence[Sample]
-                      ) -> tuple[list[float], list[bool], dict[int, str]]:
-    """``(values, correct, failed)`` of one ``WeightedBatch`` component on ``samples``; ``failed`` maps a sample the
-    component could not score to why (its value is 0). A ``RecipeError`` is raised: the recipe's fault."""
+                      ) -> tuple[list[float], list[bool], dict[int, str], list | None]:
+    """``(values, correct, failed, token scores)`` of one ``WeightedBatch`` component on ``samples``; ``failed`` maps
+    a sample the component could not score to why (its value is 0). A ``RecipeError`` is raised: the recipe's
+    fault."""
     if isinstance(reward, BatchReward):
         try:
             out = reward.score(samples)
@@ -159,9 +165,9 @@ def _component_scores(reward: Reward | BatchReward, samples: Sequence[Sample]
             raise
         except Exception as err:  # noqa: BLE001 - a judge down fails this batch's samples, not the run
             why = " ".join(f"{type(err).__name__}: {err}".split())
-            return [0.0] * len(samples), [False] * len(samples), dict.fromkeys(range(len(samples)), why)
+            return [0.0] * len(samples), [False] * len(samples), dict.fromkeys(range(len(samples)), why), None
         checked = as_batch_scores(reward, samples, out)
-        return checked.scores, checked.correct, checked.failed
+        return checked.scores, checked.correct, checked.failed, checked.token_scores
     values, oks, failed = [], [], {}
     for i, s in enumerate(samples):
         try:  # ``rllight.rewards.runner.score_one``'s rules (the runner imports this module)
@@ -177,7 +183,7 @@ def _component_scores(reward: Reward | BatchReward, samples: Sequence[Sample]
             failed[i], value, ok = " ".join(f"{type(err).__name__}: {err}".split()), 0.0, False
         values.append(value)
         oks.append(ok)
-    return values, oks, failed
+    return values, oks, failed, None
 
 
 def _checked(kind: str, rewards: dict, weights: dict[str, float] | None, correct_from: str | None,

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
 from rllight.errors import RecipeError
-from rllight.http_client import check_key_env
+from rllight.http_client import check_key_env, read_key
 from rllight.rewards.batch import BatchReward, Sample
 from rllight.rewards.reward_model_remote import PROTOCOLS, RemoteClassifier
 from rllight.rewards.reward_model_worker import ClassifierWorker, serve
@@ -167,8 +167,11 @@ class RewardModel(BatchReward):
         return resolve_dtype(self.dtype, device)
 
     def check(self) -> None:
-        """Before the policy loads: ``model`` is a sequence classifier with one label and its tokenizer loads."""
+        """Before the policy loads: ``model`` is a sequence classifier with one label and its tokenizer loads; with
+        ``placement: url``, the API key's variable is set."""
         self.load_tokenizer()
+        if self.placement == "url":
+            read_key(self.api_key_env, KEY, "the server's")
 
     def load_tokenizer(self) -> None:
         """Load the tokenizer, once, after checking that ``model`` is a sequence classifier with one label; raises

@@ -127,7 +127,8 @@ class RemoteClassifier:
                 if not failure.retryable:
                     raise RemoteFailed(reason) from None
             elif failure.kind == "timeout":
-                reason = f"no answer from the reward model at {self.url} within timeout_seconds={self.timeout_seconds:g}"
+                reason = (f"no answer from the reward model at {self.url} within "
+                          f"timeout_seconds={self.timeout_seconds:g}")
             else:
                 reason = f"cannot reach the reward model at {self.url} ({snippet(failure.detail)})"
             raise RemoteFailed(f"{reason}, after {attempts(failure.attempts)}") from None

@@ -22,11 +22,12 @@ from rllight.distributed import Ranks
 from rllight.envs.base import Environment
 from rllight.envs.guard import EpisodeFailed, EpisodeGuard
 from rllight.errors import ComponentError, RecipeError
-from rllight.rewards import Reward, RewardRunner, batch_rewards, by_source, score_batch
-from rllight.rewards.batch import BatchReward, Sample, as_batch_scores
+from rllight.rewards import Reward, RewardRunner, batch_rewards
+from rllight.rewards.batch import BatchReward, Sample
 from rllight.rollout.ahead import steps_ahead
 from rllight.rollout.base import RolloutEngine, Sampling, malformed
 from rllight.rollout.episodes import ChatTurns, episodes_to_rollout, run_episodes
+from rllight.rollout.scoring import Scored, score_responses, score_samples, token_tensor  # noqa: F401 (re-exported)
 from rllight.stopping import end_after_step
 from rllight.types import Rollout
 
@@ -158,12 +159,14 @@ class RolloutProducer:
         answers = [r["answer"] for r in rows for _ in range(n)]
         sources = [r.get("data_source") for r in rows for _ in range(n)]
         samples = self.samples(rows, prompts, n, gen, texts) if batch_rewards(self.reward) else None
-        rewards, correct, failures, reward_metrics = self.score(texts, answers, sources, samples)
+        scored = self.score(texts, answers, sources, samples)
+        rewards, correct, failures, reward_metrics = scored.rewards, scored.correct, scored.failures, scored.metrics
         self.reward_failures += failures
         if training:
             self.count_failed_reward_batch(failures == len(texts))
         t2 = time.perf_counter()
         device = gen.response_ids.device
+        dense = None if scored.token_scores is None else token_tensor(scored.token_scores, gen.response_mask)
         return Rollout(
             prompt_ids=gen.prompt_ids,
             prompt_mask=gen.prompt_mask,
@@ -176,6 +179,7 @@ class RolloutProducer:
             texts=texts,
             rewards=torch.tensor(rewards, dtype=torch.float32, device=device),
             correct=torch.tensor(correct, dtype=torch.float32, device=device),
+            dense_rewards=dense,
             extras={
                 "time/rollout": t1 - t0,
                 "time/reward": t2 - t1,
@@ -342,34 +346,9 @@ class RolloutProducer:
                        row=copies[i // n], group=i // n, truncated=bool(truncated[i])) for i in range(len(texts))]
 
     def score(self, texts: list[str], answers: list[str], sources: list[str | None],
-              samples: list[Sample] | None = None):
-        """``(rewards, correct, failures, metrics)`` of the responses ``texts``: each scored by its data
-        source's reward (``PerSource``) or the one reward, in the worker processes of ``runner`` if any; a
-        ``BatchReward`` scores its responses' ``samples`` (``samples``) in one call, in this process."""
-        rewards, correct = [0.0] * len(texts), [False] * len(texts)
-        failures, metrics = 0, {}
-        parts: dict[str, list[float]] = {}
-        for reward, index in by_source(self.reward, sources):
-            sub_texts, sub_answers = [texts[i] for i in index], [answers[i] for i in index]
-            if isinstance(reward, BatchReward):
-                if samples is None:
-                    raise ValueError(f"RolloutProducer.score: {type(reward).__name__} is a BatchReward and needs "
-                                     "the responses' samples")
-                values, oks, fails = score_samples(reward, [samples[i] for i in index], parts)
-            elif self.runner is not None:
-                scores = self.runner.score(reward, sub_texts, sub_answers)
-                values, oks, fails = scores.rewards, scores.correct, scores.failures
-                for key in ("timeouts", "worker_deaths"):
-                    metrics[f"reward/{key}"] = metrics.get(f"reward/{key}", 0.0) + float(getattr(scores, key))
-                for name, vals in scores.components.items():  # each part of a weighted reward, on its own
-                    parts.setdefault(name, []).extend(vals)
-            else:
-                values, oks, fails = score_batch(reward, sub_texts, sub_answers)
-            for j, i in enumerate(index):
-                rewards[i], correct[i] = values[j], oks[j]
-            failures += fails
-        metrics.update({f"reward/{name}": sum(v) / max(len(v), 1) for name, v in parts.items()})
-        return rewards, correct, failures, metrics
+              samples: list[Sample] | None = None) -> Scored:
+        """The responses ``texts`` scored (``rllight.rollout.scoring.score_responses``)."""
+        return score_responses(self.reward, self.runner, texts, answers, sources, samples)
 
     def close(self) -> None:
         """Stop the reward worker processes and free what a ``BatchReward`` holds (``close``); both start
@@ -433,36 +412,6 @@ class RolloutProducer:
         self.reward_failures = state.get("reward_failures", 0)
         self.dropped_prompts = state.get("dropped_prompts", 0)
         self.failed_reward_steps = state.get("failed_reward_steps", 0)
-
-
-def score_samples(reward: BatchReward, samples: list[Sample],
-                  parts: dict[str, list[float]] | None = None) -> tuple[list[float], list[bool], int]:
-    """``(rewards, correct, failures)`` of ``samples`` from one call of ``reward.score`` (``as_batch_scores``
-    checks it). A call that raises fails the whole batch: every sample 0, not correct and a failure, with one
-    warning naming the reward and the error. A ``RecipeError`` (the reward's own set-up, or a wrong number of
-    scores) is raised: it is the recipe's fault, not the batch's. A sample the reward says it could not score
-    (``BatchScores.failed``) gets 0 and counts, one warning for them all. ``BatchScores.components`` (e.g.
-    ``WeightedBatch``'s) are appended to ``parts`` by name, when given."""
-    name = type(reward).__name__
-    if not samples:
-        return [], [], 0
-    try:
-        out = reward.score(samples)
-    except RecipeError:
-        raise
-    except Exception as err:  # noqa: BLE001 - a reward model out of memory, a judge down: the batch, not the run
-        why = " ".join(f"{type(err).__name__}: {err}".split())
-        log.warning("reward %s failed on its whole batch of %d samples (each scored 0; fix the reward): %s", name,
-                    len(samples), why)
-        return [0.0] * len(samples), [False] * len(samples), len(samples)
-    scores = as_batch_scores(reward, samples, out)
-    if scores.failed:
-        first = min(scores.failed)
-        log.warning("reward %s could not score %d of %d samples (each scored 0); sample %d: %s", name,
-                    len(scores.failed), len(samples), first, scores.failed[first])
-    for name, values in scores.components.items() if parts is not None else ():
-        parts.setdefault(name, []).extend(values)
-    return scores.scores, scores.correct, len(scores.failed)
 
 
 def prefetch_ahead(sampler, producer: RolloutProducer, updates_per_step: int, prefetched_through: int,
