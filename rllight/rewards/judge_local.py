@@ -73,8 +73,13 @@ class LocalChat:
         """The judge's tokenizer, after checking that ``model`` is a causal LM; ``RecipeError`` in one line."""
         if self._tokenizer is not None:
             return self._tokenizer
+        import os
+
         from transformers import AutoConfig, AutoTokenizer
 
+        if (os.sep in self.model or self.model.startswith(".")) and not os.path.isdir(self.model):
+            raise RecipeError(f"{self.where}: folder {self.model!r} does not exist; give the judge model's folder (or "
+                              "hub id), e.g. the export of a run (model.export_dir)")
         try:
             config = AutoConfig.from_pretrained(self.model)
         except (OSError, ValueError) as err:

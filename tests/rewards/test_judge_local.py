@@ -10,8 +10,9 @@ import time
 
 import pytest
 import torch
+import yaml
 from conftest import RECIPES
-from helpers import tiny_overrides
+from helpers import build, tiny_overrides
 from reward_model_fixtures import make_classifier
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -157,8 +158,11 @@ def test_wrong_local_judge_settings_are_one_line_before_anything_loads(tmp_path,
     classifier = make_classifier(tmp_path / "classifier", judge_dir)
     with pytest.raises(RecipeError, match=r"is a LlamaForSequenceClassification, not a causal LM"):
         LLMJudge(model=classifier, placement="process").check()
-    with pytest.raises(RecipeError, match=r"cannot be read as a Hugging Face model"):
+    with pytest.raises(RecipeError, match=r"^model.reward.init_args.model: folder '.*missing' does not exist"):
         LLMJudge(model=str(tmp_path / "missing"), placement="worker").check()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(RecipeError, match=r"cannot be read as a Hugging Face model"):
+        LLMJudge(model=str(tmp_path / "empty"), placement="worker").check()
     monkeypatch.delenv("RLLIGHT_NO_SUCH_KEY", raising=False)
     with pytest.raises(RecipeError, match="RLLIGHT_NO_SUCH_KEY is not set"):
         LLMJudge(url="http://127.0.0.1:8000/v1", model="m", api_key_env="RLLIGHT_NO_SUCH_KEY").check()
@@ -184,3 +188,20 @@ def test_a_judge_that_is_not_a_causal_lm_is_one_line_before_any_model_loads(tmp_
     assert err.splitlines()[-1].endswith(f"model.reward.init_args.model: '{classifier}' is a "
                                          "LlamaForSequenceClassification, not a causal LM: a local judge generates "
                                          "its verdict (AutoModelForCausalLM)"), err
+
+
+def test_the_judge_recipe_trains_on_the_judges_reward_and_counts_the_exact_match(tmp_path, tiny_model_dir, judge_dir):
+    """recipes/judge-quickstart.yaml on the tiny model, its judge the tiny judge: two steps whose logged reward is
+    the judge's P(yes) (weight 1) and whose accuracy is the exact match's (weight 0, correct_from)."""
+    recipe = yaml.safe_load(open(os.path.join(RECIPES, "judge-quickstart.yaml")))
+    reward = recipe["model"]["reward"]
+    reward["init_args"]["rewards"]["judge"]["init_args"].update(model=judge_dir, dtype="float32")
+    overlay = tmp_path / "judge.yaml"
+    overlay.write_text(yaml.safe_dump({"model": {"reward": reward}}))
+    cli = build(os.path.join(RECIPES, "judge-quickstart.yaml"), tiny_overrides(tmp_path, tiny_model_dir), str(overlay))
+    assert cli.model.reward.weights == {"judge": 1.0, "exact": 0.0}
+    cli.trainer.fit(cli.model, cli.datamodule)
+    logged = {k: float(v) for k, v in cli.trainer.callback_metrics.items()}
+    assert 0.0 < logged["train/reward/judge"] < 1.0
+    assert logged["train/reward/mean"] == pytest.approx(logged["train/reward/judge"], abs=1e-5)
+    assert logged["train/reward/accuracy"] == pytest.approx(logged["train/reward/exact"], abs=1e-5)
