@@ -26,6 +26,7 @@ other placements, the tokenizer) load at the first ``score``. A copy (a checkpoi
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
@@ -181,6 +182,9 @@ class RewardModel(BatchReward):
         from transformers import AutoConfig, AutoTokenizer
 
         where = f"{KEY}.model: {self.model!r}"
+        if (os.sep in self.model or self.model.startswith(".")) and not os.path.isdir(self.model):
+            raise RecipeError(f"{KEY}.model: folder {self.model!r} does not exist; give the reward model's folder (or "
+                              "hub id), e.g. what tools/train_reward_model.py writes")
         try:
             config = AutoConfig.from_pretrained(self.model)
         except (OSError, ValueError) as err:

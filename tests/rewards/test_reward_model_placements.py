@@ -185,3 +185,29 @@ def test_a_bad_placement_setting_is_one_line_naming_it(settings, field):
     with pytest.raises(RecipeError) as err:
         RewardModel("any/model", **settings)
     assert str(err.value).startswith(f"model.reward.init_args.{field}") and "\n" not in str(err.value), str(err.value)
+
+
+# ------------------------------------------------------------------------------------------------- the recipe
+def test_the_reward_model_recipe_trains_on_the_classifiers_score_and_counts_the_exact_match(tmp_path, tiny_model_dir,
+                                                                                          classifier_dir):
+    """recipes/reward-model-quickstart.yaml on the tiny model, its reward model the tiny classifier: two steps whose
+    logged reward is the classifier's score (weight 1) and whose accuracy is the exact match's (weight 0)."""
+    import os
+
+    import yaml
+    from conftest import RECIPES
+    from helpers import build, tiny_overrides
+
+    recipe = yaml.safe_load(open(os.path.join(RECIPES, "reward-model-quickstart.yaml")))
+    reward = recipe["model"]["reward"]
+    reward["init_args"]["rewards"]["rm"]["init_args"].update(model=classifier_dir, dtype="float32")
+    overlay = tmp_path / "rm.yaml"
+    overlay.write_text(yaml.safe_dump({"model": {"reward": reward}}))
+    cli = build(os.path.join(RECIPES, "reward-model-quickstart.yaml"), tiny_overrides(tmp_path, tiny_model_dir),
+                str(overlay))
+    assert cli.model.reward.weights == {"rm": 1.0, "exact": 0.0}
+    cli.trainer.fit(cli.model, cli.datamodule)
+    logged = {k: float(v) for k, v in cli.trainer.callback_metrics.items()}
+    assert logged["train/reward/mean"] == pytest.approx(logged["train/reward/rm"], abs=1e-5)
+    assert logged["train/reward/rm"] != 0.0  # the classifier's logits, not a verifier's 0/1
+    assert logged["train/reward/accuracy"] == pytest.approx(logged["train/reward/exact"], abs=1e-5)

@@ -16,6 +16,7 @@ runs check theirs in their own files.
 """
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -480,3 +481,25 @@ def test_distill_measure_distils_the_first_grpo_model_and_records_each_run(tmp_p
     agrees(written["summary"], last)
     grpo_after = [r["accuracy_after"] for r in written["rows"][:2]]
     assert parse_pairs(last)["grpo_accuracy_after"] == pytest.approx(sum(grpo_after) / 2, abs=1e-3)
+
+
+def test_train_reward_model_writes_a_classifier_the_reward_model_reads_and_records_its_check(tmp_path, tiny_model_dir,
+                                                                                           capsys):
+    out = tmp_path / "rm"
+    code = load_tool("train_reward_model").main([
+        "--base", tiny_model_dir, "--out", str(out), "--prompts", "4", "--samples", "2", "--heldout", "4", "--epochs",
+        "1", "--max-new-tokens", "4", "--record", str(tmp_path / "records" / "rm.json")])
+    assert code == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    values = _pairs(last)
+    assert set(values) == {"auc_before", "auc_after", "accuracy_after", "positives"}
+    from rllight.rewards import RewardModel, Sample
+
+    reward = RewardModel(str(out), dtype="float32")
+    reward.check()  # a one-label sequence classifier
+    scores = reward.score([Sample(prompt="", messages=[{"role": "user", "content": "What is 1 + 1?"}], response=r,
+                                  response_ids=[1], answer="2", row={}, group=0) for r in ("2", "7")])
+    assert len(scores) == 2 and all(math.isfinite(s) for s in scores)
+    with pytest.raises(SystemExit):  # the folder exists now: never overwritten
+        load_tool("train_reward_model").main(["--base", tiny_model_dir, "--out", str(out)])
+    agrees(recorded(tmp_path / "records" / "rm.json", "train_reward_model")["rows"][0], last)
