@@ -77,8 +77,8 @@ def labelled_samples(policy, tokenizer, rows: list[dict], n: int, max_new_tokens
         for i, text in enumerate(texts):
             row = chunk[i // n]
             label = float(reward(text, row["answer"]) >= reward.correct)
-            out.append(Sample(prompt="", messages=messages[i // n], response=text, response_ids=[], answer=row["answer"],
-                              row={"label": label}, group=start + i // n))
+            out.append(Sample(prompt="", messages=messages[i // n], response=text, response_ids=[],
+                              answer=row["answer"], row={"label": label}, group=start + i // n))
     return out
 
 

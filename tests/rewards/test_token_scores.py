@@ -62,7 +62,8 @@ def test_the_rollout_holds_each_token_score_on_its_response_token(policy):
     torch.manual_seed(0)
     producer = RolloutProducer(HFEngine(max_new_tokens=5), PerToken())
     producer.bind(*policy)
-    rows = [{"messages": [{"role": "user", "content": q}], "answer": a} for q, a in (("1 + 1 =", "2"), ("2 + 5 =", "7"))]
+    rows = [{"messages": [{"role": "user", "content": q}], "answer": a}
+            for q, a in (("1 + 1 =", "2"), ("2 + 5 =", "7"))]
     rollout = producer.sample(rows, 2)
     lengths = rollout.response_mask.sum(-1).tolist()
     for i, n in enumerate(lengths):
