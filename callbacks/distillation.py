@@ -201,10 +201,22 @@ class TeacherLogprobs(RolloutCallback):
 
     def on_rollout(self, trainer: L.Trainer, context: RolloutContext, rollout: Rollout) -> Rollout:
         if self.server is not None:
-            rollout.extras[TEACHER_LOGPROBS] = self.server.logprobs(rollout)
-            return rollout
-        if self.teacher is None:
+            teacher = self.server.logprobs(rollout)
+        elif self.teacher is None:
             raise RecipeError("trainer.callbacks: TeacherLogprobs has no teacher loaded; it loads when fit starts")
-        rollout.extras[TEACHER_LOGPROBS] = teacher_logprobs(self.teacher, rollout, self.used_temperature,
-                                                            self.micro_batch_size)
+        else:
+            teacher = teacher_logprobs(self.teacher, rollout, self.used_temperature, self.micro_batch_size)
+        rollout.extras[TEACHER_LOGPROBS] = teacher
+        rollout.extras.update(gap_metrics(teacher, rollout))
         return rollout
+
+
+def gap_metrics(teacher: torch.Tensor, rollout: Rollout) -> dict[str, float]:
+    """Per response token of the rollout, the means of the teacher's log-prob (``distill/teacher_logprob``) and of
+    the sampler's minus the teacher's (``distill/reverse_kl``: the single-sample estimate of KL(student || teacher),
+    which distillation drives down), both at the sampling temperature; logged as ``train/distill/...``."""
+    mask = rollout.response_mask.float()
+    tokens = mask.sum().clamp(min=1.0)
+    student = rollout.sample_logprobs.to(teacher)
+    return {"distill/teacher_logprob": float((teacher * mask).sum() / tokens),
+            "distill/reverse_kl": float(((student - teacher) * mask).sum() / tokens)}

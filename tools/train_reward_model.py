@@ -17,7 +17,7 @@ the base policy is correct, for recipes/reward-model-quickstart.yaml.
 The folder ``--out`` (default ``runs/reward-model/model``) holds the classifier and its tokenizer. The last line is
 ``auc_before=<x> auc_after=<x> accuracy_after=<x> positives=<fraction of correct training responses>``.
 
-    .venv/bin/python tools/train_reward_model.py                        # about 15 minutes on 2 cores
+    .venv/bin/python tools/train_reward_model.py                        # about half an hour on 2 cores
     .venv/bin/python tools/train_reward_model.py --record docs/results/reward-model-quickstart.json --shared no
 """
 

@@ -246,6 +246,7 @@ def test_a_few_steps_bring_the_students_logprobs_towards_the_teachers(tiny_model
     assert cli.model.advantage.task_weight == 0.0  # pure distillation: the reward does not steer it
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     assert cli.trainer.global_step == 10
+    assert "train/distill/reverse_kl" in cli.trainer.callback_metrics  # the gap, logged each step
     gap_after = (teacher - _logprobs(cli.model.policy.eval(), rows)).abs().mean()
     # Mean |teacher - student| over the held-out tokens: it must shrink by a fifth at least (the student moving
     # away from the teacher, or not at all, fails).
@@ -271,3 +272,16 @@ def test_a_missing_teacher_is_one_line_before_the_evaluation_that_opens_a_run(ti
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"{KEY}.init_args.path: folder" in err and "does not exist" in err, err
+
+
+def test_the_teacher_student_gap_is_logged_per_response_token():
+    """``distill/reverse_kl`` is the mean over response tokens of the sampler's minus the teacher's log-prob, and
+    ``distill/teacher_logprob`` the teacher's mean: padding and prompt positions do not count."""
+    from rllight.callbacks.distillation import gap_metrics
+
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    rollout = SimpleNamespace(response_mask=mask, sample_logprobs=torch.tensor([[-1.0, -2.0, -9.0], [-0.5, -9.0, -9.0]]))
+    teacher = torch.tensor([[-0.5, -1.0, 0.0], [-1.5, 0.0, 0.0]])
+    out = gap_metrics(teacher, rollout)
+    assert out["distill/teacher_logprob"] == pytest.approx((-0.5 - 1.0 - 1.5) / 3)
+    assert out["distill/reverse_kl"] == pytest.approx(((-1.0 + 0.5) + (-2.0 + 1.0) + (-0.5 + 1.5)) / 3)

@@ -293,7 +293,8 @@ def test_dtype_auto_follows_the_trainers_mixed_precision(classifier_dir):
 def test_a_folder_that_is_not_a_one_label_classifier_is_one_line(tiny_model_dir, tmp_path):
     two = make_classifier(tmp_path / "two", tiny_model_dir, num_labels=2)
     for folder, words in ((tiny_model_dir, "is a LlamaForCausalLM, not a sequence classifier"),
-                          (two, "with 2 labels"), (str(tmp_path / "missing"), "cannot be read")):
+                          (two, "with 2 labels"), (str(tmp_path / "missing"), "does not exist"),
+                          (str(tmp_path), "cannot be read")):
         with pytest.raises(RecipeError) as err:
             RewardModel(folder).score([sample()])
         assert words in str(err.value) and "\n" not in str(err.value), str(err.value)
