@@ -16,12 +16,14 @@ class ArithmeticFeedback(Feedback):
         max_turns: Attempts per episode.
         max_total_tokens: Most tokens in an episode's context, prompt included.
         timeout_seconds: Wall-clock limit of one call into an episode (see ``Environment``).
+        max_concurrency: Episodes stepped at once within a turn (see ``Environment``).
         turn_discount: Reward factor per extra attempt, in (0, 1] (1 = a late correct answer counts in full).
         feedback: What the environment says after a wrong answer.
     """
 
     def __init__(self, max_turns: int = 3, max_total_tokens: int = 512, turn_discount: float = 1.0,
                  feedback: str = "That is not correct. Try again.",
-                 timeout_seconds: float | None = Environment.DEFAULT_TIMEOUT):
+                 timeout_seconds: float | None = Environment.DEFAULT_TIMEOUT, max_concurrency: int = 8):
         super().__init__(IntegerMatch(), max_turns=max_turns, max_total_tokens=max_total_tokens,
-                         turn_discount=turn_discount, feedback=feedback, timeout_seconds=timeout_seconds)
+                         turn_discount=turn_discount, feedback=feedback, timeout_seconds=timeout_seconds,
+                         max_concurrency=max_concurrency)

@@ -49,6 +49,10 @@ class Environment:
         timeout_seconds: Wall-clock limit of one call (``reset``, ``step``, ``trajectory_reward``); past it the
             episode gets reward 0. None = calls in the trainer's thread without a limit (for an environment
             that needs the main thread, e.g. signal-based timeouts of its own).
+        max_concurrency: Episodes whose ``step`` runs at once within a turn (a bounded pool of threads, each call
+            under its own ``timeout_seconds``), so that one slow environment (a tool, an HTTP round-trip) does not
+            hold up the others; 1 steps them one after another. ``timeout_seconds: null`` steps them one after
+            another in the trainer's thread.
     """
 
     DEFAULT_TIMEOUT = 30.0
@@ -57,9 +61,15 @@ class Environment:
     observation_role = "user"
     """Chat role of the observation turns (``tool`` for a template that has one the model knows)."""
 
+    max_concurrency = 8
+    """Episodes stepped at once within a turn (see the constructor)."""
+
     def __init__(self, max_turns: int = 3, max_total_tokens: int = 1024,
-                 timeout_seconds: float | None = DEFAULT_TIMEOUT):
+                 timeout_seconds: float | None = DEFAULT_TIMEOUT, max_concurrency: int = 8):
         key = "model.environment.init_args"
+        if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or max_concurrency < 1:
+            raise RecipeError(f"{key}.max_concurrency must be an integer >= 1, got {max_concurrency!r}")
+        self.max_concurrency = max_concurrency
         if max_turns < 1:
             raise RecipeError(f"{key}.max_turns must be >= 1, got {max_turns}")
         if max_total_tokens < 2:

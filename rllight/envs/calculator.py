@@ -168,6 +168,7 @@ class Calculator(Environment):
         max_turns: Most model turns per episode (tool calls and the answer).
         max_total_tokens: Most tokens in an episode's context, prompt included.
         timeout_seconds: Wall-clock limit of one call into an episode (see ``Environment``).
+        max_concurrency: Episodes stepped at once within a turn (see ``Environment``).
         instructions: Text added to the prompt's last message to describe the tool (None = nothing added).
         max_expression_chars: Longest expression the calculator reads.
         max_depth: Deepest nesting of parentheses and signs.
@@ -176,8 +177,9 @@ class Calculator(Environment):
 
     def __init__(self, max_turns: int = 3, max_total_tokens: int = 512, instructions: str | None = DEFAULT_INSTRUCTIONS,
                  max_expression_chars: int = 200, max_depth: int = 20, max_magnitude: int = 10**12,
-                 timeout_seconds: float | None = Environment.DEFAULT_TIMEOUT):
-        super().__init__(max_turns=max_turns, max_total_tokens=max_total_tokens, timeout_seconds=timeout_seconds)
+                 timeout_seconds: float | None = Environment.DEFAULT_TIMEOUT, max_concurrency: int = 8):
+        super().__init__(max_turns=max_turns, max_total_tokens=max_total_tokens, timeout_seconds=timeout_seconds,
+                         max_concurrency=max_concurrency)
         key = "model.environment.init_args"
         for name, value in (("max_expression_chars", max_expression_chars), ("max_depth", max_depth),
                             ("max_magnitude", max_magnitude)):

@@ -15,9 +15,13 @@ episodes fail at once): an environment that always hangs costs a few timeouts pe
 
 from __future__ import annotations
 
+import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 from rllight.envs.base import Environment, StepResult
 from rllight.rewards.base import _finite_in_float32
-from rllight.stopping import call_stoppable
+from rllight.stopping import call_stoppable, wait_stoppable
 
 HUNG_IN_A_ROW = 3
 """Timeouts of one method in a row, without a call of it that returned between them, after which a batch's
@@ -47,7 +51,9 @@ class EpisodeGuard:
         self.failures = 0
         self.timeouts = 0
         self.first_error: str | None = None
+        self.max_concurrency = getattr(environment, "max_concurrency", 1)
         self._hung: dict[str, int] = {}  # timeouts in a row, per method
+        self._lock = threading.Lock()  # the counts, when episodes step at once
 
     # ---------------------------------------------------------------------------------------- calls
     def _call(self, env: Environment, method: str, *args):
@@ -62,11 +68,11 @@ class EpisodeGuard:
                 raise EpisodeFailed(f"{where} raised {_describe(err)}") from None
         finished, value, error = call_stoppable(lambda: fn(*args), self.timeout_seconds,
                                                 f"the environment {where}")
+        with self._lock:
+            self._hung[method] = 0 if finished else self._hung.get(method, 0) + 1
+            self.timeouts += not finished
         if not finished:
-            self._hung[method] = self._hung.get(method, 0) + 1
-            self.timeouts += 1
             raise EpisodeFailed(f"{where} did not return within timeout_seconds={self.timeout_seconds:g}")
-        self._hung[method] = 0
         if error is not None:
             if not isinstance(error, Exception):  # SystemExit, KeyboardInterrupt raised by the environment
                 raise error
@@ -91,6 +97,42 @@ class EpisodeGuard:
             raise EpisodeFailed(f"{self.name}.step returned done=False without an observation (text)")
         result.reward = reward
         return result
+
+    def step_all(self, calls: list[tuple[Environment, str]]) -> list[StepResult | EpisodeFailed]:
+        """``step`` of each ``(env, response_text)``, in order: its result, or the ``EpisodeFailed`` that ends its
+        episode. Up to ``max_concurrency`` calls run at once, each under its own limit, so a turn takes about its
+        slowest call rather than the sum; with a limit of 1, ``timeout_seconds: null`` or one call, one after
+        another. Ctrl-C and SIGTERM are honoured while the turn waits."""
+
+        def one(env: Environment, text: str) -> StepResult | EpisodeFailed:
+            try:
+                return self.step(env, text)
+            except EpisodeFailed as failure:
+                return failure
+
+        if self.max_concurrency <= 1 or self.timeout_seconds is None or len(calls) <= 1:
+            return [one(env, text) for env, text in calls]
+        workers = min(self.max_concurrency, len(calls))
+        done, left, lock = threading.Event(), [len(calls)], threading.Lock()
+
+        def finished(_) -> None:
+            with lock:
+                left[0] -= 1
+                if not left[0]:
+                    done.set()
+
+        pool = ThreadPoolExecutor(workers, thread_name_prefix=f"rllight-env-{self.name}"[:40])
+        try:
+            futures = [pool.submit(one, env, text) for env, text in calls]
+            for future in futures:
+                future.add_done_callback(finished)
+            # each call gives up after its limit: the turn's bound is what its waves of calls could take
+            bound = math.ceil(len(calls) / workers) * (self.timeout_seconds + 1.0) + 5.0
+            wait_stoppable(done, bound, f"the environment {self.name}.step")
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+        return [future.result() if future.done() and not future.cancelled() else
+                EpisodeFailed(f"{self.name}.step did not return within the turn's bound") for future in futures]
 
     def trajectory_reward(self, env: Environment, rewards: list[float]) -> float:
         """``env.trajectory_reward(rewards)``, finite in float32."""

@@ -136,22 +136,25 @@ def run_episodes(engine: RolloutEngine, model, tokenizer, episodes: list[Environ
         trajs[i].truncated = True  # no room for a single token: should have been filtered by the caller
     while running:
         gen = engine.generate(model, tokenizer, [trajs[i].prompt + trajs[i].ids for i in running], sampling)
-        still = []
+        still, cuts = [], []
         for row, i in enumerate(running):
             traj, env = trajs[i], episodes[i]
             mask = gen.response_mask[row].bool()
             ids = gen.response_ids[row][mask].tolist()
             logprobs = gen.logprobs[row][mask].float().tolist()
             room = env.max_total_tokens - traj.length
-            cut = len(ids) > room
-            if cut:
+            cuts.append(len(ids) > room)
+            if cuts[-1]:
                 ids, logprobs = ids[:room], logprobs[:room]
             traj.add(ids, True, logprobs)
             traj.turns.append(ids)
-            try:
-                result = guard.step(env, tokenizer.decode(ids, skip_special_tokens=True))
-            except EpisodeFailed as failure:  # a faulty environment costs its episode, not the run
-                guard.failed(failure)
+        # The episodes of the turn step at once (up to the environment's max_concurrency), each under the guard.
+        results = guard.step_all([(episodes[i], tokenizer.decode(trajs[i].turns[-1], skip_special_tokens=True))
+                                  for i in running])
+        for row, (i, cut, result) in enumerate(zip(running, cuts, results)):
+            traj, env, ids = trajs[i], episodes[i], trajs[i].turns[-1]
+            if isinstance(result, EpisodeFailed):  # a faulty environment costs its episode, not the run
+                guard.failed(result)
                 traj.failed = traj.done = True
                 continue
             traj.rewards.append(result.reward)

@@ -4,6 +4,8 @@ the environment recipes train with the group samplers unchanged."""
 
 import json
 import os
+import threading
+import time
 from fractions import Fraction
 
 import pytest
@@ -264,8 +266,9 @@ class Faulty(Environment):
     reward 1, done, elsewhere."""
 
     def __init__(self, fault: str = "raise", timeout_seconds: float | None = 30.0, marker: str | None = None,
-                 always: bool = False):
-        super().__init__(max_turns=2, max_total_tokens=200, timeout_seconds=timeout_seconds)
+                 always: bool = False, max_concurrency: int = 8):
+        super().__init__(max_turns=2, max_total_tokens=200, timeout_seconds=timeout_seconds,
+                         max_concurrency=max_concurrency)
         self.fault, self.marker, self.always, self.bad = fault, marker, always, False
 
     def reset(self, row):
@@ -320,12 +323,12 @@ def test_a_faulty_episode_gets_reward_0_is_counted_and_named_and_the_others_go_o
 
 
 def test_a_hanging_environment_times_out_and_a_batch_stops_calling_it_after_three(tiny_model_dir):
-    """Every episode of the bad row hangs: each of the first three costs the 0.5 s timeout, the fourth is not
-    called (three timeouts in a row); the healthy row's episodes before them are scored."""
+    """Stepped one at a time (max_concurrency 1), every episode of the bad row hangs: each of the first three costs
+    the 0.5 s timeout, the fourth is not called (three timeouts in a row); the healthy row's episodes are scored."""
     import time
 
     _, tok = _tokenizer(tiny_model_dir)
-    env = Faulty("hang", timeout_seconds=0.5)
+    env = Faulty("hang", timeout_seconds=0.5, max_concurrency=1)
     producer, _ = _producer(ScriptedEngine([[40, tok.eos_token_id]], tok.eos_token_id), env, tiny_model_dir)
     start = time.monotonic()
     rollout = producer.sample([ROW, BAD_ROW], 4)
@@ -333,6 +336,50 @@ def test_a_hanging_environment_times_out_and_a_batch_stops_calling_it_after_thre
     assert rollout.rewards.tolist() == [1.0] * 4 + [0.0] * 4
     assert rollout.extras["episode/failures"] == 4.0 and rollout.extras["episode/timeouts"] == 3.0
     assert 1.5 <= elapsed < 10  # three timeouts, not four, and nothing waits for the 600 s sleep
+
+
+def test_episodes_step_at_once_up_to_the_environments_limit(tiny_model_dir):
+    """With max_concurrency 8 the four hanging episodes of the bad row time out together (four timeouts, counted),
+    and a sleeping environment is stepped by as many episodes at once as the limit allows, results in order."""
+    _, tok = _tokenizer(tiny_model_dir)
+    producer, _ = _producer(ScriptedEngine([[40, tok.eos_token_id]], tok.eos_token_id),
+                            Faulty("hang", timeout_seconds=0.5), tiny_model_dir)
+    rollout = producer.sample([ROW, BAD_ROW], 4)
+    assert rollout.rewards.tolist() == [1.0] * 4 + [0.0] * 4
+    assert rollout.extras["episode/failures"] == 4.0 and rollout.extras["episode/timeouts"] == 4.0
+    for limit, expected in ((3, 3), (1, 1), (16, 8)):
+        Sleepy.reset_counts()
+        producer, _ = _producer(ScriptedEngine([[40, tok.eos_token_id]], tok.eos_token_id),
+                                Sleepy(max_concurrency=limit), tiny_model_dir)
+        rollout = producer.sample([ROW, ROW], 4)
+        assert rollout.rewards.tolist() == [1.0] * 8 and rollout.extras["episode/failures"] == 0.0
+        assert Sleepy.most_at_once == expected, (limit, Sleepy.most_at_once)
+
+
+class Sleepy(Environment):
+    """Each step sleeps 0.2 s and ends the episode with reward 1; counts how many steps run at once."""
+
+    in_step = most_at_once = 0
+    lock = threading.Lock()
+
+    def __init__(self, max_concurrency: int = 8):
+        super().__init__(max_turns=1, max_total_tokens=200, timeout_seconds=10.0, max_concurrency=max_concurrency)
+
+    @classmethod
+    def reset_counts(cls):
+        cls.in_step = cls.most_at_once = 0
+
+    def reset(self, row):
+        return None
+
+    def step(self, response_text):
+        with Sleepy.lock:
+            Sleepy.in_step += 1
+            Sleepy.most_at_once = max(Sleepy.most_at_once, Sleepy.in_step)
+        time.sleep(0.2)
+        with Sleepy.lock:
+            Sleepy.in_step -= 1
+        return StepResult(observation=None, reward=1.0, done=True)
 
 
 def test_an_environment_failing_on_every_episode_stops_the_run_naming_it_not_the_reward(tiny_model_dir):
