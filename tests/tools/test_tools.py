@@ -503,3 +503,16 @@ def test_train_reward_model_writes_a_classifier_the_reward_model_reads_and_recor
     with pytest.raises(SystemExit):  # the folder exists now: never overwritten
         load_tool("train_reward_model").main(["--base", tiny_model_dir, "--out", str(out)])
     agrees(recorded(tmp_path / "records" / "rm.json", "train_reward_model")["rows"][0], last)
+
+
+def test_bench_env_concurrency_times_both_ways_and_records_them(tmp_path, capsys):
+    code = load_tool("bench_env_concurrency").main([
+        "--prompts", "2", "--group", "2", "--sleep", "0.05", "--new-tokens", "2", "--repeats", "1",
+        "--record", str(tmp_path / "records" / "env.json")])
+    assert code == 0
+    machine, last = _last_lines(capsys)
+    values = {k: float(v) for k, v in _pairs(last).items()}
+    assert set(values) == {"sequential_s", "concurrent_s", "episode_sleep_s", "speedup"} and machine.startswith("machine")
+    assert values["sequential_s"] >= 4 * 0.05  # four sleeps one after another cannot take less
+    assert values["speedup"] == pytest.approx(values["sequential_s"] / values["concurrent_s"], rel=0.02)
+    agrees(recorded(tmp_path / "records" / "env.json", "bench_env_concurrency")["rows"][0], last)
