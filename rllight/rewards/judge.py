@@ -318,7 +318,7 @@ class LLMJudge(BatchReward):
                     self._worker = ClassifierWorker(self._worker_target, self._chat().settings(), self.timeout_seconds,
                                                     name="the judge's worker process", loads="the judge model")
                 answers = self._worker.score(bodies)
-        except (RecipeError, KeyboardInterrupt):
+        except RecipeError:  # the recipe's fault, not the batch's (Ctrl-C is no Exception: it passes too)
             raise
         except Exception as err:  # noqa: BLE001 - a failed pass is counted, as a server's failure is
             return [" ".join(f"{type(err).__name__}: {err}".split())[:300]] * len(prompts)

@@ -73,20 +73,14 @@ class LocalChat:
         """The judge's tokenizer, after checking that ``model`` is a causal LM; ``RecipeError`` in one line."""
         if self._tokenizer is not None:
             return self._tokenizer
-        import os
+        from transformers import AutoTokenizer
 
-        from transformers import AutoConfig, AutoTokenizer
+        from rllight.rewards.reward_model import model_config
 
-        if (os.sep in self.model or self.model.startswith(".")) and not os.path.isdir(self.model):
-            raise RecipeError(f"{self.where}: folder {self.model!r} does not exist; give the judge model's folder (or "
-                              "hub id), e.g. the export of a run (model.export_dir)")
-        try:
-            config = AutoConfig.from_pretrained(self.model)
-        except (OSError, ValueError) as err:
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise RecipeError(f"{self.where}: {self.model!r} cannot be read as a Hugging Face model ({first}); give "
-                              "the folder or hub id of the judge, a causal LM") from None
-        kinds = [a for a in (getattr(config, "architectures", None) or []) if isinstance(a, str)]
+        _, kinds = model_config(self.model, self.where,
+                                missing="give the judge model's folder (or hub id), e.g. the export of a run "
+                                        "(model.export_dir)",
+                                unreadable="give the folder or hub id of the judge, a causal LM")
         if kinds and not any(a.endswith("ForCausalLM") or a.endswith("ForConditionalGeneration") for a in kinds):
             raise RecipeError(f"{self.where}: {self.model!r} is a {kinds[0]}, not a causal LM: a local judge "
                               "generates its verdict (AutoModelForCausalLM)")

@@ -72,6 +72,23 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+def model_config(model: str, where: str, missing: str, unreadable: str):
+    """``(config, architectures)`` of the Hugging Face model ``model`` (a folder or hub id) that the setting ``where``
+    names, read without its weights; ``RecipeError`` in one line for a path that is not a folder (``missing`` says
+    what to give) or a model that cannot be read (``unreadable``)."""
+    from transformers import AutoConfig
+
+    if (os.sep in model or model.startswith(".")) and not os.path.isdir(model):
+        raise RecipeError(f"{where}: folder {model!r} does not exist; {missing}")
+    try:
+        config = AutoConfig.from_pretrained(model)
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise RecipeError(f"{where}: {model!r} cannot be read as a Hugging Face model ({first}); {unreadable}") \
+            from None
+    return config, [a for a in (getattr(config, "architectures", None) or []) if isinstance(a, str)]
+
+
 def whiten(scores: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """``(scores - mean) / (std + eps)`` over the whole batch, with the population standard deviation.
 
@@ -179,19 +196,13 @@ class RewardModel(BatchReward):
         ``RecipeError`` in one line when it cannot be read or is not one."""
         if self._tokenizer is not None:
             return
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoTokenizer
 
         where = f"{KEY}.model: {self.model!r}"
-        if (os.sep in self.model or self.model.startswith(".")) and not os.path.isdir(self.model):
-            raise RecipeError(f"{KEY}.model: folder {self.model!r} does not exist; give the reward model's folder (or "
-                              "hub id), e.g. what tools/train_reward_model.py writes")
-        try:
-            config = AutoConfig.from_pretrained(self.model)
-        except (OSError, ValueError) as err:
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise RecipeError(f"{where} cannot be read as a Hugging Face model ({first}); give the folder or hub "
-                              "id of a sequence classifier with one label") from None
-        kinds = [a for a in (getattr(config, "architectures", None) or []) if isinstance(a, str)]
+        config, kinds = model_config(self.model, f"{KEY}.model",
+                                     missing="give the reward model's folder (or hub id), e.g. what "
+                                             "tools/train_reward_model.py writes",
+                                     unreadable="give the folder or hub id of a sequence classifier with one label")
         if kinds and not any(a.endswith("ForSequenceClassification") for a in kinds):
             raise RecipeError(f"{where} is a {kinds[0]}, not a sequence classifier: a reward model is an "
                               "AutoModelForSequenceClassification with one label (num_labels: 1)")
@@ -334,4 +345,4 @@ def _resident_classifier(settings: dict):
     return model.forward
 
 
-__all__ = ["PLACEMENTS", "RewardModel", "resolve_device", "resolve_dtype", "serve_worker", "whiten"]
+__all__ = ["PLACEMENTS", "RewardModel", "model_config", "resolve_device", "resolve_dtype", "serve_worker", "whiten"]
