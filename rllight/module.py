@@ -31,6 +31,7 @@ from rllight.schedules import apply_recipe_rates, recipe_rates
 from rllight.scoring import Scoring
 from rllight.strategies import (AdvantageEstimator, Aggregation, ClippedSurrogate, GroupRelative, GroupSampler,
                                 KLPenalty, PolicyLoss, Sampler, TokenMean)
+from rllight.strategies.advantages import episode_advantages
 from rllight.terms import CriticLoss, LossTerm, PolicyObjective
 from rllight.types import Rollout
 from rllight.update import Updater, ZeroGradientGuard
@@ -386,7 +387,7 @@ class RLModule(L.LightningModule):
             kl = self.kl(base, rollout.ref_logprobs)
             token_rewards = token_rewards - self.kl.coef * kl * rollout.response_mask.float()
         rollout.token_rewards = token_rewards
-        rollout.advantages, rollout.returns = self.advantage(rollout)
+        rollout.advantages, rollout.returns = episode_advantages(self.advantage, rollout)
 
     def _log(self, metrics: dict) -> None:
         """Log a step's metrics as ``train/<key>`` at its RL step, counted from 1 as the progress lines count (the

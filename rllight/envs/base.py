@@ -13,8 +13,10 @@ from rllight.errors import RecipeError
 class StepResult:
     """What an environment answers to one model turn."""
 
-    observation: str | None
-    """Text shown to the model in the next (user or tool) turn; None when the episode is done."""
+    observation: str | list[dict] | None
+    """What the model is shown next: text (one turn in the environment's ``observation_role``) or chat messages
+    (dicts with ``role`` and ``content``, plus what the template reads, e.g. a tool result's ``name`` or
+    ``tool_call_id``); None when the episode is done."""
     reward: float
     """Reward of this turn; a trajectory's reward is ``Environment.trajectory_reward`` of its turns' rewards."""
     done: bool
@@ -64,6 +66,10 @@ class Environment:
     max_concurrency = 8
     """Episodes stepped at once within a turn (see the constructor)."""
 
+    tokenizer = None
+    """The policy's tokenizer, set by the rollout producer before the first episode (environments that read tool
+    calls in the model's own format use it, ``rllight.envs.tool_calls``)."""
+
     def __init__(self, max_turns: int = 3, max_total_tokens: int = 1024,
                  timeout_seconds: float | None = DEFAULT_TIMEOUT, max_concurrency: int = 8):
         key = "model.environment.init_args"
@@ -89,6 +95,12 @@ class Environment:
     def reset(self, row: dict) -> str | None:
         """Start an episode on the prompt row ``row`` (fields ``messages``, ``answer``, ...). Returns text added
         to the prompt's last message (e.g. tool instructions), or None."""
+        return None
+
+    def tools(self) -> list[dict] | None:
+        """The tools the model may call, as JSON schemas (``{"type": "function", "function": {...}}``): the chat
+        template renders them into the prompt in the model's own format (``apply_chat_template(tools=...)``).
+        None = no tools. Called after ``reset``, so an episode may offer its own."""
         return None
 
     def step(self, response_text: str) -> StepResult:

@@ -36,6 +36,20 @@ def _describe(err: BaseException) -> str:
     return " ".join(f"{type(err).__name__}: {err}".split())[:300]
 
 
+def _observation_problem(observation) -> str | None:
+    """What is wrong with an observation of an episode that goes on (None: it is text, or chat messages with a
+    text ``role`` and ``content``)."""
+    if isinstance(observation, str):
+        return None
+    if not isinstance(observation, list) or not observation:
+        return "no observation (text or a list of chat messages)"
+    for message in observation:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
+                or not isinstance(message.get("content"), str):
+            return f"an observation message without text role and content: {str(message)[:100]!r}"
+    return None
+
+
 class EpisodeGuard:
     """Calls into one batch's episodes of ``environment`` with a wall-clock limit and checks what they return.
 
@@ -86,6 +100,15 @@ class EpisodeGuard:
             raise EpisodeFailed(f"{self.name}.reset returned a {type(text).__name__}, not text or None")
         return text
 
+    def tools(self, env: Environment) -> list[dict] | None:
+        """``env.tools()``: a list of tool schemas (dicts), or None (an empty list is None)."""
+        schemas = self._call(env, "tools")
+        if schemas is None or schemas == []:
+            return None
+        if not isinstance(schemas, list) or not all(isinstance(t, dict) for t in schemas):
+            raise EpisodeFailed(f"{self.name}.tools returned {type(schemas).__name__}, not a list of JSON schemas")
+        return schemas
+
     def step(self, env: Environment, response_text: str) -> StepResult:
         """``env.step(response_text)``, checked: a ``StepResult`` whose reward is finite in float32 and which
         has an observation unless done."""
@@ -93,8 +116,10 @@ class EpisodeGuard:
         if not isinstance(result, StepResult):
             raise EpisodeFailed(f"{self.name}.step returned {type(result).__name__}, not a StepResult")
         reward = self._finite(result.reward, "step")
-        if not result.done and not isinstance(result.observation, str):
-            raise EpisodeFailed(f"{self.name}.step returned done=False without an observation (text)")
+        if not result.done:
+            problem = _observation_problem(result.observation)
+            if problem:
+                raise EpisodeFailed(f"{self.name}.step returned done=False with {problem}")
         result.reward = reward
         return result
 

@@ -154,7 +154,11 @@ class EvalAccumulator:
             })
 
     def update_rollout(self, rows: Sequence[dict], n: int, rollout) -> None:
-        """``update`` from a scored ``rllight.types.Rollout`` of ``rows`` sampled ``n`` times each."""
+        """``update`` from a scored ``rllight.types.Rollout`` of ``rows`` sampled ``n`` times each (one row per
+        episode: an episode laid out as several rows counts once, with its last sample's length)."""
+        from rllight.rollout.episodes import main_rows
+
+        rollout = main_rows(rollout)
         self.update(rows, n, rollout.correct, rewards=rollout.rewards, lengths=rollout.response_lengths,
                     truncated=rollout.truncated, texts=rollout.texts, turns=getattr(rollout, "extras", {}).get("episode/turns"))
 

@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 from rllight.algorithms import explained_variance
+from rllight.rollout.episodes import main_rows
 from rllight.rollout.producer import SAMPLE_STALENESS
 
 
@@ -80,6 +81,7 @@ def rollout_metrics(rollout) -> dict[str, Tensor | float]:
     if len(rollout) == 0:
         return scalar_extras(rollout)
     lengths = rollout.response_lengths.float()
+    full, rollout = rollout, main_rows(rollout)  # reward statistics count each episode once
     groups = torch.unique(rollout.group_ids)
     mixed = sum(int(rollout.rewards[rollout.group_ids == g].unique().numel() > 1) for g in groups.tolist())
     metrics: dict[str, Tensor | float] = {
@@ -87,14 +89,14 @@ def rollout_metrics(rollout) -> dict[str, Tensor | float]:
         "reward/std": rollout.rewards.std() if len(rollout) > 1 else torch.tensor(0.0),
         "reward/accuracy": rollout.correct.mean(),
         "reward/valid_group_ratio": mixed / max(len(groups), 1),
-        "response/length_mean": lengths.mean(),
+        "response/length_mean": lengths.mean(),  # per row: a sample's model and observation tokens
         "response/length_max": lengths.max(),
-        "response/truncated_ratio": rollout.truncated.float().mean(),
+        "response/truncated_ratio": full.truncated.float().mean(),
         "response/tokens": lengths.sum(),
     }
-    staleness = rollout.extras.get(SAMPLE_STALENESS)
+    staleness = full.extras.get(SAMPLE_STALENESS)
     if staleness is not None:
         metrics["rollout/staleness_mean"] = staleness.float().mean()
         metrics["rollout/staleness_max"] = staleness.float().max()
-    metrics.update(scalar_extras(rollout))
+    metrics.update(scalar_extras(full))
     return metrics

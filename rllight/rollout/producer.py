@@ -26,7 +26,7 @@ from rllight.rewards import Reward, RewardRunner, batch_rewards
 from rllight.rewards.batch import BatchReward, Sample
 from rllight.rollout.ahead import steps_ahead
 from rllight.rollout.base import RolloutEngine, Sampling, malformed
-from rllight.rollout.episodes import ChatTurns, episodes_to_rollout, run_episodes
+from rllight.rollout.episodes import ChatTurns, check_tools_rendered, encode_chat, episodes_to_rollout, run_episodes
 from rllight.rollout.scoring import Scored, score_responses, score_samples, token_tensor  # noqa: F401 (re-exported)
 from rllight.stopping import end_after_step
 from rllight.types import Rollout
@@ -38,21 +38,14 @@ SAMPLE_STALENESS = "rollout/sample_staleness"
 weights that generated the response (0 when sampling is on-policy; asynchronous rollouts make it larger)."""
 
 
-def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of a chat prompt with the tokenizer's template and the generation prompt."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if not isinstance(ids, list):  # newer tokenizers return a BatchEncoding
-        ids = ids["input_ids"]
-    return list(ids)
-
-
 def with_first_observation(messages: list[dict], observation: str | None) -> list[dict]:
     """``messages`` with an environment's first observation added to the last message's content (a new
-    line between them); unchanged when there is none."""
+    line between them; the observation alone when that content is empty); unchanged when there is none."""
     if observation is None:
         return messages
     last = messages[-1]
-    return [*messages[:-1], {**last, "content": f"{last['content']}\n{observation}"}]
+    content = f"{last['content']}\n{observation}" if last["content"] else observation
+    return [*messages[:-1], {**last, "content": content}]
 
 
 class RolloutProducer:
@@ -87,6 +80,7 @@ class RolloutProducer:
         self.engine = engine
         self.environment = environment
         self._chat_turns: ChatTurns | None = None
+        self._tools_checked = False  # the template renders the environment's tools (checked at the first episode)
         self.reward = reward
         self.runner = runner
         self.max_prompt_tokens = max_prompt_tokens
@@ -106,7 +100,7 @@ class RolloutProducer:
         """The policy to sample from, its tokenizer, where extra prompt rows come from, and the collectives of
         the training processes."""
         if tokenizer is not self.tokenizer:
-            self._chat_turns = None
+            self._chat_turns, self._tools_checked = None, False
         self.policy, self.tokenizer = policy, tokenizer
         if draw is not None:
             self._draw = draw
@@ -249,7 +243,7 @@ class RolloutProducer:
         turn hit ``max_new_tokens``)."""
         env = self.environment
         guard = EpisodeGuard(env)
-        episodes, prompts, failed = self._reset_episodes(guard, rows, n)
+        episodes, prompts, failed, conversations, tools = self._reset_episodes(guard, rows, n)
         limit = env.max_total_tokens - 1  # room for at least one generated token
         if self.max_prompt_tokens is not None:
             limit = min(limit, self.max_prompt_tokens)
@@ -264,14 +258,16 @@ class RolloutProducer:
             return Rollout.empty(extras={"data/dropped_long_prompts": float(dropped), "kept_rows": tuple(keep)})
         index = [k * n + j for k in keep for j in range(n)]
         episodes, prompts = [episodes[i] for i in index], [prompts[i] for i in index]
-        failed = [failed[i] for i in index]
+        failed, conversations, tools = [failed[i] for i in index], [conversations[i] for i in index], \
+            [tools[i] for i in index]
         guard.failures = sum(failed)  # the reset failures of the prompts kept
         rows = [rows[k] for k in keep]
         if self._chat_turns is None:
             self._chat_turns = ChatTurns(self.tokenizer)
         t0 = time.perf_counter()
         trajs = run_episodes(self.engine, self.policy, self.tokenizer, episodes, prompts, sampling,
-                             turns=self._chat_turns, guard=guard, failed=failed)
+                             turns=self._chat_turns, guard=guard, failed=failed, conversations=conversations,
+                             tools=tools)
         rewards = self._trajectory_rewards(guard, episodes, trajs)
         t1 = time.perf_counter()
         failures = guard.failures
@@ -281,7 +277,7 @@ class RolloutProducer:
         if training:
             self.count_failed_reward_batch(failures == len(trajs), guard.first_error)
         device = next(self.policy.parameters()).device if self.policy is not None else "cpu"
-        turns = torch.tensor([len(t.turns) for t in trajs], dtype=torch.float32)
+        turns = torch.tensor([len(t.all_turns) for t in trajs], dtype=torch.float32)
         return episodes_to_rollout(
             trajs,
             rewards=rewards,
@@ -296,8 +292,8 @@ class RolloutProducer:
                 "episode/timeouts": float(guard.timeouts),
                 "data/dropped_long_prompts": float(dropped),
                 "kept_rows": tuple(keep),
-                "episode/turns": turns,  # per episode (shape B), for evaluation's turns_mean
                 "episode/turns_mean": turns.mean().item(),
+                "episode/restarted_ratio": sum(bool(t.earlier) for t in trajs) / len(trajs),
                 "episode/turns_max": turns.max().item(),
                 "episode/truncated_ratio": sum(t.truncated for t in trajs) / len(trajs),
                 **self.engine.last_metrics,
@@ -305,19 +301,28 @@ class RolloutProducer:
         )
 
     def _reset_episodes(self, guard: EpisodeGuard, rows: list[dict], n: int):
-        """``(episodes, prompt ids, failed)``: ``n`` fresh episodes per row, reset through ``guard``; an episode
-        whose ``reset`` failed is marked (it is not played, and counts as failed) and gets the row's prompt."""
+        """``(episodes, prompt ids, failed, conversations, tools)``: ``n`` fresh episodes per row, reset through
+        ``guard``, each with its prompt's chat messages and the tools it offers; an episode whose ``reset`` (or
+        ``tools``) failed is marked (it is not played, and counts as failed) and gets the row's prompt."""
+        self.environment.tokenizer = self.tokenizer  # for tool calls read in the model's own format
         episodes = [self.environment.spawn() for _ in rows for _ in range(n)]
-        failed, prompts = [False] * len(episodes), []
+        failed, prompts, conversations, tools = [False] * len(episodes), [], [], []
         for k, row in enumerate(rows):
             for j in range(n):
+                schemas = None
                 try:
                     first = guard.reset(episodes[k * n + j], row)
+                    schemas = guard.tools(episodes[k * n + j])
                 except EpisodeFailed as failure:
                     guard.failed(failure)
                     failed[k * n + j], first = True, None
-                prompts.append(encode_chat(self.tokenizer, with_first_observation(row["messages"], first)))
-        return episodes, prompts, failed
+                conversations.append(with_first_observation(row["messages"], first))
+                tools.append(schemas)
+                if schemas and not self._tools_checked:
+                    check_tools_rendered(self.tokenizer, conversations[-1], schemas, type(self.environment).__name__)
+                    self._tools_checked = True
+                prompts.append(encode_chat(self.tokenizer, conversations[-1], schemas))
+        return episodes, prompts, failed, conversations, tools
 
     @staticmethod
     def _trajectory_rewards(guard: EpisodeGuard, episodes: list[Environment], trajs: list) -> list[float]:

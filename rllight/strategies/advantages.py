@@ -17,12 +17,13 @@ from torch import Tensor
 from rllight._compat import lazy_default
 from rllight.algorithms import gae, group_relative, masked_whiten, reinforce_pp, remax, rloo
 from rllight.errors import RecipeError
+from rllight.rollout.episodes import EPISODE_ID, EPISODE_MAIN
 from rllight.strategies.lambdas import AdaptiveLambda, LambdaSchedule
 from rllight.strategies.samplers import GREEDY_REWARDS
 from rllight.types import Rollout
 
 __all__ = ["GAE", "RLOO", "TEACHER_LOGPROBS", "AdvantageEstimator", "DecoupledGAE", "GroupRelative",
-           "OnPolicyDistillation", "PromptBaseline", "ReMax", "ReinforcePP"]
+           "OnPolicyDistillation", "PromptBaseline", "ReMax", "ReinforcePP", "episode_advantages"]
 
 _NORMALIZE = ("none", "batch_std", "bernoulli")  # PromptBaseline's sigma
 TEACHER_LOGPROBS = "teacher_logprobs"
@@ -43,6 +44,11 @@ class AdvantageEstimator:
 
     needs_values: bool = False
     uses_token_rewards: bool = False
+    per_episode: bool = False
+    """Its advantage is one number per response, from the outcome rewards of the response's group. Then an
+    episode laid out as several rows (a template that rewrote the history, ``rllight.rollout.episodes``) counts
+    once in its group, and each of its rows gets its advantage (``episode_advantages``). Otherwise every row is
+    its own sequence ending with the episode's outcome (a Monte-Carlo return for the earlier samples)."""
     min_group_size: int = 1
     gamma: float = 1.0
     total = None
@@ -53,6 +59,27 @@ class AdvantageEstimator:
     def __call__(self, rollout: Rollout) -> tuple[Tensor, Tensor | None]:
         """``(advantages (B, T), returns (B, T) or None)``, zero outside ``rollout.response_mask``."""
         raise NotImplementedError
+
+
+def episode_advantages(estimator: AdvantageEstimator, rollout: Rollout) -> tuple[Tensor, Tensor | None]:
+    """``estimator(rollout)``, with each episode counted once when it is laid out as several rows.
+
+    For a ``per_episode`` estimator and a rollout with ``EPISODE_MAIN`` rows: the estimator sees one row per
+    episode (its main row), and every row of an episode gets that row's advantage on its own response tokens.
+    Anything else is ``estimator(rollout)`` unchanged (one call either way: the estimators' collectives match
+    across ranks)."""
+    main = rollout.extras.get(EPISODE_MAIN)
+    if not estimator.per_episode or main is None or len(main) != len(rollout) or bool(main.all()):
+        return estimator(rollout)
+    index = main.nonzero().squeeze(-1)
+    adv, returns = estimator(rollout.select(index))
+    mask = rollout.response_mask[index].to(adv.dtype)
+    per_main = (adv * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # constant over a response's tokens
+    ids = rollout.extras[EPISODE_ID]
+    owner = (ids.unsqueeze(1) == ids[index].unsqueeze(0)).float().argmax(1)  # each row's main row, in ``index``
+    if returns is not None:
+        raise RecipeError(f"model.advantage: {type(estimator).__name__} is per_episode but returns value targets")
+    return _broadcast(per_main[owner.to(per_main.device)], rollout), None
 
 
 def _broadcast(adv: Tensor, rollout: Rollout) -> Tensor:
@@ -207,6 +234,8 @@ class GroupRelative(AdvantageEstimator):
         self.scale_by_std = scale_by_std
         self.eps = eps
 
+    per_episode = True
+
     def __call__(self, rollout: Rollout) -> tuple[Tensor, None]:
         adv = group_relative(rollout.rewards, rollout.group_ids, self.scale_by_std, self.eps)
         return adv.unsqueeze(-1) * rollout.response_mask.to(adv.dtype), None
@@ -220,6 +249,8 @@ class RLOO(AdvantageEstimator):
 
     min_group_size = 2
 
+    per_episode = True
+
     def __call__(self, rollout: Rollout) -> tuple[Tensor, None]:
         return _broadcast(rloo(rollout.rewards, rollout.group_ids), rollout), None
 
@@ -228,6 +259,8 @@ class ReMax(AdvantageEstimator):
     """ReMax (Li et al., arXiv:2310.10505): ``A_i = R_i - R(greedy response to the same prompt)``,
     broadcast to every token. Needs ``model.sampler: rllight.strategies.ReMaxSampler``, which generates
     and scores the greedy responses. Reads the outcome rewards only (put a KL penalty in the loss)."""
+
+    per_episode = True
 
     def __call__(self, rollout: Rollout) -> tuple[Tensor, None]:
         if GREEDY_REWARDS not in rollout.extras:

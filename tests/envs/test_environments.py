@@ -305,7 +305,7 @@ BAD_ROW = {"messages": QUESTION, "answer": "bad"}
     ("nan", "Faulty.step gave reward nan, which is not finite in float32"),
     ("inf", "Faulty.step gave reward inf, which is not finite in float32"),
     ("1e39", "Faulty.step gave reward 1e+39, which is not finite in float32"),
-    ("no-observation", "Faulty.step returned done=False without an observation"),
+    ("no-observation", "Faulty.step returned done=False with no observation"),
 ])
 def test_a_faulty_episode_gets_reward_0_is_counted_and_named_and_the_others_go_on(fault, message, tiny_model_dir,
                                                                                   caplog):
