@@ -42,6 +42,22 @@ def _cached_snapshot(repo_id: str, filename: str) -> str | None:
     return os.path.dirname(found) if isinstance(found, str) else None
 
 
+def read_chat_template(value: str | None, key: str = "model.model.init_args.chat_template") -> str | None:
+    """A chat template from a recipe: the text of a ``.jinja`` file, or the value itself when it is a template
+    (holds ``{{`` or ``{%``); a one-line ``RecipeError`` naming ``key`` otherwise."""
+    if value is None:
+        return None
+    if value.endswith(".jinja"):
+        try:
+            with open(os.path.expanduser(value), encoding="utf-8") as f:
+                return f.read()
+        except OSError as err:
+            raise RecipeError(f"{key}: cannot read {value!r} ({err.strerror or type(err).__name__})") from None
+    if "{{" in value or "{%" in value:
+        return value
+    raise RecipeError(f"{key}: {value[:60]!r} is neither a .jinja file nor a Jinja template")
+
+
 class HFModel:
     """A Hugging Face causal LM from a local folder, or an ``org/name`` hub id (from the local Hugging Face
     cache, else downloaded when the hub is reachable).
@@ -58,14 +74,18 @@ class HFModel:
             of the same tokens then differ less (``train/rollout/logprob_diff_*``). In float32 it changes nothing.
             Costs a float32 copy of the layer's weight in the engine's copy. Not offered with an engine that
             holds weights of its own (vLLM, a rollout worker, a server), which would compute it in its dtype.
+        chat_template: The tokenizer's chat template instead of the model's own: a Jinja file (``.jinja``), or the
+            template's text. For a model whose template does not render tools (an environment with tools needs
+            one that does), e.g. ``recipes/templates/chatml-tools.jinja``. Exported models keep it.
     """
 
     def __init__(
         self, path: str, dtype: str = "float32", trust_remote_code: bool = False, gguf_file: str | None = None,
-        float32_lm_head: bool = False,
+        float32_lm_head: bool = False, chat_template: str | None = None,
     ):
         if dtype not in DTYPES:
             raise RecipeError(f"model.dtype: '{dtype}' is not one of {', '.join(DTYPES)}")
+        self.chat_template = read_chat_template(chat_template)
         self.path = path
         self.dtype = dtype
         self.trust_remote_code = trust_remote_code
@@ -119,6 +139,8 @@ class HFModel:
             ) from None
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
+        if self.chat_template is not None:
+            tokenizer.chat_template = self.chat_template
         if self.float32_lm_head:
             from rllight.precision import Float32Head
 
@@ -153,12 +175,14 @@ class SmolLM2Package(HFModel):
         cache_dir: Where the converted folder is kept (default ``~/.cache/rllight/SmolLM2-135M-Instruct``).
         dtype: Parameter dtype.
         float32_lm_head: The output layer in float32 (see ``HFModel``).
+        chat_template: A chat template instead of the model's own (see ``HFModel``): its own does not render tools.
     """
 
     GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-    def __init__(self, cache_dir: str | None = None, dtype: str = "float32", float32_lm_head: bool = False):
-        super().__init__(path="", dtype=dtype, float32_lm_head=float32_lm_head)
+    def __init__(self, cache_dir: str | None = None, dtype: str = "float32", float32_lm_head: bool = False,
+                 chat_template: str | None = None):
+        super().__init__(path="", dtype=dtype, float32_lm_head=float32_lm_head, chat_template=chat_template)
         self.cache_dir = cache_dir
 
     def resolve(self) -> str:

@@ -13,6 +13,29 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+TOOLS_CHAT_TEMPLATE = (
+    "{%- if tools %}{{ '<|im_start|>system\nTools:\n' }}{%- for tool in tools %}{{ tool | tojson + '\n' }}"
+    "{%- endfor %}{{ 'Call one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call><|im_end|>\n' }}"
+    "{%- endif %}{%- for message in messages %}{%- if message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' }}"
+    "{%- else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{%- endif %}"
+    "{%- endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+"""``CHAT_TEMPLATE`` with tools in the Hermes format (as Qwen2.5's template renders them): the tools' schemas in
+a system message, tool results as ``<tool_response>`` blocks in a user turn."""
+
+HISTORY_REWRITING_TEMPLATE = (
+    "{%- set ns = namespace(last=-1) %}{%- for message in messages %}{%- if message['role'] == 'user' %}"
+    "{%- set ns.last = loop.index0 %}{%- endif %}{%- endfor %}{%- for message in messages %}"
+    "{%- set content = message['content'] %}"
+    "{%- if message['role'] == 'assistant' and loop.index0 < ns.last and '</think>' in content %}"
+    "{%- set content = content.split('</think>')[-1] %}{%- endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + content + '<|im_end|>\n' }}{%- endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+"""``CHAT_TEMPLATE`` that rewrites history as Qwen3's does: an assistant turn before the last user turn loses its
+``<think>...</think>`` reasoning."""
+
 
 @contextlib.contextmanager
 def _no_progress_bars():

@@ -2,12 +2,18 @@
 
 Select one with ``model.environment``; the rollout producer then runs episodes (``rllight.rollout.episodes``)
 instead of single responses, token in and token out.
+
+Environments the ecosystem ships run through adapters, each with its package as an optional extra:
+``FactoryEnvironment`` (any class written to TRL's environment contract), ``rllight.envs.openenv.OpenEnv``,
+``rllight.envs.verifiers_env.Verifiers`` and ``rllight.envs.textarena.TextArena``.
 """
 
 from rllight.envs.arithmetic import ArithmeticFeedback
 from rllight.envs.base import Environment, StepResult
 from rllight.envs.calculator import CalcError, Calculator, evaluate, format_number
+from rllight.envs.factory import FactoryEnvironment
 from rllight.envs.feedback import Feedback
+from rllight.envs.tool_calls import ToolCall, parse_tool_calls
 
-__all__ = ["ArithmeticFeedback", "CalcError", "Calculator", "Environment", "Feedback", "StepResult", "evaluate",
-           "format_number"]
+__all__ = ["ArithmeticFeedback", "CalcError", "Calculator", "Environment", "FactoryEnvironment", "Feedback",
+           "StepResult", "ToolCall", "evaluate", "format_number", "parse_tool_calls"]
