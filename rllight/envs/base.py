@@ -110,3 +110,7 @@ class Environment:
     def trajectory_reward(self, rewards: list[float]) -> float:
         """The reward of a whole trajectory from its turns' rewards (in order): their sum."""
         return float(sum(rewards))
+
+    def close(self) -> None:
+        """Free what the factory object holds (a server it started, open sessions) when a fit or a validation
+        ends; the next episode may take them again. Nothing by default."""

@@ -356,12 +356,14 @@ class RolloutProducer:
         return score_responses(self.reward, self.runner, texts, answers, sources, samples)
 
     def close(self) -> None:
-        """Stop the reward worker processes and free what a ``BatchReward`` holds (``close``); both start
-        again at the next score."""
+        """Stop the reward worker processes and free what a ``BatchReward`` and the environment hold (``close``,
+        e.g. a server it started); they start again when next needed."""
         if self.runner is not None:
             self.runner.close()
         for reward in batch_rewards(self.reward):
             reward.close()
+        if self.environment is not None:
+            self.environment.close()
 
     def count_malformed_batch(self, problem: str | None) -> None:
         """Count a training batch the engine returned malformed (``rllight.rollout.base.malformed``: log-probs not
