@@ -1,8 +1,11 @@
-"""Data: the datamodule, the embedded arithmetic task and reasoning-gym's tasks."""
+"""Data: the datamodule, the embedded arithmetic task, reasoning-gym's tasks, seeded tasks (an environment draws
+the task from the seed) and verifiers' tasksets."""
 
 from rllight.data.arithmetic import ArithmeticTask
 from rllight.data.module import RLDataModule
 from rllight.data.reasoning_gym import ReasoningGymTask
+from rllight.data.seeded import SeededTask
 from rllight.data.task import Task
+from rllight.data.verifiers_data import VerifiersTask
 
-__all__ = ["ArithmeticTask", "RLDataModule", "ReasoningGymTask", "Task"]
+__all__ = ["ArithmeticTask", "RLDataModule", "ReasoningGymTask", "SeededTask", "Task", "VerifiersTask"]
