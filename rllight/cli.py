@@ -438,6 +438,17 @@ def main(args: list[str] | None = None) -> None:
             sys.stdout, sys.stderr = streams
 
 
+def _recipe_cause(err: BaseException) -> RecipeError | ComponentError | None:
+    """The ``RecipeError`` or ``ComponentError`` that ``err`` was raised from, if any (its causes, in turn)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, (RecipeError, ComponentError)):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
 def _run_command(argv: list[str], args: list[str] | None) -> None:
     """The command ``argv`` names; a user's mistake or a component's failure is one line and exit code 2."""
     from jsonargparse import ArgumentError
@@ -458,6 +469,14 @@ def _run_command(argv: list[str], args: list[str] | None) -> None:
         sys.exit(2)
     except (RecipeError, ComponentError) as err:
         print(f"rllight: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    except ValueError as err:
+        # A component typed ``X | None`` (model.environment, model.kl, ...) whose constructor refused its settings:
+        # jsonargparse wraps the one line in a ValueError listing every alternative of the union.
+        cause = _recipe_cause(err)
+        if cause is None:
+            raise
+        print(f"rllight: error: {cause}", file=sys.stderr)
         sys.exit(2)
     except SIGTERMException:  # saved by rllight.safety.Interrupts; exit as a terminated process does
         sys.exit(128 + signal.SIGTERM)

@@ -230,3 +230,32 @@ def test_an_estimator_that_needs_values_and_gets_none_names_the_key():
     for estimator in (GAE(), DecoupledGAE()):
         with pytest.raises(RecipeError, match=r"^model\.advantage: \w+ needs .*set model\.critic"):
             estimator(make_rollout([1.0], lengths=[2]))
+
+
+@pytest.mark.parametrize(("module", "environment", "extra"), [
+    ("textarena", None, "textarena"),  # the recipe as shipped
+    ("openenv", '{class_path: rllight.envs.OpenEnv, init_args: {url: "http://127.0.0.1:9"}}', "openenv"),
+    ("verifiers", "{class_path: rllight.envs.Verifiers, init_args: {env_id: textarena}}", "verifiers"),
+])
+def test_an_adapter_without_its_extra_is_one_line_before_the_model_loads(module, environment, extra, capsys,
+                                                                         monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, module, None)  # as if it were not installed
+
+    def no_load(self):
+        raise AssertionError("the model loaded before the recipe's environment was checked")
+
+    monkeypatch.setattr(HFModel, "load", no_load)
+    recipe = os.path.join(RECIPES, "env-textarena-guess.yaml")
+    args = ["fit", "--config", recipe] + ([] if environment is None else ["--model.environment", environment])
+    line = _error(capsys, *args)
+    assert f"pip install 'rllight[{extra}]'" in line and "model.environment" in line
+
+
+def test_a_refused_setting_of_an_optional_component_is_one_line(capsys):
+    """jsonargparse wraps the constructor's one line of a ``X | None`` component (here model.environment) in a
+    multi-line ValueError; the CLI prints the line."""
+    line = _error(capsys, "fit", "--config", os.path.join(RECIPES, "env-calculator.yaml"), "--model.environment",
+                  "{class_path: rllight.envs.Calculator, init_args: {max_depth: 0}}")
+    assert line == "rllight: error: model.environment.init_args.max_depth must be >= 1, got 0"
