@@ -51,9 +51,9 @@ class Environment:
         timeout_seconds: Wall-clock limit of one call (``reset``, ``step``, ``trajectory_reward``); past it the
             episode gets reward 0. None = calls in the trainer's thread without a limit (for an environment
             that needs the main thread, e.g. signal-based timeouts of its own).
-        max_concurrency: Episodes whose ``step`` runs at once within a turn (a bounded pool of threads, each call
-            under its own ``timeout_seconds``), so that one slow environment (a tool, an HTTP round-trip) does not
-            hold up the others; 1 steps them one after another. ``timeout_seconds: null`` steps them one after
+        max_concurrency: Episodes whose ``reset``, or whose ``step`` within a turn, runs at once (a bounded pool of
+            threads, each call under its own ``timeout_seconds``), so that one slow environment (a tool, an HTTP
+            round-trip) does not hold up the others; 1 calls them one after another. ``timeout_seconds: null`` steps them one after
             another in the trainer's thread.
     """
 

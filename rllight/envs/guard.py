@@ -128,15 +128,25 @@ class EpisodeGuard:
         episode. Up to ``max_concurrency`` calls run at once, each under its own limit, so a turn takes about its
         slowest call rather than the sum; with a limit of 1, ``timeout_seconds: null`` or one call, one after
         another. Ctrl-C and SIGTERM are honoured while the turn waits."""
+        return self._all(self.step, calls, "step")
 
-        def one(env: Environment, text: str) -> StepResult | EpisodeFailed:
+    def reset_all(self, calls: list[tuple[Environment, dict]]) -> list[tuple[str | None, list[dict] | None] |
+                                                                        EpisodeFailed]:
+        """``(reset(env, row), tools(env))`` of each ``(env, row)``, in order, or the ``EpisodeFailed`` of either:
+        at once as in ``step_all`` (a reset that opens a session on a server is a round trip)."""
+        return self._all(lambda env, row: (self.reset(env, row), self.tools(env)), calls, "reset")
+
+    def _all(self, call, calls: list[tuple], method: str) -> list:
+        """``call(*args)`` for each of ``calls``, in order, up to ``max_concurrency`` at once (see ``step_all``)."""
+
+        def one(*args):
             try:
-                return self.step(env, text)
+                return call(*args)
             except EpisodeFailed as failure:
                 return failure
 
         if self.max_concurrency <= 1 or self.timeout_seconds is None or len(calls) <= 1:
-            return [one(env, text) for env, text in calls]
+            return [one(*args) for args in calls]
         workers = min(self.max_concurrency, len(calls))
         done, left, lock = threading.Event(), [len(calls)], threading.Lock()
 
@@ -148,16 +158,17 @@ class EpisodeGuard:
 
         pool = ThreadPoolExecutor(workers, thread_name_prefix=f"rllight-env-{self.name}"[:40])
         try:
-            futures = [pool.submit(one, env, text) for env, text in calls]
+            futures = [pool.submit(one, *args) for args in calls]
             for future in futures:
                 future.add_done_callback(finished)
-            # each call gives up after its limit: the turn's bound is what its waves of calls could take
-            bound = math.ceil(len(calls) / workers) * (self.timeout_seconds + 1.0) + 5.0
-            wait_stoppable(done, bound, f"the environment {self.name}.step")
+            # each call gives up after its limit (a reset's two calls, after two): the bound of its waves of calls
+            per_call = (self.timeout_seconds + 1.0) * (2 if method == "reset" else 1)
+            bound = math.ceil(len(calls) / workers) * per_call + 5.0
+            wait_stoppable(done, bound, f"the environment {self.name}.{method}")
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
         return [future.result() if future.done() and not future.cancelled() else
-                EpisodeFailed(f"{self.name}.step did not return within the turn's bound") for future in futures]
+                EpisodeFailed(f"{self.name}.{method} did not return within the turn's bound") for future in futures]
 
     def trajectory_reward(self, env: Environment, rewards: list[float]) -> float:
         """``env.trajectory_reward(rewards)``, finite in float32."""

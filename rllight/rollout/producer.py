@@ -306,22 +306,22 @@ class RolloutProducer:
         ``tools``) failed is marked (it is not played, and counts as failed) and gets the row's prompt."""
         self.environment.tokenizer = self.tokenizer  # for tool calls read in the model's own format
         episodes = [self.environment.spawn() for _ in rows for _ in range(n)]
+        # The resets run at once, as the turns' steps do (a reset may be a round trip to a server).
+        started = guard.reset_all([(episodes[k * n + j], row) for k, row in enumerate(rows) for j in range(n)])
         failed, prompts, conversations, tools = [False] * len(episodes), [], [], []
-        for k, row in enumerate(rows):
-            for j in range(n):
-                schemas = None
-                try:
-                    first = guard.reset(episodes[k * n + j], row)
-                    schemas = guard.tools(episodes[k * n + j])
-                except EpisodeFailed as failure:
-                    guard.failed(failure)
-                    failed[k * n + j], first = True, None
-                conversations.append(with_first_observation(row["messages"], first))
-                tools.append(schemas)
-                if schemas and not self._tools_checked:
-                    check_tools_rendered(self.tokenizer, conversations[-1], schemas, type(self.environment).__name__)
-                    self._tools_checked = True
-                prompts.append(encode_chat(self.tokenizer, conversations[-1], schemas))
+        for i, result in enumerate(started):
+            first, schemas = None, None
+            if isinstance(result, EpisodeFailed):
+                guard.failed(result)
+                failed[i] = True
+            else:
+                first, schemas = result
+            conversations.append(with_first_observation(rows[i // n]["messages"], first))
+            tools.append(schemas)
+            if schemas and not self._tools_checked:
+                check_tools_rendered(self.tokenizer, conversations[-1], schemas, type(self.environment).__name__)
+                self._tools_checked = True
+            prompts.append(encode_chat(self.tokenizer, conversations[-1], schemas))
         return episodes, prompts, failed, conversations, tools
 
     @staticmethod

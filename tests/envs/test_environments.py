@@ -354,12 +354,14 @@ def test_episodes_step_at_once_up_to_the_environments_limit(tiny_model_dir):
         rollout = producer.sample([ROW, ROW], 4)
         assert rollout.rewards.tolist() == [1.0] * 8 and rollout.extras["episode/failures"] == 0.0
         assert Sleepy.most_at_once == expected, (limit, Sleepy.most_at_once)
+        assert Sleepy.most_resets_at_once == expected, (limit, Sleepy.most_resets_at_once)  # resets too
 
 
 class Sleepy(Environment):
-    """Each step sleeps 0.2 s and ends the episode with reward 1; counts how many steps run at once."""
+    """Each reset and each step sleeps 0.2 s; a step ends the episode with reward 1. Counts how many steps, and
+    how many resets, run at once."""
 
-    in_step = most_at_once = 0
+    in_step = most_at_once = in_reset = most_resets_at_once = 0
     lock = threading.Lock()
 
     def __init__(self, max_concurrency: int = 8):
@@ -367,9 +369,15 @@ class Sleepy(Environment):
 
     @classmethod
     def reset_counts(cls):
-        cls.in_step = cls.most_at_once = 0
+        cls.in_step = cls.most_at_once = cls.in_reset = cls.most_resets_at_once = 0
 
     def reset(self, row):
+        with Sleepy.lock:
+            Sleepy.in_reset += 1
+            Sleepy.most_resets_at_once = max(Sleepy.most_resets_at_once, Sleepy.in_reset)
+        time.sleep(0.2)
+        with Sleepy.lock:
+            Sleepy.in_reset -= 1
         return None
 
     def step(self, response_text):
