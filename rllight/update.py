@@ -64,7 +64,7 @@ class ZeroGradientGuard:
             end_after_step(f"{what}; check the reward and the task's difficulty for this model "
                            "(model.max_zero_gradient_steps sets when this stops a run)")
         elif self.in_a_row == self.warn_after:
-            log.warning("step %d: %s; the run stops after %s (model.max_zero_gradient_steps)", step, what,
+            log.warning("after update %d: %s; the run stops after %s (model.max_zero_gradient_steps)", step, what,
                         self.stop_after if self.stop_after is not None else "never")
 
 

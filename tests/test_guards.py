@@ -222,7 +222,7 @@ def test_steps_whose_updates_have_no_gradient_warn_then_end_the_run_saved(tmp_pa
     state = torch.load(path, weights_only=True)
     assert state["global_step"] == 3 and state["RLDataModule"] == {"batches_trained": 3}
     warned = [r.getMessage() for r in caplog.records if "zero policy gradient" in r.getMessage()]
-    assert len(warned) == 1 and warned[0].startswith("step 2: 2 RL steps in a row had a zero policy gradient")
+    assert len(warned) == 1 and warned[0].startswith("after update 2: 2 RL steps in a row had a zero policy gradient")
 
 
 def test_the_zero_gradient_count_restarts_at_a_step_that_learned():
