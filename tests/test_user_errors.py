@@ -259,3 +259,13 @@ def test_a_refused_setting_of_an_optional_component_is_one_line(capsys):
     line = _error(capsys, "fit", "--config", os.path.join(RECIPES, "env-calculator.yaml"), "--model.environment",
                   "{class_path: rllight.envs.Calculator, init_args: {max_depth: 0}}")
     assert line == "rllight: error: model.environment.init_args.max_depth must be >= 1, got 0"
+
+
+def test_a_mix_naming_a_source_no_row_has_is_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    def no_load(self):
+        raise AssertionError("the model loaded before the data mix was checked")
+
+    monkeypatch.setattr(HFModel, "load", no_load)
+    line = _error(capsys, "fit", "--config", GRPO, "--data.mix",
+                  "{class_path: rllight.data.SourceMix, init_args: {weights: {arithmetic: 1, gsm8k: 1}}}")
+    assert "data.mix.weights names ['gsm8k'], which no training row has; the sources are ['arithmetic']" in line

@@ -2,10 +2,12 @@
 the task from the seed) and verifiers' tasksets."""
 
 from rllight.data.arithmetic import ArithmeticTask
+from rllight.data.mix import SourceMix
 from rllight.data.module import RLDataModule
 from rllight.data.reasoning_gym import ReasoningGymTask
 from rllight.data.seeded import SeededTask
 from rllight.data.task import Task
 from rllight.data.verifiers_data import VerifiersTask
 
-__all__ = ["ArithmeticTask", "RLDataModule", "ReasoningGymTask", "SeededTask", "Task", "VerifiersTask"]
+__all__ = ["ArithmeticTask", "RLDataModule", "ReasoningGymTask", "SeededTask", "SourceMix", "Task",
+           "VerifiersTask"]

@@ -18,6 +18,8 @@ from torch.utils.data import DataLoader
 
 from rllight.data.arithmetic import ArithmeticTask
 from rllight.data.context import LONG_PROMPTS, fit_to_context
+from rllight.data.mix import MixedSampler, SourceMix
+from rllight.data.sampler import ResumableSampler
 from rllight.data.rows import ANSWER_FORMATS, _Fields, _load_rows
 from rllight.data.rows import CHAT_ROLES, gsm8k_answer, read_prompts  # noqa: F401  (importable from here too)
 from rllight.data.task import Task
@@ -32,53 +34,6 @@ warnings.filterwarnings("ignore", message=".*your dataloader is not resumable.*"
 
 TASK_DATA_SOURCE = "arithmetic"
 """The ``data_source`` of the embedded task's rows."""
-
-
-class ResumableSampler(torch.utils.data.DistributedSampler):
-    """A fresh seeded permutation of the training rows each epoch, dealt out to the training processes, able to
-    start mid-epoch.
-
-    Each epoch takes the first ``epoch_rows`` indices of a permutation of ``num_rows`` that depends only on
-    ``(seed, epoch)``; process ``rank`` of ``world`` gets every ``world``-th of them, from its ``rank``-th on (so
-    consecutive batches of ``b`` rows on each process together make consecutive global batches of ``b x world``
-    rows, with no row twice). ``start_at(n)`` skips the first ``n`` rows of this process's stream. A run resumed
-    after ``k`` trained batches therefore sees exactly the rows an uninterrupted run would: the trained-batch
-    count decides where it resumes, not the dataloader's prefetching.
-
-    It is a ``DistributedSampler`` so that Lightning uses it as it is under several processes (it would wrap
-    any other sampler in one that splits its stream again); the split is its own.
-    """
-
-    def __init__(self, num_rows: int, epoch_rows: int, seed: int, rank: int = 0, world: int = 1):
-        self.num_rows = num_rows
-        self.epoch_rows = epoch_rows  # over all processes; a multiple of world
-        self.seed = seed
-        self.rank = rank
-        self.world = self.num_replicas = world  # num_replicas: the name DistributedSampler's readers know
-        self.shuffle = False  # the order is this class's own; nothing is to shuffle it again
-        self.skip = 0  # rows of this process's stream already consumed by training
-
-    def start_at(self, rows_consumed: int) -> None:
-        self.skip = rows_consumed
-
-    def set_epoch(self, epoch: int) -> None:
-        """Lightning's per-epoch call: nothing to do, the stream counts its own epochs."""
-
-    def order(self, epoch: int) -> list[int]:
-        """The row indices this process gets in epoch ``epoch``."""
-        g = torch.Generator().manual_seed(self.seed + epoch)
-        return torch.randperm(self.num_rows, generator=g)[: self.epoch_rows][self.rank :: self.world].tolist()
-
-    def __iter__(self):
-        epoch, offset = divmod(self.skip, len(self))
-        order = self.order(epoch)
-        self.skip = (epoch + 1) * len(self)  # the next iterator starts the next epoch
-        yield from order[offset:]
-
-    def __len__(self) -> int:
-        # A full epoch, also when resuming mid-epoch: Lightning's restored batch counter then reaches the
-        # epoch's end exactly when this iterator runs out.
-        return self.epoch_rows // self.world
 
 
 def collate(rows: list[dict]) -> list[dict]:
@@ -128,6 +83,9 @@ class RLDataModule(L.LightningDataModule):
             (``config.max_position_embeddings``). ``refuse``: one line naming the row. ``truncate``: the start of
             its last user message is cut until it fits (the end, where the question usually is, is kept).
             ``drop``: the row is left out, counted in one warning.
+        mix: How many prompts of each data source every training batch holds, and how that changes over steps
+            (``rllight.data.SourceMix``); None = the rows in one seeded order whatever their source. The sources
+            are the rows' ``data_source`` values; each step logs ``train/data/<source>/share``.
     """
 
     def __init__(
@@ -147,6 +105,7 @@ class RLDataModule(L.LightningDataModule):
         decode_errors: str = "replace",
         max_row_bytes: int = MAX_ROW_BYTES,
         long_prompts: str = "refuse",
+        mix: SourceMix | None = None,
     ):
         super().__init__()
         if long_prompts not in LONG_PROMPTS:
@@ -167,6 +126,7 @@ class RLDataModule(L.LightningDataModule):
         self.val_files = val_files
         self.task = task if task is not None or train_files else ArithmeticTask()
         self.batch_size = batch_size
+        self.mix = mix
         self.rank, self.world = 0, 1  # this process among the training processes (set up with the trainer)
         self.val_batch_size = val_batch_size
         self.val_size = val_size
@@ -207,6 +167,8 @@ class RLDataModule(L.LightningDataModule):
             self.val_rows = self.val_rows[: self.val_size]
         for row in self.train_rows + self.val_rows:
             row["messages"] = self.messages(row["prompt"])
+        if self.mix is not None and self.train_rows:
+            self._sampler()  # a source without a weight, or a weight without rows, is one line before the model loads
 
     def messages(self, prompt: str | list[dict]) -> list[dict]:
         """A prompt as chat messages, with the configured system prompt before a string prompt."""
@@ -223,6 +185,9 @@ class RLDataModule(L.LightningDataModule):
             raise RecipeError(
                 f"data.batch_size={self.batch_size} is larger than the {len(self.train_rows)} training rows"
             )
+        if self.mix is not None:
+            return MixedSampler(self.train_rows, self.mix, self.batch_size, per_epoch, self.seed, self.rank,
+                                self.world)
         return ResumableSampler(len(self.train_rows), per_epoch * self.batch_size, self.seed, self.rank, self.world)
 
     def upcoming_batches(self, first: int, count: int) -> list[list[dict]]:

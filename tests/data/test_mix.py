@@ -1,0 +1,125 @@
+"""Several data sources mixed by weight: exact counts in every batch, schedules, resume from the batch count,
+two processes sharing each global batch, one line for a source without a weight, and the logged shares."""
+
+import os
+from collections import Counter
+
+import pytest
+
+from rllight.data import RLDataModule, SourceMix, Task
+from rllight.data.mix import source_shares
+from rllight.errors import RecipeError
+
+
+class ThreeSources(Task):
+    """40 rows of a, 20 of b, 5 of c."""
+
+    def splits(self):
+        sizes = {"a": 40, "b": 20, "c": 5}
+        rows = [{"prompt": f"{s} {i}", "answer": str(i), "data_source": s} for s, n in sizes.items() for i in range(n)]
+        return rows, rows[:2]
+
+
+def _data(mix, batch_size=8, rank=0, world=1):
+    data = RLDataModule(task=ThreeSources(), batch_size=batch_size, mix=mix)
+    data.setup()
+    data.rank, data.world = rank, world
+    return data
+
+
+def _sources(batch):
+    return Counter(row["data_source"] for row in batch)
+
+
+def test_every_batch_holds_each_sources_share_exactly():
+    data = _data(SourceMix({"a": 2, "b": 1, "c": 1}))
+    batches = data.upcoming_batches(0, 20)
+    assert all(_sources(b) == {"a": 4, "b": 2, "c": 2} for b in batches)  # 8 x (1/2, 1/4, 1/4)
+    # c has 5 rows: its 40 draws are 8 passes over all five; a, with 40 rows, is drawn once each
+    c_rows = [row["prompt"] for b in batches for row in b if row["data_source"] == "c"]
+    assert Counter(c_rows) == {f"c {j}": 8 for j in range(5)}
+    a_rows = [row["prompt"] for b in batches for row in b if row["data_source"] == "a"]
+    assert sorted(a_rows[:40]) == sorted(f"a {j}" for j in range(40)) and a_rows[:40] != sorted(a_rows[:40])
+    # the loader yields the same batches (an epoch: 65 rows / 8 = 8 batches)
+    loader = [list(b) for b in data.train_dataloader()]
+    assert len(loader) == 8 and [[r["prompt"] for r in b] for b in loader] == [[r["prompt"] for r in b]
+                                                                              for b in batches[:8]]
+
+
+def test_a_share_that_does_not_divide_the_batch_is_off_by_at_most_one_and_exact_over_batches():
+    data = _data(SourceMix({"a": 1, "b": 1, "c": 1}), batch_size=4)
+    counts = [_sources(b) for b in data.upcoming_batches(0, 30)]
+    assert all(sum(c.values()) == 4 for c in counts)
+    assert all(1 <= c[s] <= 2 for c in counts for s in "abc")  # 4/3 each: one or two, never 0 or 3
+    assert sum(counts, Counter()) == {"a": 40, "b": 40, "c": 40}  # 120 prompts over 30 batches: a third each
+
+
+def test_a_schedule_moves_the_weights_linearly_over_steps():
+    mix = SourceMix({"a": 1, "b": 0, "c": 0}, schedule=[{"step": 10, "weights": {"a": 0, "b": 1, "c": 0}}])
+    assert mix.weights_at(0) == {"a": 1.0, "b": 0.0, "c": 0.0}
+    assert mix.weights_at(5) == {"a": 0.5, "b": 0.5, "c": 0.0}
+    assert mix.weights_at(10) == mix.weights_at(99) == {"a": 0.0, "b": 1.0, "c": 0.0}
+    counts = [_sources(b) for b in _data(mix).upcoming_batches(0, 12)]
+    assert counts[0] == {"a": 8} and counts[5] == {"a": 4, "b": 4} and counts[11] == {"b": 8}
+    assert [c["a"] for c in counts[:11]] == sorted((c["a"] for c in counts[:11]), reverse=True)
+
+
+def test_a_resumed_run_draws_the_batches_an_uninterrupted_run_draws():
+    mix = SourceMix({"a": 3, "b": 1, "c": 0}, schedule=[{"step": 6, "weights": {"a": 1, "b": 1, "c": 2}}])
+    whole = _data(mix).upcoming_batches(0, 24)  # 65 rows / 8 = 8 batches an epoch: three epochs
+    resumed = _data(mix)
+    resumed.load_state_dict({"batches_trained": 11})  # mid-epoch
+    loader = [list(b) for b, _ in zip(resumed.train_dataloader(), range(5))]
+    assert [[r["prompt"] for r in b] for b in loader] == [[r["prompt"] for r in b] for b in whole[11:16]]
+
+
+def test_two_processes_split_each_global_batch_and_keep_its_mix():
+    mix = SourceMix({"a": 2, "b": 1, "c": 1})
+    single = _data(mix).upcoming_batches(0, 10)
+    ranks = [_data(mix, rank=r, world=2).upcoming_batches(0, 10) for r in (0, 1)]
+    for k in range(10):
+        assert len(ranks[0][k]) == len(ranks[1][k]) == 4
+        both = sorted(r["prompt"] for r in ranks[0][k] + ranks[1][k])
+        assert both == sorted(r["prompt"] for r in single[k])  # the same global batch, dealt out
+        assert _sources(ranks[0][k] + ranks[1][k]) == {"a": 4, "b": 2, "c": 2}
+
+
+@pytest.mark.parametrize("mix, message", [
+    (SourceMix({"a": 1, "b": 1}), "data.mix.weights has no weight for data source 'c'"),
+    (SourceMix({"a": 1, "b": 1, "c": 1, "d": 1}), "data.mix.weights names ['d'], which no training row has"),
+])
+def test_sources_and_weights_that_do_not_match_are_one_line(mix, message):
+    with pytest.raises(RecipeError) as err:
+        _data(mix).upcoming_batches(0, 1)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"weights": {}}, "data.mix.weights must map each data source to a weight"),
+    ({"weights": {"a": -1}}, "data.mix.weights.a must be a number >= 0"),
+    ({"weights": {"a": 0}}, "every weight is 0"),
+    ({"weights": {"a": 1}, "schedule": [{"step": 3}]}, "data.mix.schedule[0] must be {step: S, weights"),
+    ({"weights": {"a": 1, "b": 1}, "schedule": [{"step": 3, "weights": {"a": 1}}]}, "schedule[0].weights names"),
+    ({"weights": {"a": 1}, "schedule": [{"step": 3, "weights": {"a": 1}}, {"step": 3, "weights": {"a": 2}}]},
+     "schedule[1].step must be larger"),
+])
+def test_bad_mix_settings_are_one_line_naming_the_key(kwargs, message):
+    with pytest.raises(RecipeError) as err:
+        SourceMix(**kwargs)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_step_logs_each_sources_share(tmp_path, tiny_model_dir):
+    from conftest import RECIPES
+    from helpers import build, tiny_overrides
+
+    source = tmp_path / "two.jsonl"
+    source.write_text("".join(f'{{"prompt": "What is {i} + 1?", "answer": "{i + 1}", "data_source": "{s}"}}\n'
+                              for s in ("left", "right") for i in range(8)))
+    cli = build(os.path.join(RECIPES, "grpo.yaml"), tiny_overrides(tmp_path, tiny_model_dir), "--trainer.max_steps",
+                "2", "--data.train_files", f"[{source}]", "--data.batch_size", "4", "--data.mix",
+                "{class_path: rllight.data.SourceMix, init_args: {weights: {left: 3, right: 1}}}")
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    metrics = cli.trainer.callback_metrics
+    assert float(metrics["train/data/left/share"]) == 0.75 and float(metrics["train/data/right/share"]) == 0.25
+    assert source_shares(["x", "x"]) == {}  # one source: nothing logged
