@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from itertools import pairwise
 
 import torch
 
@@ -79,7 +80,7 @@ class SourceMix:
         if not points or points[0][0] > 0:
             points.insert(0, (0, self.weights))
         raw = points[-1][1]
-        for (s0, w0), (s1, w1) in zip(points, points[1:]):
+        for (s0, w0), (s1, w1) in pairwise(points):
             if step < s1:
                 t = max(0.0, (step - s0) / (s1 - s0))
                 raw = {k: w0[k] + t * (w1[k] - w0[k]) for k in w0}
@@ -166,10 +167,20 @@ class MixedSampler(ResumableSampler):
         return out
 
 
-def source_shares(sources: list) -> dict[str, float]:
-    """``data/<source>/share``: each source's share of a batch's rows (the realised mix of the step); nothing for a
-    batch of one source."""
-    if len(set(map(str, sources))) < 2:
+def source_metrics(sources: list, rewards: list[float] | None = None, correct: list | None = None
+                   ) -> dict[str, float]:
+    """Per data source of a batch's responses (``sources``, one per response): ``data/<source>/share`` (the
+    realised mix of the step) and, given the responses' ``rewards`` and ``correct``, ``reward/<source>/mean`` and
+    ``reward/<source>/accuracy``, as evaluation reports per source. Nothing for a batch of one source."""
+    names = [str(s) for s in sources]
+    if len(set(names)) < 2:
         return {}
-    total = len(sources)
-    return {f"data/{s}/share": sources.count(s) / total for s in sorted(set(map(str, sources)))}
+    out = {}
+    for source in sorted(set(names)):
+        index = [i for i, s in enumerate(names) if s == source]
+        out[f"data/{source}/share"] = len(index) / len(names)
+        if rewards is not None:
+            out[f"reward/{source}/mean"] = sum(float(rewards[i]) for i in index) / len(index)
+        if correct is not None:
+            out[f"reward/{source}/accuracy"] = sum(float(correct[i]) for i in index) / len(index)
+    return out

@@ -27,7 +27,7 @@ from rllight.rewards.batch import BatchReward, Sample
 from rllight.rollout.ahead import steps_ahead
 from rllight.rollout.base import RolloutEngine, Sampling, malformed
 from rllight.rollout.episodes import ChatTurns, check_tools_rendered, encode_chat, episodes_to_rollout, run_episodes
-from rllight.data.mix import source_shares
+from rllight.data.mix import source_metrics
 from rllight.rollout.scoring import Scored, score_responses, score_samples, token_tensor  # noqa: F401 (re-exported)
 from rllight.stopping import end_after_step
 from rllight.types import Rollout
@@ -182,7 +182,7 @@ class RolloutProducer:
                 **reward_metrics,
                 "data/dropped_long_prompts": float(dropped),
                 "kept_rows": tuple(keep),  # a tuple: per prompt row, not per response (select leaves it)
-                **source_shares(sources),  # several data sources (data.mix): the step's realised mix
+                **source_metrics(sources, rewards, correct),  # several data sources: each one's share and reward
                 **engine_metrics,
                 # Per response: policy versions between the weights that generated it and the trainer's now.
                 **({SAMPLE_STALENESS: torch.full((len(texts),), float(staleness), device=device)}
@@ -294,7 +294,8 @@ class RolloutProducer:
                 "episode/timeouts": float(guard.timeouts),
                 "data/dropped_long_prompts": float(dropped),
                 "kept_rows": tuple(keep),
-                **source_shares([r.get("data_source") for r in rows]),
+                **source_metrics([r.get("data_source") for r in rows for _ in range(n)], rewards,
+                                 [t.correct for t in trajs]),
                 "episode/turns_mean": turns.mean().item(),
                 "episode/restarted_ratio": sum(bool(t.earlier) for t in trajs) / len(trajs),
                 "episode/turns_max": turns.max().item(),

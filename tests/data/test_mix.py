@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from rllight.data import RLDataModule, SourceMix, Task
-from rllight.data.mix import source_shares
+from rllight.data.mix import source_metrics
 from rllight.errors import RecipeError
 
 
@@ -122,4 +122,9 @@ def test_the_step_logs_each_sources_share(tmp_path, tiny_model_dir):
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     metrics = cli.trainer.callback_metrics
     assert float(metrics["train/data/left/share"]) == 0.75 and float(metrics["train/data/right/share"]) == 0.25
-    assert source_shares(["x", "x"]) == {}  # one source: nothing logged
+    assert "train/reward/left/mean" in metrics and "train/reward/right/accuracy" in metrics
+    assert source_metrics(["x", "x"]) == {}  # one source: nothing logged
+    # worked by hand: x's rewards 1 and 0 (mean 0.5, one correct), y's 0.25
+    assert source_metrics(["x", "y", "x"], [1.0, 0.25, 0.0], [1, 0, 0]) == {
+        "data/x/share": 2 / 3, "data/y/share": 1 / 3, "reward/x/mean": 0.5, "reward/y/mean": 0.25,
+        "reward/x/accuracy": 0.5, "reward/y/accuracy": 0.0}
