@@ -24,7 +24,8 @@ class EvalSettings:
         top_p: Nucleus sampling threshold (1.0 = off).
         top_k: Top-k sampling (0 = off).
         max_new_tokens: Longest response, in tokens (None = the rollout engine's ``max_new_tokens``).
-        ks: The k of avg@k, pass@k and maj@k, each in 1..n (None = 1 and n).
+        ks: The k of avg@k, pass@k and maj@k, each in 1..n (None = 1 and n). n is always added: avg@n, the mean
+            over every sample, is ``val/accuracy`` when sampling.
         bootstrap: Resamples of a percentile bootstrap interval over prompts for each metric (0 = none; the
             standard error is always reported).
         confidence: Coverage of the bootstrap interval.
@@ -90,7 +91,7 @@ class EvalSettings:
         self.top_p = float(top_p)
         self.top_k = top_k
         self.max_new_tokens = max_new_tokens
-        self.ks = sorted(set(ks))
+        self.ks = sorted(set(ks) | {n})  # avg@n is val/accuracy: always computed
         self.bootstrap = bootstrap
         self.confidence = confidence
         self.seed = seed

@@ -451,3 +451,15 @@ def test_a_sampling_seed_gives_the_evaluation_a_random_stream_of_its_own():
         drawn = torch.rand(4)
     torch.manual_seed(0)
     assert torch.equal(drawn, torch.rand(4))
+
+
+def test_ks_without_n_still_report_the_mean_over_every_sample_as_val_accuracy():
+    """``ks: [1]`` with n = 2 used to end the validation with KeyError 'val/avg@2' (val/accuracy reads avg@n)."""
+    settings = EvalSettings(n=2, temperature=1.0, ks=[1])
+    assert settings.ks == [1, 2]
+    evaluator = Evaluator(settings)
+    rows = [{"source": "r1", "data_source": "d", "prompt": "p", "answer": "1"}]
+    # two samples of one prompt: one correct, one not -> mean correctness 0.5
+    evaluator.results.update(rows, 2, torch.tensor([1.0, 0.0]))
+    metrics = evaluator.finish(SimpleNamespace(world_size=1, is_global_zero=False, sanity_checking=False), 0)
+    assert metrics["val/accuracy"] == metrics["val/avg@2"] == 0.5
