@@ -133,6 +133,20 @@ def recorded_samples(engine):
         engine.generate = real_generate
 
 
+def fit_recording_rollouts(cli) -> list:
+    """Fit ``cli``'s model and return every rollout its sampler produced, in order (the sampler runs as it is;
+    its result is kept as it goes to the step)."""
+    seen, sampler = [], cli.model.sampler
+
+    def record(producer, rows):
+        seen.append(type(sampler).__call__(sampler, producer, rows))
+        return seen[-1]
+
+    cli.model.sampler = record
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    return seen
+
+
 class CaptureLogger(Logger):
     """A logger that keeps every ``log_metrics`` call (what each step sends to the loggers:
     ``trainer.callback_metrics`` keeps every key ever logged, so it cannot tell which step logged what)."""

@@ -148,9 +148,8 @@ def play(environment, engine, source, rows: list[dict], args: argparse.Namespace
     """Each row's game played once by the model ``source`` loads, in row order."""
     import torch
 
-    from rllight.envs.guard import EpisodeFailed, EpisodeGuard
-    from rllight.rollout.episodes import encode_chat, run_episodes
-    from rllight.rollout.producer import with_first_observation
+    from rllight.envs.guard import EpisodeGuard
+    from rllight.rollout.episodes import run_episodes, start_episodes, trajectory_rewards
 
     policy, tokenizer = source.load()
     policy.eval()
@@ -158,32 +157,14 @@ def play(environment, engine, source, rows: list[dict], args: argparse.Namespace
                                    seed=args.sampling_seed if args.temperature > 0 else None)
     guard = EpisodeGuard(environment)
     environment.tokenizer = tokenizer
-    episodes, prompts, failed, conversations, tools = [environment.spawn() for _ in rows], [], [], [], []
-    for episode, row in zip(episodes, rows):
-        first, bad, schemas = None, False, None
-        try:
-            first = guard.reset(episode, row)
-            schemas = guard.tools(episode)
-        except EpisodeFailed as failure:
-            guard.failed(failure)
-            bad = True
-        failed.append(bad)
-        conversations.append(with_first_observation(row["messages"], first))
-        tools.append(schemas)
-        prompts.append(encode_chat(tokenizer, conversations[-1], schemas))
-    with torch.no_grad():  # as the producer plays them: the same merge rule, the same tools
+    # As the producer plays them: the same resets, merge rule and tools; one game per row.
+    episodes, prompts, failed, conversations, tools = start_episodes(environment, tokenizer, guard, rows, 1)
+    with torch.no_grad():
         trajs = run_episodes(engine, policy, tokenizer, episodes, prompts, sampling, guard=guard, failed=failed,
                              conversations=conversations, tools=tools)
-    games = []
-    for episode, traj in zip(episodes, trajs):
-        reward = 0.0
-        if not traj.failed:
-            try:
-                reward = guard.trajectory_reward(episode, traj.rewards)
-            except EpisodeFailed as failure:
-                guard.failed(failure)
-                traj.failed = True
-        games.append(Game(episode, traj, reward if not traj.failed else 0.0, bool(traj.correct and not traj.failed)))
+    rewards = trajectory_rewards(guard, episodes, trajs)
+    games = [Game(episode, traj, reward, bool(traj.correct))
+             for episode, traj, reward in zip(episodes, trajs, rewards)]
     if guard.failures:
         print(f"env_measure: {guard.summary(len(trajs))}", file=sys.stderr)
     return games

@@ -304,6 +304,56 @@ def _rows(trajs: list[Trajectory]) -> list[tuple[int, Segment, bool]]:
                                                          for seg in t.earlier]
 
 
+def with_first_observation(messages: list[dict], observation: str | None) -> list[dict]:
+    """``messages`` with an environment's first observation added to the last message's content (a new
+    line between them; the observation alone when that content is empty); unchanged when there is none."""
+    if observation is None:
+        return messages
+    last = messages[-1]
+    content = f"{last['content']}\n{observation}" if last["content"] else observation
+    return [*messages[:-1], {**last, "content": content}]
+
+
+def start_episodes(environment: Environment, tokenizer, guard: EpisodeGuard, rows: list[dict], n: int):
+    """``(episodes, prompt ids, failed, conversations, tools)``: ``n`` fresh episodes of ``environment`` per row,
+    reset through ``guard`` (at once, up to its ``max_concurrency``: a reset may be a round trip to a server), each
+    with its prompt's chat messages and the tools it offers; an episode whose ``reset`` (or ``tools``) failed is
+    marked (it is not played, and counts as failed) and gets the row's prompt. The first episode with tools
+    checks that the chat template renders them (``check_tools_rendered``)."""
+    episodes = [environment.spawn() for _ in rows for _ in range(n)]
+    started = guard.reset_all([(episodes[k * n + j], row) for k, row in enumerate(rows) for j in range(n)])
+    failed, prompts, conversations, tools = [False] * len(episodes), [], [], []
+    checked = False
+    for i, result in enumerate(started):
+        first, schemas = None, None
+        if isinstance(result, EpisodeFailed):
+            guard.failed(result)
+            failed[i] = True
+        else:
+            first, schemas = result
+        conversations.append(with_first_observation(rows[i // n]["messages"], first))
+        tools.append(schemas)
+        if schemas and not checked:
+            check_tools_rendered(tokenizer, conversations[-1], schemas, type(environment).__name__)
+            checked = True
+        prompts.append(encode_chat(tokenizer, conversations[-1], schemas))
+    return episodes, prompts, failed, conversations, tools
+
+
+def trajectory_rewards(guard: EpisodeGuard, episodes: list[Environment], trajs: list[Trajectory]) -> list[float]:
+    """Each trajectory's reward through ``guard``: 0 (and not correct) for a failed episode."""
+    rewards = [0.0] * len(trajs)
+    for i, (episode, traj) in enumerate(zip(episodes, trajs)):
+        if not traj.failed:
+            try:
+                rewards[i] = guard.trajectory_reward(episode, traj.rewards)
+            except EpisodeFailed as failure:
+                guard.failed(failure)
+                traj.failed = True
+        traj.correct = traj.correct and not traj.failed
+    return rewards
+
+
 def episodes_to_rollout(trajs: list[Trajectory], rewards: list[float], group_ids: torch.Tensor, answers: list[str],
                         tokenizer, device: torch.device | str = "cpu", extras: dict | None = None) -> Rollout:
     """The trajectories as a ``Rollout``: prompts left-padded, everything after them right-padded, with

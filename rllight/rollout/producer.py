@@ -26,7 +26,9 @@ from rllight.rewards import Reward, RewardRunner, batch_rewards
 from rllight.rewards.batch import BatchReward, Sample
 from rllight.rollout.ahead import steps_ahead
 from rllight.rollout.base import RolloutEngine, Sampling, malformed
-from rllight.rollout.episodes import ChatTurns, check_tools_rendered, encode_chat, episodes_to_rollout, run_episodes
+from rllight.rollout.episodes import (  # noqa: F401 (encode_chat, with_first_observation: re-exported)
+    ChatTurns, encode_chat, episodes_to_rollout, run_episodes, start_episodes, trajectory_rewards,
+    with_first_observation)
 from rllight.data.mix import source_metrics
 from rllight.rollout.scoring import Scored, score_responses, score_samples, token_tensor  # noqa: F401 (re-exported)
 from rllight.stopping import end_after_step
@@ -37,16 +39,6 @@ log = logging.getLogger(__name__)
 SAMPLE_STALENESS = "rollout/sample_staleness"
 """Rollout extra, one value per response: how many optimizer updates the trainer's policy has had since the
 weights that generated the response (0 when sampling is on-policy; asynchronous rollouts make it larger)."""
-
-
-def with_first_observation(messages: list[dict], observation: str | None) -> list[dict]:
-    """``messages`` with an environment's first observation added to the last message's content (a new
-    line between them; the observation alone when that content is empty); unchanged when there is none."""
-    if observation is None:
-        return messages
-    last = messages[-1]
-    content = f"{last['content']}\n{observation}" if last["content"] else observation
-    return [*messages[:-1], {**last, "content": content}]
 
 
 class RolloutProducer:
@@ -81,7 +73,6 @@ class RolloutProducer:
         self.engine = engine
         self.environment = environment
         self._chat_turns: ChatTurns | None = None
-        self._tools_checked = False  # the template renders the environment's tools (checked at the first episode)
         self.reward = reward
         self.runner = runner
         self.max_prompt_tokens = max_prompt_tokens
@@ -101,7 +92,7 @@ class RolloutProducer:
         """The policy to sample from, its tokenizer, where extra prompt rows come from, and the collectives of
         the training processes."""
         if tokenizer is not self.tokenizer:
-            self._chat_turns, self._tools_checked = None, False
+            self._chat_turns = None
         self.policy, self.tokenizer = policy, tokenizer
         if draw is not None:
             self._draw = draw
@@ -245,7 +236,9 @@ class RolloutProducer:
         turn hit ``max_new_tokens``)."""
         env = self.environment
         guard = EpisodeGuard(env)
-        episodes, prompts, failed, conversations, tools = self._reset_episodes(guard, rows, n)
+        self.environment.tokenizer = self.tokenizer  # for tool calls read in the model's own format
+        episodes, prompts, failed, conversations, tools = start_episodes(self.environment, self.tokenizer, guard,
+                                                                         rows, n)
         limit = env.max_total_tokens - 1  # room for at least one generated token
         if self.max_prompt_tokens is not None:
             limit = min(limit, self.max_prompt_tokens)
@@ -270,7 +263,7 @@ class RolloutProducer:
         trajs = run_episodes(self.engine, self.policy, self.tokenizer, episodes, prompts, sampling,
                              turns=self._chat_turns, guard=guard, failed=failed, conversations=conversations,
                              tools=tools)
-        rewards = self._trajectory_rewards(guard, episodes, trajs)
+        rewards = trajectory_rewards(guard, episodes, trajs)
         t1 = time.perf_counter()
         failures = guard.failures
         if failures:
@@ -303,44 +296,6 @@ class RolloutProducer:
                 **self.engine.last_metrics,
             },
         )
-
-    def _reset_episodes(self, guard: EpisodeGuard, rows: list[dict], n: int):
-        """``(episodes, prompt ids, failed, conversations, tools)``: ``n`` fresh episodes per row, reset through
-        ``guard``, each with its prompt's chat messages and the tools it offers; an episode whose ``reset`` (or
-        ``tools``) failed is marked (it is not played, and counts as failed) and gets the row's prompt."""
-        self.environment.tokenizer = self.tokenizer  # for tool calls read in the model's own format
-        episodes = [self.environment.spawn() for _ in rows for _ in range(n)]
-        # The resets run at once, as the turns' steps do (a reset may be a round trip to a server).
-        started = guard.reset_all([(episodes[k * n + j], row) for k, row in enumerate(rows) for j in range(n)])
-        failed, prompts, conversations, tools = [False] * len(episodes), [], [], []
-        for i, result in enumerate(started):
-            first, schemas = None, None
-            if isinstance(result, EpisodeFailed):
-                guard.failed(result)
-                failed[i] = True
-            else:
-                first, schemas = result
-            conversations.append(with_first_observation(rows[i // n]["messages"], first))
-            tools.append(schemas)
-            if schemas and not self._tools_checked:
-                check_tools_rendered(self.tokenizer, conversations[-1], schemas, type(self.environment).__name__)
-                self._tools_checked = True
-            prompts.append(encode_chat(self.tokenizer, conversations[-1], schemas))
-        return episodes, prompts, failed, conversations, tools
-
-    @staticmethod
-    def _trajectory_rewards(guard: EpisodeGuard, episodes: list[Environment], trajs: list) -> list[float]:
-        """Each trajectory's reward through ``guard``: 0 (and not correct) for a failed episode."""
-        rewards = [0.0] * len(trajs)
-        for i, (episode, traj) in enumerate(zip(episodes, trajs)):
-            if not traj.failed:
-                try:
-                    rewards[i] = guard.trajectory_reward(episode, traj.rewards)
-                except EpisodeFailed as failure:
-                    guard.failed(failure)
-                    traj.failed = True
-            traj.correct = traj.correct and not traj.failed
-        return rewards
 
     def samples(self, rows: list[dict], prompts: list[list[int]], n: int, gen, texts: list[str]) -> list[Sample]:
         """One ``Sample`` per response of ``gen`` (``n`` per prompt, in order) for a ``BatchReward``: the prompt

@@ -7,11 +7,12 @@ import os
 import threading
 import time
 from fractions import Fraction
+from typing import ClassVar
 
 import pytest
 import torch
 from conftest import RECIPES
-from helpers import build, recorded_samples, tiny_overrides, unchanged_parameters
+from helpers import build, fit_recording_rollouts, recorded_samples, tiny_overrides, unchanged_parameters
 
 from rllight.envs import ArithmeticFeedback, CalcError, Calculator, Environment, StepResult, evaluate, format_number
 from rllight.errors import ComponentError, RecipeError
@@ -353,15 +354,16 @@ def test_episodes_step_at_once_up_to_the_environments_limit(tiny_model_dir):
                                 Sleepy(max_concurrency=limit), tiny_model_dir)
         rollout = producer.sample([ROW, ROW], 4)
         assert rollout.rewards.tolist() == [1.0] * 8 and rollout.extras["episode/failures"] == 0.0
-        assert Sleepy.most_at_once == expected, (limit, Sleepy.most_at_once)
-        assert Sleepy.most_resets_at_once == expected, (limit, Sleepy.most_resets_at_once)  # resets too
+        assert Sleepy.most["step"] == expected, (limit, Sleepy.most)
+        assert Sleepy.most["reset"] == expected, (limit, Sleepy.most)  # resets too
 
 
 class Sleepy(Environment):
     """Each reset and each step sleeps 0.2 s; a step ends the episode with reward 1. Counts how many steps, and
-    how many resets, run at once."""
+    how many resets, run at once (``most["step"]``, ``most["reset"]``)."""
 
-    in_step = most_at_once = in_reset = most_resets_at_once = 0
+    running: ClassVar[dict[str, int]] = {"step": 0, "reset": 0}
+    most: ClassVar[dict[str, int]] = {"step": 0, "reset": 0}
     lock = threading.Lock()
 
     def __init__(self, max_concurrency: int = 8):
@@ -369,24 +371,22 @@ class Sleepy(Environment):
 
     @classmethod
     def reset_counts(cls):
-        cls.in_step = cls.most_at_once = cls.in_reset = cls.most_resets_at_once = 0
+        cls.running, cls.most = {"step": 0, "reset": 0}, {"step": 0, "reset": 0}
+
+    @classmethod
+    def sleep_counted(cls, call: str) -> None:
+        with cls.lock:
+            cls.running[call] += 1
+            cls.most[call] = max(cls.most[call], cls.running[call])
+        time.sleep(0.2)
+        with cls.lock:
+            cls.running[call] -= 1
 
     def reset(self, row):
-        with Sleepy.lock:
-            Sleepy.in_reset += 1
-            Sleepy.most_resets_at_once = max(Sleepy.most_resets_at_once, Sleepy.in_reset)
-        time.sleep(0.2)
-        with Sleepy.lock:
-            Sleepy.in_reset -= 1
-        return None
+        Sleepy.sleep_counted("reset")
 
     def step(self, response_text):
-        with Sleepy.lock:
-            Sleepy.in_step += 1
-            Sleepy.most_at_once = max(Sleepy.most_at_once, Sleepy.in_step)
-        time.sleep(0.2)
-        with Sleepy.lock:
-            Sleepy.in_step -= 1
+        Sleepy.sleep_counted("step")
         return StepResult(observation=None, reward=1.0, done=True)
 
 
@@ -540,16 +540,7 @@ def test_environment_recipe_trains_two_steps_with_groups(recipe, tmp_path, tiny_
     assert type(env).__name__ == {"env-arithmetic-feedback.yaml": "ArithmeticFeedback",
                                   "env-calculator.yaml": "Calculator",
                                   "env-reasoning-gym-feedback.yaml": "Feedback"}[recipe]
-    seen = []
-    sampler = cli.model.sampler
-
-    def record(producer, rows):
-        rollout = type(sampler).__call__(sampler, producer, rows)
-        seen.append(rollout)
-        return rollout
-
-    cli.model.sampler = record
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    seen = fit_recording_rollouts(cli)
     assert len(seen) == 2
     for rollout in seen:
         assert len(rollout) == 2 * 8 and rollout.context_mask is not None

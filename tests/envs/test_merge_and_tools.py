@@ -184,7 +184,7 @@ def test_a_run_whose_template_forgets_trains_on_every_sample_of_each_episode(tmp
     import shutil
 
     from conftest import RECIPES
-    from helpers import build, tiny_overrides, unchanged_parameters
+    from helpers import build, fit_recording_rollouts, tiny_overrides, unchanged_parameters
     from transformers import AutoTokenizer
 
     model_dir = str(tmp_path / "forgetful")
@@ -195,15 +195,7 @@ def test_a_run_whose_template_forgets_trains_on_every_sample_of_each_episode(tmp
     env = {"class_path": "test_environments.DigitFeedback", "init_args": {"max_turns": 2}}
     cli = build(f"{RECIPES}/env-arithmetic-feedback.yaml", tiny_overrides(tmp_path, model_dir, environment=env),
                 "--trainer.max_steps", "2", "--model.minibatch_size", "null")
-    seen, sampler = [], cli.model.sampler
-
-    def record(producer, rows):
-        rollout = type(sampler).__call__(sampler, producer, rows)
-        seen.append(rollout)
-        return rollout
-
-    cli.model.sampler = record
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    seen = fit_recording_rollouts(cli)
     assert len(seen) == 2
     for rollout in seen:
         episodes, restarted = int(rollout.extras[EPISODE_MAIN].sum()), rollout.extras["episode/restarted_ratio"]
@@ -258,7 +250,7 @@ def test_a_trl_contract_class_trains_from_a_recipe(tmp_path, tiny_model_dir):
     """``FactoryEnvironment`` by class_path in a recipe, on the tiny model with a template that renders tools:
     two GRPO steps of tool-calling episodes, every parameter changed, no episode failed."""
     from conftest import RECIPES
-    from helpers import build, tiny_overrides, unchanged_parameters
+    from helpers import build, fit_recording_rollouts, tiny_overrides, unchanged_parameters
 
     template = tmp_path / "tools.jinja"  # short: the tiny model's context is 512 tokens of mostly bytes
     template.write_text(TOOLS_CHAT_TEMPLATE)
@@ -268,14 +260,7 @@ def test_a_trl_contract_class_trains_from_a_recipe(tmp_path, tiny_model_dir):
     cli = build(f"{RECIPES}/env-arithmetic-feedback.yaml",
                 tiny_overrides(tmp_path, tiny_model_dir, environment=env, model=model),
                 "--trainer.max_steps", "2", "--model.minibatch_size", "null", "--model.max_prompt_tokens", "480")
-    seen, sampler = [], cli.model.sampler
-
-    def record(producer, rows):
-        seen.append(type(sampler).__call__(sampler, producer, rows))
-        return seen[-1]
-
-    cli.model.sampler = record
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    seen = fit_recording_rollouts(cli)
     assert float(cli.trainer.callback_metrics["train/episode/failures"]) == 0.0
     assert len(seen) == 2 and all(len(r) == 16 for r in seen)  # 2 prompts x G = 8, one sample per episode
     prompt = cli.model.tokenizer.decode(seen[0].prompt_ids[0][seen[0].prompt_mask[0].bool()])

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 from conftest import RECIPES
-from helpers import build, tiny_overrides
+from helpers import build, fit_recording_rollouts, tiny_overrides
 from test_environments import ScriptedEngine, _producer, _tokenizer
 
 from rllight.data.seeded import SeededTask
@@ -196,15 +196,7 @@ def test_the_recipe_trains_two_steps_on_the_tiny_model(tmp_path, tiny_model_dir)
                 "--model.minibatch_size", "null", "--model.environment.init_args.max_total_tokens", "512",
                 "--data.task", "{class_path: rllight.data.seeded.SeededTask, init_args: {train_size: 16, val_size: 4}}")
     assert isinstance(cli.model.producer.environment, TextArena)
-    seen, sampler = [], cli.model.sampler
-
-    def record(producer, rows):
-        rollout = type(sampler).__call__(sampler, producer, rows)
-        seen.append(rollout)
-        return rollout
-
-    cli.model.sampler = record
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    seen = fit_recording_rollouts(cli)
     assert len(seen) == 2
     for rollout in seen:
         assert len(rollout) == 2 * 8 and (rollout.context_mask >= rollout.response_mask).all()
