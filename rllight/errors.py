@@ -1,6 +1,13 @@
 """Errors that name what the user must fix."""
 
 
+def one_line(err: BaseException, limit: int | None = None) -> str:
+    """``err`` as ``Type: message`` on one line (runs of whitespace, newlines included, become one space), cut to
+    ``limit`` characters (None = whole): how a failure is quoted inside a one-line message."""
+    text = " ".join(f"{type(err).__name__}: {err}".split())
+    return text if limit is None else text[:limit]
+
+
 class RecipeError(ValueError):
     """Bad input: a recipe value, a data file or a data row. The message is one line that names the
     field, file or row and what to do; the CLI prints it without a traceback."""

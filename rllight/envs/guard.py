@@ -20,6 +20,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from rllight.envs.base import Environment, StepResult
+from rllight.errors import one_line
 from rllight.rewards.base import _finite_in_float32
 from rllight.stopping import call_stoppable, wait_stoppable
 
@@ -30,10 +31,6 @@ remaining calls of that method fail without being made."""
 
 class EpisodeFailed(Exception):
     """An environment call failed; the message says how (one line) and the episode ends with reward 0."""
-
-
-def _describe(err: BaseException) -> str:
-    return " ".join(f"{type(err).__name__}: {err}".split())[:300]
 
 
 def _observation_problem(observation) -> str | None:
@@ -79,7 +76,7 @@ class EpisodeGuard:
             try:
                 return fn(*args)
             except Exception as err:
-                raise EpisodeFailed(f"{where} raised {_describe(err)}") from None
+                raise EpisodeFailed(f"{where} raised {one_line(err, 300)}") from None
         finished, value, error = call_stoppable(lambda: fn(*args), self.timeout_seconds,
                                                 f"the environment {where}")
         with self._lock:
@@ -90,7 +87,7 @@ class EpisodeGuard:
         if error is not None:
             if not isinstance(error, Exception):  # SystemExit, KeyboardInterrupt raised by the environment
                 raise error
-            raise EpisodeFailed(f"{where} raised {_describe(error)}")
+            raise EpisodeFailed(f"{where} raised {one_line(error, 300)}")
         return value
 
     def reset(self, env: Environment, row: dict) -> str | None:

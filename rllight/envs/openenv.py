@@ -34,7 +34,7 @@ import weakref
 from urllib.parse import urlsplit
 
 from rllight.envs.base import Environment, StepResult
-from rllight.errors import ComponentError, RecipeError
+from rllight.errors import ComponentError, RecipeError, one_line
 from rllight.supervised import ChildDied, ChildTimedOut, SupervisedProcess, become_child
 
 log = logging.getLogger(__name__)
@@ -478,7 +478,7 @@ def _serve(connection) -> None:
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     except BaseException as err:  # noqa: BLE001 - reported to the trainer, which raises one line
         traceback.print_exc()
-        connection.send(("error", " ".join(f"{type(err).__name__}: {err}".split())[:300]))
+        connection.send(("error", one_line(err, 300)))
         return
     threading.Thread(target=_announce, args=(connection, server, sock.getsockname()[1]), daemon=True).start()
     server.run(sockets=[sock])

@@ -31,7 +31,7 @@ import threading
 from collections.abc import Callable
 
 from rllight.envs.base import Environment, StepResult
-from rllight.errors import RecipeError
+from rllight.errors import RecipeError, one_line
 
 INSTALL = "pip install 'rllight[textarena]' (or pip install textarena==0.7.4)"
 GAME_KEY = "model.environment.init_args.game"
@@ -51,10 +51,6 @@ def import_textarena(key: str):
     except ImportError:
         raise RecipeError(f"{key} needs textarena, which is not installed: {INSTALL}") from None
     return textarena
-
-
-def _describe(err: BaseException) -> str:
-    return " ".join(f"{type(err).__name__}: {err}".split())[:200]
 
 
 class TextArena(Environment):
@@ -124,14 +120,14 @@ class TextArena(Environment):
             probe = ta.make(self.game, **self.game_args)
         except TypeError as err:
             raise RecipeError(f"model.environment.init_args.game_args: {self.game} does not take {self.game_args!r} "
-                              f"({_describe(err)}); give only the game's own arguments") from None
+                              f"({one_line(err, 200)}); give only the game's own arguments") from None
         except Exception as err:  # noqa: BLE001 - whatever a game raises, the recipe stops with one line
-            raise RecipeError(f"{GAME_KEY}: {self.game} could not be made ({_describe(err)}); name another, "
+            raise RecipeError(f"{GAME_KEY}: {self.game} could not be made ({one_line(err, 200)}); name another, "
                               f"e.g. {SUGGESTED}") from None
         try:
             self._in_own_random(lambda: probe.reset(num_players=1, seed=0))
         except Exception as err:  # noqa: BLE001 - a game for several players asserts, others may raise otherwise
-            raise RecipeError(f"{GAME_KEY}: {self.game} does not start with one player ({_describe(err)}); "
+            raise RecipeError(f"{GAME_KEY}: {self.game} does not start with one player ({one_line(err, 200)}); "
                               f"TextArena plays single-player games, e.g. {SUGGESTED}") from None
         if not isinstance(_core(ta, probe).state, ta.SinglePlayerState):
             raise RecipeError(f"{GAME_KEY}: {self.game} is a game for several players; TextArena plays "

@@ -18,7 +18,7 @@ import math
 import re
 from collections.abc import Sequence
 
-from rllight.errors import RecipeError
+from rllight.errors import RecipeError, one_line
 from rllight.rewards.base import Reward, _finite_in_float32
 from rllight.rewards.batch import BatchReward, BatchScores, Sample, as_batch_scores
 
@@ -164,7 +164,7 @@ def _component_scores(reward: Reward | BatchReward, samples: Sequence[Sample]
         except RecipeError:
             raise
         except Exception as err:  # noqa: BLE001 - a judge down fails this batch's samples, not the run
-            why = " ".join(f"{type(err).__name__}: {err}".split())
+            why = one_line(err)
             return [0.0] * len(samples), [False] * len(samples), dict.fromkeys(range(len(samples)), why), None
         checked = as_batch_scores(reward, samples, out)
         return checked.scores, checked.correct, checked.failed, checked.token_scores
@@ -180,7 +180,7 @@ def _component_scores(reward: Reward | BatchReward, samples: Sequence[Sample]
             if not _finite_in_float32(value):
                 raise ValueError(f"reward {value!r} is not finite in float32")
         except Exception as err:  # noqa: BLE001 - a user's verifier must not stop the run; the sample fails
-            failed[i], value, ok = " ".join(f"{type(err).__name__}: {err}".split()), 0.0, False
+            failed[i], value, ok = one_line(err), 0.0, False
         values.append(value)
         oks.append(ok)
     return values, oks, failed, None

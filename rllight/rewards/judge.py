@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Literal
 
-from rllight.errors import RecipeError
+from rllight.errors import RecipeError, one_line
 from rllight.http_client import Failure, JSONClient, attempts, check_key_env, read_key, redact, snippet
 from rllight.rewards.batch import BatchReward, BatchScores, Sample
 from rllight.rewards.judge_local import LocalChat
@@ -321,7 +321,7 @@ class LLMJudge(BatchReward):
         except RecipeError:  # the recipe's fault, not the batch's (Ctrl-C is no Exception: it passes too)
             raise
         except Exception as err:  # noqa: BLE001 - a failed pass is counted, as a server's failure is
-            return [" ".join(f"{type(err).__name__}: {err}".split())[:300]] * len(prompts)
+            return [one_line(err, 300)] * len(prompts)
         out: list[list[float] | str] = []
         for answer, (_, count) in zip(answers, prompts):
             try:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import weakref
 
+from rllight.errors import one_line
 from rllight.supervised import ChildDied, SupervisedProcess
 
 log = logging.getLogger(__name__)
@@ -123,7 +124,7 @@ def serve(connection, build) -> None:
     try:
         answer = build(settings)
     except Exception as err:  # noqa: BLE001 - the trainer raises it, in one line
-        connection.send(("loaded", _describe(err)))
+        connection.send(("loaded", one_line(err, 500)))
         return
     connection.send(("loaded", None))
     while True:
@@ -136,11 +137,9 @@ def serve(connection, build) -> None:
         try:
             connection.send(("scores", answer(message[1]), None))
         except Exception as err:  # noqa: BLE001 - this batch fails in the trainer, counted; the next is answered
-            connection.send(("scores", None, _describe(err)))
+            connection.send(("scores", None, one_line(err, 500)))
 
 
-def _describe(err: BaseException) -> str:
-    return " ".join(f"{type(err).__name__}: {err}".split())[:500]
 
 
 __all__ = ["LOAD_TIMEOUT", "ClassifierWorker", "serve"]

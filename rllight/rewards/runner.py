@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Self
 
-from rllight.errors import RecipeError
+from rllight.errors import RecipeError, one_line
 from rllight.rewards.base import Reward, _finite_in_float32, _quote
 from rllight.rewards.batch import BatchReward
 from rllight.rewards.combine import Weighted
@@ -103,8 +103,6 @@ def score_one(reward, response: str, answer: str) -> tuple[float, bool, dict[str
     return value, bool(ok), parts
 
 
-def _describe(err: BaseException) -> str:
-    return " ".join(f"{type(err).__name__}: {err}".split())
 
 
 # --------------------------------------------------------------------------------------------- worker side
@@ -129,7 +127,7 @@ def _serve(connection: Connection) -> None:
                 rewards[key] = pickle.loads(blob)
                 error = None
             except Exception as err:  # noqa: BLE001 - whatever failed, the trainer raises it as one line
-                error = _describe(err)
+                error = one_line(err)
             while len(rewards) > _CACHED_REWARDS:
                 rewards.popitem(last=False)
             connection.send(("loaded", key, error))
@@ -139,7 +137,7 @@ def _serve(connection: Connection) -> None:
                 value, ok, parts = score_one(rewards[key], response, answer)
                 connection.send(("done", index, value, ok, parts, None))
             except Exception as err:  # noqa: BLE001 - counted by the trainer, like score_batch does in-process
-                connection.send(("done", index, 0.0, False, None, _describe(err)))
+                connection.send(("done", index, 0.0, False, None, one_line(err)))
         else:
             return
 
@@ -239,7 +237,7 @@ class RewardRunner:
                 try:
                     self._record(result, i, *score_one(reward, response, answer), None, reward)
                 except Exception as err:  # noqa: BLE001 - a user's verifier must not stop the run; it is counted
-                    self._record(result, i, 0.0, False, None, _describe(err), reward)
+                    self._record(result, i, 0.0, False, None, one_line(err), reward)
             return result
         if responses:
             try:
@@ -258,7 +256,7 @@ class RewardRunner:
             blob = pickle.dumps(reward)
         except Exception as err:  # noqa: BLE001 - whatever failed, it is raised as one line
             raise RecipeError(f"model.reward: {type(reward).__name__} cannot be sent to reward worker processes "
-                              f"({_describe(err)}); define it at the top level of an importable module, or "
+                              f"({one_line(err)}); define it at the top level of an importable module, or "
                               "score in-process with workers: 0") from None
         if type(reward).__module__ == "__main__":  # workers import rllight, not the script being run
             raise RecipeError(f"model.reward: {type(reward).__name__} is defined in the script being run, which "

@@ -20,7 +20,7 @@ import torch
 
 from rllight.distributed import Ranks
 from rllight.envs.base import Environment
-from rllight.envs.guard import EpisodeFailed, EpisodeGuard
+from rllight.envs.guard import EpisodeGuard
 from rllight.errors import ComponentError, RecipeError
 from rllight.rewards import Reward, RewardRunner, batch_rewards
 from rllight.rewards.batch import BatchReward, Sample

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rllight.errors import RecipeError
+from rllight.errors import RecipeError, one_line
 from rllight.rewards import by_source, score_batch
 from rllight.rewards.batch import BatchReward, Sample, as_batch_scores
 
@@ -88,7 +88,7 @@ def score_samples(reward: BatchReward, samples: list[Sample], parts: dict[str, l
     except RecipeError:
         raise
     except Exception as err:  # noqa: BLE001 - a reward model out of memory, a judge down: the batch, not the run
-        why = " ".join(f"{type(err).__name__}: {err}".split())
+        why = one_line(err)
         log.warning("reward %s failed on its whole batch of %d samples (each scored 0; fix the reward): %s", name,
                     len(samples), why)
         if token_scores is not None:

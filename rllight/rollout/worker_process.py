@@ -13,14 +13,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rllight.errors import ComponentError
+from rllight.errors import ComponentError, one_line
 from rllight.rollout.base import Generation, RolloutEngine
 from rllight.rollout.weights import GatheredState, lora_config
 from rllight.supervised import ChildDied, SupervisedProcess, become_child
 
 
 def describe(err: BaseException) -> str:
-    text = " ".join(f"{type(err).__name__}: {err}".split())
+    text = one_line(err)
     if "create shm in SHMManager failed. errno: 17" in text:
         text += (f" (a vLLM segment of this group's name is left in {SHM} by an earlier run: ls {SHM}/*cpushm*; "
                  "remove it if no other run on this machine uses it)")
