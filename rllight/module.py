@@ -15,7 +15,7 @@ from rllight._compat import forget_step_metrics, lazy_default, no_gradient_sync,
 from rllight.callbacks.base import RolloutContext, in_rollout_order
 from rllight.checkpoint import load_run_state, save_run_state, with_reference, without_reference
 from rllight.critics import Critic
-from rllight.data.prompt_stream import PromptStream
+from rllight.data.prompt_stream import prompt_source
 from rllight.distributed import Ranks, deal_rollout
 from rllight.envs import Environment
 from rllight.errors import RecipeError
@@ -195,10 +195,10 @@ class RLModule(L.LightningModule):
         train_rows = (getattr(datamodule, "train_rows", None) or []) if stage == "fit" else []
         check_rows(self.reward, [*train_rows, *(getattr(datamodule, "val_rows", None) or [])])  # per data source
         self.preflight_rewards(train_rows)
-        if train_rows:
-            self.prompt_stream = PromptStream(train_rows, world=self.trainer.world_size, rank=self.trainer.global_rank)
-            self.prompt_stream.load_state_dict(self._prompt_state)
-            self.producer.bind(self.policy, self.tokenizer, draw=self.prompt_stream.draw, ranks=self.ranks)
+        if train_rows:  # the step's prompts: the loader's batch, or a curriculum's choice (data.curriculum)
+            source = self.prompt_stream = prompt_source(datamodule, train_rows, self.ranks, self.rollout)
+            source.load_state_dict(self._prompt_state)
+            self.producer.bind(self.policy, self.tokenizer, source.draw, self.ranks, source.observe)
 
     def preflight_rewards(self, train_rows: list[dict]) -> None:
         """``BatchReward.check`` of each batch reward, then the pre-flight (``RewardRunner.preflight``), once."""
@@ -290,9 +290,9 @@ class RLModule(L.LightningModule):
 
     def rl_step(self, rows: list[dict], batch_idx: int) -> None:
         """One RL step on a batch of prompt rows."""
-        start = time.perf_counter()
-        with record_function("rllight.rollout"):  # generation and reward (the markers name a profile's phases)
-            rollout = self.sampler(self.producer, rows)  # 1. draw a rollout
+        start, data = time.perf_counter(), self.trainer.datamodule
+        with record_function("rllight.rollout"):  # 1. draw a rollout (the markers name a profile's phases)
+            rollout = self.prompt_stream.run(self.sampler, self.producer, rows, getattr(data, "batches_trained", 0))
         metrics = rollout_metrics(rollout)
         rollout = self._after_rollout_callbacks(rollout, metrics, start)  # 2. shape, filter, store, or consume it
         if rollout is None:
@@ -303,8 +303,8 @@ class RLModule(L.LightningModule):
         # With a single update per rollout the live log-probs equal the old ones, so the extra forward
         # is skipped (unless a KL penalty in the reward needs them before the update).
         need_old = updates_per_step > 1 or (self.kl is not None and self.kl.in_reward)
-        data, end = self.trainer.datamodule, self.trainer.max_steps  # the next steps' rollouts overlap this update
-        upcoming, left = getattr(data, "upcoming_batches", None), end - self.global_step if end >= 0 else None
+        upcoming, end = getattr(data, "upcoming_batches", None), self.trainer.max_steps  # overlapping this update
+        left = end - self.global_step if end >= 0 else None
         self.prefetched_through = prefetch_ahead(self.sampler, self.producer, updates_per_step, self.prefetched_through,
                                                  upcoming, getattr(data, "batches_trained", 0), left)
         scored = time.perf_counter()

@@ -131,6 +131,8 @@ class DumpState(RolloutCallback):
         self.record.setdefault("generated_ahead", []).append(float(rollout.extras.get("rollout/generated_ahead", -1)))
         self.record.setdefault("staleness", []).append(float(rollout.extras.get("rollout/staleness", -1)))
         self.record.setdefault("global_steps", []).append(int(trainer.global_step))
+        self.record.setdefault("step_prompts", []).append(  # each step's prompts, as token ids, in rollout order
+            [ids[mask.bool()].tolist() for ids, mask in zip(rollout.prompt_ids, rollout.prompt_mask)])
         if "compute_dtype" not in self.record:  # the dtype the first decoder layer computes in (its output's)
             from rllight.fsdp import decoder_layers
 
@@ -167,6 +169,8 @@ class DumpState(RolloutCallback):
         losses = {k: float(v) for k, v in trainer.callback_metrics.items() if k.endswith(("policy/loss", "total_loss"))}
         path = os.environ["RLLIGHT_TEST_DUMP"].format(rank=trainer.global_rank)
         stored = str(next(decoder_layers(module.policy)[0].parameters()).dtype)  # the first layer's weights (shards)
+        source = getattr(module, "prompt_stream", None)  # where the prompts came from: its state at the end
+        self.record["prompt_source"] = source.state_dict() if source is not None else {}
         torch.save({**self.record, "params": params, "losses": losses, "final_step": int(trainer.global_step),
                     "stored_dtype": stored}, path)
 

@@ -1,7 +1,8 @@
-"""Data: the datamodule, the embedded arithmetic task, reasoning-gym's tasks, seeded tasks (an environment draws
-the task from the seed) and verifiers' tasksets."""
+"""Data: the datamodule, mixing sources by weight, difficulty pools, the embedded arithmetic task, reasoning-gym's
+tasks, seeded tasks (an environment draws the task from the seed) and verifiers' tasksets."""
 
 from rllight.data.arithmetic import ArithmeticTask
+from rllight.data.curriculum import DifficultyPools
 from rllight.data.mix import SourceMix
 from rllight.data.module import RLDataModule
 from rllight.data.reasoning_gym import ReasoningGymTask
@@ -9,5 +10,5 @@ from rllight.data.seeded import SeededTask
 from rllight.data.task import Task
 from rllight.data.verifiers_data import VerifiersTask
 
-__all__ = ["ArithmeticTask", "RLDataModule", "ReasoningGymTask", "SeededTask", "SourceMix", "Task",
+__all__ = ["ArithmeticTask", "DifficultyPools", "RLDataModule", "ReasoningGymTask", "SeededTask", "SourceMix", "Task",
            "VerifiersTask"]

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 
 from rllight.data.arithmetic import ArithmeticTask
 from rllight.data.context import LONG_PROMPTS, fit_to_context
+from rllight.data.curriculum import DifficultyPools
 from rllight.data.mix import MixedSampler, SourceMix
 from rllight.data.sampler import ResumableSampler
 from rllight.data.rows import ANSWER_FORMATS, _Fields, _load_rows
@@ -85,7 +86,10 @@ class RLDataModule(L.LightningDataModule):
             ``drop``: the row is left out, counted in one warning.
         mix: How many prompts of each data source every training batch holds, and how that changes over steps
             (``rllight.data.SourceMix``); None = the rows in one seeded order whatever their source. The sources
-            are the rows' ``data_source`` values; each step logs ``train/data/<source>/share``.
+            are the rows' ``data_source`` values; each step logs ``train/data/<source>/share`` and ``/weight``.
+        curriculum: Which prompts of each source a step trains on, by their recent pass rates
+            (``rllight.data.DifficultyPools``: pools, admission gates, a draw cap); the batch's count of each source
+            stays the mix's (or the seeded order's). None = the loader's batch as it is.
     """
 
     def __init__(
@@ -106,6 +110,7 @@ class RLDataModule(L.LightningDataModule):
         max_row_bytes: int = MAX_ROW_BYTES,
         long_prompts: str = "refuse",
         mix: SourceMix | None = None,
+        curriculum: DifficultyPools | None = None,
     ):
         super().__init__()
         if long_prompts not in LONG_PROMPTS:
@@ -126,7 +131,7 @@ class RLDataModule(L.LightningDataModule):
         self.val_files = val_files
         self.task = task if task is not None or train_files else ArithmeticTask()
         self.batch_size = batch_size
-        self.mix = mix
+        self.mix, self.curriculum = mix, curriculum
         self.rank, self.world = 0, 1  # this process among the training processes (set up with the trainer)
         self.val_batch_size = val_batch_size
         self.val_size = val_size

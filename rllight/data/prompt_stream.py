@@ -1,11 +1,46 @@
-"""The stream of extra training prompts that samplers draw beyond a step's batch (e.g. dynamic sampling)."""
+"""Where a step's prompts come from beyond the training loader's batch: ``PromptSource`` (the interface the module
+and the rollout producer use), ``PromptStream`` (the extra prompts that samplers draw beyond a step's batch, e.g.
+dynamic sampling's) and ``prompt_source`` (the datamodule's curriculum when it has one, else a stream)."""
 
 from __future__ import annotations
 
 import torch
 
+from rllight.errors import RecipeError
 
-class PromptStream:
+
+class PromptSource:
+    """What the module asks of the prompts' source at each training step.
+
+    ``run`` makes the step's rollout from the loader's batch, ``draw`` gives the extra prompts a sampler asks
+    for (``RolloutProducer.more_prompts``), ``observe`` hears each prompt's pass rate whenever a training rollout
+    is scored (every group generated, also those a sampler drops), and ``state_dict`` is saved in checkpoints.
+    This base class trains on the loader's batch as it is and logs the data mix's weights of the step.
+    """
+
+    mix = None  # the datamodule's SourceMix, for its per-step weights
+
+    def run(self, sampler, producer, rows: list[dict], step: int):
+        """The rollout of training batch ``step`` (counted from the run's first), whose loader rows are ``rows``."""
+        rollout = sampler(producer, rows)
+        if self.mix is not None:
+            rollout.extras.update({f"data/{s}/weight": w for s, w in self.mix.weights_at(step).items()})
+        return rollout
+
+    def draw(self, n: int) -> list[dict]:
+        raise NotImplementedError
+
+    def observe(self, rows: list[dict], pass_rates: list[float]) -> None:
+        """Each of ``rows`` was answered in a training rollout, its responses correct at ``pass_rates``."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class PromptStream(PromptSource):
     """A seeded stream over the training rows, independent of the dataloader's order: a fresh permutation
     per pass, derived from the position alone, so a checkpoint only needs ``cursor``. Under DDP each rank
     takes every ``world``-th row from its own offset ``rank``, so ranks never draw the same extra prompts.
@@ -40,3 +75,20 @@ class PromptStream:
 
     def load_state_dict(self, state: dict) -> None:
         self.cursor = state.get("cursor", 0)
+
+
+def prompt_source(datamodule, train_rows: list[dict], ranks, engine) -> PromptSource:
+    """The datamodule's ``curriculum`` (``data.curriculum``), bound to its training rows, or else a
+    ``PromptStream`` over them; either logs the datamodule's ``mix`` weights. A curriculum chooses each step's
+    prompts from the pass rates of the steps before, so it cannot run with rollouts generated ahead."""
+    curriculum = getattr(datamodule, "curriculum", None)
+    if curriculum is not None:
+        if getattr(engine, "max_staleness", 0):
+            raise RecipeError("data.curriculum chooses each step's prompts from the pass rates of the steps before it, "
+                              "so they cannot be generated ahead: set model.rollout.init_args.max_staleness to 0, or "
+                              "remove data.curriculum")
+        source = curriculum.bind(train_rows, datamodule.seed)
+    else:
+        source = PromptStream(train_rows, world=ranks.world_size, rank=ranks.rank)
+    source.mix = getattr(datamodule, "mix", None)
+    return source

@@ -80,6 +80,7 @@ class RolloutProducer:
         self.policy: torch.nn.Module | None = None
         self.tokenizer = None
         self._draw: Callable[[int], list[dict]] | None = None
+        self._observe: Callable[[list[dict], list[float]], None] | None = None
         self.reward_failures = 0
         self.dropped_prompts = 0
         self.failed_reward_steps = 0
@@ -88,9 +89,10 @@ class RolloutProducer:
         self.ranks = Ranks()
 
     def bind(self, policy: torch.nn.Module, tokenizer, draw: Callable[[int], list[dict]] | None = None,
-             ranks: Ranks | None = None) -> None:
-        """The policy to sample from, its tokenizer, where extra prompt rows come from, and the collectives of
-        the training processes."""
+             ranks: Ranks | None = None, observe: Callable[[list[dict], list[float]], None] | None = None) -> None:
+        """The policy to sample from, its tokenizer, where extra prompt rows come from, the collectives of the
+        training processes, and who hears each training prompt's pass rate (``PromptSource.observe``: every
+        group a training ``sample`` scores, also those a sampler then drops)."""
         if tokenizer is not self.tokenizer:
             self._chat_turns = None
         self.policy, self.tokenizer = policy, tokenizer
@@ -98,6 +100,8 @@ class RolloutProducer:
             self._draw = draw
         if ranks is not None:
             self.ranks = ranks
+        if observe is not None:
+            self._observe = observe
 
     @property
     def pad_id(self) -> int:
@@ -150,6 +154,7 @@ class RolloutProducer:
         self.reward_failures += failures
         if training:
             self.count_failed_reward_batch(failures == len(texts))
+            self._heard(rows, correct, n)
         t2 = time.perf_counter()
         device = gen.response_ids.device
         dense = None if scored.token_scores is None else token_tensor(scored.token_scores, gen.response_mask)
@@ -180,6 +185,11 @@ class RolloutProducer:
                    if staleness is not None else {}),
             },
         )
+
+    def _heard(self, rows: list[dict], correct: list, n: int) -> None:
+        """Tell the observer each row's pass rate: the share of its ``n`` responses (in order) that are correct."""
+        if self._observe is not None:
+            self._observe(rows, [sum(float(c) for c in correct[k * n:(k + 1) * n]) / n for k in range(len(rows))])
 
     def _note_dropped(self, dropped: int, limit: str) -> None:
         """Warn of prompts dropped as too long the first time only: a data set whose every prompt is too long
@@ -271,6 +281,7 @@ class RolloutProducer:
         self.reward_failures += failures
         if training:
             self.count_failed_reward_batch(failures == len(trajs), guard.first_error)
+            self._heard(rows, [t.correct for t in trajs], n)
         device = next(self.policy.parameters()).device if self.policy is not None else "cpu"
         turns = torch.tensor([len(t.all_turns) for t in trajs], dtype=torch.float32)
         return episodes_to_rollout(

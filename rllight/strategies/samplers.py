@@ -100,7 +100,7 @@ class DynamicSampling(Sampler):
 
     Each round samples ``group_size`` responses for a set of prompts and drops every group whose
     rewards are all equal (all right or all wrong: its group-relative advantage is zero). Rounds repeat
-    with fresh prompts from ``producer.more_prompts`` (the datamodule's stream) until ``target_groups``
+    with fresh prompts from ``producer.more_prompts`` (the datamodule's stream, or its ``data.curriculum``) until ``target_groups``
     mixed groups are kept (surplus mixed groups of the last round are dropped, as verl does) or
     ``max_rounds`` rounds ran.
     When the cap is hit the step trains on the mixed groups it has (possibly none: the module then
@@ -114,7 +114,8 @@ class DynamicSampling(Sampler):
     (``rllight.algorithms.group_retention_probability``), so the cost per kept group is ``1 / a_G(p)``
     groups; the metrics make that cost visible.
 
-    Metrics (``train/sampling/...``): ``groups_drawn``, ``groups_kept``, ``rounds``, ``cap_hit`` (0/1),
+    Metrics (``train/sampling/...``): ``groups_drawn``, ``groups_kept``, ``groups_rejected`` (rewards all equal),
+    ``rounds``, ``cap_hit`` (0/1),
     ``groups_short`` (mixed groups the step lacks against its target, over all processes),
     ``retention`` (mixed / drawn), ``responses_drawn`` and ``generated_tokens`` (every generated
     response token, discarded groups included).
@@ -151,7 +152,8 @@ class DynamicSampling(Sampler):
 
     def __call__(self, producer: RolloutProducer, rows: list[dict]) -> Rollout:
         ranks = producer.ranks
-        target = self.target_groups or len(rows) * ranks.world_size  # over all processes, as data.batch_size
+        # Over all processes, as data.batch_size (summed: a curriculum at its draw cap may deal the ranks unevenly).
+        target = self.target_groups or round(float(ranks.sum(float(len(rows)))))
         per_round = len(rows)
         if self.prompts_per_round is not None:
             per_round = share(self.prompts_per_round, ranks.world_size, "model.sampler.init_args.prompts_per_round")
@@ -161,7 +163,7 @@ class DynamicSampling(Sampler):
         totals: dict[str, float] = {}  # the engine's per-call scalars (timings, failures): summed over rounds
         rounds = 0
         batch = rows
-        while rounds < self.max_rounds and n_kept < target:  # n_kept: over all processes, so they stop together
+        while not rounds or (rounds < self.max_rounds and n_kept < target):  # n_kept: over all processes
             if rounds:
                 batch = producer.more_prompts(per_round)
             part = producer.sample(batch, self.group_size)
@@ -195,6 +197,7 @@ class DynamicSampling(Sampler):
         rollout.extras.update({
             "sampling/groups_drawn": float(n_drawn),
             "sampling/groups_kept": float(quota),
+            "sampling/groups_rejected": float(n_drawn - n_mixed),  # the admission gate: no advantage spread
             "sampling/rounds": float(rounds),
             "sampling/cap_hit": float(cap_hit),
             "sampling/groups_short": float(target - n_kept),  # over all processes: the partial batch's gap

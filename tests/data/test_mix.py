@@ -123,6 +123,7 @@ def test_the_step_logs_each_sources_share(tmp_path, tiny_model_dir):
     metrics = cli.trainer.callback_metrics
     assert float(metrics["train/data/left/share"]) == 0.75 and float(metrics["train/data/right/share"]) == 0.25
     assert "train/reward/left/mean" in metrics and "train/reward/right/accuracy" in metrics
+    assert float(metrics["train/data/left/weight"]) == 0.75 and float(metrics["train/data/right/weight"]) == 0.25
     assert source_metrics(["x", "x"]) == {}  # one source: nothing logged
     # worked by hand: x's rewards 1 and 0 (mean 0.5, one correct), y's 0.25
     assert source_metrics(["x", "y", "x"], [1.0, 0.25, 0.0], [1, 0, 0]) == {

@@ -3,7 +3,8 @@ ends with its ``name=value`` line, so that no README number's tool can break unn
 process through their ``main`` where they have one (no second torch import); those that need an extra skip only
 without it (vLLM, TRL, matplotlib). Covered in their own files: tools/bench_step.py (tests/tools/test_bench_step.py),
 tools/async_staleness.py (tests/tools/test_async_staleness.py), tools/plot.py's command line (tests/tools/test_plot.py),
-tools/sanity_check.py (tests/tools/test_sanity_check_tool.py), tools/env_measure.py (tests/tools/test_env_measure.py).
+tools/sanity_check.py (tests/tools/test_sanity_check_tool.py), tools/env_measure.py (tests/tools/test_env_measure.py),
+tools/curriculum_measure.py (tests/tools/test_curriculum_measure.py).
 tools/install.sh installs packages, which no test can do in seconds: it is only parsed here.
 
 The numbers these runs print mean nothing (a random model, a few tokens); the checks are the output's shape,

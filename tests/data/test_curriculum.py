@@ -1,0 +1,197 @@
+"""Difficulty pools (``rllight.data.DifficultyPools``): pool transitions on scripted pass rates, draws by pool
+weight, the admission gates and their replacements, the draw cap, the profiling pass, and a resumed curriculum
+drawing exactly what an uninterrupted one draws. (A fit on the tiny model and the 2-process resume are in
+tests/data/test_curriculum_fit.py.)"""
+
+from collections import Counter
+
+import pytest
+import torch
+
+from rllight.data import DifficultyPools
+from rllight.distributed import Ranks
+from rllight.errors import RecipeError
+from rllight.types import Rollout
+
+
+def _rows(sizes=None):
+    sizes = sizes or {"a": 30}
+    return [{"prompt": f"{s} {i}", "answer": str(i), "data_source": s} for s, n in sizes.items() for i in range(n)]
+
+
+class ScriptedProducer:
+    """A producer whose training responses are correct at each row's scripted pass rate (``rates[prompt]``); the
+    curriculum hears them as the real producer's ``observe`` call tells them."""
+
+    def __init__(self, curriculum, rates):
+        self.curriculum, self.rates, self.ranks = curriculum, rates, Ranks()
+        self.profiled = []
+
+    def sample(self, rows, n, training=True):  # the profiling pass: n responses per row, correct at its rate
+        self.profiled.append([r["prompt"] for r in rows])
+        correct = [float(j < round(self.rates[r["prompt"]] * n)) for r in rows for j in range(n)]
+        rollout = Rollout.empty(extras={"kept_rows": tuple(range(len(rows)))})
+        rollout.group_ids = torch.arange(len(rows)).repeat_interleave(n)
+        rollout.correct = torch.tensor(correct)
+        rollout.rewards = rollout.correct.clone()
+        return rollout
+
+
+def _step(curriculum, producer, loader_rows, replacements=0):
+    """One training step: the curriculum's choice, heard back at the scripted rates (plus ``replacements`` extra
+    prompts a sampler asks for); returns the prompts trained on and the step's metrics."""
+    seen = []
+
+    def sampler(prod, rows):
+        rows = rows + (prod.curriculum.draw(replacements) if replacements else [])
+        seen.extend(r["prompt"] for r in rows)
+        prod.curriculum.observe(rows, [prod.rates[r["prompt"]] for r in rows])
+        return Rollout.empty()
+
+    rollout = curriculum.run(sampler, producer, loader_rows, curriculum.steps)
+    return seen, rollout.extras
+
+
+def test_prompts_move_between_pools_as_their_pass_rates_change_and_draws_follow_the_weights():
+    rows = _rows()
+    curriculum = DifficultyPools(weights={"hard": 1, "normal": 0, "easy": 0}, unseen="hard", seed=0).bind(rows, 0)
+    rates = {r["prompt"]: (0.0, 0.5, 1.0)[i % 3] for i, r in enumerate(rows)}
+    producer = ScriptedProducer(curriculum, rates)
+    seen, metrics = _step(curriculum, producer, rows[:30])  # every row: all unseen, so in the hard pool
+    assert sorted(seen) == sorted(rates)
+    # rates 0 / 0.5 / 1: hard (<= 0.2), normal (<= 0.8), easy; worked by hand, 10 each
+    assert [metrics[f"curriculum/a/pool/{p}"] for p in ("hard", "normal", "easy")] == [10.0, 10.0, 10.0]
+    assert metrics["curriculum/pool/hard/draws"] == 30 and metrics["curriculum/draws"] == 30
+    # Only the hard pool has weight: the next step draws its 10 prompts, and only those.
+    seen, metrics = _step(curriculum, producer, rows[:12])
+    assert sorted(seen) == sorted(p for p, r in rates.items() if r == 0.0)
+    assert metrics["curriculum/draws"] == 10 and metrics["curriculum/a/draws"] == 10
+    # A prompt solved at last moves to the easy pool; with a window of 2 the mean of its last two groups counts.
+    curriculum.record(0, 1.0)
+    assert curriculum.pool_of(0) == "easy"
+    windowed = DifficultyPools(window=2).bind(rows, 0)
+    for rate, pool in ((0.0, "hard"), (1.0, "normal"), (1.0, "easy"), (0.25, "normal")):
+        windowed.record(0, rate)
+        assert windowed.pool_of(0) == pool, rate
+
+
+def test_pools_are_drawn_in_proportion_to_their_weights():
+    rows = _rows({"a": 300})
+    curriculum = DifficultyPools(weights={"hard": 1, "normal": 3, "easy": 0}, seed=1).bind(rows, 0)
+    rates = {r["prompt"]: (0.0, 0.5, 1.0)[i % 3] for i, r in enumerate(rows)}
+    for i, r in enumerate(rows):
+        curriculum.record(i, rates[r["prompt"]])
+    producer = ScriptedProducer(curriculum, rates)
+    draws = Counter()
+    for _ in range(20):
+        _, metrics = _step(curriculum, producer, rows[:10])
+        draws.update({p: metrics[f"curriculum/pool/{p}/draws"] for p in ("hard", "normal", "easy")})
+    assert draws["easy"] == 0 and sum(draws.values()) == 200
+    assert 0.65 < draws["normal"] / 200 < 0.85  # 3 / 4 of the draws; binomial sd 0.03
+
+
+def test_the_pass_rate_gate_rejects_and_replaces_and_solved_prompts_retire():
+    rows = _rows({"a": 10})
+    curriculum = DifficultyPools(max_pass_rate=0.5, retire_after=2, seed=0).bind(rows, 0)
+    rates = {r["prompt"]: 1.0 if i < 5 else 0.5 for i, r in enumerate(rows)}
+    producer = ScriptedProducer(curriculum, rates)
+    for i in range(5):
+        curriculum.record(i, 1.0)  # solved once each: above the gate
+    seen, metrics = _step(curriculum, producer, rows[:5])
+    assert sorted(seen) == sorted(p for p, r in rates.items() if r == 0.5)  # the five admissible ones
+    admitted, rejected = metrics["curriculum/gate/max_pass_rate/admitted"], metrics["curriculum/gate/max_pass_rate/rejected"]
+    assert admitted == 5 and admitted + rejected == metrics["curriculum/draws"] and metrics["curriculum/cap_hit"] == 0
+    assert metrics["curriculum/gate/retire/retired"] == 0
+    # Solved a second time, a prompt retires: never drawn again, counted.
+    ungated = DifficultyPools(retire_after=2, seed=0).bind(rows, 0)
+    producer = ScriptedProducer(ungated, rates)
+    _, first = _step(ungated, producer, rows)
+    _, second = _step(ungated, producer, rows)
+    assert first["curriculum/gate/retire/retired"] == 0 and second["curriculum/gate/retire/retired"] == 5
+    assert second["curriculum/a/retired"] == 5
+    seen, third = _step(ungated, producer, rows)
+    assert sorted(seen) == sorted(p for p, r in rates.items() if r == 0.5) and third["curriculum/draws"] == 5
+
+
+def test_the_draw_cap_ends_the_steps_draws_replacements_included():
+    rows = _rows({"a": 30})
+    curriculum = DifficultyPools(max_draws=6, seed=0).bind(rows, 0)
+    producer = ScriptedProducer(curriculum, {r["prompt"]: 0.5 for r in rows})
+    seen, metrics = _step(curriculum, producer, rows[:4], replacements=4)  # 4 + 4 asked, 6 allowed
+    assert len(seen) == 6 and len(set(seen)) == 6
+    assert metrics["curriculum/draws"] == 6 and metrics["curriculum/cap_hit"] == 1
+    seen, metrics = _step(curriculum, producer, rows[:4])  # a new step: a new allowance
+    assert len(seen) == 4 and metrics["curriculum/cap_hit"] == 0
+
+
+def test_replacements_follow_the_steps_sources():
+    rows = _rows({"a": 40, "b": 40})
+    curriculum = DifficultyPools(seed=0).bind(rows, 0)
+    producer = ScriptedProducer(curriculum, {r["prompt"]: 0.5 for r in rows})
+    seen, metrics = _step(curriculum, producer, rows[:3] + rows[40:41], replacements=8)
+    assert Counter(p.split()[0] for p in seen) == {"a": 9, "b": 3}  # 3 : 1, the batch's and the replacements'
+    assert metrics["curriculum/a/draws"] == 9 and metrics["curriculum/b/draws"] == 3
+
+
+def test_the_profiling_pass_measures_every_prompt_once_before_the_first_step():
+    rows = _rows({"a": 10})
+    curriculum = DifficultyPools(profile=4, profile_batch=3, seed=0).bind(rows, 0)
+    rates = {r["prompt"]: (0.0, 0.25, 1.0)[i % 3] for i, r in enumerate(rows)}
+    producer = ScriptedProducer(curriculum, rates)
+    _, metrics = _step(curriculum, producer, rows[:2])
+    assert [len(chunk) for chunk in producer.profiled] == [3, 3, 3, 1]
+    assert metrics["curriculum/profiled"] == 10
+    # rates 0 (rows 0, 3, 6, 9), 0.25 (1, 4, 7), 1 (2, 5, 8); the step's two prompts heard at the same rates
+    assert [metrics[f"curriculum/a/pool/{p}"] for p in ("hard", "normal", "easy")] == [4.0, 3.0, 3.0]
+    state = curriculum.state_dict()
+    resumed = DifficultyPools(profile=4, seed=0).bind(rows, 0)
+    resumed.load_state_dict(state)
+    producer.profiled.clear()
+    _step(resumed, producer, rows[:2])
+    assert producer.profiled == []  # profiled once, before the first step only: not again on resume
+
+
+def _scripted_run(curriculum, rows, steps, state=None):
+    curriculum.bind(rows, 0)
+    if state is not None:
+        curriculum.load_state_dict(state)
+    rates = {r["prompt"]: (i * 7 % 5) / 4 for i, r in enumerate(rows)}
+    producer = ScriptedProducer(curriculum, rates)
+    return [_step(curriculum, producer, rows[:4], replacements=2)[0] for _ in range(steps)]
+
+
+def test_a_resumed_curriculum_draws_exactly_what_the_uninterrupted_one_draws():
+    rows = _rows({"a": 20, "b": 12})
+    settings = {"max_pass_rate": 0.8, "retire_after": 2, "max_draws": 9, "window": 2}
+    whole = _scripted_run(DifficultyPools(**settings), rows, 8)
+    first = DifficultyPools(**settings)
+    head = _scripted_run(first, rows, 3)
+    state = first.state_dict()
+    torch.save(state, buffer := __import__("io").BytesIO())  # as a checkpoint holds it
+    buffer.seek(0)
+    tail = _scripted_run(DifficultyPools(**settings), rows, 5, torch.load(buffer, weights_only=True))
+    assert head + tail == whole
+    assert len({tuple(s) for s in whole}) > 1  # the steps drew different prompts: the comparison can fail
+
+
+def test_bad_settings_and_a_changed_data_set_are_one_line():
+    with pytest.raises(RecipeError, match="pools.hard must be a pass rate"):
+        DifficultyPools(pools={"hard": 2})
+    with pytest.raises(RecipeError, match="no pool holds a pass rate of 1"):
+        DifficultyPools(pools={"hard": 0.5})
+    with pytest.raises(RecipeError, match="weights must give each pool"):
+        DifficultyPools(weights={"hard": 1})
+    with pytest.raises(RecipeError, match="unseen is 'medium'"):
+        DifficultyPools(unseen="medium")
+    with pytest.raises(RecipeError, match="max_draws must be an integer >= 1"):
+        DifficultyPools(max_draws=0)
+    state = DifficultyPools().bind(_rows({"a": 5}), 0).state_dict()
+    curriculum = DifficultyPools().bind(_rows({"a": 6}), 0)
+    curriculum.load_state_dict(state)
+    with pytest.raises(RecipeError, match="drew from 5 training rows, this run has 6"):
+        _step(curriculum, ScriptedProducer(curriculum, {}), [])
+    # a checkpoint of a run without a curriculum (its extra-prompt stream's cursor): the curriculum starts fresh
+    fresh = DifficultyPools().bind(_rows({"a": 6}), 0)
+    fresh.load_state_dict({"cursor": 4})
+    _step(fresh, ScriptedProducer(fresh, {r["prompt"]: 0.5 for r in fresh.rows}), fresh.rows[:2])
+    assert fresh.steps == 1 and len(fresh.history) == 2

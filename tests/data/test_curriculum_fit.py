@@ -1,0 +1,105 @@
+"""Difficulty pools in a fit on the tiny model: the curriculum hears every group dynamic sampling generates (the
+dropped ones too) at its share of correct responses, its metrics reach the step, it refuses rollouts generated
+ahead, and on 2 DDP processes a run resumed from a checkpoint draws exactly the prompts the uninterrupted run
+draws, ending in the same curriculum state."""
+
+import os
+
+import pytest
+import torch
+import yaml
+
+from helpers import RECIPES, build, fit_in_child, fit_recording_rollouts, tiny_overrides
+from rllight.cli import main
+
+CURRICULUM = {"class_path": "rllight.data.DifficultyPools",
+              "init_args": {"max_pass_rate": 0.9, "retire_after": 1, "window": 2, "max_draws": 12, "profile": 2,
+                            "profile_batch": 8}}
+REWARD = {"class_path": "user_strategies.DigitReward", "init_args": {"correct": 0.15}}  # correct now and then
+
+
+def _curriculum_overlay(tmp_path, **init_args):
+    path = tmp_path / "curriculum.yaml"
+    curriculum = {**CURRICULUM, "init_args": {**CURRICULUM["init_args"], **init_args}}
+    path.write_text(yaml.safe_dump({"data": {"batch_size": 4, "curriculum": curriculum}}))
+    return str(path)
+
+
+def test_the_curriculum_hears_every_generated_group_and_logs_its_step(tmp_path, tiny_model_dir):
+    sampler = {"class_path": "rllight.strategies.DynamicSampling",
+               "init_args": {"group_size": 4, "max_rounds": 3, "metric": "correct"}}
+    cli = build(os.path.join(RECIPES, "grpo.yaml"), tiny_overrides(tmp_path, tiny_model_dir, sampler=sampler, reward=REWARD),
+                _curriculum_overlay(tmp_path), "--model.minibatch_size", "null")
+    curriculum = cli.datamodule.curriculum
+    heard, observe = [], curriculum.observe
+
+    def listen(rows, rates):
+        heard.append([(row["prompt"], rate) for row, rate in zip(rows, rates)])
+        observe(rows, rates)
+
+    curriculum.observe = listen
+    rollouts = fit_recording_rollouts(cli)
+    assert cli.model.prompt_stream is curriculum and curriculum.steps == len(rollouts) == 2 and curriculum.profiled
+    for rollout in rollouts:
+        extras = rollout.extras
+        groups = extras["sampling/groups_drawn"]
+        assert extras["curriculum/draws"] == groups <= 12  # every prompt drawn was generated: batch and rounds
+        assert sum(extras[f"curriculum/arithmetic/pool/{p}"] for p in ("hard", "normal", "easy")) + \
+            extras["curriculum/arithmetic/retired"] == 16
+        # each kept group's share of correct responses is a rate the curriculum heard
+        kept = [rollout.correct[rollout.group_ids == g].mean().item() for g in rollout.group_ids.unique().tolist()]
+        assert all(any(abs(k - r) < 1e-6 for step in heard for _, r in step) for k in kept)
+    assert sum(len(step) for step in heard) == sum(r.extras["sampling/groups_drawn"] for r in rollouts)
+    # what it heard is its state: each prompt's latest rates (the profile's first), and those solved retired
+    index = {row["prompt"]: i for i, row in enumerate(curriculum.rows)}
+    latest = {}
+    for step in heard:
+        for prompt, rate in step:
+            latest.setdefault(index[prompt], []).append(rate)
+    for i, rates in latest.items():
+        assert curriculum.history[i][-len(rates[-2:]):] == rates[-2:]
+        assert (i in curriculum.retired) == (1.0 in rates or 1.0 in curriculum.history[i])
+
+
+def test_a_curriculum_with_rollouts_generated_ahead_is_one_line(tmp_path, tiny_model_dir, capsys):
+    engine = {"class_path": "rllight.rollout.worker.ProcessEngine",
+              "init_args": {"engine": {"class_path": "rllight.rollout.HFEngine"}, "max_new_tokens": 6,
+                            "max_staleness": 1}}
+    overlay = tiny_overrides(tmp_path, tiny_model_dir, rollout=engine)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", os.path.join(RECIPES, "grpo.yaml"), "--config", overlay, "--config",
+              _curriculum_overlay(tmp_path)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err
+    line = err.splitlines()[-1]
+    assert "data.curriculum chooses each step's prompts" in line and "max_staleness to 0" in line
+
+
+@pytest.mark.slow
+def test_ddp_a_resumed_curriculum_draws_what_the_uninterrupted_run_draws(tmp_path, tiny_model_dir):
+    overlay = tiny_overrides(tmp_path, tiny_model_dir, reward=REWARD)
+    args = ["--config", overlay, "--config", _curriculum_overlay(tmp_path, max_draws=None),
+            "--model.minibatch_size", "null", "--trainer.strategy", "ddp", "--trainer.devices", "2",
+            "--trainer.accelerator", "cpu", "--trainer.callbacks+", "user_strategies.DumpState",
+            "--trainer.enable_checkpointing", "true",
+            "--trainer.callbacks+", "lightning.pytorch.callbacks.ModelCheckpoint",
+            "--trainer.callbacks.dirpath", str(tmp_path / "ckpt"), "--trainer.callbacks.every_n_train_steps", "2",
+            "--trainer.callbacks.save_top_k", "-1"]
+    whole = fit_in_child("grpo.yaml", *args, "--trainer.max_steps", "4", timeout=900,
+                         RLLIGHT_TEST_DUMP=str(tmp_path / "whole{rank}.pt"))
+    assert whole.returncode == 0, whole.stderr[-4000:]
+    checkpoint = next((tmp_path / "ckpt").glob("*step=2.ckpt"))
+    resumed = fit_in_child("grpo.yaml", *args, "--trainer.max_steps", "4", "--ckpt_path", str(checkpoint),
+                           "--trainer.callbacks.dirpath", str(tmp_path / "ckpt2"), timeout=900,
+                           RLLIGHT_TEST_DUMP=str(tmp_path / "resumed{rank}.pt"))
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    w, r = ([torch.load(tmp_path / f"{name}{rank}.pt", weights_only=True) for rank in (0, 1)]
+            for name in ("whole", "resumed"))
+    for rank in (0, 1):
+        assert len(w[rank]["step_prompts"]) == 4 and len(r[rank]["step_prompts"]) == 2
+        assert r[rank]["step_prompts"] == w[rank]["step_prompts"][2:], rank
+        assert r[rank]["prompt_source"] == w[rank]["prompt_source"], rank
+    assert w[0]["prompt_source"] == w[1]["prompt_source"]  # one state on both processes
+    assert w[0]["step_prompts"] != w[1]["step_prompts"]  # each its own share of the steps' prompts
+    assert len(w[0]["prompt_source"]["history"]) == 16  # profiled: every prompt has a pass rate
