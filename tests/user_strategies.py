@@ -131,6 +131,7 @@ class DumpState(RolloutCallback):
         self.record.setdefault("generated_ahead", []).append(float(rollout.extras.get("rollout/generated_ahead", -1)))
         self.record.setdefault("staleness", []).append(float(rollout.extras.get("rollout/staleness", -1)))
         self.record.setdefault("global_steps", []).append(int(trainer.global_step))
+        self.record.setdefault("step_answers", []).append(list(rollout.answers))
         self.record.setdefault("step_prompts", []).append(  # each step's prompts, as token ids, in rollout order
             [ids[mask.bool()].tolist() for ids, mask in zip(rollout.prompt_ids, rollout.prompt_mask)])
         if "compute_dtype" not in self.record:  # the dtype the first decoder layer computes in (its output's)

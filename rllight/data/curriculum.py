@@ -42,9 +42,10 @@ def _rate(value, key: str) -> float:
     return float(value)
 
 
-def _count(value, key: str, least: int) -> int | None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
-        raise RecipeError(f"{key} must be an integer >= {least} or null, got {value!r}")
+def _count(value, key: str, least: int, optional: bool = True) -> int | None:
+    if (value is None and not optional) or (value is not None and (isinstance(value, bool) or not isinstance(
+            value, int) or value < least)):
+        raise RecipeError(f"{key} must be an integer >= {least}{' or null' if optional else ''}, got {value!r}")
     return value
 
 
@@ -73,7 +74,7 @@ class DifficultyPools(PromptSource):
         pools: Pool name -> the highest pass rate it holds; a pass rate goes to the first pool (by bound) that
             holds it, and one pool's bound must be 1. Default: hard up to 0.2, normal up to 0.8, easy above.
         weights: Pool name -> weight (any scale) of drawing from it. Default: a quarter from each end, half from
-            the middle.
+            the middle (with ``pools`` of your own: the same weight each).
         unseen: The pool of a prompt without a pass rate yet.
         window: Groups a pass rate averages over, the latest first.
         max_pass_rate: Admission gate: a drawn prompt whose pass rate is above this is rejected and another drawn
@@ -119,12 +120,12 @@ class DifficultyPools(PromptSource):
         if unseen not in self.pools:
             raise RecipeError(f"{KEY}.unseen is {unseen!r}; name one of the pools: {sorted(self.pools)}")
         self.unseen = unseen
-        self.window = _count(window, f"{KEY}.window", 1)
+        self.window = _count(window, f"{KEY}.window", 1, optional=False)
         self.max_pass_rate = None if max_pass_rate is None else _rate(max_pass_rate, f"{KEY}.max_pass_rate")
         self.retire_after = _count(retire_after, f"{KEY}.retire_after", 1)
         self.max_draws = _count(max_draws, f"{KEY}.max_draws", 1)
-        self.profile = _count(profile, f"{KEY}.profile", 0) or 0
-        self.profile_batch = _count(profile_batch, f"{KEY}.profile_batch", 1)
+        self.profile = _count(profile, f"{KEY}.profile", 0, optional=False)
+        self.profile_batch = _count(profile_batch, f"{KEY}.profile_batch", 1, optional=False)
         self.seed = seed
         self.rows: list[dict] = []
         self._index: dict[int, int] = {}  # id(row) -> its index in rows

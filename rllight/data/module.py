@@ -55,7 +55,7 @@ class RLDataModule(L.LightningDataModule):
             folder, e.g. ``gsm8k/train``).
         val_files: Held-out prompts for the validation loop (default: the task's held-out split, or
             none when ``train_files`` is set).
-        task: The embedded task, used when ``train_files`` is not given.
+        task: The embedded task, used when ``train_files`` is not given (or with ``include_task``).
         batch_size: Prompts per training step over all processes (each is sampled ``group_size`` times by the
             sampler); each of the ``trainer.devices x trainer.num_nodes`` processes takes an equal share.
         val_batch_size: Prompts per validation batch.
@@ -84,6 +84,9 @@ class RLDataModule(L.LightningDataModule):
             (``config.max_position_embeddings``). ``refuse``: one line naming the row. ``truncate``: the start of
             its last user message is cut until it fits (the end, where the question usually is, is kept).
             ``drop``: the row is left out, counted in one warning.
+        include_task: With ``train_files``, also train on ``task``'s rows (after the files'), and validate on its
+            held-out rows unless ``val_files`` is given: a file and a task in one run, e.g. mixed by ``mix``. False:
+            the files replace the task (so that a recipe's task can be swapped for your files).
         mix: How many prompts of each data source every training batch holds, and how that changes over steps
             (``rllight.data.SourceMix``); None = the rows in one seeded order whatever their source. The sources
             are the rows' ``data_source`` values; each step logs ``train/data/<source>/share`` and ``/weight``.
@@ -109,6 +112,7 @@ class RLDataModule(L.LightningDataModule):
         decode_errors: str = "replace",
         max_row_bytes: int = MAX_ROW_BYTES,
         long_prompts: str = "refuse",
+        include_task: bool = False,
         mix: SourceMix | None = None,
         curriculum: DifficultyPools | None = None,
     ):
@@ -130,6 +134,10 @@ class RLDataModule(L.LightningDataModule):
         self.train_files = train_files
         self.val_files = val_files
         self.task = task if task is not None or train_files else ArithmeticTask()
+        self.include_task = include_task
+        if include_task and self.task is None:
+            raise RecipeError("data.include_task is true but no data.task is given; name the task whose rows join "
+                              "data.train_files")
         self.batch_size = batch_size
         self.mix, self.curriculum = mix, curriculum
         self.rank, self.world = 0, 1  # this process among the training processes (set up with the trainer)
@@ -153,27 +161,31 @@ class RLDataModule(L.LightningDataModule):
             self.local_batch_size  # noqa: B018  (a size that does not divide is refused before the model loads)
         if self.train_rows is not None:
             return
-        if self.train_files:
-            self.train_rows = _load_rows(self.train_files, "data.train_files", self.fields, self.text)
-            self.val_rows = (_load_rows(self.val_files, "data.val_files", self.fields, self.text) if self.val_files
-                             else [])
-        else:
-            self.train_rows, self.val_rows = self.task.splits()
-            for split, rows in (("train", self.train_rows), ("val", self.val_rows)):
-                for i, row in enumerate(rows):
-                    row.setdefault("source", f"data.task {split} row {i + 1}")
-                    row.setdefault("data_source", TASK_DATA_SOURCE)
-            self.train_rows, self.val_rows = (  # the task's rows, under the same policy as a file's
-                [row for _, row in self.text.clean([(r["source"], r) for r in rows], "data.task", measure=True)]
-                for rows in (self.train_rows, self.val_rows))
-            if self.val_files:
-                self.val_rows = _load_rows(self.val_files, "data.val_files", self.fields, self.text)
+        self.train_rows, self.val_rows = [], []
+        if self.task is not None and (self.include_task or not self.train_files):
+            self.train_rows, self.val_rows = self._task_rows()
+        if self.train_files:  # before the task's rows, when both are used
+            self.train_rows = _load_rows(self.train_files, "data.train_files", self.fields, self.text) + self.train_rows
+        if self.val_files:
+            self.val_rows = _load_rows(self.val_files, "data.val_files", self.fields, self.text)
         if self.val_size is not None:
             self.val_rows = self.val_rows[: self.val_size]
         for row in self.train_rows + self.val_rows:
             row["messages"] = self.messages(row["prompt"])
         if self.mix is not None and self.train_rows:
             self._sampler()  # a source without a weight, or a weight without rows, is one line before the model loads
+
+    def _task_rows(self) -> tuple[list[dict], list[dict]]:
+        """The task's training and held-out rows, each with its ``source`` and ``data_source``, under the same text
+        policy as a file's."""
+        splits = self.task.splits()
+        for split, rows in zip(("train", "val"), splits):
+            for i, row in enumerate(rows):
+                row.setdefault("source", f"data.task {split} row {i + 1}")
+                row.setdefault("data_source", TASK_DATA_SOURCE)
+        train, val = ([row for _, row in self.text.clean([(r["source"], r) for r in rows], "data.task", measure=True)]
+                      for rows in splits)
+        return train, val
 
     def messages(self, prompt: str | list[dict]) -> list[dict]:
         """A prompt as chat messages, with the configured system prompt before a string prompt."""

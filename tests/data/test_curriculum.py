@@ -185,6 +185,9 @@ def test_bad_settings_and_a_changed_data_set_are_one_line():
         DifficultyPools(unseen="medium")
     with pytest.raises(RecipeError, match="max_draws must be an integer >= 1"):
         DifficultyPools(max_draws=0)
+    with pytest.raises(RecipeError, match="window must be an integer >= 1, got None"):
+        DifficultyPools(window=None)
+    assert DifficultyPools(pools={"low": 0.5, "high": 1.0}, unseen="low").weights == {"low": 1.0, "high": 1.0}
     state = DifficultyPools().bind(_rows({"a": 5}), 0).state_dict()
     curriculum = DifficultyPools().bind(_rows({"a": 6}), 0)
     curriculum.load_state_dict(state)

@@ -77,9 +77,17 @@ def test_a_curriculum_with_rollouts_generated_ahead_is_one_line(tmp_path, tiny_m
 
 
 @pytest.mark.slow
-def test_ddp_a_resumed_curriculum_draws_what_the_uninterrupted_run_draws(tmp_path, tiny_model_dir):
+def test_ddp_a_resumed_curriculum_and_mix_draw_what_the_uninterrupted_run_draws(tmp_path, tiny_model_dir):
+    """Two data sources mixed 3 : 1 and chosen by difficulty pools, on 2 processes: every step's global batch holds
+    3 prompts of one and 1 of the other, and a run resumed from the checkpoint at step 2 draws each process's
+    prompts of steps 2 and 3 as the uninterrupted run did, ending in the same curriculum state."""
+    rows = tmp_path / "two.jsonl"
+    rows.write_text("".join(f'{{"prompt": "What is {i} + {s[0]}?", "answer": "{s}-{i}", "data_source": "{s}"}}\n'
+                            for s, n in (("left", 10), ("right", 6)) for i in range(n)))
     overlay = tiny_overrides(tmp_path, tiny_model_dir, reward=REWARD)
     args = ["--config", overlay, "--config", _curriculum_overlay(tmp_path, max_draws=None),
+            "--data.train_files", f"[{rows}]",
+            "--data.mix", "{class_path: rllight.data.SourceMix, init_args: {weights: {left: 3, right: 1}}}",
             "--model.minibatch_size", "null", "--trainer.strategy", "ddp", "--trainer.devices", "2",
             "--trainer.accelerator", "cpu", "--trainer.callbacks+", "user_strategies.DumpState",
             "--trainer.enable_checkpointing", "true",
@@ -103,3 +111,6 @@ def test_ddp_a_resumed_curriculum_draws_what_the_uninterrupted_run_draws(tmp_pat
     assert w[0]["prompt_source"] == w[1]["prompt_source"]  # one state on both processes
     assert w[0]["step_prompts"] != w[1]["step_prompts"]  # each its own share of the steps' prompts
     assert len(w[0]["prompt_source"]["history"]) == 16  # profiled: every prompt has a pass rate
+    for step in range(4):  # the mix's 3 : 1 in every global batch, the pools choosing within each source
+        answers = {a for rank in (0, 1) for a in w[rank]["step_answers"][step]}
+        assert sorted(a.split("-")[0] for a in answers) == ["left", "left", "left", "right"], step

@@ -129,3 +129,25 @@ def test_the_step_logs_each_sources_share(tmp_path, tiny_model_dir):
     assert source_metrics(["x", "y", "x"], [1.0, 0.25, 0.0], [1, 0, 0]) == {
         "data/x/share": 2 / 3, "data/y/share": 1 / 3, "reward/x/mean": 0.5, "reward/y/mean": 0.25,
         "reward/x/accuracy": 0.5, "reward/y/accuracy": 0.0}
+
+
+def test_a_data_file_and_an_embedded_task_mix_in_one_run_with_include_task(tmp_path):
+    import json
+
+    from rllight.data import ArithmeticTask
+
+    path = tmp_path / "words.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"word {i}", "answer": str(i)}) + "\n" for i in range(12)))
+    task = ArithmeticTask(num_train=20, num_val=3)
+    data = RLDataModule(train_files=[str(path)], task=task, include_task=True, batch_size=4,
+                        mix=SourceMix({"words": 1, "arithmetic": 3}))
+    data.setup()
+    assert _sources(data.train_rows) == {"words": 12, "arithmetic": 20}
+    assert all(_sources(b) == {"words": 1, "arithmetic": 3} for b in data.upcoming_batches(0, 10))
+    assert [r["prompt"] for r in data.val_rows] == [r["prompt"] for r in task.splits()[1]]  # the task's held-out rows
+    # without include_task the files replace the task, as a recipe's task swapped for files from the command line
+    alone = RLDataModule(train_files=[str(path)], task=task, batch_size=4)
+    alone.setup()
+    assert _sources(alone.train_rows) == {"words": 12} and alone.val_rows == []
+    with pytest.raises(RecipeError, match="include_task is true but no data.task"):
+        RLDataModule(train_files=[str(path)], include_task=True)
