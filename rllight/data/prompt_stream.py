@@ -4,6 +4,8 @@ dynamic sampling's) and ``prompt_source`` (the datamodule's curriculum when it h
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 
 from rllight.errors import RecipeError
@@ -19,9 +21,11 @@ class PromptSource:
     """
 
     mix = None  # the datamodule's SourceMix, for its per-step weights
+    step = 0  # the training batch being run (counted from the run's first)
 
     def run(self, sampler, producer, rows: list[dict], step: int):
         """The rollout of training batch ``step`` (counted from the run's first), whose loader rows are ``rows``."""
+        self.step = step
         rollout = sampler(producer, rows)
         if self.mix is not None:
             rollout.extras.update({f"data/{s}/weight": w for s, w in self.mix.weights_at(step).items()})
@@ -44,6 +48,9 @@ class PromptStream(PromptSource):
     """A seeded stream over the training rows, independent of the dataloader's order: a fresh permutation
     per pass, derived from the position alone, so a checkpoint only needs ``cursor``. Under DDP each rank
     takes every ``world``-th row from its own offset ``rank``, so ranks never draw the same extra prompts.
+
+    With a data ``mix`` each draw of ``n`` is shared among the sources by the step's weights (largest remainders,
+    the same on every rank), each source from a stream of its own rows in the same way (``source_cursors``).
     """
 
     def __init__(self, rows: list[dict], seed: int = 1234, world: int = 1, rank: int = 0):
@@ -54,10 +61,13 @@ class PromptStream(PromptSource):
         self.world = world
         self.rank = rank
         self.cursor = 0  # rows drawn so far by this rank
+        self.source_cursors: dict[str, int] = {}  # with a mix: rows drawn so far of each source
         self._epoch = -1
         self._order: list[int] = []
 
     def draw(self, n: int) -> list[dict]:
+        if self.mix is not None:
+            return self._draw_mixed(n)
         out = []
         for _ in range(n):
             epoch, position = divmod(self.cursor * self.world + self.rank, len(self.rows))
@@ -69,12 +79,32 @@ class PromptStream(PromptSource):
             self.cursor += 1
         return out
 
-    def state_dict(self) -> dict[str, int]:
-        """The position: the order of every pass follows from it."""
-        return {"cursor": self.cursor}
+    def _draw_mixed(self, n: int) -> list[dict]:
+        from rllight.data.curriculum import largest_remainder
+
+        by_source: dict[str, list[dict]] = {}
+        for row in self.rows:
+            by_source.setdefault(str(row.get("data_source")), []).append(row)
+        weights = {s: w for s, w in self.mix.weights_at(self.step).items() if w > 0 and s in by_source}
+        out = []
+        for source, count in largest_remainder(weights, n).items():
+            rows, salt = by_source[source], zlib.crc32(source.encode())
+            for _ in range(count):
+                cursor = self.source_cursors.get(source, 0)
+                epoch, position = divmod(cursor * self.world + self.rank, len(rows))
+                g = torch.Generator().manual_seed(self.seed + salt * 7919 + epoch)
+                out.append(rows[torch.randperm(len(rows), generator=g)[position]])
+                self.source_cursors[source] = cursor + 1
+        self.cursor += len(out)
+        return out
+
+    def state_dict(self) -> dict:
+        """The position: the order of every pass follows from it (and each source's, with a mix)."""
+        return {"cursor": self.cursor, **({"source_cursors": dict(self.source_cursors)} if self.source_cursors else {})}
 
     def load_state_dict(self, state: dict) -> None:
         self.cursor = state.get("cursor", 0)
+        self.source_cursors = dict(state.get("source_cursors", {}))
 
 
 def prompt_source(datamodule, train_rows: list[dict], ranks, engine) -> PromptSource:

@@ -151,3 +151,31 @@ def test_a_data_file_and_an_embedded_task_mix_in_one_run_with_include_task(tmp_p
     assert _sources(alone.train_rows) == {"words": 12} and alone.val_rows == []
     with pytest.raises(RecipeError, match="include_task is true but no data.task"):
         RLDataModule(train_files=[str(path)], include_task=True)
+
+
+def test_the_extra_prompts_a_sampler_draws_follow_the_steps_weights_and_resume():
+    from rllight.data.prompt_stream import PromptStream
+
+    data = _data(SourceMix({"a": 1, "b": 0, "c": 0}, schedule=[{"step": 10, "weights": {"a": 1, "b": 1, "c": 2}}]))
+    ranks = [PromptStream(data.train_rows, world=2, rank=r) for r in (0, 1)]
+    for stream in ranks:
+        stream.mix, stream.step = data.mix, 0
+    assert all(row["data_source"] == "a" for stream in ranks for row in stream.draw(8))  # step 0: a alone
+    for stream in ranks:
+        stream.step = 10
+    drawn = [stream.draw(8) for stream in ranks]  # every rank draws in the same calls, as samplers do
+    assert all(_sources(d) == {"a": 2, "b": 2, "c": 4} for d in drawn)  # 8 x (1/4, 1/4, 1/2), on each rank
+    drawn = [d + stream.draw(12) for d, stream in zip(drawn, ranks)]
+    prompts = [[row["prompt"] for row in d if row["data_source"] != "c"] for d in drawn]
+    assert not set(prompts[0]) & set(prompts[1])  # the ranks draw different rows (c's 5 rows must repeat)
+    # c has 5 rows: its 20 draws over both ranks are 4 passes over all five
+    assert Counter(row["prompt"] for d in drawn for row in d if row["data_source"] == "c") == {
+        f"c {j}": 4 for j in range(5)}
+    # resumed from its state, a stream draws what it would have drawn
+    state = ranks[0].state_dict()
+    assert state == {"cursor": 28, "source_cursors": {"a": 13, "b": 5, "c": 10}}
+    ahead = ranks[0].draw(8)
+    resumed = PromptStream(data.train_rows, world=2, rank=0)
+    resumed.mix, resumed.step = data.mix, 10
+    resumed.load_state_dict(state)
+    assert resumed.draw(8) == ahead
