@@ -183,7 +183,8 @@ class StepLog(L.Callback):
         parts += [f"{label} {fmt.format(metrics[key])}" for label, key, fmt in STEP_FIELDS if key in metrics]
         if metrics.get("train/sampling/cap_hit", 0) > 0:  # dynamic sampling trained on fewer groups than its target
             short = metrics.get("train/sampling/groups_short", 0)
-            parts.append(f"partial batch ({short:.0f} groups short: max_rounds)")
+            why = "no more prompts" if metrics.get("train/sampling/out_of_prompts", 0) > 0 else "max_rounds"
+            parts.append(f"partial batch ({short:.0f} groups short: {why})")
         per_step = sum(self.durations) / len(self.durations)
         parts.append(f"{per_step:.1f}s/step")
         parts.append(f"ETA {duration(max(total - done, 0) * per_step)}" if total is not None else "ETA ?")

@@ -267,6 +267,9 @@ def test_a_step_that_trained_on_a_partial_batch_says_so():
     partial = log.step_line(trainer, {"train/reward/mean": 0.5, "train/sampling/cap_hit": 1.0,
                                       "train/sampling/groups_short": 3.0})
     assert "| partial batch (3 groups short: max_rounds) |" in partial
+    drained = log.step_line(trainer, {"train/reward/mean": 0.5, "train/sampling/cap_hit": 1.0,
+                                      "train/sampling/groups_short": 2.0, "train/sampling/out_of_prompts": 1.0})
+    assert "| partial batch (2 groups short: no more prompts) |" in drained
 
 
 @pytest.mark.parametrize("message", [

@@ -100,9 +100,9 @@ class DynamicSampling(Sampler):
 
     Each round samples ``group_size`` responses for a set of prompts and drops every group whose
     rewards are all equal (all right or all wrong: its group-relative advantage is zero). Rounds repeat
-    with fresh prompts from ``producer.more_prompts`` (the datamodule's stream, or its ``data.curriculum``) until ``target_groups``
-    mixed groups are kept (surplus mixed groups of the last round are dropped, as verl does) or
-    ``max_rounds`` rounds ran.
+    with fresh prompts from ``producer.more_prompts`` (the datamodule's stream, or its ``data.curriculum``) until
+    ``target_groups`` mixed groups are kept (surplus mixed groups of the last round are dropped, as verl does),
+    ``max_rounds`` rounds ran, or no prompt is left to draw.
     When the cap is hit the step trains on the mixed groups it has (possibly none: the module then
     skips the update), logs a warning and sets ``sampling/cap_hit``.
     On several processes the target is global and the first mixed groups in rank order are kept
@@ -115,7 +115,8 @@ class DynamicSampling(Sampler):
     groups; the metrics make that cost visible.
 
     Metrics (``train/sampling/...``): ``groups_drawn``, ``groups_kept``, ``groups_rejected`` (rewards all equal),
-    ``rounds``, ``cap_hit`` (0/1),
+    ``rounds``, ``cap_hit`` (0/1), ``out_of_prompts`` (0/1: the prompts' source gave no more, e.g. a curriculum at
+    its ``max_draws``),
     ``groups_short`` (mixed groups the step lacks against its target, over all processes),
     ``retention`` (mixed / drawn), ``responses_drawn`` and ``generated_tokens`` (every generated
     response token, discarded groups included).
@@ -161,11 +162,14 @@ class DynamicSampling(Sampler):
         n_kept = n_drawn = n_mixed = responses = 0
         tokens = 0.0
         totals: dict[str, float] = {}  # the engine's per-call scalars (timings, failures): summed over rounds
-        rounds = 0
+        rounds, out_of_prompts = 0, False
         batch = rows
         while not rounds or (rounds < self.max_rounds and n_kept < target):  # n_kept: over all processes
             if rounds:
                 batch = producer.more_prompts(per_round)
+                if not ranks.any(bool(batch)):  # the source gave none (a curriculum at its max_draws, or emptied)
+                    out_of_prompts = True
+                    break
             part = producer.sample(batch, self.group_size)
             rounds += 1
             for key, value in part.extras.items():
@@ -188,7 +192,11 @@ class DynamicSampling(Sampler):
         kept = self._first_groups(mixed_parts, quota)
         n_kept = min(n_kept, target)
         cap_hit = n_kept < target
-        if cap_hit:
+        if cap_hit and out_of_prompts:
+            log.warning("dynamic sampling: %d of %d mixed groups after %d round(s) (%d groups drawn): no more "
+                        "prompts to draw (data.curriculum's max_draws, or its pools are empty); training on the %d "
+                        "kept", n_kept, target, rounds, n_drawn, n_kept)
+        elif cap_hit:
             log.warning("dynamic sampling: cap hit, %d of %d mixed groups after max_rounds=%d (%d groups drawn); "
                         "training on the %d kept (if it recurs, raise max_rounds or the group size)", n_kept, target,
                         self.max_rounds, n_drawn, n_kept)
@@ -200,6 +208,7 @@ class DynamicSampling(Sampler):
             "sampling/groups_rejected": float(n_drawn - n_mixed),  # the admission gate: no advantage spread
             "sampling/rounds": float(rounds),
             "sampling/cap_hit": float(cap_hit),
+            "sampling/out_of_prompts": float(out_of_prompts),  # the rounds ended as no prompt was left to draw
             "sampling/groups_short": float(target - n_kept),  # over all processes: the partial batch's gap
             "sampling/retention": n_mixed / max(n_drawn, 1),
             "sampling/responses_drawn": float(responses),

@@ -99,7 +99,8 @@ def test_the_pass_rate_gate_rejects_and_replaces_and_solved_prompts_retire():
         curriculum.record(i, 1.0)  # solved once each: above the gate
     seen, metrics = _step(curriculum, producer, rows[:5])
     assert sorted(seen) == sorted(p for p, r in rates.items() if r == 0.5)  # the five admissible ones
-    admitted, rejected = metrics["curriculum/gate/max_pass_rate/admitted"], metrics["curriculum/gate/max_pass_rate/rejected"]
+    gate = "curriculum/gate/max_pass_rate"
+    admitted, rejected = metrics[f"{gate}/admitted"], metrics[f"{gate}/rejected"]
     assert admitted == 5 and admitted + rejected == metrics["curriculum/draws"] and metrics["curriculum/cap_hit"] == 0
     assert metrics["curriculum/gate/retire/retired"] == 0
     # Solved a second time, a prompt retires: never drawn again, counted.

@@ -28,7 +28,8 @@ def _curriculum_overlay(tmp_path, **init_args):
 def test_the_curriculum_hears_every_generated_group_and_logs_its_step(tmp_path, tiny_model_dir):
     sampler = {"class_path": "rllight.strategies.DynamicSampling",
                "init_args": {"group_size": 4, "max_rounds": 3, "metric": "correct"}}
-    cli = build(os.path.join(RECIPES, "grpo.yaml"), tiny_overrides(tmp_path, tiny_model_dir, sampler=sampler, reward=REWARD),
+    overlay = tiny_overrides(tmp_path, tiny_model_dir, sampler=sampler, reward=REWARD)
+    cli = build(os.path.join(RECIPES, "grpo.yaml"), overlay,
                 _curriculum_overlay(tmp_path), "--model.minibatch_size", "null")
     curriculum = cli.datamodule.curriculum
     heard, observe = [], curriculum.observe

@@ -202,6 +202,19 @@ def test_dynamic_sampling_cap_is_logged_and_trains_on_what_it_has(caplog):
     assert rollout.extras["sampling/groups_drawn"] == 6.0
 
 
+def test_dynamic_sampling_stops_when_no_prompt_is_left_to_draw(caplog):
+    # Round 1: one mixed of two; then the prompts' source (a curriculum at its max_draws) gives none: no empty rounds.
+    module = FakeSamplerModule(rewards=[[1, 0, 1, 1]])
+    module.more_prompts = lambda n: []
+    with caplog.at_level(logging.WARNING, logger="rllight.strategies.samplers"):
+        rollout = DynamicSampling(group_size=2, max_rounds=5)(module, [{"answer": "p0"}, {"answer": "p1"}])
+    assert "no more prompts to draw" in caplog.text and "max_rounds" not in caplog.text
+    assert rollout.answers == ["p0", "p0"] and module.generated_for == [["p0", "p1"]]
+    e = rollout.extras
+    assert (e["sampling/rounds"], e["sampling/cap_hit"], e["sampling/out_of_prompts"]) == (1.0, 1.0, 1.0)
+    assert e["sampling/groups_short"] == 1.0
+
+
 def test_dynamic_sampling_with_no_mixed_group_returns_an_empty_rollout():
     module = FakeSamplerModule(rewards=[[1, 1, 0, 0], [1, 1, 1, 1]])
     rollout = DynamicSampling(group_size=2, max_rounds=2)(module, [{"answer": "p0"}, {"answer": "p1"}])
