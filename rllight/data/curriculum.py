@@ -28,6 +28,7 @@ from collections import Counter, defaultdict
 
 import torch
 
+from rllight.data.mix import largest_remainder
 from rllight.data.prompt_stream import PromptSource
 from rllight.errors import RecipeError
 
@@ -47,18 +48,6 @@ def _count(value, key: str, least: int, optional: bool = True) -> int | None:
             value, int) or value < least)):
         raise RecipeError(f"{key} must be an integer >= {least}{' or null' if optional else ''}, got {value!r}")
     return value
-
-
-def largest_remainder(counts: dict[str, int], total: int) -> dict[str, int]:
-    """``total`` shared in proportion to ``counts`` (largest remainders, ties to the earlier name)."""
-    whole = sum(counts.values())
-    if not whole:
-        return {}
-    exact = {k: total * v / whole for k, v in counts.items()}
-    out = {k: math.floor(x) for k, x in exact.items()}
-    for k in sorted(exact, key=lambda k: out[k] - exact[k])[: total - sum(out.values())]:
-        out[k] += 1
-    return out
 
 
 class DifficultyPools(PromptSource):

@@ -39,6 +39,19 @@ def _check_weights(weights, key: str) -> dict[str, float]:
     return out
 
 
+def largest_remainder(weights: dict[str, float], total: int) -> dict[str, int]:
+    """``total`` shared in proportion to ``weights`` (counts or weights; largest remainders, ties to the earlier
+    name)."""
+    whole = sum(weights.values())
+    if not whole:
+        return {}
+    exact = {k: total * v / whole for k, v in weights.items()}
+    out = {k: math.floor(x) for k, x in exact.items()}
+    for k in sorted(exact, key=lambda k: out[k] - exact[k])[: total - sum(out.values())]:
+        out[k] += 1
+    return out
+
+
 class SourceMix:
     """How much of every training batch each data source gives (see ``rllight.data.mix``).
 

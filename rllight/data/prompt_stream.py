@@ -8,6 +8,7 @@ import zlib
 
 import torch
 
+from rllight.data.mix import largest_remainder
 from rllight.errors import RecipeError
 
 
@@ -80,8 +81,6 @@ class PromptStream(PromptSource):
         return out
 
     def _draw_mixed(self, n: int) -> list[dict]:
-        from rllight.data.curriculum import largest_remainder
-
         by_source: dict[str, list[dict]] = {}
         for row in self.rows:
             by_source.setdefault(str(row.get("data_source")), []).append(row)
