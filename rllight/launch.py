@@ -311,6 +311,16 @@ def _wait_for_children() -> None:
             sys.exit(_stop_and_report())
 
 
+def _end_process_group() -> None:
+    """After a command that ended well: the process group (gloo's threads, NCCL's communicators) ended here, in
+    order, rather than by the interpreter's exit, where a rank once aborted ("terminate called without an active
+    exception") after its run had finished. Every collective of the run is done by then."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @contextlib.contextmanager
 def rank_failures() -> Iterator[None]:
     """Around a command: where it runs as one of several ranks started by Lightning's launch, a failure of any rank
@@ -335,6 +345,7 @@ def rank_failures() -> Iterator[None]:
         _RUN.ending.set()
         if _RUN.role == "spawner" and _RUN.children:
             _wait_for_children()
+        _end_process_group()
     finally:
         if _RUN.role == "spawner" and not _RUN.reported and _RUN.folder:
             shutil.rmtree(_RUN.folder, ignore_errors=True)
