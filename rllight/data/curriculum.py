@@ -28,7 +28,7 @@ from collections import Counter, defaultdict
 
 import torch
 
-from rllight.data.mix import largest_remainder
+from rllight.data.mix import largest_remainder, rows_by_source
 from rllight.data.prompt_stream import PromptSource
 from rllight.errors import RecipeError
 
@@ -118,6 +118,7 @@ class DifficultyPools(PromptSource):
         self.seed = seed
         self.rows: list[dict] = []
         self._index: dict[int, int] = {}  # id(row) -> its index in rows
+        self._by_source: dict[str, list[int]] = {}  # data source -> its rows' indices
         self.history: dict[int, list[float]] = {}  # row index -> its latest pass rates, the latest last
         self.solved: Counter[int] = Counter()  # row index -> groups solved by every response
         self.retired: set[int] = set()
@@ -188,8 +189,9 @@ class DifficultyPools(PromptSource):
     def draw(self, n: int) -> list[dict]:
         """``n`` more prompts for this process (a sampler's replacements): every process draws ``n`` in the same
         call, so the ``n x processes`` are drawn alike on each and dealt out; the sources in the step's proportions."""
+        self._index_rows()
         step = self._step or self._new_step()
-        counts = step["counts"] or Counter(str(r.get("data_source")) for r in self.rows)
+        counts = step["counts"] or {source: len(index) for source, index in self._by_source.items()}
         share = largest_remainder(dict(counts), n * step["world"])
         picked = [i for source in sorted(share) for i in self._pick(source, share[source])]
         return self._share(picked, step["world"], step["rank"])
@@ -207,12 +209,18 @@ class DifficultyPools(PromptSource):
                       "cap_hit": False, "world": ranks.world_size if ranks else 1, "rank": ranks.rank if ranks else 0}
         return self._step
 
-    def _begin(self, producer, ranks) -> dict:
+    def _index_rows(self) -> None:
+        """Once, at the first draw (the rows fitted to the model's context by then): the rows indexed, the
+        checkpoint's state applied."""
         if not self._index:
             if not self.rows:
                 raise RecipeError("data.curriculum has no training rows to draw from")
             self._index = {id(row): i for i, row in enumerate(self.rows)}
+            self._by_source = rows_by_source(self.rows)
             self._apply_loaded()
+
+    def _begin(self, producer, ranks) -> dict:
+        self._index_rows()
         extras = {}
         if self.profile and not self.profiled:
             extras = self._profile(producer, ranks)
@@ -223,8 +231,8 @@ class DifficultyPools(PromptSource):
         """``count`` prompts of ``source`` admitted by the gates (fewer at the cap, or when its pools run out)."""
         step, out = self._step, []
         candidates: dict[str, list[int]] = defaultdict(list)
-        for i, row in enumerate(self.rows):
-            if str(row.get("data_source")) == source and i not in self.retired and i not in step["taken"]:
+        for i in self._by_source.get(source, []):
+            if i not in self.retired and i not in step["taken"]:
                 candidates[self.pool_of(i)].append(i)
         while len(out) < count:
             if self.max_draws is not None and step["draws"] >= self.max_draws:
@@ -254,7 +262,7 @@ class DifficultyPools(PromptSource):
             self._warned.add(source)
             log.warning("data.curriculum: no prompt of data source %r is left in a pool with a positive weight "
                         "(%d retired); its steps have fewer prompts from now on (later ones are not logged)", source,
-                        sum(1 for i in self.retired if str(self.rows[i].get("data_source")) == source))
+                        len(self.retired.intersection(self._by_source.get(source, []))))
 
     def _share(self, picked: list[int], world: int, rank: int) -> list[dict]:
         """The drawn prompts shuffled together, this process's every ``world``-th of them."""
@@ -272,11 +280,8 @@ class DifficultyPools(PromptSource):
         step, self._step = self._step, None
         self.steps += 1
         metrics = {"curriculum/draws": float(step["draws"]), "curriculum/cap_hit": float(step["cap_hit"])}
-        sizes: dict[str, Counter] = defaultdict(Counter)
-        for i, row in enumerate(self.rows):
-            source = str(row.get("data_source"))
-            sizes[source]["retired" if i in self.retired else self.pool_of(i)] += 1
-        for source, size in sorted(sizes.items()):
+        for source, index in sorted(self._by_source.items()):
+            size = Counter("retired" if i in self.retired else self.pool_of(i) for i in index)
             metrics.update({f"curriculum/{source}/pool/{name}": float(size[name]) for name in self.pools})
             metrics[f"curriculum/{source}/retired"] = float(size["retired"])
             metrics[f"curriculum/{source}/draws"] = float(step["source_draws"][source])

@@ -52,6 +52,34 @@ def largest_remainder(weights: dict[str, float], total: int) -> dict[str, int]:
     return out
 
 
+def rows_by_source(rows: list[dict]) -> dict[str, list[int]]:
+    """The indices of ``rows`` by their ``data_source`` (as a string), in the rows' order."""
+    out: dict[str, list[int]] = {}
+    for i, row in enumerate(rows):
+        out.setdefault(str(row.get("data_source")), []).append(i)
+    return out
+
+
+class SourceStreams:
+    """Each data source's rows as a seeded stream: a fresh permutation of them per pass, derived from the source,
+    the pass and ``seed`` alone, so a position in the stream is all its state. ``item(source, position)`` is the
+    row index at that position (each source's latest pass is kept)."""
+
+    def __init__(self, rows: list[dict], seed: int):
+        self.by_source = rows_by_source(rows)
+        self.seed = seed
+        self._passes: dict[str, tuple[int, list[int]]] = {}  # source -> (pass, its permutation)
+
+    def item(self, source: str, position: int) -> int:
+        rows = self.by_source[source]
+        epoch, offset = divmod(position, len(rows))
+        cached = self._passes.get(source)
+        if cached is None or cached[0] != epoch:
+            g = torch.Generator().manual_seed(self.seed + zlib.crc32(source.encode()) * 7919 + epoch)
+            cached = self._passes[source] = (epoch, torch.randperm(len(rows), generator=g).tolist())
+        return rows[cached[1][offset]]
+
+
 class SourceMix:
     """How much of every training batch each data source gives (see ``rllight.data.mix``).
 
@@ -132,14 +160,13 @@ class MixedSampler(ResumableSampler):
                  rank: int = 0, world: int = 1):
         super().__init__(len(rows), batches_per_epoch * batch_size, seed, rank, world)
         self.mix, self.batch_size, self.batches_per_epoch = mix, batch_size, batches_per_epoch
-        self.by_source: dict[str, list[int]] = {s: [] for s in mix.sources}
+        self.streams = SourceStreams(rows, seed * 1_000_003)
         for i, row in enumerate(rows):
             source = str(row.get("data_source"))
-            if source not in self.by_source:
+            if source not in mix.weights:
                 raise RecipeError(f"{KEY}.weights has no weight for data source {source!r} (training row "
                                   f"{row.get('source', i + 1)}); give every source a weight: {sorted(self._all(rows))}")
-            self.by_source[source].append(i)
-        empty = [s for s, idx in self.by_source.items() if not idx]
+        empty = [s for s in mix.sources if s not in self.streams.by_source]
         if empty:
             raise RecipeError(f"{KEY}.weights names {empty}, which no training row has; the sources are "
                               f"{sorted(self._all(rows))}")
@@ -148,22 +175,9 @@ class MixedSampler(ResumableSampler):
     def _all(rows: list[dict]) -> set[str]:
         return {str(r.get("data_source")) for r in rows}
 
-    def _stream(self, source: str, start: int, n: int) -> list[int]:
-        """Items ``start .. start + n - 1`` of ``source``'s stream: its rows in a fresh permutation per pass."""
-        rows = self.by_source[source]
-        salt = zlib.crc32(source.encode())
-        out, cache = [], {}
-        for position in range(start, start + n):
-            epoch, offset = divmod(position, len(rows))
-            if epoch not in cache:
-                g = torch.Generator().manual_seed(self.seed * 1_000_003 + salt * 7919 + epoch)
-                cache[epoch] = torch.randperm(len(rows), generator=g).tolist()
-            out.append(rows[cache[epoch][offset]])
-        return out
-
     def global_batch(self, step: int, cursor: dict[str, int], count: dict[str, int]) -> list[int]:
         """The row indices of batch ``step`` over all processes, from each source's ``cursor``."""
-        picked = [i for s in self.mix.sources for i in self._stream(s, cursor[s], count[s])]
+        picked = [self.streams.item(s, p) for s in self.mix.sources for p in range(cursor[s], cursor[s] + count[s])]
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         return [picked[j] for j in torch.randperm(len(picked), generator=g).tolist()]
 

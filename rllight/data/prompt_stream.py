@@ -4,11 +4,9 @@ dynamic sampling's) and ``prompt_source`` (the datamodule's curriculum when it h
 
 from __future__ import annotations
 
-import zlib
-
 import torch
 
-from rllight.data.mix import largest_remainder
+from rllight.data.mix import SourceStreams, largest_remainder
 from rllight.errors import RecipeError
 
 
@@ -63,6 +61,7 @@ class PromptStream(PromptSource):
         self.rank = rank
         self.cursor = 0  # rows drawn so far by this rank
         self.source_cursors: dict[str, int] = {}  # with a mix: rows drawn so far of each source
+        self._streams: SourceStreams | None = None  # with a mix: each source's stream
         self._epoch = -1
         self._order: list[int] = []
 
@@ -81,18 +80,14 @@ class PromptStream(PromptSource):
         return out
 
     def _draw_mixed(self, n: int) -> list[dict]:
-        by_source: dict[str, list[dict]] = {}
-        for row in self.rows:
-            by_source.setdefault(str(row.get("data_source")), []).append(row)
-        weights = {s: w for s, w in self.mix.weights_at(self.step).items() if w > 0 and s in by_source}
+        if self._streams is None:  # the rows as fitted to the model's context, once the first step draws
+            self._streams = SourceStreams(self.rows, self.seed)
+        weights = {s: w for s, w in self.mix.weights_at(self.step).items() if w > 0 and s in self._streams.by_source}
         out = []
         for source, count in largest_remainder(weights, n).items():
-            rows, salt = by_source[source], zlib.crc32(source.encode())
             for _ in range(count):
                 cursor = self.source_cursors.get(source, 0)
-                epoch, position = divmod(cursor * self.world + self.rank, len(rows))
-                g = torch.Generator().manual_seed(self.seed + salt * 7919 + epoch)
-                out.append(rows[torch.randperm(len(rows), generator=g)[position]])
+                out.append(self.rows[self._streams.item(source, cursor * self.world + self.rank)])
                 self.source_cursors[source] = cursor + 1
         self.cursor += len(out)
         return out
