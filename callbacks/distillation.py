@@ -1,4 +1,4 @@
-"""On-policy distillation's teacher, in the trainer process or behind a URL (``rllight.callbacks.distillation_remote``):
+"""On-policy distillation's teacher, in the trainer process or at a server (its ``placement``, ``rllight.serving``):
 a frozen model that scores the tokens the student sampled, for ``rllight.strategies.OnPolicyDistillation``."""
 
 from __future__ import annotations
@@ -11,21 +11,22 @@ import torch
 from torch import Tensor
 
 from rllight.algorithms import chunked_logprobs_and_entropy, logprobs_and_entropy
+from rllight.bounds import PositiveFloat, PositiveInt, bounded
 from rllight.callbacks.base import RolloutCallback, RolloutContext
-from rllight.callbacks.distillation_remote import TeacherServer
-from rllight.errors import RecipeError
+from rllight.errors import ComponentError, RecipeError
 from rllight.models import HFModel, disable_dropout, response_hidden_states
 from rllight.scoring import micro_batches
+from rllight.serving import Failed, Placement, PromptLogprobs, Protocol, placed
 from rllight.strategies.advantages import TEACHER_LOGPROBS
 from rllight.types import Rollout
 
 __all__ = ["TEACHER_LOGPROBS", "TeacherLogprobs", "tokenizer_difference"]
 
 KEY = "trainer.callbacks: TeacherLogprobs.model"
-_URL_TEMPERATURE = ("trainer.callbacks: TeacherLogprobs.url: a vLLM server's prompt log-probs are at temperature 1 "
-                    "(it applies no temperature to prompt tokens), not at the {what} {temperature:g}; set "
-                    "TeacherLogprobs.temperature: 1.0 to distil at temperature 1, or load the teacher in the trainer "
-                    "(no url)")
+_FIXED_TEMPERATURE = ("trainer.callbacks: TeacherLogprobs.placement: the server's log-probs are at temperature "
+                      "{fixed:g} ({protocol} applies no other), not at the {what} {temperature:g}; set "
+                      "TeacherLogprobs.temperature: {fixed:g} to distil at that temperature, or place the teacher "
+                      "InProcess")
 _ROLES = ("bos_token", "eos_token", "unk_token")  # not the pad token: HFModel gives one to a tokenizer without
 
 
@@ -95,7 +96,8 @@ class TeacherLogprobs(RolloutCallback):
     after each rollout it computes the teacher's log-prob of every sampled response token and stores them as
     ``rollout.extras["teacher_logprobs"]`` (shape (B, T), zero outside ``response_mask``).
 
-    The teacher loads in ``setup`` (at ``fit``), frozen and in eval mode, in the policy's dtype
+    Placed ``InProcess``, the teacher loads at its first rollout (after ``setup`` at ``fit``), frozen and in eval
+    mode, in the policy's dtype
     (``model.model.init_args.dtype``, whatever its own ``dtype`` says) on the trainer's device; it is not saved in
     checkpoints (it is loaded again on resume). Before any weights load, its tokenizer is compared with the
     policy's: the teacher is given the student's token ids, so a tokenizer that differs (vocabulary size, a token,
@@ -104,59 +106,78 @@ class TeacherLogprobs(RolloutCallback):
     Under several processes each rank scores its own rows with a full copy of the teacher (replicated, not sharded
     under FSDP: it must fit on each device beside the policy's shard).
 
-    **Behind a URL** (``url`` set): the teacher is a vLLM server (``vllm serve <teacher folder>``), asked for the
-    prompt log-probs of each row's prompt and response tokens (``rllight.callbacks.distillation_remote``, which cites
-    the request and answer fields in vLLM's source); no weights load in the trainer. ``model`` is then the teacher's
-    folder (or hub id) as the recipe knows it, for its tokenizer only, which is compared with the policy's at
-    ``setup`` as above; ``served_model`` is the name the server serves it under. vLLM computes prompt log-probs
-    before any temperature (whatever its ``--logprobs-mode``), so the teacher's temperature must be 1: an engine
-    sampling at another temperature is refused in one line unless ``temperature: 1.0`` is set. Every rank sends its
-    own rows. A server that fails after the retries stops the step with one line naming the URL.
+    **At a server** (``placement: rllight.serving.Endpoint``): the teacher is a vLLM server (``vllm serve <teacher
+    folder>``), asked for the log-probs of each row's prompt and response tokens (``rllight.serving.PromptLogprobs``,
+    which cites the request and answer fields in vLLM's source; its ``rows_per_request`` defaults to
+    ``micro_batch_size``); no weights load in the trainer. ``model`` is then the teacher's folder (or hub id) as the
+    recipe knows it, for its tokenizer only, which is compared with the policy's at ``setup`` as above; the
+    protocol's ``model`` is the name the server serves it under (None: the first of ``GET /v1/models``). vLLM
+    computes prompt log-probs before any temperature, so the teacher's temperature must be 1: an engine sampling at
+    another temperature is refused in one line unless ``temperature: 1.0`` is set. Every rank sends its own rows. A
+    server that fails after the retries stops the step with one line naming the URL.
 
     ``rollout_order`` 25: after the reward shaping (10) and the loss masks (20), before the callbacks that train on
     the rollout or store it (``ValuePretraining``: 30, ``SelfImitation``: 40), which then see the teacher's log-probs.
 
     Args:
         model: The teacher (``rllight.models.HFModel``: a folder or a hub id), with the policy's tokenizer.
-        micro_batch_size: Rows per teacher forward pass.
+        micro_batch_size: Rows per teacher forward pass (at a server: per request, unless the protocol says).
         temperature: The teacher's logits are divided by it. None = the rollout engine's sampling temperature, at
             which the student's log-probs (the engine's and the trainer's) are computed: both log-probs then
             describe distributions at one temperature, and their difference estimates the reverse KL between them.
-            With ``url``: must come out as 1 (null with an engine at temperature 1, or 1.0).
-        url: The teacher's vLLM server's base URL (e.g. ``http://teacher-node:8000``; ``/v1/completions`` is
-            appended); None = the teacher loads in the trainer process. ``micro_batch_size`` is then the rows per
-            request.
-        served_model: With ``url``: the request's ``model`` (None = the first of the server's ``GET /v1/models``).
-        api_key_env: With ``url``: the NAME of the environment variable that holds the server's API key (sent as a
-            bearer token, read at each request); None = no key. The key itself is never a setting.
-        timeout_seconds: With ``url``: longest wait for one attempt's answer.
-        retries: With ``url``: further attempts after an HTTP 429 or 5xx, a timeout or a refused connection (not
-            after another 4xx), ``backoff_seconds`` apart, the wait doubling each time.
-        backoff_seconds: With ``url``: the wait before the first retry.
+            At a vLLM server: must come out as 1 (null with an engine at temperature 1, or 1.0).
+        placement: Where the teacher runs (``rllight.serving``): ``InProcess`` (None, the default) or ``Endpoint``
+            (its protocol defaults to ``PromptLogprobs``, its ``timeout_seconds`` to 600).
     """
 
     rollout_order = 25
+    what = "the teacher"
+    default_timeout = 600.0
+    worker_target = None  # the teacher computes on the trainer's device or at a server
 
-    def __init__(self, model: HFModel, micro_batch_size: int = 8, temperature: float | None = None,
-                 url: str | None = None, served_model: str | None = None, api_key_env: str | None = None,
-                 timeout_seconds: float = 600.0, retries: int = 2, backoff_seconds: float = 1.0):
-        if micro_batch_size < 1:
-            raise RecipeError(f"trainer.callbacks: TeacherLogprobs.micro_batch_size must be >= 1, got "
-                              f"{micro_batch_size}")
-        if temperature is not None and temperature <= 0:
-            raise RecipeError(f"trainer.callbacks: TeacherLogprobs.temperature must be > 0 or null, got {temperature}")
-        if url is not None and temperature is not None and temperature != 1.0:
-            raise RecipeError(_URL_TEMPERATURE.format(temperature=temperature, what="temperature"))
-        self.server = None if url is None else TeacherServer(url, served_model, api_key_env, micro_batch_size,
-                                                             timeout_seconds, retries, backoff_seconds)
-        """With ``url``: the client of the teacher's server (``TeacherServer``); None in the trainer process."""
+    @bounded
+    def __init__(self, model: HFModel, micro_batch_size: PositiveInt = 8, temperature: PositiveFloat | None = None,
+                 placement: Placement | None = None):
         self.model = model
         self.micro_batch_size = micro_batch_size
         self.temperature = temperature
         self.teacher: torch.nn.Module | None = None
+        self.placement = placed(placement, "trainer.callbacks: TeacherLogprobs.placement", self)
+        self._check_temperature(temperature, "temperature")
         self.used_temperature = 1.0 if temperature is None else temperature
         """The temperature ``on_rollout`` divides the teacher's logits by (set in ``setup``)."""
         self._checked = False  # check_before_fit has passed
+        self._device: torch.device | None = None  # where an InProcess teacher loads (``setup``)
+        self._dtype = None  # the policy's dtype, the teacher's (``setup``)
+
+    def _check_temperature(self, temperature: float | None, what: str) -> None:
+        """Refuse a temperature the placement's protocol cannot give (vLLM's prompt log-probs: 1 only)."""
+        protocol = getattr(self.placement, "protocol", None)
+        fixed = getattr(protocol, "temperature", None)
+        if fixed is not None and temperature is not None and temperature != fixed:
+            raise RecipeError(_FIXED_TEMPERATURE.format(fixed=fixed, protocol=type(protocol).__name__, what=what,
+                                                        temperature=temperature))
+
+    # What a placement asks of the model it places (``rllight.serving.Served``).
+    def default_protocol(self) -> Protocol:
+        return PromptLogprobs(rows_per_request=self.micro_batch_size)
+
+    def served_name(self) -> None:
+        return None  # the protocol's model, else the server's first (``PromptLogprobs.prepare``)
+
+    def check_local(self) -> None:
+        """Nothing before ``setup``, which compares the tokenizers wherever the teacher runs."""
+
+    def worker_settings(self) -> dict:
+        raise NotImplementedError("the teacher does not run in a worker")
+
+    def forward(self, rows: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+        """The loaded teacher's log-prob of each response token of each ``(prompt_ids, response_ids)`` row, given
+        its prompt and the response before it, at ``used_temperature``."""
+        teacher = self.load()
+        batch = rows_rollout(rows, self._device)
+        logprobs = teacher_logprobs(teacher, batch, self.used_temperature, self.micro_batch_size)
+        return [logprobs[i, : len(response)].tolist() for i, (_, response) in enumerate(rows)]
 
     def check_tokenizer(self, policy: HFModel) -> None:
         """Refuse, in one line, a teacher whose tokenizer differs from the policy's (``tokenizer_difference``).
@@ -179,36 +200,80 @@ class TeacherLogprobs(RolloutCallback):
         engine_temperature = getattr(getattr(module, "rollout", None), "temperature", None)
         if self.temperature is None and engine_temperature is not None:
             self.used_temperature = float(engine_temperature)
-        if self.server is not None and self.used_temperature != 1.0:
-            raise RecipeError(_URL_TEMPERATURE.format(temperature=self.used_temperature,
-                                                      what="engine's sampling temperature"))
+        if self.temperature is None:
+            self._check_temperature(self.used_temperature, "engine's sampling temperature")
+        self.placement.check(self)
         self._checked = True
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit" or self.teacher is not None:
             return
         self.check_before_fit(pl_module)
-        if self.server is not None:
-            return
         policy = getattr(pl_module, "source", None)
-        source = copy.copy(self.model)
-        if policy is not None:
-            source.dtype = policy.dtype
-        teacher, _ = source.load()
-        disable_dropout(teacher)
-        teacher.config.use_cache = False
-        self.teacher = teacher.requires_grad_(False).eval().to(trainer.strategy.root_device)
+        self._device = trainer.strategy.root_device
+        self._dtype = policy.dtype if policy is not None else None
+
+    def load(self) -> torch.nn.Module:
+        """The teacher, loaded once (``InProcess``): frozen, in eval mode, in the policy's dtype, on the trainer's
+        device (both read at ``setup``)."""
+        if self.teacher is None:
+            if self._device is None:
+                raise RecipeError("trainer.callbacks: TeacherLogprobs has no teacher loaded; it loads after fit "
+                                  "starts")
+            source = copy.copy(self.model)
+            if self._dtype is not None:
+                source.dtype = self._dtype
+            teacher, _ = source.load()
+            disable_dropout(teacher)
+            teacher.config.use_cache = False
+            self.teacher = teacher.requires_grad_(False).eval().to(self._device)
+        return self.teacher
 
     def on_rollout(self, trainer: L.Trainer, context: RolloutContext, rollout: Rollout) -> Rollout:
-        if self.server is not None:
-            teacher = self.server.logprobs(rollout)
-        elif self.teacher is None:
-            raise RecipeError("trainer.callbacks: TeacherLogprobs has no teacher loaded; it loads when fit starts")
-        else:
-            teacher = teacher_logprobs(self.teacher, rollout, self.used_temperature, self.micro_batch_size)
+        teacher = self.logprobs(rollout)
         rollout.extras[TEACHER_LOGPROBS] = teacher
         rollout.extras.update(gap_metrics(teacher, rollout))
         return rollout
+
+
+    def logprobs(self, rollout: Rollout) -> Tensor:
+        """The teacher's log-probs of ``rollout``'s response tokens given their prompts and the responses before
+        them, from where ``placement`` says: each row as its prompt tokens (``prompt_mask``) then its response tokens
+        up to the last one in ``response_mask`` (a row with none is not asked). A failure stops the step in one line:
+        the teacher's signal is never replaced by zeros.
+
+        Returns:
+            Shape (B, T), float32, zero outside ``rollout.response_mask``.
+        """
+        mask = rollout.response_mask.to(torch.float32)
+        out = torch.zeros_like(mask)
+        index, rows = [], []
+        for i in range(mask.shape[0]):
+            kept = mask[i].nonzero()
+            if len(kept):
+                index.append(i)
+                rows.append((rollout.prompt_ids[i][rollout.prompt_mask[i].bool()].tolist(),
+                             rollout.response_ids[i, : int(kept[-1]) + 1].tolist()))
+        for i, values in zip(index, self.placement.answer(self, rows)):
+            if isinstance(values, Failed):
+                raise ComponentError(f"trainer.callbacks: TeacherLogprobs: {values}")
+            out[i, : len(values)] = torch.tensor(values, dtype=torch.float32, device=out.device)
+        return out * mask
+
+
+def rows_rollout(rows: list[tuple[list[int], list[int]]], device: torch.device) -> Rollout:
+    """A rollout of ``(prompt_ids, response_ids)`` rows, prompts left-padded and responses right-padded (with id 0,
+    masked), every response token in ``response_mask``: what the teacher's forward pass reads."""
+    p, t, n = max(len(a) for a, _ in rows), max(len(b) for _, b in rows), len(rows)
+    prompt_ids, prompt_mask = torch.zeros(n, p, dtype=torch.long), torch.zeros(n, p, dtype=torch.long)
+    response_ids, response_mask = torch.zeros(n, t, dtype=torch.long), torch.zeros(n, t, dtype=torch.long)
+    for i, (prompt, response) in enumerate(rows):
+        prompt_ids[i, p - len(prompt):], prompt_mask[i, p - len(prompt):] = torch.tensor(prompt), 1
+        response_ids[i, : len(response)], response_mask[i, : len(response)] = torch.tensor(response), 1
+    return Rollout(prompt_ids=prompt_ids.to(device), prompt_mask=prompt_mask.to(device),
+                   response_ids=response_ids.to(device), response_mask=response_mask.to(device),
+                   sample_logprobs=torch.zeros(n, t, device=device), truncated=torch.zeros(n, dtype=torch.bool),
+                   group_ids=torch.arange(n), answers=[""] * n, texts=[""] * n)
 
 
 def gap_metrics(teacher: torch.Tensor, rollout: Rollout) -> dict[str, float]:

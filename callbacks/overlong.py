@@ -14,6 +14,7 @@ from __future__ import annotations
 import lightning as L
 
 from rllight.algorithms.shaping import soft_overlong_punishment
+from rllight.bounds import NonNegativeFloat, PositiveInt, bounded
 from rllight.callbacks.base import RolloutCallback, RolloutContext
 from rllight.errors import RecipeError
 from rllight.types import Rollout
@@ -56,14 +57,11 @@ class SoftOverlongPunishment(RolloutCallback):
 
     rollout_order = 10
 
-    def __init__(self, cache_len: int = 4096, max_len: int | None = None, coef: float = 1.0):
-        if cache_len < 1:
-            raise RecipeError(f"trainer.callbacks: SoftOverlongPunishment.cache_len must be >= 1, got {cache_len}")
+    @bounded
+    def __init__(self, cache_len: PositiveInt = 4096, max_len: int | None = None, coef: NonNegativeFloat = 1.0):
         if max_len is not None and max_len < cache_len:
             raise RecipeError(f"trainer.callbacks: SoftOverlongPunishment.max_len must be >= cache_len "
                               f"({cache_len}), got {max_len}")
-        if coef < 0:
-            raise RecipeError(f"trainer.callbacks: SoftOverlongPunishment.coef must be >= 0, got {coef}")
         self.cache_len = cache_len
         self.max_len = max_len
         self.coef = coef

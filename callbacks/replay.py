@@ -8,6 +8,7 @@ from typing import Any
 import lightning as L
 import torch
 
+from rllight.bounds import NonNegativeFloat, PositiveInt, bounded
 from rllight.callbacks.base import RolloutCallback, RolloutContext
 from rllight.distributed import share
 from rllight.errors import RecipeError
@@ -86,13 +87,10 @@ class SelfImitation(RolloutCallback):
 
     rollout_order = 40
 
-    def __init__(self, capacity: int = 256, every_n_steps: int = 1, batch_size: int = 8, coef: float = 0.1,
-                 policy: str = "fifo", min_reward: float | None = None, unique: bool = True, seed: int = 0):
-        for name, value in (("capacity", capacity), ("every_n_steps", every_n_steps), ("batch_size", batch_size)):
-            if value < 1:
-                raise RecipeError(f"trainer.callbacks: SelfImitation.{name} must be >= 1, got {value}")
-        if coef < 0:
-            raise RecipeError(f"trainer.callbacks: SelfImitation.coef must be >= 0, got {coef}")
+    @bounded
+    def __init__(self, capacity: PositiveInt = 256, every_n_steps: PositiveInt = 1, batch_size: PositiveInt = 8,
+                 coef: NonNegativeFloat = 0.1, policy: str = "fifo", min_reward: float | None = None,
+                 unique: bool = True, seed: int = 0):
         if policy not in POLICIES:
             raise RecipeError(f"trainer.callbacks: SelfImitation.policy must be one of {', '.join(POLICIES)}, "
                               f"got {policy!r}")

@@ -11,6 +11,7 @@ import lightning as L
 import torch
 
 from rllight.algorithms import explained_variance, gae, masked_mean, value_loss
+from rllight.bounds import NonNegativeFloat, NonNegativeInt, PositiveInt, bounded
 from rllight.callbacks.base import RolloutCallback, RolloutContext
 from rllight.distributed import share
 from rllight.errors import RecipeError
@@ -53,7 +54,7 @@ class ValuePretraining(RolloutCallback):
             improvement.
         epochs: Passes of critic updates over each rollout.
         minibatch_size: Responses per critic update over all processes, each taking an equal share (None =
-            ``model.minibatch_size``, or the whole rollout).
+            ``model.batching.minibatch_size``, or the whole rollout).
         train_backbone: Also train the shared backbone of a ``ValueHead`` (False = head only, as note 000 says of
             its figure 5: "in value pretraining the backbone is frozen, only the value head trains"; True moves the
             policy before RL starts). A ``SeparateCritic`` trains whole either way. Figure 5's backbone training
@@ -62,23 +63,10 @@ class ValuePretraining(RolloutCallback):
 
     rollout_order = 30  # before SelfImitation: no replay while it consumes the rollouts
 
-    def __init__(self, max_steps: int = 50, patience: int | None = 5, min_delta: float = 1e-4,
-                 min_delta_explained_variance: float = 1e-2, epochs: int = 1, minibatch_size: int | None = None,
-                 train_backbone: bool = False):
-        if max_steps < 0:
-            raise RecipeError(f"trainer.callbacks: ValuePretraining.max_steps must be >= 0, got {max_steps}")
-        if patience is not None and patience < 1:
-            raise RecipeError(f"trainer.callbacks: ValuePretraining.patience must be >= 1 or null, got {patience}")
-        if min_delta < 0:
-            raise RecipeError(f"trainer.callbacks: ValuePretraining.min_delta must be >= 0, got {min_delta}")
-        if min_delta_explained_variance < 0:
-            raise RecipeError("trainer.callbacks: ValuePretraining.min_delta_explained_variance must be >= 0, "
-                              f"got {min_delta_explained_variance}")
-        if epochs < 1:
-            raise RecipeError(f"trainer.callbacks: ValuePretraining.epochs must be >= 1, got {epochs}")
-        if minibatch_size is not None and minibatch_size < 1:
-            raise RecipeError(f"trainer.callbacks: ValuePretraining.minibatch_size must be >= 1 or null, "
-                              f"got {minibatch_size}")
+    @bounded
+    def __init__(self, max_steps: NonNegativeInt = 50, patience: PositiveInt | None = 5,
+                 min_delta: NonNegativeFloat = 1e-4, min_delta_explained_variance: NonNegativeFloat = 1e-2,
+                 epochs: PositiveInt = 1, minibatch_size: PositiveInt | None = None, train_backbone: bool = False):
         self.max_steps = max_steps
         self.patience = patience
         self.min_delta = min_delta

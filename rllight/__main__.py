@@ -2,13 +2,13 @@
 
 The command line is imported inside ``main``, not here: processes a run starts with ``multiprocessing`` (rollout
 and reward workers) import the parent's main module first, and this one costs them nothing, where
-``rllight.cli`` would load Lightning into each of them (seconds per worker). ``--version`` and ``--help`` are
-answered here (``rllight.versions``, ``rllight.usage``), without importing torch, Lightning or transformers
+``rllight.app.cli`` would load Lightning into each of them (seconds per worker). ``--version`` and ``--help`` are
+answered here (``rllight.app.versions``, ``rllight.app.usage``), without importing torch, Lightning or transformers
 (seconds each)."""
 
 import sys
 
-from rllight.versions import version
+from rllight.app.versions import version
 
 
 def main() -> None:
@@ -16,11 +16,11 @@ def main() -> None:
         print(version())
         return
     if sys.argv[1:] in (["--help"], ["-h"]):
-        from rllight.usage import top_help
+        from rllight.app.usage import top_help
 
         print(top_help())
         return
-    from rllight.cli import main as cli_main
+    from rllight.app.cli import main as cli_main
 
     cli_main()
 

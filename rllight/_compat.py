@@ -256,7 +256,7 @@ def watch_ranks_yourself(launcher, before, after) -> bool:
     """Have ``launcher`` (Lightning's ``_SubprocessScriptLauncher``, which starts this machine's other ranks from
     this process) call ``before()`` just before it starts them and ``after(procs)`` just after, with no watcher
     thread of Lightning's: that one SIGKILLs this process up to 5 s after another rank exits with an error, whether
-    or not this one is saying which rank failed and why (``rllight.launch``). Wraps the launcher's
+    or not this one is saying which rank failed and why (``rllight.app.launch``). Wraps the launcher's
     ``_call_children_scripts`` and skips ``_launch_process_observer`` for its processes (Lightning 2.5, 2.6). False
     where either is missing: the launch is then Lightning's alone."""
     from lightning.pytorch.strategies.launchers import subprocess_script as script

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from rllight.bounds import PositiveInt, bounded
 from rllight.errors import RecipeError
 
 REFERENCE_PREFIX = "ref_policy."
@@ -164,10 +165,8 @@ class CheckpointSettings:
             (a third of the size with AdamW): ``rllight validate --ckpt_path`` evaluates it; it cannot be resumed.
     """
 
-    def __init__(self, every_n_steps: int = 10, keep: int = 1, final_weights_only: bool = False):
-        for name, value in (("every_n_steps", every_n_steps), ("keep", keep)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise RecipeError(f"checkpoint.{name} must be an integer >= 1, got {value!r}")
+    @bounded
+    def __init__(self, every_n_steps: PositiveInt = 10, keep: PositiveInt = 1, final_weights_only: bool = False):
         self.every_n_steps, self.keep, self.final_weights_only = every_n_steps, keep, bool(final_weights_only)
 
     def is_default(self) -> bool:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rllight.algorithms import masked_mean, value_loss
+from rllight.bounds import PositiveFloat, bounded
 from rllight.errors import RecipeError
 from rllight.models import HFModel, response_hidden_states
 from rllight.rollout.base import distinct_prompts, pad_left, position_ids
@@ -94,8 +95,8 @@ class ValueHead(_TokenValueLoss, Critic):
     """``V(s_t) = w . h_t + b`` on the policy's last hidden state, zero-initialised (training starts from
     V = 0, no random bias in the first advantages).
 
-    Where the value loss trains the shared backbone: in joint updates (``model.critic_steps_first`` and
-    ``critic_epochs_first`` 0) always; in the critic-only updates that come first (VAPO's K_v steps, or epochs) only
+    Where the value loss trains the shared backbone: in joint updates (``model.critic_first.steps`` and
+    ``critic_first.epochs`` 0) always; in the critic-only updates that come first (VAPO's K_v steps, or epochs) only
     with ``critic_first_trains_backbone``, else the head trains alone on fixed features there. That option is
     the form of note 000's figure 5 (a shared backbone with a policy head and a linear value head; the note, in
     translation: "in the RL phase the whole network trains, value and policy updates kept apart in time"); in value
@@ -111,17 +112,16 @@ class ValueHead(_TokenValueLoss, Critic):
             into verl (``cliprange_value``). Engstrom et al. (arXiv:2005.12729) found no evidence that it helps,
             Andrychowicz et al. (arXiv:2006.05990, decision C13) that it hurts; 0.2 is ppo2's default.
         lr: Learning rate of the head (None = the policy's).
-        critic_first_trains_backbone: Let the critic-only updates of ``model.critic_steps_first`` (or
-            ``critic_epochs_first``) train the shared backbone too (note 000's figure 5; False = the head alone there).
+        critic_first_trains_backbone: Let the critic-only updates of ``model.critic_first.steps`` (or
+            ``critic_first.epochs``) train the shared backbone too (note 000's figure 5; False = the head alone there).
     """
 
     shared = True
 
-    def __init__(self, loss_coef: float = 0.5, clip: float | None = 0.2, lr: float | None = None,
+    @bounded
+    def __init__(self, loss_coef: float = 0.5, clip: PositiveFloat | None = 0.2, lr: PositiveFloat | None = None,
                  critic_first_trains_backbone: bool = False):
         super().__init__(loss_coef=loss_coef, lr=lr)
-        if clip is not None and clip <= 0:
-            raise RecipeError(f"model.critic.clip must be > 0 or null (no clipping), got {clip}")
         self.clip = clip
         self.critic_first_trains_backbone = critic_first_trains_backbone
         self.head: nn.Linear | None = None
@@ -156,15 +156,10 @@ class SeparateCritic(_TokenValueLoss, Critic):
 
     shared = False
 
-    def __init__(self, model: HFModel | None = None, loss_coef: float = 0.5, clip: float | None = 0.2,
-                 lr: float | None = None, head_lr: float | None = None):
+    @bounded
+    def __init__(self, model: HFModel | None = None, loss_coef: float = 0.5, clip: PositiveFloat | None = 0.2,
+                 lr: PositiveFloat | None = None, head_lr: PositiveFloat | None = None):
         super().__init__(loss_coef=loss_coef, lr=lr)
-        if lr is not None and lr <= 0:
-            raise RecipeError(f"model.critic.lr must be > 0 or null, got {lr}")
-        if head_lr is not None and head_lr <= 0:
-            raise RecipeError(f"model.critic.head_lr must be > 0 or null, got {head_lr}")
-        if clip is not None and clip <= 0:
-            raise RecipeError(f"model.critic.clip must be > 0 or null (no clipping), got {clip}")
         self.head_lr = head_lr
         self.source = model
         self.clip = clip
@@ -229,18 +224,15 @@ class PromptCritic(Critic):
 
     Args:
         model: The critic's own backbone (None = a head on the policy's backbone).
-        loss_coef: Weight of the BCE in the joint loss.
+        loss_coef: Weight of the BCE in the joint loss (above 0: the critic must learn).
         lr: Learning rate of the critic's parameters (None = the policy optimizer's).
     """
 
     per_prompt = True
 
-    def __init__(self, model: HFModel | None = None, loss_coef: float = 1.0, lr: float | None = None):
+    @bounded
+    def __init__(self, model: HFModel | None = None, loss_coef: PositiveFloat = 1.0, lr: PositiveFloat | None = None):
         super().__init__(loss_coef=loss_coef, lr=lr)
-        if loss_coef <= 0:
-            raise RecipeError(f"model.critic.loss_coef must be > 0 (the critic must learn), got {loss_coef}")
-        if lr is not None and lr <= 0:
-            raise RecipeError(f"model.critic.lr must be > 0 or null, got {lr}")
         self.source = model
         self.shared = model is None  # instance attribute: read by the module like the class flag of other critics
         self.backbone: nn.Module | None = None

@@ -13,6 +13,7 @@ import re
 
 import torch
 
+from rllight.bounds import PositiveInt, bounded
 from rllight.errors import RecipeError
 from rllight.precision import DTYPES
 from rllight.rollout.base import distinct_prompts, position_ids
@@ -271,9 +272,8 @@ class LoRA:
         target_modules: Module names to adapt, or "all-linear" (every linear layer but the output).
     """
 
-    def __init__(self, rank: int = 16, alpha: float = 32.0, target_modules: list[str] | str = "all-linear"):
-        if rank < 1:
-            raise RecipeError(f"model.lora.rank must be >= 1, got {rank}")
+    @bounded
+    def __init__(self, rank: PositiveInt = 16, alpha: float = 32.0, target_modules: list[str] | str = "all-linear"):
         self.rank = rank
         self.alpha = alpha
         self.target_modules = target_modules

@@ -22,16 +22,18 @@ from rllight.errors import RecipeError
 from rllight.evaluation import EvalSettings, Evaluator
 from rllight.fsdp import gathered_policy, is_sharded, shard
 from rllight.models import HFModel, LoRA, disable_dropout
-from rllight.recipe_checks import check_recipe, check_sharding, with_token_scores
-from rllight.rewards import BatchReward, IntegerMatch, Reward, RewardRunner, batch_rewards, by_source, check_rows
+from rllight.recipe_checks import check_recipe, check_sharding
+from rllight.rewards import IntegerMatch, Reward, RewardRunner, check_rows, preflight
 from rllight.rollout import HFEngine, RolloutEngine
 from rllight.rollout.metrics import critic_explained_variance, logprob_mismatch, rollout_metrics, scalar_extras
 from rllight.rollout.producer import RolloutProducer, prefetch_ahead
 from rllight.schedules import apply_recipe_rates, recipe_rates
 from rllight.scoring import Scoring
+from rllight.settings import Batching, CriticFirst, GradClip, Guards
 from rllight.strategies import (AdvantageEstimator, Aggregation, ClippedSurrogate, GroupRelative, GroupSampler,
                                 KLPenalty, PolicyLoss, Sampler, TokenMean)
 from rllight.strategies.advantages import episode_advantages
+from rllight.strategies.token_rewards import token_rewards
 from rllight.terms import CriticLoss, LossTerm, PolicyObjective
 from rllight.types import Rollout
 from rllight.update import Updater, ZeroGradientGuard
@@ -56,11 +58,14 @@ class RLModule(L.LightningModule):
         gradient_checkpointing: Recompute the policy's activations in the backward pass (less memory, more compute).
         rollout: Generation engine and sampling settings.
         sampler: Which responses form a rollout (e.g. G per prompt).
-        reward: Outcome reward of a response against the reference answer, or a ``BatchReward`` (a reward model).
+        reward: What scores the responses (``rllight.rewards.Reward``: a verifier of the reference answer, a reward
+            model, a judge, a mix). None: ``IntegerMatch``, or with an ``environment`` the environment's own scores
+            (its ``verifier``, if it has one, checks the reference answers).
         environment: Multi-turn episodes instead of one response per prompt (e.g. ``rllight.envs.Calculator``): the
-            model's turns are trained, the environment's observations are context. None = one response per prompt.
-        reward_runner: Where rewards are computed: worker processes with a per-sample timeout (a hanging or crashing
-            reward gives that sample 0, counted); None = in the training process, without a timeout.
+            model's turns are trained, the environment's observations are context and the environment scores each
+            episode. None = one response per prompt.
+        reward_runner: Where verifiers are computed: worker processes with a per-sample timeout (a hanging or crashing
+            verifier gives that sample 0, counted); None = in the training process, without a timeout.
         reward_preflight: Before training, this many rows' reference answers must earn the reward's maximum and a
             wrong answer must not, or the run stops with one line (0 = no check).
         advantage: Advantage estimator (GroupRelative for GRPO, GAE for PPO).
@@ -69,33 +74,18 @@ class RLModule(L.LightningModule):
             subclasses, e.g. ``class_path: my_lab.LengthPenalty``).
         aggregation: How per-token losses are averaged (token-mean, seq-mean-token-mean, ...).
         critic: The value model: ``ValueHead`` on the shared backbone, ``SeparateCritic``, or None.
-        critic_steps_first: Critic-only optimizer steps on each fresh rollout, one minibatch each (the first epoch's in
-            turn, cycling), before its values and advantages are recomputed and the policy updates (VAPO's K_v = 4).
-        critic_epochs_first: Instead, passes of critic-only updates over all its minibatches (both 0 = joint updates).
+        critic_first: Critic-only updates on each fresh rollout before the policy's (``rllight.settings.CriticFirst``:
+            ``steps``, VAPO's K_v, or ``epochs``; both 0 = joint updates).
         kl: KL to a frozen copy of the initial policy (None = no reference model).
         entropy_coef: Weight of an entropy bonus (0 = off).
-        ppo_epochs: Passes over each rollout.
-        minibatch_size: Responses per optimizer update over all processes, each taking an equal share (None = the
-            whole rollout in one update).
-        micro_batch_size: Responses per forward/backward; gradients accumulate over a minibatch, and the loss is
-            normalised by the minibatch's global token (or sequence) count.
-        micro_batch_tokens: Split minibatches by a token budget instead (rows x padded length per micro-batch), rows
-            grouped by length so that little of the budget is padding; the loss normalisation is unchanged.
-        max_grad_norm: Gradient-norm clipping of the policy's parameters (None = off).
-        critic_max_grad_norm: Gradient-norm clipping of the critic's parameters, separate from the policy's so
-            that a jointly trained critic does not scale the policy's step (None = off).
-        max_consecutive_skips: An update whose loss or gradient is not finite is skipped and logged
-            (``guard/skipped_updates``); this many in a row stop the run.
-        max_failed_reward_steps: A training batch on which the reward failed for every sample (it raised or
-            returned a non-finite value) is a warning; this many in a row stop the run with one line.
+        batching: How a rollout is cut into optimizer updates and forward passes (``rllight.settings.Batching``:
+            ``ppo_epochs``, ``minibatch_size``, ``micro_batch_size``, ``micro_batch_tokens``, ``logprob_chunk_size``).
+        grad_clip: Gradient-norm clipping, the policy's and the critic's parameters each to its own norm so that a
+            jointly trained critic does not scale the policy's step (``rllight.settings.GradClip``: ``policy``,
+            ``critic``; None = off).
         max_prompt_tokens: Drop (and count) prompts longer than this many tokens (None = no limit).
-        max_steps_without_update: This many RL steps in a row with no update (every rollout empty after the
-            filters) end the run, saved, with one line (None = never).
-        zero_gradient_warning_steps: Warn after this many RL steps in a row whose every policy update had a zero
-            gradient (every advantage 0, or every token masked or clipped; None = never).
-        max_zero_gradient_steps: ... and end the run, saved, after this many (None = never).
-        logprob_chunk_size: Compute log-probs and entropy from the hidden states this many positions at a time, so the
-            full (B, T, V) float32 logits never exist (same values and gradients); None = one pass over the full logits.
+        guards: When a run warns or ends by itself (``rllight.settings.Guards``: non-finite updates, failing rewards,
+            steps without an update or with a zero gradient).
         optimizer: Optimizer over the trainable parameters: one group for the policy (``name: policy``) and, with
             a critic, one for the critic (``name: critic``, at ``critic.lr`` when set).
         lr_scheduler: Learning-rate schedule, stepped after each policy update, e.g.
@@ -112,7 +102,7 @@ class RLModule(L.LightningModule):
         gradient_checkpointing: bool = False,
         rollout: RolloutEngine = lazy_default(HFEngine),
         sampler: Sampler = lazy_default(GroupSampler),
-        reward: Reward | BatchReward = lazy_default(IntegerMatch),
+        reward: Reward | None = None,
         environment: Environment | None = None,
         reward_runner: RewardRunner | None = lazy_default(RewardRunner),
         reward_preflight: int = 4,
@@ -121,60 +111,56 @@ class RLModule(L.LightningModule):
         loss_terms: list[LossTerm] | None = None,
         aggregation: Aggregation = lazy_default(TokenMean),
         critic: Critic | None = None,
-        critic_steps_first: int = 0,
-        critic_epochs_first: int = 0,
+        critic_first: CriticFirst = CriticFirst(),
         kl: KLPenalty | None = None,
         entropy_coef: float = 0.0,
-        ppo_epochs: int = 1,
-        minibatch_size: int | None = None,
-        micro_batch_size: int = 8,
-        micro_batch_tokens: int | None = None,
-        max_grad_norm: float | None = 1.0,
-        critic_max_grad_norm: float | None = 1.0,
-        max_consecutive_skips: int = 3,
-        max_failed_reward_steps: int = 3,
+        batching: Batching = Batching(),
+        grad_clip: GradClip = GradClip(),
         max_prompt_tokens: int | None = None,
-        max_steps_without_update: int | None = 20,
-        zero_gradient_warning_steps: int | None = 5,
-        max_zero_gradient_steps: int | None = 50,
-        logprob_chunk_size: int | None = 1024,
+        guards: Guards = Guards(),
         optimizer: OptimizerCallable = _adamw,
         lr_scheduler: LRSchedulerCallable | None = None,
         evaluation: EvalSettings = lazy_default(EvalSettings),
         export_dir: str | None = None,
     ):
         super().__init__()
-        check_recipe(advantage, critic, kl, sampler, (critic_steps_first, critic_epochs_first), dict(
-            ppo_epochs=ppo_epochs, micro_batch_size=micro_batch_size, max_failed_reward_steps=max_failed_reward_steps,
-            max_steps_without_update=max_steps_without_update))
-        reward, reward_runner, rollout = plain_instance(reward), plain_instance(reward_runner), plain_instance(rollout)
+        check_recipe(advantage, critic, kl, sampler, critic_first)
+        rollout, reward_runner = plain_instance(rollout), plain_instance(reward_runner)
+        reward = IntegerMatch() if reward is None and environment is None else plain_instance(reward)
         self.automatic_optimization = False
         self.source, self.lora, self.gradient_checkpointing = model, lora, gradient_checkpointing
         self.rollout, self.sampler, self.reward, self.environment = rollout, sampler, reward, environment
-        self.reward_runner, self.reward_preflight, self._preflight_done = reward_runner, reward_preflight, False
+        self.reward_runner, self.reward_preflight = reward_runner, reward_preflight
         self.advantage, self.policy_loss, self.aggregation, self.kl = advantage, policy_loss, aggregation, kl
-        self.entropy_coef, self.loss_terms = entropy_coef, list(loss_terms or [])
-        self.critic, self.critic_first = critic, dict(steps=critic_steps_first, epochs=critic_epochs_first)
-        self.ppo_epochs, self.minibatch_size = ppo_epochs, minibatch_size
+        self.entropy_coef, self.loss_terms, self.critic = entropy_coef, list(loss_terms or []), critic
+        self.critic_first, self.batching, self.grad_clip, self.guards = critic_first, batching, grad_clip, guards
         self.optimizer_fn, self.lr_scheduler_fn = optimizer, lr_scheduler
         self.evaluation, self.export_dir = evaluation, export_dir
-        self.policy: torch.nn.Module | None = None
-        self.ref_policy: torch.nn.Module | None = None
-        self.tokenizer = None
-        # The layers of a step, each given what it uses: rollouts (prompts, generation, reward), scoring, updates.
-        self.producer = RolloutProducer(rollout, reward, max_prompt_tokens, max_failed_reward_steps, reward_runner,
-                                        environment=environment, max_steps_without_update=max_steps_without_update)
-        self.scoring = Scoring(rollout, critic, kl is not None, micro_batch_size, micro_batch_tokens,
-                               logprob_chunk_size)
-        self.updater = Updater(self.scoring, aggregation, max_grad_norm, critic_max_grad_norm, max_consecutive_skips,
-                               minibatch_size, ZeroGradientGuard(zero_gradient_warning_steps, max_zero_gradient_steps),
-                               optimizer=self.optimizers, scheduler=self.lr_schedulers, step=lambda: self.global_step,
-                               backward=self.manual_backward, no_sync=lambda: no_gradient_sync(self._trainer),
-                               ranks=lambda: self.ranks, policy_moved=lambda: self.rollout.update_weights(self.policy))
+        self.producer, self.scoring, self.updater = self._layers(max_prompt_tokens)
         self.evaluator = Evaluator(evaluation)
+        self.policy = self.ref_policy = self.tokenizer = None  # loaded in configure_model
         self.prompt_stream, self._prompt_state = None, {}  # extra training prompts (set up with the data), its state
         self.prefetched_through = -1  # the last training batch whose rollout the engine was asked for ahead
-        self._consumed_steps, self._epoch_start = 0, (0, 0)
+        self._consumed_steps, self._epoch_start, self._preflight_done = 0, (0, 0), False
+
+    def _layers(self, max_prompt_tokens: int | None) -> tuple[RolloutProducer, Scoring, Updater]:
+        """The layers of a step, wired from the stored settings: the rollout producer (the step's prompts, generation,
+        the reward or the environment's episodes), the scoring (old log-probs, values, the reference's log-probs) and
+        the updater (minibatch updates, gradient clipping, the guards on non-finite or zero gradients), which reads
+        Lightning's optimizer, schedule, backward pass and step count at each update."""
+        batching, guards = self.batching, self.guards
+        producer = RolloutProducer(self.rollout, self.reward, max_prompt_tokens, guards.max_failed_reward_steps,
+                                   self.reward_runner, environment=self.environment,
+                                   max_steps_without_update=guards.max_steps_without_update)
+        scoring = Scoring(self.rollout, self.critic, self.kl is not None, batching.micro_batch_size,
+                          batching.micro_batch_tokens, batching.logprob_chunk_size)
+        updater = Updater(scoring, self.aggregation, self.grad_clip.policy, self.grad_clip.critic,
+                          guards.max_consecutive_skips, batching.minibatch_size,
+                          ZeroGradientGuard(guards.zero_gradient_warning_steps, guards.max_zero_gradient_steps),
+                          optimizer=self.optimizers, scheduler=self.lr_schedulers, step=lambda: self.global_step,
+                          backward=self.manual_backward, no_sync=lambda: no_gradient_sync(self._trainer),
+                          ranks=lambda: self.ranks, policy_moved=lambda: self.rollout.update_weights(self.policy))
+        return producer, scoring, updater
 
     @property
     def ranks(self) -> Ranks:
@@ -187,29 +173,34 @@ class RLModule(L.LightningModule):
         processes, and every reference answer is one the reward can match (a row whose answer can never be
         matched would only ever teach "wrong")."""
         if stage == "fit":
-            self.updater.local_size(self.minibatch_size)
+            self.updater.local_size(self.batching.minibatch_size)
             self.advantage.total = self.ranks.reduce if self.ranks.world_size > 1 else None  # global statistics
         self.rollout.check_processes(self.ranks.world_size)
         check_sharding(self._trainer, self.lora, self.rollout)
         datamodule = self.trainer.datamodule if self._trainer is not None else None
         train_rows = (getattr(datamodule, "train_rows", None) or []) if stage == "fit" else []
-        check_rows(self.reward, [*train_rows, *(getattr(datamodule, "val_rows", None) or [])])  # per data source
+        if self.answer_checker is not None:  # per data source
+            check_rows(self.answer_checker, [*train_rows, *(getattr(datamodule, "val_rows", None) or [])])
         self.preflight_rewards(train_rows)
         if train_rows:  # the step's prompts: the loader's batch, or a curriculum's choice (data.curriculum)
             source = self.prompt_stream = prompt_source(datamodule, train_rows, self.ranks, self.rollout)
             source.load_state_dict(self._prompt_state)
-            self.producer.bind(self.policy, self.tokenizer, source.draw, self.ranks, source.observe)
+            self.producer.bind(self.policy, self.tokenizer, source.draw, self.ranks, source.hear)
 
     def preflight_rewards(self, train_rows: list[dict]) -> None:
-        """``BatchReward.check`` of each batch reward, then the pre-flight (``RewardRunner.preflight``), once."""
-        for reward in [] if self._preflight_done else batch_rewards(self.reward):
-            reward.check()
-        if not train_rows or not self.reward_preflight or self._preflight_done:
+        """``Reward.check`` (what can be found wrong before the policy loads), then the pre-flight
+        (``rllight.rewards.preflight``) through the reward as the producer scores it, once."""
+        if self._preflight_done or self.answer_checker is None:
             return
-        runner = self.reward_runner or RewardRunner(workers=0)
-        for reward, index in by_source(self.reward, [r.get("data_source") for r in train_rows]):
-            runner.preflight(reward, [train_rows[i] for i in index], k=self.reward_preflight)
-        self._preflight_done = True
+        self.answer_checker.check()
+        if train_rows and self.reward_preflight:
+            preflight(self.answer_checker.guarded(self.reward_runner), train_rows, k=self.reward_preflight)
+            self._preflight_done = True
+
+    @property
+    def answer_checker(self) -> Reward | None:
+        """The reward that checks the rows' reference answers: ``model.reward``, else the environment's verifier."""
+        return self.reward if self.reward is not None else getattr(self.environment, "verifier", None)
 
     def teardown(self, stage: str) -> None:
         self.producer.close()  # the reward workers, a batch reward's model: they start again at the next score
@@ -282,23 +273,21 @@ class RLModule(L.LightningModule):
     # --------------------------------------------------------------------------------- train
     def training_step(self, rows: list[dict], batch_idx: int) -> None:
         self.rl_step(rows, batch_idx)
-        # Counted here, not in on_train_batch_end, which Lightning runs after the checkpoint callbacks: a
-        # checkpoint taken after this step must record it, or a resumed run would replay its batch.
-        datamodule = self.trainer.datamodule
-        if datamodule is not None and hasattr(datamodule, "batches_trained"):
-            datamodule.batches_trained += 1
+        # The data side counts the step here, not in on_train_batch_end, which Lightning runs after the checkpoint
+        # callbacks: a checkpoint taken after this step must record it, or a resumed run would replay its batch.
+        self.prompt_stream.trained()
 
     def rl_step(self, rows: list[dict], batch_idx: int) -> None:
         """One RL step on a batch of prompt rows."""
         start, data = time.perf_counter(), self.trainer.datamodule
         with record_function("rllight.rollout"):  # 1. draw a rollout (the markers name a profile's phases)
-            rollout = self.prompt_stream.run(self.sampler, self.producer, rows, getattr(data, "batches_trained", 0))
+            rollout = self.prompt_stream.run(self.sampler, self.producer, rows)  # the data side's step
         metrics = rollout_metrics(rollout)
         rollout = self._after_rollout_callbacks(rollout, metrics, start)  # 2. shape, filter, store, or consume it
         if rollout is None:
             return
         seed = int(self.global_step) * 1000003 + batch_idx  # the seed orders the minibatches
-        plan = self.updater.plan(len(rollout), self.ppo_epochs, self.minibatch_size, seed)
+        plan = self.updater.plan(len(rollout), self.batching.ppo_epochs, self.batching.minibatch_size, seed)
         updates_per_step = sum(len(epoch) for epoch in plan)
         # With a single update per rollout the live log-probs equal the old ones, so the extra forward
         # is skipped (unless a KL penalty in the reward needs them before the update).
@@ -313,8 +302,9 @@ class RLModule(L.LightningModule):
         # 5. the updates' loss: the policy's objective, the recipe's own terms, and the critic's loss, unless the
         # critic is fitted first (VAPO: critic-only updates, then the advantages again with the fitted critic)
         terms = [PolicyObjective(self.policy_loss, self.kl, self.entropy_coef), *self.loss_terms]
-        if any(self.critic_first.values()):
-            metrics.update(self.updater.critic_first(rollout, self.estimate_advantages, plan[0], **self.critic_first))
+        if self.critic_first.enabled:
+            metrics.update(self.updater.critic_first(rollout, self.estimate_advantages, plan[0],
+                                                     self.critic_first.steps, self.critic_first.epochs))
         elif self.critic is not None:
             terms.append(CriticLoss(self.critic))
         metrics["time/score"] = time.perf_counter() - scored
@@ -381,12 +371,7 @@ class RLModule(L.LightningModule):
     def estimate_advantages(self, rollout: Rollout) -> None:
         """Token rewards (the outcome on the last response token, minus the KL penalty when it is in the
         reward), then advantages and returns on the full rollout (groups need every member)."""
-        token_rewards = with_token_scores(rollout.outcome_token_rewards(), rollout.dense_rewards, self.advantage)
-        if self.kl is not None and self.kl.in_reward:
-            base = rollout.old_logprobs if rollout.old_logprobs is not None else rollout.sample_logprobs
-            kl = self.kl(base, rollout.ref_logprobs)
-            token_rewards = token_rewards - self.kl.coef * kl * rollout.response_mask.float()
-        rollout.token_rewards = token_rewards
+        rollout.token_rewards = token_rewards(rollout, self.advantage, self.kl)
         rollout.advantages, rollout.returns = episode_advantages(self.advantage, rollout)
 
     def _log(self, metrics: dict) -> None:

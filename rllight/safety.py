@@ -349,7 +349,7 @@ class Interrupts(L.Callback):
             return  # no training step yet, or checkpoints are off
         failed = f"RL step {start[2] + 1}"
         made = self._updates(pl_module) - start[0]
-        if trainer.world_size > 1:  # said once (rank 0), above the line that names the failed rank (rllight.launch)
+        if trainer.world_size > 1:  # said once (rank 0), above the line that names the failed rank (rllight.app.launch)
             if trainer.is_global_zero:
                 print(f"rllight: the run failed in {failed}; with several processes it cannot be saved: "
                       f"{self._newest_saved(trainer)}", file=sys.stderr, flush=True)

@@ -22,6 +22,7 @@ import math
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
+from rllight.bounds import ClosedUnitInterval, NonNegativeInt, bounded
 from rllight.errors import RecipeError
 
 _DECAYS = ("constant", "linear", "cosine")
@@ -46,13 +47,9 @@ def warmup_factor(step: int, warmup_steps: int, decay: str, total_steps: int | N
     return min_lr_ratio + (1.0 - min_lr_ratio) * shape
 
 
-def _check(name: str, warmup_steps: int, decay: str, min_lr_ratio: float) -> None:
-    if warmup_steps < 0:
-        raise RecipeError(f"model.lr_scheduler.{name}warmup_steps must be >= 0, got {warmup_steps}")
+def _check_decay(name: str, decay: str) -> None:
     if decay not in _DECAYS:
         raise RecipeError(f"model.lr_scheduler.{name}decay: '{decay}' is not one of {', '.join(_DECAYS)}")
-    if not 0.0 <= min_lr_ratio <= 1.0:
-        raise RecipeError(f"model.lr_scheduler.min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
 
 
 class WarmupSchedule(LRScheduler):
@@ -68,14 +65,15 @@ class WarmupSchedule(LRScheduler):
         critic_decay: Decay of the critic's group; None = the policy's ``decay``.
     """
 
+    @bounded
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
-        warmup_steps: int = 0,
+        warmup_steps: NonNegativeInt = 0,
         decay: str = "constant",
         total_steps: int | None = None,
-        min_lr_ratio: float = 0.0,
-        critic_warmup_steps: int | None = None,
+        min_lr_ratio: ClosedUnitInterval = 0.0,
+        critic_warmup_steps: NonNegativeInt | None = None,
         critic_decay: str | None = None,
     ):
         self.warmup_steps = warmup_steps
@@ -84,8 +82,8 @@ class WarmupSchedule(LRScheduler):
         self.min_lr_ratio = min_lr_ratio
         self.critic_warmup_steps = warmup_steps if critic_warmup_steps is None else critic_warmup_steps
         self.critic_decay = decay if critic_decay is None else critic_decay
-        _check("", warmup_steps, decay, min_lr_ratio)
-        _check("critic_", self.critic_warmup_steps, self.critic_decay, min_lr_ratio)
+        _check_decay("", decay)
+        _check_decay("critic_", self.critic_decay)
         super().__init__(optimizer)
 
     @property

@@ -42,7 +42,7 @@ class Rollout:
     token_rewards: Tensor | None = None
     """Shape (B, T): per-token rewards; the outcome reward sits on the last response token."""
     dense_rewards: Tensor | None = None
-    """Shape (B, T): rewards a reward gave per response token (``BatchScores.token_scores``), zero elsewhere; added
+    """Shape (B, T): rewards a reward gave per response token (``Scores.token_scores``), zero elsewhere; added
     to ``token_rewards`` with the outcome. None: the reward gives none."""
     old_logprobs: Tensor | None = None
     """Shape (B, T): log-probs under the policy before this step's updates (the PPO ratio's base)."""

@@ -15,8 +15,8 @@ from torch.profiler import record_function
 
 from rllight._compat import return_free_memory
 from rllight.algorithms.batching import minibatch_shares
+from rllight.bounds import PositiveInt, bounded
 from rllight.distributed import Ranks, share
-from rllight.errors import RecipeError
 from rllight.fsdp import full_tensor
 from rllight.precision import RecastWeights
 from rllight.rollout.metrics import critic_explained_variance, reduce_stats
@@ -42,10 +42,8 @@ class ZeroGradientGuard:
         stop_after: Steps in a row before the stop (None = never).
     """
 
-    def __init__(self, warn_after: int | None = 5, stop_after: int | None = 50):
-        for key, value in (("zero_gradient_warning_steps", warn_after), ("max_zero_gradient_steps", stop_after)):
-            if value is not None and value < 1:
-                raise RecipeError(f"model.{key} must be >= 1, got {value}")
+    @bounded
+    def __init__(self, warn_after: PositiveInt | None = 5, stop_after: PositiveInt | None = 50):
         self.warn_after, self.stop_after = warn_after, stop_after
         self.in_a_row = 0
 
@@ -62,10 +60,10 @@ class ZeroGradientGuard:
                 "train/reward/mean) or every token was masked or clipped")
         if self.stop_after is not None and self.in_a_row >= self.stop_after:
             end_after_step(f"{what}; check the reward and the task's difficulty for this model "
-                           "(model.max_zero_gradient_steps sets when this stops a run)")
+                           "(model.guards.max_zero_gradient_steps sets when this stops a run)")
         elif self.in_a_row == self.warn_after:
-            log.warning("after update %d: %s; the run stops after %s (model.max_zero_gradient_steps)", step, what,
-                        self.stop_after if self.stop_after is not None else "never")
+            log.warning("after update %d: %s; the run stops after %s (model.guards.max_zero_gradient_steps)", step,
+                        what, self.stop_after if self.stop_after is not None else "never")
 
 
 class Updater:
@@ -134,7 +132,7 @@ class Updater:
     def load_state_dict(self, state: dict) -> None:
         self.consecutive_skips = state.get("consecutive_skips", 0)
 
-    def local_size(self, size: int | None, name: str = "model.minibatch_size") -> int | None:
+    def local_size(self, size: int | None, name: str = "model.batching.minibatch_size") -> int | None:
         """This process's share of a minibatch size given for all processes (None stays None)."""
         return None if size is None else share(size, self.ranks.world_size, name)
 
@@ -345,7 +343,8 @@ class Updater:
         self.consecutive_skips += 1
         step = self.step()
         log.warning("after update %d: non-finite loss or gradient; update skipped (%d in a row), the run stops at "
-                    "model.max_consecutive_skips=%d: if it recurs, lower the learning rate or set model.max_grad_norm",
+                    "model.guards.max_consecutive_skips=%d: if it recurs, lower the learning rate or set "
+                    "model.grad_clip.policy",
                     step, self.consecutive_skips, self.max_consecutive_skips)
         optimizer.zero_grad(set_to_none=True)
         if self.consecutive_skips >= self.max_consecutive_skips:
@@ -357,8 +356,9 @@ class Updater:
 
     def clip_gradients(self, optimizer, name: str) -> dict[str, Tensor]:
         """Clip the policy's and the critic's gradients each to its own norm (``max_grad_norm``,
-        ``critic_max_grad_norm``; the critic's groups, e.g. backbone and head, together) and return the norms
-        before clipping, as ``<name>/grad_norm`` and ``value/grad_norm`` (parts without gradients are left out)."""
+        ``critic_max_grad_norm``: ``model.grad_clip``; the critic's groups, e.g. backbone and head, together) and
+        return the norms before clipping, as ``<name>/grad_norm`` and ``value/grad_norm`` (parts without gradients
+        are left out)."""
         families: dict[bool, list[Tensor]] = {False: [], True: []}
         for group in optimizer.param_groups:
             critic = str(group.get("name", "policy")).startswith("critic")

@@ -9,7 +9,7 @@ from lightning.pytorch.loggers import Logger
 from transformers import AutoModelForCausalLM
 
 from conftest import RECIPES
-from rllight.cli import RLLightCLI
+from rllight.app.cli import RLLightCLI
 
 
 def load_tool(name: str):
@@ -184,7 +184,7 @@ def one_line_error(tmp_path, model_dir: str, capsys, recipe: str = "grpo.yaml", 
     expect the one-line error of a bad input or a failed component (exit code 2, no traceback), return it."""
     import pytest
 
-    from rllight.cli import main
+    from rllight.app.cli import main
 
     overlay = tiny_overrides(tmp_path, model_dir, **model)
     with pytest.raises(SystemExit) as exit_info:

@@ -5,7 +5,7 @@ import os
 import signal
 import time
 
-from rllight.rewards import IntegerMatch, Reward
+from rllight.rewards import IntegerMatch, Sample, Verifier
 
 
 class HangOn(IntegerMatch):
@@ -37,14 +37,14 @@ class DieOn(IntegerMatch):
         return super().__call__(response, answer)
 
 
-class Echo(Reward):
+class Echo(Verifier):
     """The response read as a number (raises on text that is not one)."""
 
     def __call__(self, response: str, answer: str) -> float:
         return float(response)
 
 
-class Always(Reward):
+class Always(Verifier):
     """``value`` whatever the response: 1 accepts every wrong answer, 0 rejects every right one."""
 
     def __init__(self, value: float):
@@ -55,14 +55,14 @@ class Always(Reward):
         return self.value
 
 
-class Pid(Reward):
+class Pid(Verifier):
     """The id of the process that scores: tells the worker processes apart from the test's."""
 
     def __call__(self, response: str, answer: str) -> float:
         return float(os.getpid())
 
 
-class Loads(Reward):
+class Loads(Verifier):
     """How many times this process has unpickled a ``Loads``: stays 1 in a worker that got it once."""
 
     loads = 0
@@ -73,3 +73,11 @@ class Loads(Reward):
 
     def __call__(self, response: str, answer: str) -> float:
         return float(type(self).loads)
+
+
+def samples_of(responses, answers, sources=None):
+    """One ``Sample`` per response, against ``answers`` (and rows of ``sources``' data sources), each its own group."""
+    sources = sources or [None] * len(responses)
+    return [Sample(prompt="", messages=None, response=r, response_ids=[], answer=str(a),
+                   row={"answer": a, "data_source": s}, group=i)
+            for i, (r, a, s) in enumerate(zip(responses, answers, sources))]

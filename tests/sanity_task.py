@@ -22,7 +22,7 @@ import os
 
 import yaml
 
-from rllight.rewards import Reward
+from rllight.rewards import Verifier
 
 PROMPTS = ["What is 2 + 3?", "What is 7 + 1?", "What is 4 + 4?", "What is 9 + 6?"]
 """The fixed prompt set: one training batch (``data.batch_size`` 4), so every step sees every prompt."""
@@ -39,7 +39,7 @@ def _other_ascii(char: str) -> bool:
     return char != "" and char.isascii() and not char.isalnum()
 
 
-class OpensAlnumEndsOther(Reward):
+class OpensAlnumEndsOther(Verifier):
     """Half the reward for a response whose first character is an ASCII letter or digit, half for one whose last
     character is another ASCII character: with two response tokens, one half for each token. Correct with both
     (the full reward, 1.0)."""

@@ -12,7 +12,7 @@ import torch
 
 import rllight.checkpoint
 import rllight.errors
-import rllight.cli
+import rllight.app.cli
 from conftest import RECIPES
 from helpers import build, tiny_overrides
 from rllight.checkpoint import AtomicCheckpointIO, disk_size, human_size
@@ -121,7 +121,7 @@ def test_a_full_disk_under_the_export_is_one_line_and_leaves_no_partial_folder(t
     export = tmp_path / "export"
     overlay = tiny_overrides(tmp_path, tiny_model_dir, export_dir=str(export))
     with pytest.raises(SystemExit) as exit_info:
-        rllight.cli.main(["fit", "--config", os.path.join(RECIPES, "grpo.yaml"), "--config", overlay,
+        rllight.app.cli.main(["fit", "--config", os.path.join(RECIPES, "grpo.yaml"), "--config", overlay,
                           "--trainer.enable_checkpointing", "true"])
     assert exit_info.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
@@ -133,9 +133,9 @@ def test_a_full_disk_under_the_export_is_one_line_and_leaves_no_partial_folder(t
 def test_ckpt_path_last_resumes_from_the_runs_last_checkpoint(tmp_path, tiny_model_dir):
     args = ["fit", "--config", os.path.join(RECIPES, "grpo.yaml"), "--config", tiny_overrides(tmp_path, tiny_model_dir),
             "--trainer.enable_checkpointing", "true"]
-    rllight.cli.RLLightCLI(args=[*args, "--trainer.max_steps", "2"])
+    rllight.app.cli.RLLightCLI(args=[*args, "--trainer.max_steps", "2"])
     assert _last(tmp_path) == 2
-    cli = rllight.cli.RLLightCLI(args=[*args, "--trainer.max_steps", "3", "--ckpt_path", "last"])
+    cli = rllight.app.cli.RLLightCLI(args=[*args, "--trainer.max_steps", "3", "--ckpt_path", "last"])
     assert cli.trainer.global_step == 3 and _last(tmp_path) == 3  # one more step, from step 2
 
 
@@ -146,12 +146,12 @@ def test_ckpt_path_last_finds_the_earlier_runs_checkpoint_under_the_default_logg
     ``ckpt_path: last`` comes on the command line or in a recipe file."""
     args = ["fit", "--config", os.path.join(RECIPES, "grpo.yaml"), "--config", tiny_overrides(tmp_path, tiny_model_dir),
             "--trainer.enable_checkpointing", "true", "--trainer.logger", "true"]
-    rllight.cli.RLLightCLI(args=[*args, "--trainer.max_steps", "2"])
+    rllight.app.cli.RLLightCLI(args=[*args, "--trainer.max_steps", "2"])
     (first,) = (tmp_path / "lightning_logs").glob("version_*/checkpoints/last.ckpt")
     resume = tmp_path / "resume.yaml"
     resume.write_text("ckpt_path: last\n")
     last = ["--ckpt_path", "last"] if given == "command line" else ["--config", str(resume)]
-    cli = rllight.cli.RLLightCLI(args=[*args, "--trainer.max_steps", "3", *last])
+    cli = rllight.app.cli.RLLightCLI(args=[*args, "--trainer.max_steps", "3", *last])
     assert cli.trainer.global_step == 3  # one more step, from step 2: resumed, not started afresh
     assert cli.config.fit.ckpt_path == str(first)
     assert "version_1" in cli.trainer.checkpoint_callback.dirpath  # the resumed run writes a folder of its own
@@ -165,10 +165,10 @@ def test_a_resume_applies_the_recipes_new_learning_rate_and_schedule_and_says_so
     args = ["fit", "--config", os.path.join(RECIPES, "grpo.yaml"), "--config", tiny_overrides(tmp_path, tiny_model_dir),
             "--trainer.enable_checkpointing", "true", "--model.lr_scheduler", "rllight.schedules.WarmupSchedule",
             "--model.lr_scheduler.init_args.decay", "constant"]
-    rllight.cli.RLLightCLI(args=[*args, "--trainer.max_steps", "2", "--model.optimizer.init_args.lr", "1e-5",
+    rllight.app.cli.RLLightCLI(args=[*args, "--trainer.max_steps", "2", "--model.optimizer.init_args.lr", "1e-5",
                                  "--model.lr_scheduler.init_args.warmup_steps", "8"])
     with caplog.at_level(logging.WARNING):
-        cli = rllight.cli.RLLightCLI(args=[*args, "--trainer.max_steps", "3", "--ckpt_path", "last",
+        cli = rllight.app.cli.RLLightCLI(args=[*args, "--trainer.max_steps", "3", "--ckpt_path", "last",
                                            "--model.optimizer.init_args.lr", "1e-3",
                                            "--model.lr_scheduler.init_args.warmup_steps", "4"])
     assert cli.trainer.global_step == 3
@@ -207,7 +207,7 @@ def test_checkpoints_come_every_n_rl_steps_however_many_updates_a_step_makes(tmp
     4 (updates 4 and 8), not after every rollout as a count of updates would have it; the files are named by the RL
     step, as the per-step lines count."""
     cli = _fit(tmp_path, tiny_model_dir, 8, "--checkpoint.every_n_steps", "2", "--checkpoint.keep", "5",
-               "--model.ppo_epochs", "2")
+               "--model.batching.ppo_epochs", "2")
     assert (cli.datamodule.batches_trained, cli.trainer.global_step) == (4, 8)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["last.ckpt", "step=2.ckpt", "step=4.ckpt"]
     assert torch.load(tmp_path / "checkpoints" / "step=2.ckpt", weights_only=True)["global_step"] == 4
@@ -238,7 +238,7 @@ def test_a_finished_run_says_where_its_model_and_checkpoint_are_and_the_commands
     args = ["fit", "--config", os.path.join(RECIPES, "grpo.yaml"),
             "--config", tiny_overrides(tmp_path, tiny_model_dir, export_dir=str(export)),
             "--trainer.enable_checkpointing", "true", "--trainer.limit_val_batches", "null", "--trainer.max_steps", "2"]
-    rllight.cli.RLLightCLI(args=args)
+    rllight.app.cli.RLLightCLI(args=args)
     lines = _finished(capsys.readouterr().out, 2)
     last = tmp_path / "checkpoints" / "last.ckpt"
     assert lines[1] == f"  model: {export} (Hugging Face folder, {human_size(disk_size(str(export)))})"
@@ -248,14 +248,14 @@ def test_a_finished_run_says_where_its_model_and_checkpoint_are_and_the_commands
                                                            "    train further"]
     tables = []
     for line in (lines[2], lines[4]):  # the export, then the checkpoint
-        rllight.cli.RLLightCLI(args=_command(line))
+        rllight.app.cli.RLLightCLI(args=_command(line))
         out = capsys.readouterr().out
         assert "rllight: evaluation of 4 prompts" in out
         tables.append(json.loads((tmp_path / "validate" / "validate_summary.json").read_text())["table"])
     assert tables[0] == tables[1] and tables[0]["all"]["prompts"] == 4
     further = _command(lines[5])
     assert further[-4:] == ["--ckpt_path", str(last), "--trainer.max_steps", "4"]
-    cli = rllight.cli.RLLightCLI(args=further)
+    cli = rllight.app.cli.RLLightCLI(args=further)
     assert cli.trainer.global_step == 4 and _last(tmp_path) == 4  # two more steps, from step 2
 
 
@@ -266,7 +266,7 @@ def test_a_weights_only_final_checkpoint_is_evaluated_and_not_resumed(tmp_path, 
     args = ["fit", "--config", os.path.join(RECIPES, "grpo.yaml"), "--config", tiny_overrides(tmp_path, tiny_model_dir),
             "--trainer.enable_checkpointing", "true", "--trainer.limit_val_batches", "null", "--trainer.max_steps", "3",
             *EVERY_2, "--checkpoint.final_weights_only", "true"]
-    rllight.cli.RLLightCLI(args=args)
+    rllight.app.cli.RLLightCLI(args=args)
     out = capsys.readouterr().out
     last = tmp_path / "checkpoints" / "last.ckpt"
     state = torch.load(last, weights_only=True)
@@ -275,11 +275,11 @@ def test_a_weights_only_final_checkpoint_is_evaluated_and_not_resumed(tmp_path, 
     lines = _finished(out, 3)
     assert lines[1] == f"  checkpoint: {last} ({human_size(os.path.getsize(last))}, the weights only)"
     assert "train further" not in "\n".join(lines)
-    rllight.cli.RLLightCLI(args=_command(lines[2]))
+    rllight.app.cli.RLLightCLI(args=_command(lines[2]))
     assert "rllight: evaluation of 4 prompts" in capsys.readouterr().out
     for given in (str(last), "last"):
         with pytest.raises(SystemExit) as exit_info:
-            rllight.cli.main([*args, "--trainer.max_steps", "4", "--ckpt_path", given])
+            rllight.app.cli.main([*args, "--trainer.max_steps", "4", "--ckpt_path", given])
         assert exit_info.value.code == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and f"'{last}' holds the weights only" in err[0] and "rllight validate" in err[0], err
@@ -290,7 +290,7 @@ def test_checkpoint_options_that_cannot_act_say_so(tmp_path, tiny_model_dir, cap
     off) are a warning that they have no effect."""
     overlay = tiny_overrides(tmp_path, tiny_model_dir)
     with pytest.raises(SystemExit) as exit_info:
-        rllight.cli.main(["fit", "--config", os.path.join(RECIPES, "grpo.yaml"), "--config", overlay,
+        rllight.app.cli.main(["fit", "--config", os.path.join(RECIPES, "grpo.yaml"), "--config", overlay,
                           "--checkpoint.keep", "0"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -308,7 +308,7 @@ def test_a_failure_after_some_of_a_steps_updates_keeps_them_saved_and_the_run_re
     from it goes on with step 3 and trains to the end."""
     engine = {"class_path": "user_strategies.FailsOnSync", "init_args": {"at": 3, "max_new_tokens": 6}}
     cli = build(os.path.join(RECIPES, "grpo.yaml"), tiny_overrides(tmp_path, tiny_model_dir, rollout=engine,
-                                                                    ppo_epochs=2),
+                                                                    batching={"ppo_epochs": 2}),
                 "--trainer.enable_checkpointing", "true", "--trainer.max_steps", "8")
     with pytest.raises(rllight.errors.ComponentError, match="died while taking the new weights"):
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
@@ -318,7 +318,8 @@ def test_a_failure_after_some_of_a_steps_updates_keeps_them_saved_and_the_run_re
             f"without its other updates: resume with: ") in err and f"--ckpt_path {saved}" in err, err[-2000:]
     state = torch.load(saved, weights_only=True)
     assert state["global_step"] == 3 and state["RLDataModule"] == {"batches_trained": 2}
-    resumed = build(os.path.join(RECIPES, "grpo.yaml"), tiny_overrides(tmp_path, tiny_model_dir, ppo_epochs=2),
+    resumed = build(os.path.join(RECIPES, "grpo.yaml"),
+                    tiny_overrides(tmp_path, tiny_model_dir, batching={"ppo_epochs": 2}),
                     "--trainer.enable_checkpointing", "true", "--trainer.max_steps", "7")
     resumed.trainer.fit(resumed.model, datamodule=resumed.datamodule, ckpt_path=str(saved))
     assert resumed.trainer.global_step == 7 and resumed.datamodule.batches_trained == 4  # steps 3 and 4

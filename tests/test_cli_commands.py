@@ -13,7 +13,7 @@ import yaml
 from conftest import RECIPES
 from helpers import TESTS, build, tiny_overrides
 from rllight import __version__
-from rllight.cli import main
+from rllight.app.cli import main
 from test_docs_examples import my_lab_code  # a docs page's my_lab.py
 from test_user_errors import _error  # the one error line of `rllight <args>` (exit code 2, no traceback)
 
@@ -61,7 +61,7 @@ def test_python_m_rllight_prints_the_version_of_what_it_runs_on_without_importin
 def test_version_names_a_package_that_is_not_installed(monkeypatch):
     from importlib import metadata
 
-    from rllight import versions as entry
+    from rllight.app import versions as entry
 
     real = metadata.version
 
@@ -158,8 +158,8 @@ def test_a_users_module_next_to_the_recipe_or_in_the_working_directory_is_import
     work.mkdir()
     (lab / "my_lab.py").write_text(my_lab_code("extending/strategy.md"))
     (work / "my_rewards.py").write_text(
-        "from rllight.rewards import Reward\n\n\n"
-        "class Length(Reward):\n"
+        "from rllight.rewards import Verifier\n\n\n"
+        "class Length(Verifier):\n"
         "    def __call__(self, response, answer):\n"
         "        return float(len(response))\n")
     with open(GRPO) as f:
@@ -234,7 +234,7 @@ def test_generate_errors_are_one_line(tmp_path, capsys, restore_sys_path, tiny_m
     line = _error(capsys, "generate", "--model.path", tiny_model_dir, "--prompts", str(bad))
     assert f"{bad} row 1: missing field 'prompt'" in line and "this row has: text" in line
     line = _error(capsys, "generate", "--model.path", tiny_model_dir, "--prompt", "hi", "--top_p", "0")
-    assert "--top_p must be in (0, 1], got 0.0" in line
+    assert line.endswith("--top_p must be a number in (0, 1], got 0.0")
 
 
 def test_chat_keeps_the_conversation_until_reset(tiny_model_dir, restore_sys_path, monkeypatch, capsys):

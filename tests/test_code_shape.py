@@ -70,10 +70,14 @@ def test_no_file_is_over_500_lines_unless_listed_with_its_reason():
     assert all(isinstance(why, str) and why.strip() for why in LONG_FILES.values())
 
 
-def test_no_import_circle_and_only_the_cli_imports_the_module():
+def test_no_import_circle_only_the_cli_imports_the_module_and_the_core_not_the_desk():
     modules = _modules()
     graph = {name: _imports(path, modules) - {name} for name, path in modules.items()}
-    assert sorted(m for m, deps in graph.items() if "rllight.module" in deps) == ["rllight.cli"]
+    assert sorted(m for m, deps in graph.items() if "rllight.module" in deps) == ["rllight.app.cli"]
+    # The front desk (rllight.app) stands above the core: nothing below it imports it.
+    desk = {m for m in graph if m == "rllight.app" or m.startswith("rllight.app.")}
+    assert {m: sorted(deps & desk) for m, deps in graph.items() if m not in desk | {"rllight.__main__"} and deps & desk} \
+        == {}, "the core imports nothing from rllight.app"
     # Depth-first search for a cycle; on finding one, report it.
     state: dict[str, int] = {}  # 1 = on the current path, 2 = done
     path: list[str] = []
@@ -94,6 +98,66 @@ def test_no_import_circle_and_only_the_cli_imports_the_module():
         if start not in state:
             assert visit(start) is None, " -> ".join(path)
 
+
+
+def _private(name: str) -> bool:
+    """A name kept to its own file: one leading underscore, not a dunder; ``_compat`` is the one compat module."""
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__")) and name != "_compat"
+
+
+def _private_imports(path: str, known: dict[str, str]) -> list[str]:
+    """Each private name of another rllight module that the file at ``path`` uses: ``from rllight.x import _y``,
+    and ``x._y`` (or ``rllight.x._y``) on an rllight module it imported, as ``line: module._name``."""
+    tree = ast.parse(open(path).read())
+    bound: dict[str, str] = {}  # local name -> the rllight module it stands for
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("rllight"):
+            for alias in node.names:
+                name = f"{node.module}.{alias.name}"
+                if name in known:
+                    bound[alias.asname or alias.name] = name
+                if _private(alias.name):
+                    found.append(f"{node.lineno}: {name}")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("rllight"):
+                    bound[alias.asname or alias.name.split(".")[0]] = alias.name if alias.asname else "rllight"
+                    found += [f"{node.lineno}: {alias.name}" for part in alias.name.split(".") if _private(part)]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            parts, value = [], node.value
+            while isinstance(value, ast.Attribute):
+                parts.insert(0, value.attr)
+                value = value.value
+            if isinstance(value, ast.Name) and value.id in bound:
+                module = ".".join([bound[value.id], *parts])
+                if module in known:
+                    found.append(f"{node.lineno}: {module}.{node.attr}")
+    return sorted(found, key=lambda line: int(line.split(":")[0]))
+
+
+def test_no_private_name_is_imported_from_another_file():
+    """A name with one leading underscore stays in its file: a helper another file needs is made public (or moves
+    to where it is used). Neither ``from rllight.x import _y`` nor ``x._y`` on an imported rllight module is
+    allowed in rllight/, callbacks/ or tools/ (dunders are public; ``rllight._compat`` is the compat module)."""
+    modules = _modules()
+    files = list(modules.values())
+    for path, _, names in os.walk(os.path.join(ROOT, "tools")):
+        files += [os.path.join(path, f) for f in names if f.endswith(".py")]
+    offenders = [f"{os.path.relpath(path, ROOT)}:{line}" for path in sorted(files)
+                 for line in _private_imports(path, modules)]
+    assert offenders == [], "make the name public where it is shared, or move the code to where it is used"
+
+
+def test_the_private_import_check_sees_both_spellings(tmp_path):
+    """The check above can fail: a ``from`` import of a private name and an attribute on an imported module."""
+    source = tmp_path / "user.py"
+    source.write_text("from rllight.errors import _hidden, one_line\nimport rllight.errors as errors\n"
+                      "import rllight.errors\nfrom rllight import errors as e2\nfrom rllight import _compat\n"
+                      "errors._a\nrllight.errors._b\ne2._c\nerrors.__name__\n_compat.x\none_line._d\n")
+    assert _private_imports(str(source), _modules()) == [
+        "1: rllight.errors._hidden", "6: rllight.errors._a", "7: rllight.errors._b", "8: rllight.errors._c"]
 
 
 def test_a_vllm_test_skips_where_vllm_is_not_installed(tmp_path):

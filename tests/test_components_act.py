@@ -20,7 +20,7 @@ import yaml
 from conftest import RECIPES
 from helpers import build
 from rllight.models import HFModel
-from rllight.rewards import Reward
+from rllight.rewards import Verifier
 
 ROOT = os.path.dirname(RECIPES)
 ABLATIONS = sorted(glob.glob(os.path.join(RECIPES, "ablations", "*.yaml")))
@@ -44,7 +44,7 @@ MAX_NEW_TOKENS = {"dapo.yaml": 24}
 LR = {"quickstart-lora.yaml": 1e-1}
 
 
-class HalfMixed(Reward):
+class HalfMixed(Verifier):
     """Correct when the reference answer is even and the response has an even number of characters: every
     group of an odd-answer prompt is all wrong (constant, as dynamic sampling must see), the others are
     usually mixed. Rewards are 0 / 1, as SPPO's critic needs."""
@@ -53,7 +53,7 @@ class HalfMixed(Reward):
         return int(answer) % 2 == 0 and len(response) % 2 == 0
 
 
-class DigitShare(Reward):
+class DigitShare(Verifier):
     """The share of the response's characters that are digits, in [0, 1]: varies across the tiny model's
     samples, so nearly every response has a non-zero advantage (and SPPO's BCE target stays in [0, 1])."""
 
@@ -104,7 +104,8 @@ def _tiny_overlay(tmp_path, model_dir: str, max_new_tokens: int, lr: float, rewa
 def _updates_per_rollout(cli) -> int:
     module = cli.model
     responses = cli.datamodule.batch_size * module.sampler.group_size
-    return module.ppo_epochs * math.ceil(responses / (module.minibatch_size or responses))
+    batching = module.batching
+    return batching.ppo_epochs * math.ceil(responses / (batching.minibatch_size or responses))
 
 
 def _run(tmp_path, model_dir: str, *configs: str, rollouts: int = 2, reward: str = "HalfMixed"):

@@ -75,7 +75,7 @@ def _fit(tmp_path, tiny_model_dir, *extra, steps="1"):
 def _refused(tmp_path, tiny_model_dir, capsys, *extra) -> str:
     """``rllight fit`` in this process with ``extra``: it must stop with exit code 2 before any step; its last
     line of stderr."""
-    from rllight.cli import main
+    from rllight.app.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--config", os.path.join(RECIPES, "grpo.yaml"), "--config",

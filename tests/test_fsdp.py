@@ -25,7 +25,7 @@ def _run(tmp_path, name, recipe, *args, sharded, **model):
     folder = tmp_path / f"{name}-{'fsdp' if sharded else 'one'}"
     folder.mkdir()
     overlay = tiny_overrides(folder, _run.model_dir, rollout=SCRIPTED, **model)
-    common = ["--trainer.max_steps", "4", "--model.minibatch_size", "null", "--model.ppo_epochs", "2",
+    common = ["--trainer.max_steps", "4", "--model.batching.minibatch_size", "null", "--model.batching.ppo_epochs", "2",
               "--data.batch_size", "4", "--trainer.callbacks+", "user_strategies.DumpState", *args]
     dump = str(folder / "rank{rank}.pt")
     if sharded:
@@ -82,7 +82,7 @@ def test_fsdp_matches_one_process_on_the_same_rollouts(tmp_path, tiny_model_dir,
 
 def _fsdp_fit(tmp_path, overlay, name, steps, *extra, keep_all=False):
     return fit_in_child("grpo.yaml", "--config", overlay, *FSDP, "--trainer.max_steps", str(steps),
-                        "--model.minibatch_size", "null", "--data.batch_size", "4",
+                        "--model.batching.minibatch_size", "null", "--data.batch_size", "4",
                         "--trainer.enable_checkpointing", "true",
                         "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir",
                         str(tmp_path / name), "--trainer.logger.name", "", "--trainer.callbacks+",
@@ -104,7 +104,7 @@ def test_fsdp_sampling_checkpoint_resume_and_export(tmp_path, tiny_model_dir):
 
     from test_resume import _metrics
 
-    overlay = tiny_overrides(tmp_path, tiny_model_dir, micro_batch_size=4)
+    overlay = tiny_overrides(tmp_path, tiny_model_dir, batching={"micro_batch_size": 4})
     # The uninterrupted run keeps a sharded checkpoint folder per step; the resumed one writes full checkpoints
     # (one file from rank 0).
     full = _fsdp_fit(tmp_path, overlay, "full", 4, "--model.export_dir", str(tmp_path / "export"),

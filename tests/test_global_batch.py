@@ -36,8 +36,8 @@ def test_a_size_that_does_not_divide_is_one_line_naming_both_numbers():
     message = str(err.value)
     assert "data.batch_size=6" in message and "4 training processes" in message and len(message.splitlines()) == 1
     assert share(512, 128, "data.batch_size") == 4
-    with pytest.raises(RecipeError, match=r"model\.minibatch_size=10 .* all 4 training processes"):
-        share(10, 4, "model.minibatch_size")
+    with pytest.raises(RecipeError, match=r"model\.batching\.minibatch_size=10 .* all 4 training processes"):
+        share(10, 4, "model.batching.minibatch_size")
 
 
 def _rows(batches):
@@ -216,7 +216,7 @@ def _paper_sizes():
         cfg = yaml.safe_load(f)
     sampler = cfg["model"]["sampler"]["init_args"]
     world = cfg["trainer"]["devices"] * cfg["trainer"]["num_nodes"]
-    sizes = cfg["data"]["batch_size"], sampler["group_size"], sampler["max_rounds"], cfg["model"]["minibatch_size"]
+    sizes = cfg["data"]["batch_size"], sampler["group_size"], sampler["max_rounds"], cfg["model"]["batching"]["minibatch_size"]
     return (*sizes, world)
 
 
@@ -274,10 +274,11 @@ def test_a_simulated_128_rank_rollout_short_of_its_target_makes_the_updates_of_o
 def test_the_module_refuses_a_minibatch_that_does_not_divide_before_the_model_loads(tiny_model_dir):
     from rllight.models import HFModel
     from rllight.module import RLModule
+    from rllight.settings import Batching
 
-    module = RLModule(HFModel(tiny_model_dir), minibatch_size=10)
+    module = RLModule(HFModel(tiny_model_dir), batching=Batching(minibatch_size=10))
     module._trainer = SimpleNamespace(world_size=4, global_rank=0, strategy=None, datamodule=None)
-    with pytest.raises(RecipeError, match=r"model\.minibatch_size=10 .* all 4 training processes"):
+    with pytest.raises(RecipeError, match=r"model\.batching\.minibatch_size=10 .* all 4 training processes"):
         module.setup("fit")
     assert module.policy is None
     module._trainer = SimpleNamespace(world_size=2, global_rank=0, strategy=None, datamodule=None)

@@ -6,15 +6,17 @@ import os
 
 import pytest
 import torch
+from jsonargparse import ArgumentError
 
 from conftest import RECIPES
 from helpers import CaptureLogger, build, tiny_overrides
+from rllight.app.command_line import one_line_parse_error
 
 
 def test_non_finite_loss_skips_update_then_stops(tmp_path, tiny_model_dir):
     cli = build(os.path.join(RECIPES, "grpo.yaml"), tiny_overrides(
         tmp_path, tiny_model_dir, policy_loss={"class_path": "user_strategies.NaNLoss", "init_args": {"after": 1}},
-        max_consecutive_skips=2), "--trainer.max_steps", "10")
+        guards={"max_consecutive_skips": 2}), "--trainer.max_steps", "10")
     with pytest.raises(FloatingPointError, match="2 consecutive updates"):
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     # The first update was finite; the two NaN ones were skipped and did not move the parameters.
@@ -63,20 +65,23 @@ def test_empty_batches_after_filtering_are_no_op_steps_then_a_clear_stop(tmp_pat
 
 
 def test_steps_without_an_update_stop_the_run_before_the_epoch_ends(tmp_path, tiny_model_dir):
-    """A run that trains nothing (every prompt dropped) stops after model.max_steps_without_update RL steps in a
+    """A run that trains nothing (every prompt dropped) stops after model.guards.max_steps_without_update RL steps in a
     row, not at the end of an epoch that may be hours away; the message says why and which option sets it."""
     from rllight.errors import RecipeError
 
     cli = build(os.path.join(RECIPES, "grpo.yaml"), tiny_overrides(tmp_path, tiny_model_dir, max_prompt_tokens=3,
-                                                                    max_steps_without_update=3),
+                                                                    guards={"max_steps_without_update": 3}),
                 "--trainer.enable_checkpointing", "true")
     with pytest.raises(RecipeError, match=r"^3 RL steps in a row made no update: .*max_prompt_tokens=3.*"
-                                          r"model\.max_steps_without_update.*; RL step 3 \(0 optimizer updates\) is "
+                                          r"model\.guards\.max_steps_without_update.*; RL step 3 \(0 optimizer updates\) is "
                                           r"saved: resume with: "):
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     assert cli.model.producer.dropped_prompts == 6  # 3 batches of 2 prompts, not the epoch's 8
-    with pytest.raises(RecipeError, match=r"^model\.max_steps_without_update must be >= 1, got 0$"):
-        build(os.path.join(RECIPES, "grpo.yaml"), tiny_overrides(tmp_path, tiny_model_dir, max_steps_without_update=0))
+    with pytest.raises(ArgumentError) as err:  # declared by type (rllight.settings.Guards): the parser refuses it
+        build(os.path.join(RECIPES, "grpo.yaml"), tiny_overrides(tmp_path, tiny_model_dir,
+                                                                 guards={"max_steps_without_update": 0}))
+    assert one_line_parse_error(str(err.value)) == ("model.guards.max_steps_without_update must be an integer >= 1, "
+                                                     "got 0 (see: rllight fit --help)")
 
 
 def test_a_run_whose_prompts_are_all_too_long_warns_of_the_drops_once(tmp_path, tiny_model_dir, caplog):
@@ -111,9 +116,9 @@ def test_micro_batching_by_count_or_token_budget_leaves_the_update_unchanged(tmp
     from transformers import AutoModelForCausalLM
 
     initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
-    whole = _one_update(tiny_model_dir, tmp_path, micro_batch_size=64)
-    singles = _one_update(tiny_model_dir, tmp_path, micro_batch_size=1)
-    budget = _one_update(tiny_model_dir, tmp_path, micro_batch_tokens=40)
+    whole = _one_update(tiny_model_dir, tmp_path, batching={"micro_batch_size": 64})
+    singles = _one_update(tiny_model_dir, tmp_path, batching={"micro_batch_size": 1})
+    budget = _one_update(tiny_model_dir, tmp_path, batching={"micro_batch_tokens": 40})
     assert sum((whole[n] - initial[n]).abs().sum() for n in whole) > 0
     for name in whole:
         torch.testing.assert_close(singles[name], whole[name], rtol=1e-5, atol=1e-6)
@@ -123,9 +128,10 @@ def test_micro_batching_by_count_or_token_budget_leaves_the_update_unchanged(tmp
 def test_token_budget_groups_rows_by_length_and_packs_them(tiny_model_dir):
     from rllight.models import HFModel
     from rllight.module import RLModule
+    from rllight.settings import Batching
     from rllight.types import Rollout
 
-    module = RLModule(HFModel(tiny_model_dir), micro_batch_tokens=20)
+    module = RLModule(HFModel(tiny_model_dir), batching=Batching(micro_batch_tokens=20))
     b = 5
     prompt_len, resp_len = [4, 4, 2, 6, 3], [6, 2, 8, 1, 3]
     p_mask = torch.tensor([[0] * (6 - n) + [1] * n for n in prompt_len])
@@ -149,16 +155,17 @@ def test_scoring_in_length_grouped_micro_batches_puts_every_row_back_in_place(ti
     the same as one pass over the whole rollout."""
     from rllight.models import HFModel
     from rllight.module import RLModule
+    from rllight.settings import Batching
 
     torch.manual_seed(0)
-    whole = RLModule(HFModel(tiny_model_dir), micro_batch_size=64)
+    whole = RLModule(HFModel(tiny_model_dir), batching=Batching(micro_batch_size=64))
     whole.configure_model()
     rows = [{"messages": [{"role": "user", "content": "What is 1 + 2?" + " 3" * k}], "answer": "3"} for k in range(6)]
     rollout = whole.producer.sample(rows, n=2)
     assert len(set(rollout.response_mask.sum(-1).tolist())) > 1  # lengths differ, so the order changes
     whole.scoring.score(rollout, need_old=True, need_values=False)
     expected = rollout.old_logprobs.clone()
-    budget = RLModule(HFModel(tiny_model_dir), micro_batch_tokens=60)
+    budget = RLModule(HFModel(tiny_model_dir), batching=Batching(micro_batch_tokens=60))
     budget.configure_model()
     assert len(list(budget.scoring.micro_batches(rollout))) > 2
     budget.scoring.score(rollout, need_old=True, need_values=False)
@@ -211,10 +218,11 @@ def test_steps_whose_updates_have_no_gradient_warn_then_end_the_run_saved(tmp_pa
 
     cli = build(os.path.join(RECIPES, "grpo.yaml"), tiny_overrides(
         tmp_path, tiny_model_dir, reward={"class_path": "user_strategies.ConstantReward"},
-        zero_gradient_warning_steps=2, max_zero_gradient_steps=3),
+        guards={"zero_gradient_warning_steps": 2, "max_zero_gradient_steps": 3}),
         "--trainer.max_steps", "12", "--trainer.enable_checkpointing", "true")
     with pytest.raises(RunStopped, match=r"^3 RL steps in a row had a zero policy gradient in every update.*"
-                                         r"model\.max_zero_gradient_steps.*; RL step 3 \(3 optimizer updates\) is saved: "
+                                         r"model\.guards\.max_zero_gradient_steps.*; RL step 3 \(3 optimizer updates\) "
+                                         r"is saved: "
                                          r"resume with: rllight .* --ckpt_path \S+$") as stopped:
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     path = str(stopped.value).rsplit("--ckpt_path ", 1)[1]
@@ -236,7 +244,8 @@ def test_the_zero_gradient_count_restarts_at_a_step_that_learned():
 
 
 def test_zero_gradient_guard_settings_are_checked_at_parse_time(tmp_path, tiny_model_dir):
-    from rllight.errors import RecipeError
-
-    with pytest.raises(RecipeError, match=r"^model\.max_zero_gradient_steps must be >= 1, got 0$"):
-        build(os.path.join(RECIPES, "grpo.yaml"), tiny_overrides(tmp_path, tiny_model_dir, max_zero_gradient_steps=0))
+    with pytest.raises(ArgumentError) as err:
+        build(os.path.join(RECIPES, "grpo.yaml"), tiny_overrides(tmp_path, tiny_model_dir,
+                                                                 guards={"max_zero_gradient_steps": 0}))
+    assert one_line_parse_error(str(err.value)) == ("model.guards.max_zero_gradient_steps must be an integer >= 1, "
+                                                     "got 0 (see: rllight fit --help)")

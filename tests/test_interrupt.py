@@ -67,7 +67,7 @@ def test_sigterm_saves_after_the_step_and_the_run_resumes_from_it(tmp_path, tiny
 @pytest.mark.slow
 def test_ctrl_c_finishes_the_step_saves_and_exits_130(tmp_path, tiny_model_dir):
     """2 updates a rollout: the message and the file count RL steps as the step lines do, and name the updates."""
-    overlay = tiny_overrides(tmp_path, tiny_model_dir, ppo_epochs=2)
+    overlay = tiny_overrides(tmp_path, tiny_model_dir, batching={"ppo_epochs": 2})
     signal_cb = ["--trainer.callbacks+", "test_interrupt.SignalAt", "--trainer.callbacks.step", "0",
                  "--trainer.callbacks.signum", str(int(signal.SIGINT))]
     stopped = _run(tmp_path, overlay, "--trainer.max_steps", "6", *signal_cb)

@@ -37,7 +37,7 @@ from torch.testing import assert_close
 from conftest import RECIPES
 from helpers import build, tiny_overrides, unchanged_parameters
 from rllight.callbacks import RolloutCallback
-from rllight.rewards import Reward
+from rllight.rewards import Verifier
 from rllight.scoring import Outputs
 from rllight.strategies import ClippedSurrogate, TokenMean
 from rllight.terms import PolicyObjective, ResponseNLL
@@ -54,7 +54,7 @@ def ablation(name: str) -> str:
     return os.path.join(ABLATIONS, name)
 
 
-class HalfMixed(Reward):
+class HalfMixed(Verifier):
     """Correct when the reference answer is even and the response has an even number of characters: every group of
     an odd-answer prompt is all wrong (a constant group, which dynamic sampling must drop); the others are usually
     mixed."""
@@ -142,7 +142,7 @@ def test_dynamic_sampling_trains_only_mixed_groups_the_target_number_in_full_min
     cli = build(recipe("dapo.yaml"), overlay, ablation("dapo-no-overlong.yaml"), "--data.batch_size", "4",
                 "--model.sampler.init_args.max_rounds", "10", "--trainer.max_steps", "2")
     module = cli.model
-    assert (module.sampler.group_size, module.minibatch_size) == (8, 16)
+    assert (module.sampler.group_size, module.batching.minibatch_size) == (8, 16)
     module.policy_loss = RecordingSurrogate(clip_low=0.2, clip_high=0.28)
     drawn = []  # the rewards of every group the sampler drew, (groups, G) per round
     real_sample = module.producer.sample

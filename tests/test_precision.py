@@ -16,7 +16,7 @@ from helpers import CaptureLogger, build, load_tool, tiny_overrides
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import rllight.precision as precision
-from rllight.cli import main
+from rllight.app.cli import main
 from rllight.machine import ONEDNN_ISA_BOUNDS
 from rllight.models import HFModel
 from rllight.module import RLModule
@@ -166,7 +166,7 @@ def test_two_bf16_mixed_precision_steps_on_cpu(tmp_path, tiny_model_dir, monkeyp
     """Two RL steps of two updates each in bf16-mixed: finite losses, a bfloat16 engine copy, and the engine's
     log-probs of its samples within bfloat16 tolerance of the trainer's, after the updates too (a copy that missed
     a sync would be off by the updates' change, at lr 1e-2 far more than that)."""
-    overlay = tiny_overrides(tmp_path, tiny_model_dir, minibatch_size=8, micro_batch_size=8)
+    overlay = tiny_overrides(tmp_path, tiny_model_dir, batching={"minibatch_size": 8, "micro_batch_size": 8})
     cli = build(os.path.join(RECIPES, "grpo.yaml"), overlay, "--trainer.precision", "bf16-mixed",
                 "--trainer.max_steps", "4")
     assert cli.model.rollout.dtype == "bfloat16"  # the engine's auto followed the trainer
@@ -460,7 +460,7 @@ def test_precision_bf16_first_update_ratio_is_exactly_one(tmp_path, tiny_model_d
     from rllight.terms import PolicyObjective
     from rllight.update import Updater
 
-    overlay = tiny_overrides(tmp_path, tiny_model_dir, minibatch_size=8, micro_batch_size=3)
+    overlay = tiny_overrides(tmp_path, tiny_model_dir, batching={"minibatch_size": 8, "micro_batch_size": 3})
     cli = build(os.path.join(RECIPES, "grpo.yaml"), overlay, "--trainer.precision", "bf16-mixed",
                 "--trainer.max_steps", "4", "--data.batch_size", "4", "--model.sampler.init_args.group_size", "4")
     updates: list[list[float]] = []  # per update: the largest |log ratio| of each micro-batch

@@ -9,7 +9,7 @@ import torch
 
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from rllight.cli import main  # noqa: E402
+from rllight.app.cli import main  # noqa: E402
 from rllight.models import SmolLM2Package, smollm2_folder  # noqa: E402
 from rllight.module import RLModule  # noqa: E402
 from rllight.rollout import HFEngine  # noqa: E402

@@ -79,7 +79,7 @@ def uninterrupted(tmp_path_factory, tiny_model_dir):
     """The metrics of 6 steps with the in-process engine and no stop: the reference of the resumed runs below (the
     callbacks that stop them do nothing in it)."""
     tmp_path = tmp_path_factory.mktemp("uninterrupted")
-    full = _fit(tmp_path, "full", tiny_overrides(tmp_path, tiny_model_dir, micro_batch_size=4))
+    full = _fit(tmp_path, "full", tiny_overrides(tmp_path, tiny_model_dir, batching={"micro_batch_size": 4}))
     assert full.returncode == 0, full.stderr[-3000:]
     return _metrics(tmp_path / "full" / "version_0" / "metrics.csv")
 
@@ -87,7 +87,8 @@ def uninterrupted(tmp_path_factory, tiny_model_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", [None, ASYNC_ENGINE], ids=["in-process", "asynchronous-worker"])
 def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path, tiny_model_dir, engine, request):
-    overlay = tiny_overrides(tmp_path, tiny_model_dir, micro_batch_size=4, **({"rollout": engine} if engine else {}))
+    overlay = tiny_overrides(tmp_path, tiny_model_dir, batching={"micro_batch_size": 4},
+                             **({"rollout": engine} if engine else {}))
     kill_cb = ["--trainer.callbacks+", "user_strategies.KillAt", "--trainer.callbacks.step"]
 
     if engine:
@@ -153,7 +154,7 @@ def test_a_crash_mid_step_saves_the_last_completed_step_and_resuming_it_matches(
     """An exception in the step after step 3 (checkpoints every step are off: the last one is far back): the
     last completed step is saved as crashed-step=3.ckpt, the error names it, and the resume from it logs the same
     metrics as a run that never failed."""
-    overlay = tiny_overrides(tmp_path, tiny_model_dir, micro_batch_size=4)
+    overlay = tiny_overrides(tmp_path, tiny_model_dir, batching={"micro_batch_size": 4})
     fail_cb = ["--trainer.callbacks+", "user_strategies.FailAt", "--trainer.callbacks.step"]
     failed = _fit(tmp_path, "failed", overlay, *fail_cb, "3", every=100)
     assert failed.returncode != 0 and "a failure in the middle of a step" in failed.stderr

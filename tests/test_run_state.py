@@ -51,7 +51,8 @@ def small_model(tmp_path_factory) -> str:
 
 def _dapo(tmp_path, model_dir, *args):
     """recipes/dapo.yaml as ``RUN`` ran it (the soft overlong punishment kept, the filter dropped)."""
-    overlay = tiny_overrides(tmp_path, model_dir, minibatch_size=None, micro_batch_size=8, max_prompt_tokens=43,
+    overlay = tiny_overrides(tmp_path, model_dir, batching={"minibatch_size": None, "micro_batch_size": 8},
+                             max_prompt_tokens=43,
                              reward={"class_path": "user_strategies.FlakyReward"})
     callbacks = tmp_path / "callbacks.yaml"
     callbacks.write_text(yaml.safe_dump({"trainer": {"callbacks": [
@@ -139,7 +140,7 @@ def test_rollout_callbacks_get_a_declared_context_not_the_module(tmp_path, small
 def test_the_updater_holds_no_module_and_the_engine_syncs_after_each_update_that_moved_the_policy(tmp_path,
                                                                                                    small_model):
     # 16 responses in minibatches of 8: 2 policy updates per step, 4 in 2 steps; the engine counts its syncs.
-    overlay = tiny_overrides(tmp_path, small_model, minibatch_size=8, micro_batch_size=8,
+    overlay = tiny_overrides(tmp_path, small_model, batching={"minibatch_size": 8, "micro_batch_size": 8},
                              rollout={"class_path": "user_strategies.FailsOnSync", "init_args": {"max_new_tokens": 6}})
     cli = build(os.path.join(RECIPES, "grpo.yaml"), overlay, "--trainer.max_steps", "4")
     module = cli.model

@@ -67,7 +67,7 @@ TINY = {"hidden_size": 16, "num_layers": 2, "seed": 0}
 # Per recipe: "model", overrides of the model section (on top of helpers.tiny_overrides); "callbacks", changes to
 # the init_args of the recipe's own callbacks (by class name; None drops the callback); "critic_model", whether
 # the critic gets a model of its own (the tiny model).
-_SMALL_BATCHES = {"minibatch_size": 8, "micro_batch_size": 4}  # 2 x 8 responses: 2 updates of 2 micro-batches
+_SMALL_BATCHES = {"batching": {"minibatch_size": 8, "micro_batch_size": 4}}  # 2 x 8 responses: 2 updates of 2 micro-batches
 RUNS: dict[str, dict] = {
     "grpo": {"model": _SMALL_BATCHES},
     "dapo": {
@@ -85,10 +85,10 @@ RUNS: dict[str, dict] = {
             "SelfImitation": {"min_reward": 0.0},
         },
     },
-    "ppo": {"model": {"minibatch_size": None, "micro_batch_size": 1}},  # 2 responses, 2 epochs: 2 updates
+    "ppo": {"model": {"batching": {"minibatch_size": None, "micro_batch_size": 1}}},  # 2 responses, 2 epochs: 2 updates
     "sppo": {
         "model": {
-            "minibatch_size": 1, "micro_batch_size": 1,  # 2 responses: 2 updates
+            "batching": {"minibatch_size": 1, "micro_batch_size": 1},  # 2 responses: 2 updates
             # A 0/1 reward (the critic's BCE needs targets in [0, 1]).
             "reward": {"class_path": "user_strategies.EvenAnswer"},
             "critic": {"class_path": "rllight.critics.PromptCritic", "init_args": {"lr": 1e-2}},

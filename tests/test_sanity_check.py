@@ -32,7 +32,7 @@ from helpers import load_tool, tiny_overrides
 from sanity_task import sanity_overlay
 
 import rllight.module
-from rllight.cli import main
+from rllight.app.cli import main
 from rllight.rollout.worker import ProcessEngine
 
 STEPS, WINDOW, BAR = 60, 5, 0.8

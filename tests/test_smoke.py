@@ -98,7 +98,8 @@ def test_a_recipe_with_the_smoke_overlay_runs_the_tiny_model_with_the_recipes_st
     data_settings = recipe_settings.get("data", {})
     assert data.train_files == data_settings.get("train_files")
     assert data.batch_size == data_settings.get("batch_size", data.batch_size)
-    assert module.minibatch_size == model_settings.get("minibatch_size", module.minibatch_size)
+    minibatch = module.batching.minibatch_size
+    assert minibatch == model_settings.get("batching", {}).get("minibatch_size", minibatch)
 
 
 def test_smoke_true_gives_every_model_source_the_policys_tiny_model():

@@ -33,7 +33,7 @@ def test_two_steps_change_every_trainable_parameter(recipe, tmp_path, tiny_model
 def test_ppo_takes_several_minibatch_updates_with_old_logprobs(tmp_path, tiny_model_dir):
     # 2 prompts x 1 sample, minibatch 1, 2 epochs: 4 optimizer steps per RL step.
     cli, _ = _fit_and_compare("ppo.yaml", tmp_path, tiny_model_dir, "--trainer.max_steps", "4",
-                              minibatch_size=1, ppo_epochs=2)
+                              batching={"minibatch_size": 1, "ppo_epochs": 2})
     assert cli.trainer.global_step == 4
     assert cli.trainer.fit_loop.epoch_loop.batch_progress.total.completed == 1
 
@@ -88,7 +88,7 @@ def test_evaluate_before_after_with_validation_during_fit(tmp_path, tiny_model_d
     evaluation and ``also_greedy`` the printed table has the greedy accuracy, avg@k and pass@k."""
     import json
 
-    from rllight.cli import main
+    from rllight.app.cli import main
 
     overlay = tiny_overrides(tmp_path, tiny_model_dir)
     main(["fit", "--config", os.path.join(RECIPES, "grpo.yaml"), "--config", overlay, "--evaluate_before_after",
@@ -112,7 +112,7 @@ def test_evaluate_before_after_with_validation_during_fit(tmp_path, tiny_model_d
 def test_evaluate_before_after_with_validation_off_says_so_plainly(tmp_path, tiny_model_dir, capsys):
     """The tiny overlay turns validation off (``trainer.limit_val_batches: 0``): no accuracies of None, no
     count of prompts that were never asked, no summary file; one line that says why."""
-    from rllight.cli import main
+    from rllight.app.cli import main
 
     overlay = tiny_overrides(tmp_path, tiny_model_dir)
     main(["fit", "--config", os.path.join(RECIPES, "grpo.yaml"), "--config", overlay, "--evaluate_before_after",
@@ -131,7 +131,7 @@ def test_profile_step_names_the_phases_and_padding_is_logged(tmp_path, tiny_mode
     from rllight.profiling import ProfileStep
 
     cli = build(os.path.join(RECIPES, "grpo.yaml"), tiny_overrides(tmp_path, tiny_model_dir), "--trainer.max_steps", "4",
-                "--model.minibatch_size", "null")
+                "--model.batching.minibatch_size", "null")
     profiler = ProfileStep(step=1, out=str(tmp_path / "profile"))
     cli.trainer.callbacks.append(profiler)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)

@@ -12,7 +12,7 @@ import pytest
 
 from helpers import TESTS, tiny_overrides
 from conftest import RECIPES
-from rllight.cli import RLLightCLI
+from rllight.app.cli import RLLightCLI
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ import os
 import torch
 
 from rllight.callbacks import RolloutCallback
-from rllight.rewards import Reward
+from rllight.rewards import Verifier
 from rllight.errors import ComponentError
 from rllight.rollout import HFEngine, RolloutEngine
 from rllight.rollout.base import Generation, pad_left
@@ -14,7 +14,7 @@ from rllight.strategies import AdvantageEstimator, ClippedSurrogate
 from rllight.terms import LossTerm
 
 
-class DigitReward(Reward):
+class DigitReward(Verifier):
     """Fraction of the response's characters that are digits: varies across samples of a random model,
     so group-relative advantages are non-zero."""
 
@@ -22,7 +22,7 @@ class DigitReward(Reward):
         return sum(c.isdigit() for c in response) / max(len(response), 1) + 0.1 * len(response) / 10
 
 
-class ConstantReward(Reward):
+class ConstantReward(Verifier):
     """The same reward for every response: every group-relative advantage is 0, so every update's gradient is."""
 
     def __call__(self, response: str, answer: str) -> float:
@@ -58,7 +58,7 @@ class RawReward(AdvantageEstimator):
         return adv, None
 
 
-class FlakyReward(Reward):
+class FlakyReward(Verifier):
     """Raises on the first response and returns NaN on the second."""
 
     def __init__(self):
@@ -74,7 +74,7 @@ class FlakyReward(Reward):
         return 1.0 + torch.rand(()).item()
 
 
-class EvenAnswer(Reward):
+class EvenAnswer(Verifier):
     """Correct exactly when the reference answer is even, whatever the response: the validation
     accuracy must then equal the share of even answers in the held-out split."""
 
@@ -176,14 +176,14 @@ class DumpState(RolloutCallback):
                     "stored_dtype": stored}, path)
 
 
-class AlwaysFails(Reward):
+class AlwaysFails(Verifier):
     """A verifier that raises on every response (e.g. a broken import inside it)."""
 
     def __call__(self, response: str, answer: str) -> float:
         raise RuntimeError("verifier is broken")
 
 
-class FlatOnRank1(Reward):
+class FlatOnRank1(Verifier):
     """DigitReward on rank 0; on every other rank the same reward for every response, so dynamic sampling
     keeps no group there and that rank's rollout is empty (the DDP path where one rank has nothing)."""
 
@@ -230,7 +230,7 @@ class HangsOnce(DigitReward):
         return super().__call__(response, answer)
 
 
-class EvenLength(Reward):
+class EvenLength(Verifier):
     """Correct when the response has an even number of characters: a coin flip per sample of a random
     model, so pass@k differs from avg@k."""
 
@@ -328,7 +328,7 @@ class FailOnRank(RolloutCallback):
         return rollout
 
 
-class MixedForAnswers(Reward):
+class MixedForAnswers(Verifier):
     """DigitReward for the reference answers listed in RLLIGHT_TEST_MIXED_ANSWERS (comma-separated), else 0 for every
     response: with responses that depend on the prompt only (``ScriptedEngine``), dynamic sampling keeps the groups
     of the same prompts on any number of processes, and a test chooses how many each rank keeps."""

@@ -13,7 +13,7 @@ The first evaluation (the lowest step) is "before", the last "after". Each run's
 metric the table shows per data source: the greedy accuracy, else avg@k, e.g. an environment recipe's greedy avg@1).
 
 ``--record PATH --command "<the fit command that made the runs>"`` also writes the tables as one record for
-docs/results/ (``rllight.records``; the quickstart's and reasoning-gym's results): one row per run (its seed from the
+docs/results/ (``rllight.app.records``; the quickstart's and reasoning-gym's results): one row per run (its seed from the
 config it saved; the headline metric before, after, the difference and its paired standard error, the other metrics
 before and after, the truncation, and the headline per data source where there are several), values as printed, and
 in the summary the mean over the runs of the headline before, after and the difference (``gain_mean``). rllight
@@ -37,7 +37,7 @@ import yaml
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rllight.evaluation import before_after, read_evaluation  # noqa: E402
-from rllight.records import add_record_options, check_record_options, printed, tool_record  # noqa: E402
+from rllight.app.records import add_record_options, check_record_options, printed, tool_record  # noqa: E402
 
 
 def evaluations(folder: str) -> list[int]:

@@ -8,7 +8,7 @@ last names the machine (``rllight.machine``); the last line is
 
     speedup=<loop time / gae time> max_abs_diff=<max |A_gae - A_loop|>
 
-``--record PATH`` also writes them as a record for docs/results/ (``rllight.records``; id ``bench-gae``): one row,
+``--record PATH`` also writes them as a record for docs/results/ (``rllight.app.records``; id ``bench-gae``): one row,
 the settings, both times and the last line's values.
 
 Usage: python tools/bench_gae.py [--batch 256] [--length 4096] [--repeats 5] [--record docs/results/] [--shared no]
@@ -21,7 +21,7 @@ import torch
 
 from rllight.algorithms import gae
 from rllight.machine import machine_line
-from rllight.records import add_record_options, check_record_options, pairs_record, printed
+from rllight.app.records import add_record_options, check_record_options, pairs_record, printed
 
 
 def gae_loop(rewards, values, gamma, lam):

@@ -13,7 +13,7 @@ names the machine (``rllight.machine``); the last line is
 
 where max_abs_diff covers log-probs, entropy and both gradients.
 
-``--record PATH`` also writes them as a record for docs/results/ (``rllight.records``; id ``bench-logprobs``): one
+``--record PATH`` also writes them as a record for docs/results/ (``rllight.app.records``; id ``bench-logprobs``): one
 row, the settings, each path's peak memory and time and the last line's values.
 
 Usage: python tools/bench_logprobs.py [--batch 8] [--length 1024] [--vocab 49152] [--hidden 576] [--record PATH]
@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from rllight.records import add_record_options, check_record_options, pairs_record, printed
+from rllight.app.records import add_record_options, check_record_options, pairs_record, printed
 
 
 def _inputs(args, device):

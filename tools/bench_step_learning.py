@@ -16,7 +16,7 @@ import yaml
 from bench_step_sides import (CURVE, CURVE_BLOCKS, ENGINES, LEARNING, MAX_NEW_TOKENS, RLLIGHT_CHILD, ROOT, TEMPERATURE,
                               TRL_CURVE, data_config, run_logged, versions)
 
-from rllight.records import printed, tool_record
+from rllight.app.records import printed, tool_record
 
 def evaluate(args: argparse.Namespace, name: str, model_dir: str) -> tuple[dict[str, float], dict[str, str]]:
     """Greedy correctness (0/1) of the model folder on each of the ``--heldout`` problems, by ``rllight

@@ -9,7 +9,7 @@ import os
 
 from bench_step_sides import PHASES, ROOT
 
-from rllight.records import printed, tool_record
+from rllight.app.records import printed, tool_record
 
 def gib(kb: float | None) -> str:
     return "-" if kb is None else f"{kb / 1024**2:.2f}"

@@ -50,7 +50,7 @@ TRL_CURVE = {"reward": "reward", "entropy": "entropy", "length": "completions/me
 # Runs ``rllight fit`` in the child and reports the child's own peak memory, also when the run fails.
 RLLIGHT_CHILD = """\
 import resource, sys
-from rllight.cli import main
+from rllight.app.cli import main
 try:
     main()  # reads sys.argv, as the console script does (an explicit list would repeat it and draw Lightning's warning)
 finally:
@@ -138,9 +138,7 @@ def overlay(args: argparse.Namespace, name: str = "rllight", staleness: int | No
             "rollout": rollout,
             "sampler": {"class_path": "rllight.strategies.GroupSampler", "init_args": {"group_size": GROUP_SIZE}},
             "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": LR}},
-            "ppo_epochs": 1,
-            "minibatch_size": None,
-            "micro_batch_size": PROMPTS_PER_STEP * GROUP_SIZE,
+            "batching": {"ppo_epochs": 1, "minibatch_size": None, "micro_batch_size": PROMPTS_PER_STEP * GROUP_SIZE},
             # --heldout: the trained policy, for the evaluation of both sides' final models by the same code
             "export_dir": os.path.join(args.out, name, "final") if args.heldout and staleness is None else None,
         },
@@ -259,6 +257,7 @@ def describe(config_yaml: str) -> str:
     rollout = model["rollout"]
     sampling = rollout.get("init_args") or {}
     engine_dtype = sampling.get("dtype") or source.get("dtype")
+    batching = model.get("batching") or {}
     if engine_dtype == "auto":  # the engine generates with the policy itself
         engine_dtype = source.get("dtype")
     return (f"{source.get('path') or 'SmolLM2-135M-Instruct'} ({source.get('dtype')}), "
@@ -266,8 +265,8 @@ def describe(config_yaml: str) -> str:
             f"{rollout['class_path'].rsplit('.', 1)[-1]} (dtype {engine_dtype}), "
             f"{config['data']['batch_size']} prompts x {model['sampler']['init_args']['group_size']} responses, "
             f"max_new_tokens {sampling.get('max_new_tokens')}, temperature {sampling.get('temperature')}, "
-            f"lr {model['optimizer']['init_args']['lr']}, ppo_epochs {model['ppo_epochs']}, "
-            f"minibatch_size {model['minibatch_size']}, micro_batch_size {model['micro_batch_size']}")
+            f"lr {model['optimizer']['init_args']['lr']}, ppo_epochs {batching.get('ppo_epochs')}, "
+            f"minibatch_size {batching.get('minibatch_size')}, micro_batch_size {batching.get('micro_batch_size')}")
 
 
 def run_async(args: argparse.Namespace) -> dict:

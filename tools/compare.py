@@ -9,7 +9,7 @@ comes from each run's ``eval_summary.json``.
 
 The budget is counted in rollouts that reach a policy update (``--steps``), not in optimizer updates: a
 recipe that splits each rollout into minibatches (VAPO: 2 updates per rollout of 32 responses at
-``model.minibatch_size: 16``) would otherwise see fewer prompts. Each method's ``trainer.max_steps`` (which
+``model.batching.minibatch_size: 16``) would otherwise see fewer prompts. Each method's ``trainer.max_steps`` (which
 counts optimizer updates) is ``--steps`` times its updates per rollout, ``ppo_epochs * ceil(responses /
 minibatch_size)``, read from the method's resolved configuration (``--print_config``).
 
@@ -25,7 +25,7 @@ The runs' curves, overlaid, go to ``<out>/figures/`` (one PNG per metric group, 
 two lines name the machine (``rllight.machine``) and give each method's accuracy after training:
 ``grpo_accuracy_after=<x> dapo_accuracy_after=<x> vapo_accuracy_after=<x>``.
 
-``--record PATH`` also writes the table as a record for docs/results/ (``rllight.records``; id ``compare``): one row
+``--record PATH`` also writes the table as a record for docs/results/ (``rllight.app.records``; id ``compare``): one row
 per method, its values as printed, each method's accuracy after training (the last line) in the summary. A record
 is written only when every method finished.
 
@@ -56,7 +56,7 @@ import time
 import yaml
 
 from rllight.machine import machine_line
-from rllight.records import add_record_options, check_record_options, printed, tool_record
+from rllight.app.records import add_record_options, check_record_options, printed, tool_record
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METHODS = {"grpo": "recipes/grpo.yaml", "dapo": "recipes/dapo.yaml", "vapo": "recipes/vapo.yaml"}
@@ -148,8 +148,9 @@ def updates_per_rollout(config: dict) -> int:
     model = config.get("model") or {}
     sampler_args = (model.get("sampler") or {}).get("init_args") or {}
     responses = int(config["data"]["batch_size"]) * int(sampler_args.get("group_size") or 1)
-    minibatch = model.get("minibatch_size") or responses
-    return int(model.get("ppo_epochs") or 1) * math.ceil(responses / minibatch)
+    batching = model.get("batching") or {}
+    minibatch = batching.get("minibatch_size") or responses
+    return int(batching.get("ppo_epochs") or 1) * math.ceil(responses / minibatch)
 
 
 def resolved_config(cmd: list[str]) -> dict:

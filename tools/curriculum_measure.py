@@ -34,7 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from rllight.machine import machine_line  # noqa: E402
-from rllight.records import add_record_options, check_record_options, printed, tool_record  # noqa: E402
+from rllight.app.records import add_record_options, check_record_options, printed, tool_record  # noqa: E402
 
 ARMS = {"uniform": [], "pools": ["recipes/overlays/difficulty-pools.yaml"]}
 

@@ -40,7 +40,7 @@ import yaml
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rllight.machine import machine_line  # noqa: E402
-from rllight.records import add_record_options, check_record_options, printed, tool_record  # noqa: E402
+from rllight.app.records import add_record_options, check_record_options, printed, tool_record  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GRPO = "recipes/quickstart.yaml"

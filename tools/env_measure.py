@@ -44,7 +44,7 @@ import yaml
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rllight.machine import machine_line
-from rllight.records import add_record_options, check_record_options, printed, tool_record
+from rllight.app.records import add_record_options, check_record_options, printed, tool_record
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = "recipes/env-textarena-guess.yaml"
@@ -106,7 +106,7 @@ def train(args: argparse.Namespace) -> tuple[str, float]:
 # ------------------------------------------------------------------------------------------- games
 def setup(args: argparse.Namespace):
     """The recipe's parts the games need: ``(environment, engine, base model source, held-out rows)``."""
-    from rllight.cli import RLLightCLI
+    from rllight.app.cli import RLLightCLI
 
     cli = RLLightCLI(args=config_args(args), run=False)
     module, data = cli.model, cli.datamodule

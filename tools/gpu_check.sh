@@ -23,7 +23,7 @@ status=0
 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py > "$OUT/tests.log" 2>&1 || status=1
 tests=$(grep -E "(passed|failed|skipped|error)" "$OUT/tests.log" | tail -n 1 | tr -d '=' | xargs)
 start=$(date +%s)
-timeout 420 "$PY" -m rllight.cli fit --config recipes/quickstart.yaml --config recipes/overlays/vllm.yaml \
+timeout 420 "$PY" -m rllight.app.cli fit --config recipes/quickstart.yaml --config recipes/overlays/vllm.yaml \
     --trainer.accelerator gpu --trainer.default_root_dir "$OUT/quickstart-$(date +%s)" --model.export_dir null \
     > "$OUT/quickstart.log" 2>&1
 code=$?

@@ -10,7 +10,7 @@ and what stays resident between phases, read directly:
 
 Output lines: ``memory generate: before 541 peak 1329 after 1027 MB 7.70s``. Linux only.
 
-``--record PATH`` (and the other options of ``rllight.records.add_record_options``), given before the rllight
+``--record PATH`` (and the other options of ``rllight.app.records.add_record_options``), given before the rllight
 command, also writes the summary as a record for docs/results/ (id ``phase-memory``): one row per phase, its calls,
 largest peak and time after the first call, as the summary line prints them; only when the run ends normally::
 
@@ -64,7 +64,7 @@ def wrap(cls, name: str, label: str, calls: dict[str, list[tuple[float, float]]]
 
 def phases(calls: dict[str, list[tuple[float, float]]]) -> list[dict]:
     """Each phase's calls, largest peak (MB) and seconds after its first call, as the summary prints them."""
-    from rllight.records import printed
+    from rllight.app.records import printed
 
     return [{"phase": label, "calls": len(v), "peak_mb": printed(max(p for p, _ in v), ".0f"),
              "after_first_s": printed(sum(s for _, s in v[1:]), ".1f")} for label, v in calls.items()]
@@ -76,7 +76,7 @@ def summary(calls: dict[str, list[tuple[float, float]]]) -> str:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    from rllight.records import add_record_options, check_record_options
+    from rllight.app.records import add_record_options, check_record_options
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_record_options(parser, id="phase-memory", section="Speed and memory", headline=False)
@@ -90,7 +90,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def at_exit(args: argparse.Namespace, calls: dict, ended: list[bool]) -> None:
     """The record (``--record``, where the run ended normally and measured a phase), then the summary line."""
-    from rllight.records import tool_record
+    from rllight.app.records import tool_record
 
     if args.record and not (ended and calls):
         print("phase_memory: no record written: the run did not end normally" if not ended else
@@ -111,7 +111,7 @@ def at_exit(args: argparse.Namespace, calls: dict, ended: list[bool]) -> None:
 def main() -> None:
     args = parse_args(sys.argv[1:])
     sys.argv[1:] = args.command
-    from rllight.cli import main as rllight
+    from rllight.app.cli import main as rllight
     from rllight.rollout.hf import HFEngine
     from rllight.update import Updater
 

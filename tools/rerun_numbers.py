@@ -66,10 +66,11 @@ ENTRIES = (
     Entry("vllm_over_hf", f"{PYTHON} tools/bench_rollout.py",
           ("--model-dir", "{model}", "--prompts", "2", "--warmup", "2", "--max-new-tokens", "4", "--repeats", "1",
            "--kv-cache-gb", "0.0625"), 5, needs="vllm"),
-    Entry("rllight_step_s", f"{PYTHON} tools/bench_step.py --steps 5 --set model.micro_batch_tokens=400",
+    Entry("rllight_step_s", f"{PYTHON} tools/bench_step.py --steps 5 --set model.batching.micro_batch_tokens=400",
           TINY_STEP, 4),
     Entry("async_over_sync", f"{PYTHON} tools/bench_step.py --async 1 --steps 6", (*TINY_STEP, "--async", "1"), 6),
-    Entry("rllight_over_trl", f"{PYTHON} tools/bench_step.py --trl --steps 5 --set model.micro_batch_tokens=400",
+    Entry("rllight_over_trl",
+          f"{PYTHON} tools/bench_step.py --trl --steps 5 --set model.batching.micro_batch_tokens=400",
           (*TINY_STEP, "--trl"), 9, needs="trl"),
 )
 

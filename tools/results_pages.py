@@ -3,7 +3,7 @@
     .venv/bin/python tools/results_pages.py           # rewrite docs/results/index.md and the README's table
     .venv/bin/python tools/results_pages.py --check   # exit 1, naming the file, where either differs
 
-The records (``rllight.records``) are the only source of the numbers: edit a record by rerunning the command it
+The records (``rllight.app.records``) are the only source of the numbers: edit a record by rerunning the command it
 names with ``--record``, then run this script. ``tests/tools/test_results.py`` runs ``--check``.
 """
 
@@ -17,7 +17,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from rllight.records import RESULTS_DIR, SECTIONS, cell, headline_value, load_records  # noqa: E402
+from rllight.app.records import RESULTS_DIR, SECTIONS, cell, headline_value, load_records  # noqa: E402
 
 PAGE = os.path.join(RESULTS_DIR, "index.md")
 README = os.path.join(ROOT, "README.md")
@@ -41,7 +41,7 @@ How some of these numbers were found, and what was tried on the way, is in the
 
 
 def table(columns: list, rows: list[dict]) -> list[str]:
-    """A markdown table of ``rows`` under ``columns`` (see ``rllight.records``)."""
+    """A markdown table of ``rows`` under ``columns`` (see ``rllight.app.records``)."""
     lines = ["| " + " | ".join(c[1] for c in columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
         lines.append("| " + " | ".join(cell(row.get(c[0]), c[2] if len(c) > 2 else None) for c in columns) + " |")

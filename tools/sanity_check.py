@@ -69,7 +69,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from rllight.machine import machine_line
-from rllight.records import add_record_options, check_record_options, printed, tool_record
+from rllight.app.records import add_record_options, check_record_options, printed, tool_record
 
 RECIPE = "recipes/quickstart.yaml"
 ACCURACY = "train/reward/accuracy"
@@ -130,7 +130,7 @@ def config_args(args: argparse.Namespace) -> list[str]:
 def recipe_settings(args: argparse.Namespace) -> dict:
     """What the stages take from the recipe (with its overlays): its training prompt rows, the engine's sampling
     settings, prompts per step and optimizer updates per step."""
-    from rllight.cli import RLLightCLI
+    from rllight.app.cli import RLLightCLI
 
     cli = RLLightCLI(args=config_args(args), run=False)
     engine, data = cli.model.rollout, cli.datamodule

@@ -5,14 +5,14 @@ VESPO (arXiv:2602.10693) claims stable training as the staleness N = global batc
 (N = 4 .. 64 in the paper). Each run here trains a tiny in-process model (or ``--model``, a Hugging Face
 folder) on the embedded arithmetic prompts with a reward it can improve from scratch: the fraction of
 digit characters in the response. Every run starts from the same weights and sees the same first prompts;
-only the policy loss and N differ. With R responses per rollout, N = R / model.minibatch_size (one epoch).
+only the policy loss and N differ. With R responses per rollout, N = R / model.batching.minibatch_size (one epoch).
 
 For each (algorithm, N) it prints whether the run stayed finite (no non-finite metric or parameter, no
 skipped update), the reward curve (mean reward per rollout), and the last rollout's approximate KL to the
 sampling policy (mean over its N updates) and, for VESPO, the mean kernel weight phi and the largest
 |log W| against the trainer's old log-probs (VESPO's default weight: 0 on each rollout's first update).
 
-``--record PATH`` also writes the table as a record for docs/results/ (``rllight.records``; id ``staleness``): one
+``--record PATH`` also writes the table as a record for docs/results/ (``rllight.app.records``; id ``staleness``): one
 row per run, its values as printed, and the number of runs that stayed finite in the summary.
 
 Usage: python tools/staleness.py [--steps 15] [--ns 1,8,32] [--algos grpo,vespo] [--lr 0.003]
@@ -37,9 +37,10 @@ from rllight.machine import machine_line
 from rllight.data.arithmetic import ArithmeticTask
 from rllight.models import HFModel
 from rllight.module import RLModule
-from rllight.records import add_record_options, check_record_options, printed, tool_record
-from rllight.rewards import Reward
+from rllight.app.records import add_record_options, check_record_options, printed, tool_record
+from rllight.rewards import Verifier
 from rllight.rollout import HFEngine
+from rllight.settings import Batching
 from rllight.strategies import VESPO, ClippedSurrogate, GroupRelative, GroupSampler, TokenMean
 from rllight.testing import build_tiny_model
 
@@ -47,7 +48,7 @@ PROMPTS_PER_STEP = 8
 GROUP_SIZE = 4  # R = 32 responses per rollout, so N = 32 is one response per update
 
 
-class DigitFraction(Reward):
+class DigitFraction(Verifier):
     """Fraction of the response's characters that are digits: a random model scores near 0 and can
     climb to 1, with no need to solve the arithmetic."""
 
@@ -91,9 +92,7 @@ def run(model_dir: str, algo: str, n: int, steps: int, lr: float, seed: int) -> 
         advantage=GroupRelative(),
         policy_loss=policy_loss(algo),
         aggregation=TokenMean(),
-        ppo_epochs=1,
-        minibatch_size=responses // n,
-        micro_batch_size=responses,
+        batching=Batching(ppo_epochs=1, minibatch_size=responses // n, micro_batch_size=responses),
         optimizer=lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.0),
     )
     data = RLDataModule(task=ArithmeticTask(num_train=PROMPTS_PER_STEP * steps, num_val=4, seed=seed),

@@ -32,7 +32,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rllight.machine import machine_line  # noqa: E402
-from rllight.records import add_record_options, check_record_options, pairs_record  # noqa: E402
+from rllight.app.records import add_record_options, check_record_options, pairs_record  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

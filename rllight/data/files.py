@@ -26,12 +26,13 @@ def _one_line(err: BaseException) -> str:
     return message
 
 
-class _Number(str):
+class JsonNumber(str):
     """A JSON number, kept as the text the file has ("4", "2.50", "12345678901234567890")."""
 
 
-def _json_type(value: object) -> str:
-    if isinstance(value, _Number):
+def json_type(value: object) -> str:
+    """The JSON name of a parsed value's type ("number", "array", "string", ...), for messages."""
+    if isinstance(value, JsonNumber):
         return "number"
     return {list: "array", str: "string", bool: "boolean", type(None): "null"}.get(type(value), type(value).__name__)
 
@@ -112,7 +113,7 @@ def _first_byte(f) -> bytes:
 def _read_array(f, path: str, field: str, help: str, text: TextPolicy) -> list[tuple[str, dict]]:
     """The rows of a binary file holding one JSON array, parsed an item at a time: the file is never held whole,
     and an item longer than ``text.max_row_bytes`` characters is refused before it is read whole."""
-    stream, parser = _TextStream(f), json.JSONDecoder(parse_int=_Number, parse_float=_Number)
+    stream, parser = _TextStream(f), json.JSONDecoder(parse_int=JsonNumber, parse_float=JsonNumber)
     pos = stream.skip(0) + 1  # after the "["
     rows: list[tuple[str, dict]] = []
     try:
@@ -126,7 +127,7 @@ def _read_array(f, path: str, field: str, help: str, text: TextPolicy) -> list[t
             except OverflowError:
                 raise text.too_long(where) from None
             if not isinstance(item, dict):
-                raise RecipeError(f"{where}: a JSON {_json_type(item)}, not an object; {help}")
+                raise RecipeError(f"{where}: a JSON {json_type(item)}, not an object; {help}")
             rows.append((where, item))
             pos = stream.skip(pos)
             if stream.text[pos : pos + 1] == "]":
@@ -159,7 +160,7 @@ def _one_object(path: str, bound: int) -> bool:
 def _read_lines(f, path: str, field: str, help: str, text: TextPolicy) -> list[tuple[str, dict]] | None:
     """The rows of a binary JSON Lines file, a line at a time (``TextPolicy.lines``: a line over the bound is
     refused before it is read whole); None for a file that is one pretty-printed JSON object."""
-    parse = {"parse_int": _Number, "parse_float": _Number}
+    parse = {"parse_int": JsonNumber, "parse_float": JsonNumber}
     rows: list[tuple[str, dict]] = []
     # Lines end at "\n" only, not at what str.splitlines() takes: U+2028 and friends may stand unescaped in JSON.
     for number, raw in text.lines(f, lambda n: f"{field}: '{path}' line {n}"):
@@ -173,7 +174,7 @@ def _read_lines(f, path: str, field: str, help: str, text: TextPolicy) -> list[t
             raise RecipeError(f"{field}: '{path}' line {number} is not valid JSON ({err.msg} at column "
                               f"{err.colno}); each line must be one JSON object") from err
         if not isinstance(item, dict):
-            raise RecipeError(f"{path} line {number}: a JSON {_json_type(item)}, not an object; {help}")
+            raise RecipeError(f"{path} line {number}: a JSON {json_type(item)}, not an object; {help}")
         where = f"{path} row {len(rows) + 1}" + ("" if number == len(rows) + 1 else f" (line {number})")
         rows.append((where, item))
     if not rows:
@@ -189,7 +190,7 @@ def _read_json(path: str, field: str, help: str, text: TextPolicy) -> list[tuple
     Read with the ``json`` module, not ``datasets``: a bad line is reported by its 1-based number, and values
     keep their text. ``datasets`` gives a column one type, falling back to pandas when the rows disagree,
     which turns the string "12" into the integer 12, an answer 4 next to 2.5 into "4.0" and a 20-digit
-    integer into a float with 17 digits. Numbers are read as their text (``_Number``).
+    integer into a float with 17 digits. Numbers are read as their text (``JsonNumber``).
 
     Streamed, a row at a time, with ``text.max_row_bytes`` as the bound on a row; bytes that are not UTF-8 are
     kept as lone surrogates for ``text.clean`` to deal with (``rllight.data.text``)."""
@@ -249,7 +250,7 @@ def _read_saved_dataset(path: str, field: str, help: str) -> list[tuple[str, dic
     return [(f"{path} row {i + 1}", row) for i, row in enumerate(ds)]
 
 
-def _records(path: str, field: str, help: str, text: TextPolicy | None = None) -> list[tuple[str, dict]]:
+def file_records(path: str, field: str, help: str, text: TextPolicy | None = None) -> list[tuple[str, dict]]:
     """The raw rows of one JSONL / JSON / parquet file or saved ``datasets`` folder, each with where it is,
     cleaned by ``text`` (``rllight.data.text``: text that is not UTF-8 replaced, or the row skipped or refused;
     rows over ``text.max_row_bytes`` refused)."""

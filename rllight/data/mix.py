@@ -20,6 +20,7 @@ from itertools import pairwise
 
 import torch
 
+from rllight.bounds import NonNegativeFiniteFloat, NonNegativeInt, checked
 from rllight.data.sampler import ResumableSampler
 from rllight.errors import RecipeError
 
@@ -31,9 +32,7 @@ def _check_weights(weights, key: str) -> dict[str, float]:
         raise RecipeError(f"{key} must map each data source to a weight, e.g. {{gsm8k: 3, arithmetic: 1}}")
     out = {}
     for source, weight in weights.items():
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
-            raise RecipeError(f"{key}.{source} must be a number >= 0, got {weight!r}")
-        out[str(source)] = float(weight)
+        out[str(source)] = checked(f"{key}.{source}", weight, NonNegativeFiniteFloat)
     if not sum(out.values()) > 0:
         raise RecipeError(f"{key}: every weight is 0; give at least one source a positive weight")
     return out
@@ -99,9 +98,7 @@ class SourceMix:
             key = f"{KEY}.schedule[{i}]"
             if not isinstance(point, dict) or set(point) != {"step", "weights"}:
                 raise RecipeError(f"{key} must be {{step: S, weights: {{source: weight, ...}}}}, got {point!r}")
-            step = point["step"]
-            if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-                raise RecipeError(f"{key}.step must be an integer >= 0, got {step!r}")
+            step = checked(f"{key}.step", point["step"], NonNegativeInt)
             if self.schedule and step <= self.schedule[-1][0]:
                 raise RecipeError(f"{key}.step must be larger than the point before it ({self.schedule[-1][0]})")
             point_weights = _check_weights(point["weights"], f"{key}.weights")
@@ -193,21 +190,3 @@ class MixedSampler(ResumableSampler):
                 cursor[s] += count[s]
         return out
 
-
-def source_metrics(sources: list, rewards: list[float] | None = None, correct: list | None = None
-                   ) -> dict[str, float]:
-    """Per data source of a batch's responses (``sources``, one per response): ``data/<source>/share`` (the
-    realised mix of the step) and, given the responses' ``rewards`` and ``correct``, ``reward/<source>/mean`` and
-    ``reward/<source>/accuracy``, as evaluation reports per source. Nothing for a batch of one source."""
-    names = [str(s) for s in sources]
-    if len(set(names)) < 2:
-        return {}
-    out = {}
-    for source in sorted(set(names)):
-        index = [i for i, s in enumerate(names) if s == source]
-        out[f"data/{source}/share"] = len(index) / len(names)
-        if rewards is not None:
-            out[f"reward/{source}/mean"] = sum(float(rewards[i]) for i in index) / len(index)
-        if correct is not None:
-            out[f"reward/{source}/accuracy"] = sum(float(correct[i]) for i in index) / len(index)
-    return out

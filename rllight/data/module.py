@@ -11,17 +11,19 @@ Files are read by ``rllight.data.files``; what a row must hold is checked by ``r
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
+from rllight.bounds import PositiveInt, bounded
 from rllight.data.arithmetic import ArithmeticTask
 from rllight.data.context import LONG_PROMPTS, fit_to_context
-from rllight.data.curriculum import DifficultyPools
+from rllight.data.curriculum import Curriculum
 from rllight.data.mix import MixedSampler, SourceMix
 from rllight.data.sampler import ResumableSampler
-from rllight.data.rows import ANSWER_FORMATS, _Fields, _load_rows
+from rllight.data.rows import ANSWER_FORMATS, RowFields, load_rows
 from rllight.data.rows import CHAT_ROLES, gsm8k_answer, read_prompts  # noqa: F401  (importable from here too)
 from rllight.data.task import Task
 from rllight.data.text import MAX_ROW_BYTES, TextPolicy
@@ -90,17 +92,19 @@ class RLDataModule(L.LightningDataModule):
         mix: How many prompts of each data source every training batch holds, and how that changes over steps
             (``rllight.data.SourceMix``); None = the rows in one seeded order whatever their source. The sources
             are the rows' ``data_source`` values; each step logs ``train/data/<source>/share`` and ``/weight``.
-        curriculum: Which prompts of each source a step trains on, by their recent pass rates
-            (``rllight.data.DifficultyPools``: pools, admission gates, a draw cap); the batch's count of each source
-            stays the mix's (or the seeded order's). None = the loader's batch as it is.
+        curriculum: Which prompts of each source a step trains on, chosen by a rule (a ``rllight.data.Curriculum``:
+            ``rllight.data.DifficultyPools`` draws by recent pass rates, with admission gates and a draw cap; or a
+            rule of your own); the step's count of each source stays the mix's (or the seeded order's,
+            ``step_counts``). None = the loader's batch as it is.
     """
 
+    @bounded
     def __init__(
         self,
         train_files: list[str] | None = None,
         val_files: list[str] | None = None,
         task: Task | None = None,
-        batch_size: int = 8,
+        batch_size: PositiveInt = 8,
         val_batch_size: int = 64,
         val_size: int | None = None,
         system_prompt: str | None = None,
@@ -110,11 +114,11 @@ class RLDataModule(L.LightningDataModule):
         data_source_key: str = "data_source",
         answer_format: str = "auto",
         decode_errors: str = "replace",
-        max_row_bytes: int = MAX_ROW_BYTES,
+        max_row_bytes: PositiveInt = MAX_ROW_BYTES,
         long_prompts: str = "refuse",
         include_task: bool = False,
         mix: SourceMix | None = None,
-        curriculum: DifficultyPools | None = None,
+        curriculum: Curriculum | None = None,
     ):
         super().__init__()
         if long_prompts not in LONG_PROMPTS:
@@ -123,14 +127,12 @@ class RLDataModule(L.LightningDataModule):
         self.text = TextPolicy(decode_errors, max_row_bytes)  # checks both
         self.long_prompts = long_prompts
         self._fitted: set[str] = set()  # the splits fitted to the model's context
-        if batch_size < 1:
-            raise RecipeError(f"data.batch_size must be >= 1, got {batch_size}")
         for name, key in (("prompt_key", prompt_key), ("answer_key", answer_key), ("data_source_key", data_source_key)):
             if not isinstance(key, str) or not key.strip():
                 raise RecipeError(f"data.{name} must name a field of the rows, got {key!r}")
         if answer_format not in ANSWER_FORMATS:
             raise RecipeError(f"data.answer_format is {answer_format!r}; use one of {', '.join(ANSWER_FORMATS)}")
-        self.fields = _Fields(prompt_key, answer_key, data_source_key, answer_format)
+        self.fields = RowFields(prompt_key, answer_key, data_source_key, answer_format)
         self.train_files = train_files
         self.val_files = val_files
         self.task = task if task is not None or train_files else ArithmeticTask()
@@ -148,7 +150,8 @@ class RLDataModule(L.LightningDataModule):
         self.train_rows: list[dict] | None = None
         self.val_rows: list[dict] = []
         self.batches_trained = 0
-        """Training batches completed (advanced by the module after each RL step; saved in checkpoints)."""
+        """Training batches completed (counted by the prompt source, ``PromptSource.trained``, after each RL step;
+        saved in checkpoints)."""
 
     @property
     def local_batch_size(self) -> int:
@@ -165,9 +168,9 @@ class RLDataModule(L.LightningDataModule):
         if self.task is not None and (self.include_task or not self.train_files):
             self.train_rows, self.val_rows = self._task_rows()
         if self.train_files:  # before the task's rows, when both are used
-            self.train_rows = _load_rows(self.train_files, "data.train_files", self.fields, self.text) + self.train_rows
+            self.train_rows = load_rows(self.train_files, "data.train_files", self.fields, self.text) + self.train_rows
         if self.val_files:
-            self.val_rows = _load_rows(self.val_files, "data.val_files", self.fields, self.text)
+            self.val_rows = load_rows(self.val_files, "data.val_files", self.fields, self.text)
         if self.val_size is not None:
             self.val_rows = self.val_rows[: self.val_size]
         for row in self.train_rows + self.val_rows:
@@ -206,6 +209,16 @@ class RLDataModule(L.LightningDataModule):
             return MixedSampler(self.train_rows, self.mix, self.batch_size, per_epoch, self.seed, self.rank,
                                 self.world)
         return ResumableSampler(len(self.train_rows), per_epoch * self.batch_size, self.seed, self.rank, self.world)
+
+    def step_counts(self, step: int) -> dict[str, int]:
+        """The prompts of each data source in training batch ``step`` (counted from the run's first) over all
+        processes: the mix's counts, else those of the seeded order's batch. A curriculum draws that many of each."""
+        if self.mix is not None:
+            return self.mix.counts(step, step + 1, self.batch_size)[0]
+        rows, size = self.train_rows, self.batch_size
+        epoch, batch = divmod(step, len(rows) // size)
+        order = ResumableSampler(len(rows), len(rows) // size * size, self.seed).order(epoch)  # the global order
+        return dict(Counter(str(rows[i].get("data_source")) for i in order[batch * size : (batch + 1) * size]))
 
     def upcoming_batches(self, first: int, count: int) -> list[list[dict]]:
         """The rows of this process's training batches ``first .. first + count - 1`` (counted from the run's

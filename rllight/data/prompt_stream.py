@@ -1,6 +1,6 @@
-"""Where a step's prompts come from beyond the training loader's batch: ``PromptSource`` (the interface the module
-and the rollout producer use), ``PromptStream`` (the extra prompts that samplers draw beyond a step's batch, e.g.
-dynamic sampling's) and ``prompt_source`` (the datamodule's curriculum when it has one, else a stream)."""
+"""Where a step's prompts come from: ``PromptSource`` (the data side of a training step, which the module and the
+rollout producer use), ``PromptStream`` (the extra prompts that samplers draw beyond a step's batch, e.g. dynamic
+sampling's) and ``prompt_source`` (the datamodule's curriculum when it has one, else a stream)."""
 
 from __future__ import annotations
 
@@ -11,29 +11,48 @@ from rllight.errors import RecipeError
 
 
 class PromptSource:
-    """What the module asks of the prompts' source at each training step.
+    """The data side of each training step: it makes the step's prompts and counts the step.
 
-    ``run`` makes the step's rollout from the loader's batch, ``draw`` gives the extra prompts a sampler asks
-    for (``RolloutProducer.more_prompts``), ``observe`` hears each prompt's pass rate whenever a training rollout
-    is scored (every group generated, also those a sampler drops), and ``state_dict`` is saved in checkpoints.
-    This base class trains on the loader's batch as it is and logs the data mix's weights of the step.
+    ``run`` makes the step's rollout (this base class: from the loader's batch as it is), ``draw`` gives the extra
+    prompts a sampler asks for (``RolloutProducer.more_prompts``), ``hear`` hears each prompt's pass rate whenever
+    a training rollout is scored (every group generated, also those a sampler drops), ``trained`` counts the step
+    done, and ``state_dict`` is saved in checkpoints. The mix's weights of the step are read once, logged as
+    ``data/<source>/weight``.
     """
 
     mix = None  # the datamodule's SourceMix, for its per-step weights
+    data = None  # the datamodule: its ``batches_trained`` counts the steps, its ``step_counts`` sizes a step
     step = 0  # the training batch being run (counted from the run's first)
+    _step_weights: tuple[int, dict[str, float]] | None = None  # (step, the mix's weights at it)
 
-    def run(self, sampler, producer, rows: list[dict], step: int):
-        """The rollout of training batch ``step`` (counted from the run's first), whose loader rows are ``rows``."""
-        self.step = step
-        rollout = sampler(producer, rows)
+    def run(self, sampler, producer, rows: list[dict]):
+        """The rollout of the next training batch (the data's ``batches_trained``), whose loader rows are ``rows``."""
+        self.step = int(getattr(self.data, "batches_trained", 0))
+        rollout = self.sample(sampler, producer, rows)
         if self.mix is not None:
-            rollout.extras.update({f"data/{s}/weight": w for s, w in self.mix.weights_at(step).items()})
+            rollout.extras.update({f"data/{s}/weight": w for s, w in self.mix_weights().items()})
         return rollout
+
+    def sample(self, sampler, producer, rows: list[dict]):
+        """The step's rollout: here ``sampler`` on the loader's ``rows``."""
+        return sampler(producer, rows)
+
+    def trained(self) -> None:
+        """The step is trained: the data counts it (``batches_trained``, saved in checkpoints: a resumed run's loader
+        and prompts go on from the next batch)."""
+        if hasattr(self.data, "batches_trained"):
+            self.data.batches_trained += 1
+
+    def mix_weights(self) -> dict[str, float]:
+        """The mix's weights of the running step, normalised (computed once a step)."""
+        if self._step_weights is None or self._step_weights[0] != self.step:
+            self._step_weights = (self.step, self.mix.weights_at(self.step))
+        return self._step_weights[1]
 
     def draw(self, n: int) -> list[dict]:
         raise NotImplementedError
 
-    def observe(self, rows: list[dict], pass_rates: list[float]) -> None:
+    def hear(self, rows: list[dict], pass_rates: list[float]) -> None:
         """Each of ``rows`` was answered in a training rollout, its responses correct at ``pass_rates``."""
 
     def state_dict(self) -> dict:
@@ -82,7 +101,7 @@ class PromptStream(PromptSource):
     def _draw_mixed(self, n: int) -> list[dict]:
         if self._streams is None:  # the rows as fitted to the model's context, once the first step draws
             self._streams = SourceStreams(self.rows, self.seed)
-        weights = {s: w for s, w in self.mix.weights_at(self.step).items() if w > 0 and s in self._streams.by_source}
+        weights = {s: w for s, w in self.mix_weights().items() if w > 0 and s in self._streams.by_source}
         out = []
         for source, count in largest_remainder(weights, n).items():
             for _ in range(count):
@@ -102,9 +121,10 @@ class PromptStream(PromptSource):
 
 
 def prompt_source(datamodule, train_rows: list[dict], ranks, engine) -> PromptSource:
-    """The datamodule's ``curriculum`` (``data.curriculum``), bound to its training rows, or else a
-    ``PromptStream`` over them; either logs the datamodule's ``mix`` weights. A curriculum chooses each step's
-    prompts from the pass rates of the steps before, so it cannot run with rollouts generated ahead."""
+    """The data side of the training steps: the datamodule's ``curriculum`` (``data.curriculum``), bound to its
+    training rows, or else a ``PromptStream`` over them; either logs the datamodule's ``mix`` weights and counts
+    the steps in its ``batches_trained``. A curriculum chooses each step's prompts from the pass rates of the steps
+    before, so it cannot run with rollouts generated ahead."""
     curriculum = getattr(datamodule, "curriculum", None)
     if curriculum is not None:
         if getattr(engine, "max_staleness", 0):
@@ -114,5 +134,5 @@ def prompt_source(datamodule, train_rows: list[dict], ranks, engine) -> PromptSo
         source = curriculum.bind(train_rows, datamodule.seed)
     else:
         source = PromptStream(train_rows, world=ranks.world_size, rank=ranks.rank)
-    source.mix = getattr(datamodule, "mix", None)
+    source.mix, source.data = getattr(datamodule, "mix", None), datamodule
     return source

@@ -16,6 +16,7 @@ verifier)::
 
 from __future__ import annotations
 
+from rllight.bounds import NonNegativeInt, PositiveFloat, PositiveInt, bounded, checked
 from rllight.data.task import Task
 from rllight.errors import RecipeError
 from rllight.rewards.reasoning_gym import create_dataset, import_reasoning_gym, row_answer
@@ -41,8 +42,10 @@ class ReasoningGymTask(Task):
             last ``\\boxed{}``, else an ``<answer>`` tag, else the last line).
     """
 
-    def __init__(self, tasks: dict[str, dict] | None = None, train_size: int = 2000, val_size: int = 200,
-                 seed: int = 0, instruction: str = "Give only the final answer, on the last line."):
+    @bounded
+    def __init__(self, tasks: dict[str, dict] | None = None, train_size: PositiveInt = 2000,
+                 val_size: NonNegativeInt = 200, seed: int = 0,
+                 instruction: str = "Give only the final answer, on the last line."):
         import_reasoning_gym("data.task: ReasoningGymTask")  # before the model loads
         tasks = dict(tasks or {"chain_sum": {}})
         for name, spec in tasks.items():
@@ -51,11 +54,7 @@ class ReasoningGymTask(Task):
             if unknown or not isinstance(spec.get("config", {}), dict):
                 raise RecipeError(f"data.task.init_args.tasks.{name}: give {{weight: <number>, config: {{...}}}}, "
                                   f"got {spec!r}")
-            if not float(spec.get("weight", 1.0)) > 0:
-                raise RecipeError(f"data.task.init_args.tasks.{name}.weight must be > 0, got {spec.get('weight')}")
-        if train_size < 1 or val_size < 0:
-            raise RecipeError(f"data.task.init_args: train_size must be >= 1 and val_size >= 0, got {train_size}, "
-                              f"{val_size}")
+            checked(f"data.task.init_args.tasks.{name}.weight", spec.get("weight", 1.0), PositiveFloat)
         self.tasks = {name: {"weight": float((spec or {}).get("weight", 1.0)),
                              "config": dict((spec or {}).get("config", {}))} for name, spec in tasks.items()}
         self.train_size, self.val_size, self.seed, self.instruction = train_size, val_size, seed, instruction

@@ -8,7 +8,7 @@ import os
 import re
 from collections.abc import Sequence
 
-from rllight.data.files import _json_type, _Number, _records
+from rllight.data.files import JsonNumber, file_records, json_type
 from rllight.data.text import TextPolicy
 from rllight.errors import RecipeError
 
@@ -22,7 +22,7 @@ ANSWER_FORMATS = ("auto", "plain", "gsm8k")
 _GSM8K_MARK = "####"
 
 
-class _Fields:
+class RowFields:
     """Where a row keeps its prompt, answer and data source, and how its answer is read."""
 
     def __init__(self, prompt_key: str = "prompt", answer_key: str = "answer", data_source_key: str = "data_source",
@@ -53,7 +53,7 @@ def _lookup(row: dict, key: str) -> object:
     return value
 
 
-def _missing(where: str, row: dict, key: str, option: str, what: str, fields: _Fields) -> RecipeError:
+def _missing(where: str, row: dict, key: str, option: str, what: str, fields: RowFields) -> RecipeError:
     """The error for a row without ``key``; it lists the row's fields when the key is absent altogether,
     since the usual cause is a file whose columns have other names."""
     message = f"{where}: missing field '{key}'; {fields.help}"
@@ -85,10 +85,10 @@ def _is_gsm8k_solution(text: str) -> bool:
 def _check_prompt(where: str, prompt: object, key: str = "prompt") -> None:
     """Raise on a prompt the chat template cannot take: not a non-empty string or list of chat messages.
     ``key`` is the prompt's field name, for the message."""
-    if isinstance(prompt, str) and not isinstance(prompt, _Number):
+    if isinstance(prompt, str) and not isinstance(prompt, JsonNumber):
         return
     if not isinstance(prompt, list):
-        raise RecipeError(f"{where}: '{key}' is a {_json_type(prompt)}; give a string or a list of chat "
+        raise RecipeError(f"{where}: '{key}' is a {json_type(prompt)}; give a string or a list of chat "
                           "messages ({'role': ..., 'content': ...})")
     if not prompt:
         raise RecipeError(f"{where}: '{key}' is an empty list; give a string or a list of chat messages")
@@ -101,12 +101,12 @@ def _check_prompt(where: str, prompt: object, key: str = "prompt") -> None:
             got = "missing" if role is None else repr(role if isinstance(role, str) else str(role))
             raise RecipeError(f"{where}: {key}[{j}].role is {got}; use one of {', '.join(CHAT_ROLES)}")
         content = message.get("content")
-        if not isinstance(content, str) or isinstance(content, _Number):
+        if not isinstance(content, str) or isinstance(content, JsonNumber):
             raise RecipeError(f"{where}: {key}[{j}].content is missing or not a string; give each message "
                               "its text as 'content'")
 
 
-def _read_answer(where: str, row: dict, fields: _Fields) -> str:
+def _read_answer(where: str, row: dict, fields: RowFields) -> str:
     """A row's reference answer as text, read as ``fields.answer_format`` says."""
     key = fields.answer_key
     value = _lookup(row, key)
@@ -153,7 +153,7 @@ def read_prompts(path: str, field: str, prompt_key: str = "prompt", text: TextPo
     ``text``: the decoding policy and the bound on a row (``rllight.data.text``)."""
     help = f"every row needs '{prompt_key}' (a string or a list of chat messages)"
     rows = []
-    for where, row in _records(path, field, help, text):
+    for where, row in file_records(path, field, help, text):
         prompt = _lookup(row, prompt_key)
         if prompt is _MISSING or prompt is None or (isinstance(prompt, str) and not prompt.strip()):
             names = ", ".join(map(str, row)) or "none"
@@ -168,8 +168,8 @@ def read_prompts(path: str, field: str, prompt_key: str = "prompt", text: TextPo
     return rows
 
 
-def _load_rows(paths: Sequence[str], field: str, fields: _Fields | None = None,
-               text: TextPolicy | None = None) -> list[dict]:
+def load_rows(paths: Sequence[str], field: str, fields: RowFields | None = None,
+              text: TextPolicy | None = None) -> list[dict]:
     """Rows of JSONL / JSON / parquet files or saved ``datasets`` folders, read through ``fields``.
 
     Each row is ``{"prompt", "answer", "data_source", "source"}``: ``data_source`` names the dataset the row
@@ -178,10 +178,10 @@ def _load_rows(paths: Sequence[str], field: str, fields: _Fields | None = None,
     differs), so that later checks (``rllight.rewards.check_answers``) can name it. ``text``: the decoding
     policy and the bound on a row (``rllight.data.text``).
     """
-    fields = fields or _Fields()
+    fields = fields or RowFields()
     rows: list[dict] = []
     for path in paths:
-        records = _records(path, field, fields.help, text)
+        records = file_records(path, field, fields.help, text)
         name = os.path.splitext(os.path.basename(os.path.normpath(path)))[0]
         for where, row in records:
             prompt = _lookup(row, fields.prompt_key)

@@ -14,6 +14,7 @@ the data only has to say which seeds train and which are held out::
 
 from __future__ import annotations
 
+from rllight.bounds import NonNegativeInt, PositiveInt, bounded
 from rllight.data.task import Task
 from rllight.errors import RecipeError
 
@@ -41,11 +42,10 @@ class SeededTask(Task):
         data_source: The rows' dataset name, which evaluation reports under (e.g. the game's id).
     """
 
-    def __init__(self, train_size: int = 2000, val_size: int = 200, seed: int = 0, val_seed: int = VAL_SEED,
-                 instruction: str = "", data_source: str = "seeded"):
+    @bounded
+    def __init__(self, train_size: PositiveInt = 2000, val_size: NonNegativeInt = 200, seed: int = 0,
+                 val_seed: int = VAL_SEED, instruction: str = "", data_source: str = "seeded"):
         key = "data.task.init_args"
-        if train_size < 1 or val_size < 0:
-            raise RecipeError(f"{key}: train_size must be >= 1 and val_size >= 0, got {train_size}, {val_size}")
         if val_size and seed < val_seed + val_size and val_seed < seed + train_size:
             raise RecipeError(f"{key}: the training seeds {seed}..{seed + train_size - 1} overlap the held-out seeds "
                               f"{val_seed}..{val_seed + val_size - 1}; move seed or val_seed apart")

@@ -31,6 +31,7 @@ import logging
 import re
 from collections.abc import Callable, Iterator
 
+from rllight.bounds import PositiveInt, bounded
 from rllight.errors import RecipeError
 
 log = logging.getLogger(__name__)
@@ -101,12 +102,11 @@ class TextPolicy:
         max_row_bytes: The largest row, in bytes of its line (characters of its text where a library reads it).
     """
 
-    def __init__(self, decode_errors: str = "replace", max_row_bytes: int = MAX_ROW_BYTES):
+    @bounded
+    def __init__(self, decode_errors: str = "replace", max_row_bytes: PositiveInt = MAX_ROW_BYTES):
         if decode_errors not in DECODE_ERRORS:
             raise RecipeError(f"data.decode_errors is {decode_errors!r}; use replace (bad characters become U+FFFD), "
                               "skip (such rows are left out) or error (such a row stops the run)")
-        if isinstance(max_row_bytes, bool) or not isinstance(max_row_bytes, int) or max_row_bytes < 1:
-            raise RecipeError(f"data.max_row_bytes must be a number of bytes >= 1, got {max_row_bytes!r}")
         self.decode_errors = decode_errors
         self.max_row_bytes = max_row_bytes
 

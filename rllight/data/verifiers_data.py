@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 
+from rllight.bounds import NonNegativeInt, PositiveInt, bounded
 from rllight.data.task import Task
 from rllight.envs.verifiers_env import check_settings, load_source, require_verifiers
 from rllight.errors import RecipeError
@@ -40,12 +41,10 @@ class VerifiersTask(Task):
         val_size: Held-out tasks, the first of the taskset.
     """
 
+    @bounded
     def __init__(self, load: str | None = None, env_id: str | None = None, args: dict | None = None,
-                 train_size: int | None = None, val_size: int = 0):
+                 train_size: PositiveInt | None = None, val_size: NonNegativeInt = 0):
         self.args = check_settings(load, env_id, args, KEY)
-        for name, value, least in (("train_size", train_size, 1), ("val_size", val_size, 0)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
-                raise RecipeError(f"{KEY}.{name} must be an integer >= {least}, got {value!r}")
         require_verifiers("data.task: VerifiersTask")  # before the model loads
         self.load, self.env_id, self.train_size, self.val_size = load, env_id, train_size, val_size
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rllight.bounds import AtLeastTwo, PositiveFiniteFloat, PositiveInt, UpToOne
 from rllight.envs.base import Environment
 from rllight.envs.feedback import Feedback
 from rllight.rewards import IntegerMatch
@@ -21,9 +22,10 @@ class ArithmeticFeedback(Feedback):
         feedback: What the environment says after a wrong answer.
     """
 
-    def __init__(self, max_turns: int = 3, max_total_tokens: int = 512, turn_discount: float = 1.0,
+    def __init__(self, max_turns: PositiveInt = 3, max_total_tokens: AtLeastTwo = 512, turn_discount: UpToOne = 1.0,
                  feedback: str = "That is not correct. Try again.",
-                 timeout_seconds: float | None = Environment.DEFAULT_TIMEOUT, max_concurrency: int = 8):
+                 timeout_seconds: PositiveFiniteFloat | None = Environment.DEFAULT_TIMEOUT,
+                 max_concurrency: PositiveInt = 8):
         super().__init__(IntegerMatch(), max_turns=max_turns, max_total_tokens=max_total_tokens,
                          turn_discount=turn_discount, feedback=feedback, timeout_seconds=timeout_seconds,
                          max_concurrency=max_concurrency)

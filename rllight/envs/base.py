@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass
 
-from rllight.errors import RecipeError
+from rllight.bounds import AtLeastTwo, PositiveFiniteFloat, PositiveInt, bounded
 
 
 @dataclass
@@ -42,12 +41,12 @@ class Environment:
     Every call into an episode runs under a guard (``rllight.envs.guard``): one that raises, runs past
     ``timeout_seconds``, returns something other than a ``StepResult`` or a reward that is not finite in
     float32 ends that episode with reward 0, counted (``train/episode/failures``, ``train/episode/timeouts``)
-    and logged; the run goes on. Every episode of ``model.max_failed_reward_steps`` batches in a row failing
+    and logged; the run goes on. Every episode of ``model.guards.max_failed_reward_steps`` batches in a row failing
     stops it with one line naming the environment class.
 
     Args:
         max_turns: Most model turns per episode.
-        max_total_tokens: Most tokens in an episode's context, prompt included.
+        max_total_tokens: Most tokens in an episode's context, prompt included (at least a prompt and one token).
         timeout_seconds: Wall-clock limit of one call (``reset``, ``step``, ``trajectory_reward``); past it the
             episode gets reward 0. None = calls in the trainer's thread without a limit (for an environment
             that needs the main thread, e.g. signal-based timeouts of its own).
@@ -70,20 +69,15 @@ class Environment:
     """The policy's tokenizer, set by the rollout producer before the first episode (environments that read tool
     calls in the model's own format use it, ``rllight.envs.tool_calls``)."""
 
-    def __init__(self, max_turns: int = 3, max_total_tokens: int = 1024,
-                 timeout_seconds: float | None = DEFAULT_TIMEOUT, max_concurrency: int = 8):
-        key = "model.environment.init_args"
-        if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or max_concurrency < 1:
-            raise RecipeError(f"{key}.max_concurrency must be an integer >= 1, got {max_concurrency!r}")
+    verifier = None
+    """The verifier of the rows' reference answers (a ``rllight.rewards.Verifier``) when the environment judges answers
+    with one: without a ``model.reward``, it checks every reference answer before the model loads and runs the reward
+    pre-flight, as a reward would. None: the rows have no answers to check (a game's)."""
+
+    @bounded
+    def __init__(self, max_turns: PositiveInt = 3, max_total_tokens: AtLeastTwo = 1024,
+                 timeout_seconds: PositiveFiniteFloat | None = DEFAULT_TIMEOUT, max_concurrency: PositiveInt = 8):
         self.max_concurrency = max_concurrency
-        if max_turns < 1:
-            raise RecipeError(f"{key}.max_turns must be >= 1, got {max_turns}")
-        if max_total_tokens < 2:
-            raise RecipeError(f"{key}.max_total_tokens must be >= 2 (a prompt and one token), got {max_total_tokens}")
-        if timeout_seconds is not None and not (isinstance(timeout_seconds, (int, float))
-                                                and math.isfinite(timeout_seconds) and timeout_seconds > 0):
-            raise RecipeError(f"{key}.timeout_seconds must be a positive number of seconds or null, "
-                              f"got {timeout_seconds!r}")
         self.max_turns = max_turns
         self.max_total_tokens = max_total_tokens
         self.timeout_seconds = None if timeout_seconds is None else float(timeout_seconds)

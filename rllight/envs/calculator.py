@@ -12,8 +12,8 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
+from rllight.bounds import AtLeastTwo, PositiveFiniteFloat, PositiveInt, bounded
 from rllight.envs.base import Environment, StepResult
-from rllight.errors import RecipeError
 from rllight.rewards import IntegerMatch
 
 TOOL_CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
@@ -175,21 +175,19 @@ class Calculator(Environment):
         max_magnitude: Largest absolute value (and denominator) of any intermediate result.
     """
 
-    def __init__(self, max_turns: int = 3, max_total_tokens: int = 512, instructions: str | None = DEFAULT_INSTRUCTIONS,
-                 max_expression_chars: int = 200, max_depth: int = 20, max_magnitude: int = 10**12,
-                 timeout_seconds: float | None = Environment.DEFAULT_TIMEOUT, max_concurrency: int = 8):
+    @bounded
+    def __init__(self, max_turns: PositiveInt = 3, max_total_tokens: AtLeastTwo = 512,
+                 instructions: str | None = DEFAULT_INSTRUCTIONS, max_expression_chars: PositiveInt = 200,
+                 max_depth: PositiveInt = 20, max_magnitude: PositiveInt = 10**12,
+                 timeout_seconds: PositiveFiniteFloat | None = Environment.DEFAULT_TIMEOUT,
+                 max_concurrency: PositiveInt = 8):
         super().__init__(max_turns=max_turns, max_total_tokens=max_total_tokens, timeout_seconds=timeout_seconds,
                          max_concurrency=max_concurrency)
-        key = "model.environment.init_args"
-        for name, value in (("max_expression_chars", max_expression_chars), ("max_depth", max_depth),
-                            ("max_magnitude", max_magnitude)):
-            if value < 1:
-                raise RecipeError(f"{key}.{name} must be >= 1, got {value}")
         self.instructions = instructions
         self.max_expression_chars = max_expression_chars
         self.max_depth = max_depth
         self.max_magnitude = max_magnitude
-        self._verifier = IntegerMatch()
+        self.verifier = IntegerMatch()
         self.answer = ""
 
     def reset(self, row: dict) -> str | None:
@@ -208,5 +206,5 @@ class Calculator(Environment):
         call = TOOL_CALL.search(response_text)
         if call is not None:
             return StepResult(self.calculate(call.group(1)), 0.0, done=False)
-        ok = self._verifier.is_correct(response_text, self.answer)
+        ok = self.verifier.is_correct(response_text, self.answer)
         return StepResult(None, 1.0 if ok else 0.0, done=True, correct=ok)

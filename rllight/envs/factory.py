@@ -21,6 +21,7 @@ import importlib
 import inspect
 import json
 
+from rllight.bounds import AtLeastTwo, PositiveFiniteFloat, PositiveInt
 from rllight.envs.base import Environment, StepResult
 from rllight.envs.tool_calls import ToolCall, parse_tool_calls
 from rllight.errors import RecipeError
@@ -78,8 +79,9 @@ class FactoryEnvironment(Environment):
     observation_role = "tool"
 
     def __init__(self, factory: str, factory_args: dict | None = None, reward_method: str = "get_reward",
-                 max_turns: int = 4, max_total_tokens: int = 1024,
-                 timeout_seconds: float | None = Environment.DEFAULT_TIMEOUT, max_concurrency: int = 8):
+                 max_turns: PositiveInt = 4, max_total_tokens: AtLeastTwo = 1024,
+                 timeout_seconds: PositiveFiniteFloat | None = Environment.DEFAULT_TIMEOUT,
+                 max_concurrency: PositiveInt = 8):
         super().__init__(max_turns=max_turns, max_total_tokens=max_total_tokens, timeout_seconds=timeout_seconds,
                          max_concurrency=max_concurrency)
         self.factory = factory

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from rllight.bounds import AtLeastTwo, PositiveFiniteFloat, PositiveInt, UpToOne, bounded
 from rllight.envs.base import Environment, StepResult
 from rllight.errors import RecipeError
-from rllight.rewards.base import Reward
+from rllight.rewards.base import Verifier
 
 
 class Feedback(Environment):
@@ -26,13 +27,13 @@ class Feedback(Environment):
         feedback: What the environment says after a wrong answer.
     """
 
-    def __init__(self, verifier: Reward, max_turns: int = 3, max_total_tokens: int = 512, turn_discount: float = 1.0,
-                 feedback: str = "That is not correct. Try again.",
-                 timeout_seconds: float | None = Environment.DEFAULT_TIMEOUT, max_concurrency: int = 8):
+    @bounded
+    def __init__(self, verifier: Verifier, max_turns: PositiveInt = 3, max_total_tokens: AtLeastTwo = 512,
+                 turn_discount: UpToOne = 1.0, feedback: str = "That is not correct. Try again.",
+                 timeout_seconds: PositiveFiniteFloat | None = Environment.DEFAULT_TIMEOUT,
+                 max_concurrency: PositiveInt = 8):
         super().__init__(max_turns=max_turns, max_total_tokens=max_total_tokens, timeout_seconds=timeout_seconds,
                          max_concurrency=max_concurrency)
-        if not 0 < turn_discount <= 1:
-            raise RecipeError(f"model.environment.init_args.turn_discount must be in (0, 1], got {turn_discount}")
         if not feedback.strip():
             raise RecipeError("model.environment.init_args.feedback must not be empty")
         if not callable(getattr(verifier, "is_correct", None)):

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from rllight.envs.base import Environment, StepResult
 from rllight.errors import one_line
-from rllight.rewards.base import _finite_in_float32
+from rllight.rewards.base import finite_in_float32
 from rllight.stopping import call_stoppable, wait_stoppable
 
 HUNG_IN_A_ROW = 3
@@ -176,7 +176,7 @@ class EpisodeGuard:
             number = float(value)
         except (TypeError, ValueError):
             raise EpisodeFailed(f"{self.name}.{method} gave reward {value!r}, not a number") from None
-        if not _finite_in_float32(number):
+        if not finite_in_float32(number):
             raise EpisodeFailed(f"{self.name}.{method} gave reward {number!r}, which is not finite in float32")
         return number
 

@@ -30,6 +30,7 @@ import random
 import threading
 from collections.abc import Callable
 
+from rllight.bounds import AtLeastTwo, PositiveFiniteFloat, PositiveInt
 from rllight.envs.base import Environment, StepResult
 from rllight.errors import RecipeError, one_line
 
@@ -93,8 +94,9 @@ class TextArena(Environment):
     """
 
     def __init__(self, game: str = "GuessTheNumber-v0", game_args: dict | None = None, win_reward: float = 1.0,
-                 max_turns: int = 20, max_total_tokens: int = 1024,
-                 timeout_seconds: float | None = Environment.DEFAULT_TIMEOUT, max_concurrency: int = 1):
+                 max_turns: PositiveInt = 20, max_total_tokens: AtLeastTwo = 1024,
+                 timeout_seconds: PositiveFiniteFloat | None = Environment.DEFAULT_TIMEOUT,
+                 max_concurrency: PositiveInt = 1):
         super().__init__(max_turns=max_turns, max_total_tokens=max_total_tokens, timeout_seconds=timeout_seconds,
                          max_concurrency=max_concurrency)
         ta = import_textarena("model.environment: TextArena")  # before the model loads

@@ -32,6 +32,7 @@ import math
 import threading
 import weakref
 
+from rllight.bounds import AtLeastTwo, PositiveFiniteFloat, PositiveInt
 from rllight.envs.base import Environment, StepResult
 from rllight.envs.tool_calls import parse_tool_calls
 from rllight.envs.verifiers_play import STOP, Play
@@ -191,8 +192,9 @@ class Verifiers(Environment):
     """
 
     def __init__(self, load: str | None = None, env_id: str | None = None, args: dict | None = None,
-                 solved_at: float = 1.0, max_turns: int = 8, max_total_tokens: int = 2048,
-                 timeout_seconds: float | None = Environment.DEFAULT_TIMEOUT, max_concurrency: int = 8):
+                 solved_at: float = 1.0, max_turns: PositiveInt = 8, max_total_tokens: AtLeastTwo = 2048,
+                 timeout_seconds: PositiveFiniteFloat | None = Environment.DEFAULT_TIMEOUT,
+                 max_concurrency: PositiveInt = 8):
         super().__init__(max_turns=max_turns, max_total_tokens=max_total_tokens, timeout_seconds=timeout_seconds,
                          max_concurrency=max_concurrency)
         self.args = check_settings(load, env_id, args, KEY)

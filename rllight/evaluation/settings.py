@@ -7,6 +7,7 @@ import math
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from rllight.bounds import NonNegativeFloat, NonNegativeInt, OpenUnitInterval, PositiveInt, UpToOne, bounded
 from rllight.errors import RecipeError
 
 if TYPE_CHECKING:
@@ -41,34 +42,27 @@ class EvalSettings:
             engine has its own seed.
     """
 
+    @bounded
     def __init__(
         self,
-        n: int = 1,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        max_new_tokens: int | None = None,
+        n: PositiveInt = 1,
+        temperature: NonNegativeFloat = 0.0,
+        top_p: UpToOne = 1.0,
+        top_k: NonNegativeInt = 0,
+        max_new_tokens: PositiveInt | None = None,
         ks: list[int] | None = None,
-        bootstrap: int = 0,
-        confidence: float = 0.95,
+        bootstrap: NonNegativeInt = 0,
+        confidence: OpenUnitInterval = 0.95,
         seed: int = 0,
         also_greedy: bool = False,
         sampling_seed: int | None = None,
     ):
         key = "model.evaluation"
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise RecipeError(f"{key}.n must be an integer >= 1 (responses per prompt), got {n!r}")
-        if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
-            raise RecipeError(f"{key}.temperature must be >= 0 (0 = greedy), got {temperature!r}")
+        if not math.isfinite(temperature):
+            raise RecipeError(f"{key}.temperature must be finite, got {temperature!r}")
         if temperature == 0 and n > 1:
             raise RecipeError(f"{key}.n is {n} with temperature 0 (greedy): every response would be the same; set "
                               f"{key}.temperature > 0 to sample, or n: 1")
-        if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-            raise RecipeError(f"{key}.top_p must be in (0, 1], got {top_p!r}")
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-            raise RecipeError(f"{key}.top_k must be an integer >= 0 (0 = off), got {top_k!r}")
-        if max_new_tokens is not None and (not isinstance(max_new_tokens, int) or max_new_tokens < 1):
-            raise RecipeError(f"{key}.max_new_tokens must be >= 1 or null (the engine's), got {max_new_tokens!r}")
         if ks is None:
             ks = sorted({1, n})
         if not ks:
@@ -80,10 +74,6 @@ class EvalSettings:
         if also_greedy and temperature == 0:
             raise RecipeError(f"{key}.also_greedy is true while the evaluation already decodes greedily "
                               f"(temperature 0); set {key}.temperature > 0 to sample as well, or also_greedy: false")
-        if isinstance(bootstrap, bool) or not isinstance(bootstrap, int) or bootstrap < 0:
-            raise RecipeError(f"{key}.bootstrap must be an integer >= 0 (0 = no interval), got {bootstrap!r}")
-        if not 0 < confidence < 1:
-            raise RecipeError(f"{key}.confidence must be in (0, 1), got {confidence!r}")
         if sampling_seed is not None and (isinstance(sampling_seed, bool) or not isinstance(sampling_seed, int)):
             raise RecipeError(f"{key}.sampling_seed must be an integer or null, got {sampling_seed!r}")
         self.n = n

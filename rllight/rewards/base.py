@@ -1,14 +1,15 @@
-"""The reward base class, the built-in verifiers, and how a batch of responses is scored and checked (the
-package ``rllight.rewards`` exports all of it)."""
+"""The reward interface (``Reward``: scores for a batch of ``Sample``s), the verifiers of one response against its
+answer (``Verifier``, ``IntegerMatch``, ``MathVerify``), and the check of reference answers (the package
+``rllight.rewards`` exports all of it)."""
 
 from __future__ import annotations
 
 import logging
-import math
 import re
-import struct
+from collections.abc import Sequence
 
-from rllight.errors import RecipeError
+from rllight.errors import RecipeError, one_line
+from rllight.rewards.scores import Sample, Scores, finite_in_float32
 
 log = logging.getLogger(__name__)
 
@@ -20,7 +21,80 @@ NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?|[-+]?\.\d+")
 
 
 class Reward:
-    """Score one response. ``correct`` and ``wrong`` set the reward scale (DAPO uses +1 / -1).
+    """A reward: scores for a batch of responses (``score``). The one interface of every reward, whatever computes
+    it and wherever it runs: a verifier of one response against its answer (``Verifier``: ``IntegerMatch``,
+    ``MathVerify``...), a reward model, an LLM judge, a combination (``Weighted``, ``PerSource``).
+
+    Subclass it and implement ``score`` for a reward that reads a whole batch (the prompt, the row, the other
+    responses to the same prompt, a model of its own); subclass ``Verifier`` instead for one response against its
+    reference answer. The trainer calls ``score`` once per batch with one ``Sample`` per response, in the batch's
+    order; the samples of one prompt share a ``group``.
+    """
+
+    solved_at: float = 1.0
+    """A sample whose value is at least this counts as solved, unless ``score`` says otherwise (``Scores.solved``)."""
+
+    def score(self, samples: Sequence[Sample]) -> Scores | list[float]:
+        """A reward per sample, in the order given (a list of floats, or ``Scores`` to say more)."""
+        raise NotImplementedError(f"{type(self).__name__} implements no score(samples); a reward of one response "
+                                  "against its answer subclasses rllight.rewards.Verifier")
+
+    def solved_from(self, values: list[float]) -> list[bool]:
+        """Which of ``values`` (what ``score`` gave, when it did not say) count as solved."""
+        return [v >= self.solved_at for v in values]
+
+    def parts(self) -> list[Reward]:
+        """The rewards this one combines (none: a reward of its own)."""
+        return []
+
+    def guarded(self, runner) -> Reward:
+        """This reward with its verifiers scored under ``runner`` (``rllight.rewards.RewardRunner``: worker
+        processes with a per-sample timeout). A reward that is no verifier and combines none is itself."""
+        return self
+
+    def split(self, rows: Sequence[dict]) -> list[tuple[Reward, list[int]]]:
+        """Which reward scores which of ``rows``: ``(reward, indices)`` pairs covering every row once (``PerSource``
+        gives one per data source); itself for every row by default."""
+        return [(self, list(range(len(rows))))]
+
+    @property
+    def answers_decide(self) -> bool:
+        """Whether the stated final answer alone decides a response's score, so that the pre-flight can check the
+        reward with the rows' reference answers (a verifier: yes; a reward model or a judge: no)."""
+        return False
+
+    def full_reward(self) -> str:
+        """What a solved response earns, in the pre-flight's words (``its full reward 1``)."""
+        return "a solved score"
+
+    def check_answer(self, answer: str) -> str | None:
+        """A one-line reason when no response can ever be scored against the reference ``answer``; None when one
+        can. The default accepts every answer (a reward model or a judge reads any row)."""
+        return None
+
+    def reference_answer(self, answer: str) -> str:
+        """What a correct response states as its final answer for the row whose ``answer`` field is ``answer``:
+        the field itself, unless the field is a key to the answer (e.g. a reasoning-gym row's). The pre-flight
+        check (``rllight.rewards.preflight``) builds its right and wrong responses from it."""
+        return answer
+
+    def check(self) -> None:
+        """Raise ``RecipeError`` in one line for what can be found wrong before the policy loads (a model folder that
+        is not the right kind, an API key's environment variable that is unset); the trainer calls it first. The
+        default checks the rewards this one combines."""
+        for part in self.parts():
+            part.check()
+
+    def close(self) -> None:
+        """Free what the reward holds (a model, connections); the trainer calls it when the run ends."""
+        for part in self.parts():
+            part.close()
+
+
+class Verifier(Reward):
+    """A reward of one response against its reference answer: ``correct`` or ``wrong`` by ``is_correct``, or any
+    value ``__call__`` gives (partial credit). Under ``model.reward_runner`` each response is scored in a worker
+    process with a timeout (``guarded``); in a reward of its own ``score`` scores each sample here.
 
     Args:
         correct: Reward of a correct response.
@@ -35,21 +109,45 @@ class Reward:
         """Whether ``response`` solves the task whose reference answer is ``answer``."""
         raise NotImplementedError
 
-    def check_answer(self, answer: str) -> str | None:
-        """A one-line reason when no response can ever match the reference ``answer``; None when one can.
-
-        Override it in a verifier whose answers have a required form; the base class accepts every answer.
-        """
-        return None
-
-    def reference_answer(self, answer: str) -> str:
-        """What a correct response states as its final answer for the row whose ``answer`` field is ``answer``:
-        the field itself, unless the field is a key to the answer (e.g. a reasoning-gym row's). The pre-flight
-        check (``RewardRunner.preflight``) builds its right and wrong responses from it."""
-        return answer
-
     def __call__(self, response: str, answer: str) -> float:
         return self.correct if self.is_correct(response, answer) else self.wrong
+
+    def verdict(self, response: str, answer: str) -> tuple[float, bool]:
+        """``(value, solved)`` of one response: solved means its full reward (``value >= correct``). Raises when the
+        reward does, or gives a value that is not finite in float32."""
+        value = float(self(response, answer))
+        if not finite_in_float32(value):
+            raise ValueError(f"reward {value!r} is not finite in float32")
+        return value, value >= self.correct
+
+    def score(self, samples: Sequence[Sample]) -> Scores:
+        """Each sample's ``verdict``, in this process; a sample whose reward raises fails (0, counted)."""
+        return verdicts(self, [(s.response, s.answer) for s in samples])
+
+    def solved_from(self, values: list[float]) -> list[bool]:
+        return [v >= self.correct for v in values]
+
+    def guarded(self, runner) -> Reward:
+        return self if runner is None else runner.guard(self)
+
+    @property
+    def answers_decide(self) -> bool:
+        return True
+
+    def full_reward(self) -> str:
+        return f"its full reward {self.correct:g}"
+
+
+def verdicts(verifier: Verifier, pairs: Sequence[tuple[str, str]]) -> Scores:
+    """The ``verdict`` of each ``(response, answer)`` of ``pairs`` as ``Scores``; a pair whose verdict raises fails
+    (0, not solved, why in ``failed``)."""
+    scores = Scores(values=[0.0] * len(pairs), solved=[False] * len(pairs))
+    for i, (response, answer) in enumerate(pairs):
+        try:
+            scores.values[i], scores.solved[i] = verifier.verdict(response, answer)
+        except Exception as err:  # noqa: BLE001 - a user's verifier must not stop the run; the sample fails
+            scores.failed[i] = one_line(err)
+    return scores
 
 
 def last_number(text: str) -> str | None:
@@ -72,7 +170,7 @@ def last_integer(text: str) -> int | None:
         return None
 
 
-class IntegerMatch(Reward):
+class IntegerMatch(Verifier):
     """Exact integer match: the last integer of the response (or of its last ``\\boxed{}``) equals the
     reference answer."""
 
@@ -90,7 +188,7 @@ class IntegerMatch(Reward):
         return None
 
 
-class MathVerify(Reward):
+class MathVerify(Verifier):
     """Symbolic equivalence of the final answer with ``math-verify`` (fractions, radicals, LaTeX...).
 
     Args:
@@ -125,36 +223,7 @@ class MathVerify(Reward):
         return None
 
 
-def score_batch(reward: Reward, responses: list[str], answers: list[str]) -> tuple[list[float], list[bool], int]:
-    """Score every response; returns ``(rewards, correct, failures)``.
-
-    A sample whose reward raises or is not finite in float32 (the rollout stores rewards as float32, where
-    1e39 becomes inf) gets reward 0 and counts as a failure.
-    """
-    rewards, correct, failures = [], [], 0
-    for i, (response, answer) in enumerate(zip(responses, answers)):
-        try:
-            value = float(reward(response, answer))
-            if not _finite_in_float32(value):
-                raise ValueError(f"reward {value!r} is not finite in float32")
-            ok = value >= reward.correct if isinstance(reward, Reward) else value > 0
-        except Exception as err:  # a user's verifier must not stop the run; the failure is counted
-            log.warning("reward %s failed on sample %d (scored 0; fix the reward): %s", type(reward).__name__, i, err)
-            failures += 1
-            value, ok = 0.0, False
-        rewards.append(value)
-        correct.append(ok)
-    return rewards, correct, failures
-
-
-def _finite_in_float32(value: float) -> bool:
-    try:  # a round trip through float32: 1e39 comes back inf (or struct raises OverflowError)
-        return math.isfinite(struct.unpack("f", struct.pack("f", value))[0])
-    except OverflowError:
-        return False
-
-
-def _quote(text: str, limit: int = 60) -> str:
+def quote(text: str, limit: int = 60) -> str:
     """``text`` as a short one-line quoted literal for an error message."""
     return repr(text if len(text) <= limit else text[:limit] + "...")
 
@@ -178,5 +247,5 @@ def check_answers(reward: Reward, rows: list[dict], field: str = "answer") -> No
         if reason:
             where = row.get("source", f"row {i + 1}")
             reason = " ".join(str(reason).split())
-            raise RecipeError(f"{where}: {field} {_quote(answer)} can never be matched by "
+            raise RecipeError(f"{where}: {field} {quote(answer)} can never be matched by "
                               f"{type(reward).__name__}: {reason}")

@@ -1,4 +1,4 @@
-"""A local judge model for ``LLMJudge``'s ``placement: process`` and ``placement: worker``: a Hugging Face causal LM
+"""A local judge model for ``LLMJudge`` placed ``InProcess`` or in a ``Worker``: a Hugging Face causal LM
 answers the judge's chat requests in batches, and its answers have the form of an OpenAI chat completion, so that a
 local judge and a judge behind a URL share every verdict parser.
 
@@ -9,10 +9,10 @@ local judge and a judge behind a URL share every verdict parser.
 - **``yes_logprob``**: the first answer token's log-probs from the raw logits (temperature 1), the top 5 plus every
   token of the vocabulary that reads ``yes`` or ``no`` (stripped, any case): P(yes) is exact over the whole
   vocabulary, where a server's top log-probs may miss a variant.
-- **Placement** ``process``: in the trainer's process, under ``torch.no_grad()``; on a GPU the judge comes onto the
-  device for each batch and goes back to the CPU after it. ``worker``: in a supervised child process
-  (``rllight.rewards.reward_model_worker``: a batch waits at most ``timeout_seconds``, a child that dies is restarted
-  once, a failed batch is counted), its weights resident on its device.
+- **Placement** ``InProcess``: in the trainer's process, under ``torch.no_grad()``; on a GPU the judge comes onto the
+  device for each batch and goes back to the CPU after it. ``Worker``: in a supervised child process
+  (``rllight.serving.worker``: a batch waits at most ``timeout_seconds``, a child that dies is restarted once, a
+  failed batch is counted), its weights resident on its device.
 """
 
 from __future__ import annotations
@@ -163,8 +163,8 @@ class LocalChat:
 
 
 def serve_worker(connection: Connection) -> None:
-    """The child of a local judge's ``placement: worker`` (``rllight.rewards.reward_model_worker.serve``)."""
-    from rllight.rewards.reward_model_worker import serve
+    """The child of a local judge placed in a ``Worker`` (``rllight.serving.worker.serve``)."""
+    from rllight.serving.worker import serve
 
     serve(connection, _resident_chat)
 

@@ -8,7 +8,7 @@ import json
 import math
 import re
 
-from rllight.http_client import snippet
+from rllight.serving.http import snippet
 
 
 class JudgeFailed(Exception):

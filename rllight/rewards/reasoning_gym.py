@@ -14,7 +14,7 @@ import json
 import re
 
 from rllight.errors import RecipeError
-from rllight.rewards.base import NUMBER, Reward, last_number
+from rllight.rewards.base import NUMBER, Verifier, last_number
 
 INSTALL = "pip install 'rllight[reasoning-gym]' (or pip install reasoning-gym)"
 
@@ -69,7 +69,7 @@ def create_dataset(task: str, config: dict, seed: int, size: int, key: str = "da
                           f"({reason[:200]}); check the name and settings against reasoning-gym's list") from None
 
 
-class ReasoningGymScore(Reward):
+class ReasoningGymScore(Verifier):
     """The task's own ``score_answer`` on the response's final answer (``final_answer``), scaled to
     ``wrong + (correct - wrong) * score``: a response is correct (for accuracy) only with score 1; partial credit
     in between, where a task gives it. For rows made by ``rllight.data.ReasoningGymTask``.
@@ -98,17 +98,17 @@ class ReasoningGymScore(Reward):
                              "reasoning-gym version?): reinstall the version that made the data")
         return dataset, entry
 
-    def score(self, response: str, answer: str) -> float:
+    def task_score(self, response: str, answer: str) -> float:
         """The task's score in [0, 1] of ``response`` against the row whose key is ``answer``."""
         dataset, entry = self._entry(json.loads(answer))
         numeric = NUMBER.fullmatch(str(entry["answer"]).strip()) is not None
         return float(dataset.score_answer(final_answer(response, numeric), entry))
 
     def __call__(self, response: str, answer: str) -> float:
-        return self.wrong + (self.correct - self.wrong) * self.score(response, answer)
+        return self.wrong + (self.correct - self.wrong) * self.task_score(response, answer)
 
     def is_correct(self, response: str, answer: str) -> bool:
-        return self.score(response, answer) >= 1.0
+        return self.task_score(response, answer) >= 1.0
 
     def reference_answer(self, answer: str) -> str:
         """The task's answer of the row whose key is ``answer`` (what a right response's final answer says)."""

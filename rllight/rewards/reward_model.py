@@ -6,18 +6,18 @@ In a recipe::
       class_path: rllight.rewards.RewardModel
       init_args: {model: path/or/hub-id, normalize: whiten, clip: 3.0}
 
-It is a ``BatchReward`` (``rllight.rewards.batch``), called once per batch of responses. The trainer always renders
+It is a ``rllight.rewards.Reward`` that reads the batch, called once per batch of responses. The trainer always renders
 the texts (the classifier's chat template, with its tokenizer), so that every placement scores the same strings;
-``placement`` says where the classifier reads them:
+``placement`` (``rllight.serving``) says where the classifier reads them:
 
-- ``process`` (the default): in the trainer's process, in batches of ``batch_size`` under ``torch.no_grad()``. On a
-  GPU the classifier comes onto the device for each ``score`` and goes back to the CPU after it, so that between
-  scoring passes its memory is the policy's. A crash or a hang in it is the trainer's.
-- ``worker``: in a supervised child process (``rllight.rewards.reward_model_worker``), started at the first score and
-  stopped at ``close``. On a GPU the child keeps its weights on its device (they are not the policy's memory to
-  share). A batch that runs past ``timeout_seconds`` or kills the child twice fails, counted.
-- ``url``: at a reward-model server, OpenRLHF's or vLLM's Pooling API (``rllight.rewards.reward_model_remote``). A
-  request that fails after its retries fails the batch, counted.
+- ``rllight.serving.InProcess`` (the default): in the trainer's process, in batches of ``batch_size`` under
+  ``torch.no_grad()``. On a GPU the classifier comes onto the device for each ``score`` and goes back to the CPU after
+  it, so that between scoring passes its memory is the policy's. A crash or a hang in it is the trainer's.
+- ``rllight.serving.Worker``: in a supervised child process, started at the first score and stopped at ``close``; it
+  keeps its weights on its device. A batch that runs past the worker's ``timeout_seconds`` or kills the child twice
+  fails, counted.
+- ``rllight.serving.Endpoint``: at a reward-model server, vLLM's Pooling API (``VLLMPooling``, the default protocol)
+  or OpenRLHF's (``OpenRLHF``). A request that fails after its retries fails the batch, counted.
 
 The constructor only records the settings (a recipe parses without loading anything); the weights (or, for the
 other placements, the tokenizer) load at the first ``score``. A copy (a checkpoint, a pickle) carries the settings.
@@ -25,17 +25,16 @@ other placements, the tokenizer) load at the first ``score``. A copy (a checkpoi
 
 from __future__ import annotations
 
-import math
 import os
-import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
+from rllight.bounds import PositiveFiniteFloat, PositiveInt, bounded
 from rllight.errors import RecipeError
-from rllight.http_client import check_key_env, read_key
-from rllight.rewards.batch import BatchReward, Sample
-from rllight.rewards.reward_model_remote import PROTOCOLS, RemoteClassifier
-from rllight.rewards.reward_model_worker import ClassifierWorker, serve
+from rllight.rewards.base import Reward
+from rllight.rewards.scores import Sample
+from rllight.serving import Failed, Placement, Protocol, ScoredText, VLLMPooling, placed
+from rllight.serving.worker import serve
 
 if TYPE_CHECKING:  # torch is imported when a reward model scores: reward worker processes import this package
     from multiprocessing.connection import Connection
@@ -47,8 +46,6 @@ NORMALIZE = ("none", "whiten")
 """The values of ``RewardModel.normalize``."""
 DTYPES = ("float32", "bfloat16", "float16")
 """The dtypes ``RewardModel.dtype`` names (besides ``auto``)."""
-PLACEMENTS = ("process", "worker", "url")
-"""The values of ``RewardModel.placement``."""
 
 
 def resolve_device(device: str) -> torch.device:
@@ -96,7 +93,7 @@ def whiten(scores: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return (scores - scores.mean()) / (scores.std(unbiased=False) + eps)
 
 
-class RewardModel(BatchReward):
+class RewardModel(Reward):
     """Score each response with a Hugging Face ``AutoModelForSequenceClassification`` that has one label.
 
     The scored text is the row's chat messages followed by the response as the assistant's turn, rendered with the
@@ -106,15 +103,15 @@ class RewardModel(BatchReward):
     classifier's single logit, as float32.
 
     Args:
-        model: A folder or hub id of a sequence classifier with one label (``num_labels: 1``). With ``placement:
-            url`` its tokenizer still renders the texts, and it is the model's name in vLLM's requests.
+        model: A folder or hub id of a sequence classifier with one label (``num_labels: 1``). At an ``Endpoint``
+            its tokenizer still renders the texts, and it is the model's name in the requests (``VLLMPooling``).
         batch_size: Texts per forward pass.
         max_length: Tokens of a scored text at most; a longer text is cut from its start, so the beginning of the prompt
             goes first and the response's end is always kept (None: no limit). A server applies its own limit.
         normalize: ``none``: the classifier's score; ``whiten``: per ``score`` call (the batch of one training
             process, of one data source under ``PerSource``), ``(s - mean) / (std + eps)`` with the population std.
         clip: After normalisation, each score is clipped to ``[-clip, clip]`` (None: not clipped).
-        correct: A response whose final score is at least this counts as solved in ``reward/accuracy``.
+        solved_at: A response whose final score is at least this counts as solved in ``reward/accuracy``.
         dtype: The classifier's weights: ``auto`` is the trainer's precision, the dtype of the mixed-precision autocast
             that scoring runs under (``bf16-mixed``: bfloat16), else float32; or ``float32``, ``bfloat16``,
             ``float16``. The forward pass runs in this dtype, autocast off.
@@ -122,60 +119,53 @@ class RewardModel(BatchReward):
             CUDA is available, else the CPU; or a torch device (``cpu``, ``cuda:1``). A worker uses the device the
             training process would.
         eps: Added to the standard deviation when whitening.
-        placement: Where the classifier runs: ``process`` (the trainer's), ``worker`` (a supervised child process)
-            or ``url`` (a reward-model server); see ``rllight.rewards.reward_model``.
-        url: ``placement: url``: the endpoint, e.g. ``http://127.0.0.1:8000/pooling`` (vLLM) or
-            ``http://127.0.0.1:5000/get_reward`` (OpenRLHF).
-        protocol: ``placement: url``: ``vllm_pooling`` or ``openrlhf`` (``rllight.rewards.reward_model_remote``).
-        api_key_env: ``placement: url``: the NAME of the environment variable that holds the server's API key (sent as
-            a bearer token), read at each batch; None = no key.
-        timeout_seconds: ``worker``: longest wait for one batch's scores; ``url``: for one request's answer.
-        retries: ``url``: further attempts after HTTP 429 or 5xx, a timeout or a connection error.
-        backoff_seconds: ``url``: wait before the first retry; it doubles with each further one.
+        placement: Where the classifier runs (``rllight.serving``): ``InProcess`` (None, the default), ``Worker``
+            (its ``timeout_seconds`` defaults to 300) or ``Endpoint`` (its protocol defaults to ``VLLMPooling``, whose
+            requests name ``model``; its ``timeout_seconds`` to 300).
     """
 
-    _worker_target = "rllight.rewards.reward_model:serve_worker"
-    """The worker placement's child function (tests name one that misbehaves)."""
+    what = "the reward model"
+    default_timeout = 300.0
+    worker_target: str | None = "rllight.rewards.reward_model:serve_worker"
+    """A ``Worker``'s child function (tests name one that misbehaves)."""
 
-    def __init__(self, model: str, batch_size: int = 8, max_length: int | None = 2048, normalize: str = "none",
-                 clip: float | None = None, correct: float = 0.0, dtype: str = "auto", device: str = "auto",
-                 eps: float = 1e-6, placement: Literal["process", "worker", "url"] = "process",
-                 url: str | None = None, protocol: Literal["vllm_pooling", "openrlhf"] = "vllm_pooling",
-                 api_key_env: str | None = None, timeout_seconds: float = 300.0, retries: int = 2,
-                 backoff_seconds: float = 1.0):
-        super().__init__(correct=correct)
+    @bounded
+    def __init__(self, model: str, batch_size: PositiveInt = 8, max_length: PositiveInt | None = 2048,
+                 normalize: str = "none", clip: PositiveFiniteFloat | None = None, solved_at: float = 0.0,
+                 dtype: str = "auto", device: str = "auto", eps: float = 1e-6, placement: Placement | None = None):
+        self.solved_at = solved_at
         if normalize not in NORMALIZE:
             raise RecipeError(f"{KEY}.normalize: {normalize!r} is not one of {', '.join(NORMALIZE)}")
-        if clip is not None and not (isinstance(clip, (int, float)) and clip > 0 and math.isfinite(clip)):
-            raise RecipeError(f"{KEY}.clip must be a positive number or null, got {clip!r}")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise RecipeError(f"{KEY}.batch_size must be an integer >= 1, got {batch_size!r}")
-        if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int)
-                                       or max_length < 1):
-            raise RecipeError(f"{KEY}.max_length must be an integer >= 1 or null, got {max_length!r}")
         if dtype != "auto" and dtype not in DTYPES:
             raise RecipeError(f"{KEY}.dtype: {dtype!r} is not one of auto, {', '.join(DTYPES)}")
-        _check_placement(placement, url, protocol, api_key_env, timeout_seconds, retries, backoff_seconds)
         self.model, self.batch_size, self.max_length = model, batch_size, max_length
         self.normalize, self.clip, self.dtype, self.device, self.eps = normalize, clip, dtype, device, eps
-        self.placement, self.url, self.protocol, self.api_key_env = placement, url, protocol, api_key_env
-        self.timeout_seconds, self.retries, self.backoff_seconds = float(timeout_seconds), retries, backoff_seconds
-        self._net = self._tokenizer = self._worker = None
+        self.placement = placed(placement, f"{KEY}.placement", self)
+        self._net = self._tokenizer = None
         self._resident = False  # a worker's classifier stays on its device between batches
 
     # A copy of the reward (a checkpoint, a deep copy of the module) carries its settings, not the loaded weights.
     def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k not in ("_net", "_tokenizer", "_worker")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_net", "_tokenizer")}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._net = self._tokenizer = self._worker = None
+        self._net = self._tokenizer = None
 
     def close(self) -> None:
-        """Drop the classifier and stop its worker process; the next ``score`` loads (starts) it again."""
-        if self._worker is not None:
-            self._worker.close()
-        self._net = self._tokenizer = self._worker = None
+        """Drop the classifier and stop what its placement started; the next ``score`` loads (starts) it again."""
+        self.placement.close()
+        self._net = self._tokenizer = None
+
+    # What a placement asks of the model it places (``rllight.serving.Served``).
+    def default_protocol(self) -> Protocol:
+        return VLLMPooling()
+
+    def served_name(self) -> str:
+        return self.model
+
+    def check_local(self) -> None:
+        """Nothing beyond ``check``: the tokenizer loads wherever the classifier runs."""
 
     # ------------------------------------------------------------------------------------------ loading
     def _target(self) -> torch.device:
@@ -185,11 +175,10 @@ class RewardModel(BatchReward):
         return resolve_dtype(self.dtype, device)
 
     def check(self) -> None:
-        """Before the policy loads: ``model`` is a sequence classifier with one label and its tokenizer loads; with
-        ``placement: url``, the API key's variable is set."""
+        """Before the policy loads: ``model`` is a sequence classifier with one label and its tokenizer loads; at an
+        ``Endpoint``, the API key's variable is set."""
         self.load_tokenizer()
-        if self.placement == "url":
-            read_key(self.api_key_env, KEY, "the server's")
+        self.placement.check(self)
 
     def load_tokenizer(self) -> None:
         """Load the tokenizer, once, after checking that ``model`` is a sequence classifier with one label; raises
@@ -244,9 +233,9 @@ class RewardModel(BatchReward):
     def _ids(self, sample: Sample) -> list[int]:
         return self._encode(*self.text(sample))
 
-    def forward(self, texts: Sequence[tuple[str, bool]]) -> list[float]:
-        """The classifier's score of each ``(text, templated)`` (``batch_size`` texts a forward pass, right-padded),
-        in this process."""
+    def forward(self, texts: Sequence[ScoredText | tuple[str, bool]]) -> list[float]:
+        """The classifier's score of each ``(text, templated, ...)`` (``batch_size`` texts a forward pass,
+        right-padded), in this process."""
         import torch
 
         self.load()
@@ -256,7 +245,7 @@ class RewardModel(BatchReward):
             net.to(device)
             with torch.no_grad(), torch.autocast(device.type, enabled=False):
                 for start in range(0, len(texts), self.batch_size):
-                    ids = [self._encode(*t) for t in texts[start:start + self.batch_size]]
+                    ids = [self._encode(t[0], t[1]) for t in texts[start:start + self.batch_size]]
                     width = max(len(i) for i in ids)
                     input_ids = torch.full((len(ids), width), pad, dtype=torch.long)
                     mask = torch.zeros((len(ids), width), dtype=torch.long)
@@ -271,18 +260,14 @@ class RewardModel(BatchReward):
         return out
 
     def raw_scores(self, samples: Sequence[Sample]) -> list[float]:
-        """The classifier's score of each sample, before normalisation, from where ``placement`` says."""
+        """The classifier's score of each sample, before normalisation, from where ``placement`` says; raises (a
+        plain exception: the batch fails, counted) where one could not be had."""
         self.load_tokenizer()
-        texts = [self.text(s) for s in samples]
-        if self.placement == "process":
-            return self.forward(texts)
-        if self.placement == "worker":
-            if self._worker is None:
-                self._worker = ClassifierWorker(self._worker_target, self.worker_settings(), self.timeout_seconds)
-            return self._worker.score(texts)
-        remote = RemoteClassifier(self.url, self.protocol, self.model, self.api_key_env, self.timeout_seconds,
-                                  self.retries, self.backoff_seconds, where=KEY)
-        return remote.score(texts, [s.prompt for s in samples], [s.answer for s in samples])
+        scores = self.placement.answer(self, [ScoredText(*self.text(s), s.prompt, s.answer) for s in samples])
+        failed = next((v for v in scores if isinstance(v, Failed)), None)
+        if failed is not None:
+            raise failed
+        return scores
 
     def worker_settings(self) -> dict:
         """What the worker process builds its classifier from: this one's settings, with ``dtype`` and ``device``
@@ -305,35 +290,10 @@ class RewardModel(BatchReward):
         return scores.tolist()
 
 
-def _check_placement(placement, url, protocol, api_key_env, timeout_seconds, retries, backoff_seconds) -> None:
-    """One ``RecipeError`` line, naming the setting, for a placement's settings that cannot work."""
-    if placement not in PLACEMENTS:
-        raise RecipeError(f"{KEY}.placement: {placement!r} is not one of {', '.join(PLACEMENTS)}")
-    if protocol not in PROTOCOLS:
-        raise RecipeError(f"{KEY}.protocol: {protocol!r} is not one of {', '.join(PROTOCOLS)}")
-    if placement == "url":
-        if not isinstance(url, str) or not re.match(r"https?://[^/\s]+", url):
-            raise RecipeError(f"{KEY}.url must be the server's endpoint, starting with http:// or https://, got "
-                              f"{url!r}")
-        if protocol == "vllm_pooling" and not url.rstrip("/").endswith("/pooling"):
-            raise RecipeError(f"{KEY}.url: vLLM's Pooling API is <server>/pooling (e.g. http://127.0.0.1:8000/pooling),"
-                              f" got {url!r}")
-    elif url is not None:
-        raise RecipeError(f"{KEY}.url is read by placement url only (placement is {placement!r}); drop it or set "
-                          "placement: url")
-    check_key_env(api_key_env, KEY)
-    if not (isinstance(timeout_seconds, (int, float)) and math.isfinite(timeout_seconds) and timeout_seconds > 0):
-        raise RecipeError(f"{KEY}.timeout_seconds must be a positive number of seconds, got {timeout_seconds!r}")
-    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
-        raise RecipeError(f"{KEY}.retries must be an integer >= 0, got {retries!r}")
-    if not (isinstance(backoff_seconds, (int, float)) and backoff_seconds >= 0):
-        raise RecipeError(f"{KEY}.backoff_seconds must be a number >= 0, got {backoff_seconds!r}")
-
-
 # ------------------------------------------------------------------------------------------------ worker side
 def serve_worker(connection: Connection) -> None:
-    """The child of ``placement: worker`` (``rllight.rewards.reward_model_worker.serve``): the classifier built from
-    the settings, kept on its device, scoring each batch of rendered texts."""
+    """The child of a ``Worker`` placement (``rllight.serving.worker.serve``): the classifier built from the
+    settings, kept on its device, scoring each batch of rendered texts."""
     serve(connection, _resident_classifier)
 
 
@@ -345,4 +305,4 @@ def _resident_classifier(settings: dict):
     return model.forward
 
 
-__all__ = ["PLACEMENTS", "RewardModel", "model_config", "resolve_device", "resolve_dtype", "serve_worker", "whiten"]
+__all__ = ["RewardModel", "model_config", "resolve_device", "resolve_dtype", "serve_worker", "whiten"]

@@ -16,12 +16,9 @@ threads. Unlike ``multiprocessing``'s spawn and forkserver starts they do not re
 and are reused; the reward is pickled once per ``score`` call and sent to a worker only when that
 worker has not seen the same pickle.
 
-``RewardRunner.preflight`` runs before training: the reward must give a few rows' reference answers their
-full reward and a wrong answer less, through the same workers, or the recipe stops with one line.
-
-A ``BatchReward`` (``rllight.rewards.batch``: a reward model, a judge) is none of this: it scores a whole batch in
-the trainer's process (``RolloutProducer.score`` calls it), is never pickled to a worker, and has no pre-flight (a
-reward model cannot be checked with reference answers).
+Only a ``Verifier`` (one response against its answer) goes to the workers: ``Reward.guarded(runner)`` wraps each
+verifier of a reward (also inside ``Weighted`` and ``PerSource``) in a ``Guarded`` reward that scores through the
+runner. Any other reward (a reward model, a judge) scores its batch in the trainer's process.
 """
 
 from __future__ import annotations
@@ -29,18 +26,17 @@ from __future__ import annotations
 import collections
 import hashlib
 import logging
-import math
 import pickle
 import time
 import weakref
-from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
+from collections.abc import Sequence
 from typing import Self
 
+from rllight.bounds import NonNegativeInt, PositiveFiniteFloat, bounded
 from rllight.errors import RecipeError, one_line
-from rllight.rewards.base import Reward, _finite_in_float32, _quote
-from rllight.rewards.batch import BatchReward
-from rllight.rewards.combine import Weighted
+from rllight.rewards.base import Reward, Verifier, verdicts
+from rllight.rewards.scores import Sample, Scores
 from rllight.supervised import ChildDied, SupervisedProcess, become_child
 
 log = logging.getLogger(__name__)
@@ -48,62 +44,6 @@ log = logging.getLogger(__name__)
 _START_TIMEOUT = 120.0  # seconds for a worker to import rllight.rewards and math-verify (a loaded machine)
 _LOAD_TIMEOUT = 120.0  # seconds to unpickle a reward (it may import a heavy module of its own)
 _CACHED_REWARDS = 4  # rewards a worker keeps unpickled (a recipe has one; the check of a run may add a few)
-
-REFERENCE_RESPONSE = "The answer is \\boxed{{{answer}}}."
-"""The response ``preflight`` scores for a reference answer (``{answer}``: the answer, stripped): the
-final-answer form ``IntegerMatch`` and ``MathVerify`` read first."""
-
-PREFLIGHT_SKIP = " (--model.reward_preflight 0 skips this check)"
-"""How the pre-flight's errors end: the option that turns the check off."""
-
-
-@dataclass
-class RewardScores:
-    """The rewards of one batch of responses, in the order given.
-
-    ``failures`` counts every sample whose reward could not be computed (it raised, was not finite in
-    float32, timed out, or its worker process died): each got reward 0 and ``correct`` False.
-    ``failures == len(rewards)`` means the reward failed on the whole batch. ``timeouts`` and
-    ``worker_deaths`` say how many of those failures were timeouts and dead workers.
-    """
-
-    rewards: list[float]
-    correct: list[bool]
-    failures: int = 0
-    timeouts: int = 0
-    worker_deaths: int = 0
-    components: dict[str, list[float]] = field(default_factory=dict)
-    """For a ``Weighted`` reward, each component's unweighted value per sample (0 on a failed sample), by
-    name; empty for any other reward."""
-    errors: dict[int, str] = field(default_factory=dict)
-    """Why each failed sample failed, by its index."""
-
-
-def score_one(reward, response: str, answer: str) -> tuple[float, bool, dict[str, float] | None]:
-    """``(reward, correct, components)`` of one response; raises when the reward does or returns a value
-    that is not finite in float32.
-
-    Correct means the full reward (``value >= reward.correct``, as ``score_batch``); for ``Weighted``, the
-    full reward of its ``correct_from`` component, and ``components`` holds each component's value (None for
-    other rewards). A plain callable (not a ``Reward``) is correct when its value is positive.
-    """
-    if isinstance(reward, Weighted):
-        parts = reward.components(response, answer)
-        value = float(reward.combine(parts))
-        for name, part in parts.items():
-            if not _finite_in_float32(part):
-                raise ValueError(f"component {name} gave {part!r}, not finite in float32")
-        ok = reward.correct_given(parts)
-    else:
-        parts = None
-        value = float(reward(response, answer))
-        ok = value >= reward.correct if isinstance(reward, Reward) else value > 0
-    if not _finite_in_float32(value):
-        raise ValueError(f"reward {value!r} is not finite in float32")
-    return value, bool(ok), parts
-
-
-
 
 # --------------------------------------------------------------------------------------------- worker side
 def _serve(connection: Connection) -> None:
@@ -134,10 +74,10 @@ def _serve(connection: Connection) -> None:
         elif message[0] == "score":
             _, key, index, response, answer = message
             try:
-                value, ok, parts = score_one(rewards[key], response, answer)
-                connection.send(("done", index, value, ok, parts, None))
-            except Exception as err:  # noqa: BLE001 - counted by the trainer, like score_batch does in-process
-                connection.send(("done", index, 0.0, False, None, one_line(err)))
+                value, ok = rewards[key].verdict(response, answer)
+                connection.send(("done", index, value, ok, None))
+            except Exception as err:  # noqa: BLE001 - counted by the trainer, as a verifier's own score does
+                connection.send(("done", index, 0.0, False, one_line(err)))
         else:
             return
 
@@ -171,8 +111,8 @@ def _stop_all(workers: list[_Worker]) -> None:
 class RewardRunner:
     """Scores rewards in worker processes with a per-sample timeout (see ``rllight.rewards.runner``).
 
-    Only a ``Reward`` (one response against its answer) goes to the workers; a ``BatchReward`` runs in the trainer's
-    process, called once per batch by the rollout producer, and ``score`` refuses it.
+    Only a ``Verifier`` (one response against its answer) goes to the workers (``guard``); any other reward scores
+    its batch in the trainer's process.
 
     Args:
         workers: Worker processes (started at the first ``score``, then reused). 0 scores in the trainer's
@@ -181,14 +121,8 @@ class RewardRunner:
             is replaced.
     """
 
-    def __init__(self, workers: int = 2, timeout_seconds: float = 10.0):
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
-            raise RecipeError(f"RewardRunner.workers must be an integer >= 0, got {workers!r}; "
-                              "0 scores in-process (debugging)")
-        if not (isinstance(timeout_seconds, (int, float)) and math.isfinite(timeout_seconds)
-                and timeout_seconds > 0):
-            raise RecipeError(f"RewardRunner.timeout_seconds must be a positive number of seconds, "
-                              f"got {timeout_seconds!r}")
+    @bounded
+    def __init__(self, workers: NonNegativeInt = 2, timeout_seconds: PositiveFiniteFloat = 10.0):
         self.workers = workers
         self.timeout_seconds = float(timeout_seconds)
         self._start()
@@ -222,26 +156,25 @@ class RewardRunner:
         self._start()
 
     # ----------------------------------------------------------------------------------------- scoring
-    def score(self, reward: Reward, responses: list[str], answers: list[str]) -> RewardScores:
-        """Score ``responses[i]`` against ``answers[i]`` for every i; see ``RewardScores``."""
-        if isinstance(reward, BatchReward):
-            raise TypeError(f"RewardRunner.score: {type(reward).__name__} is a BatchReward, which runs in the trainer's "
-                            "process: call its score method with the batch's Samples")
+    def guard(self, verifier: Verifier) -> Guarded:
+        """``verifier`` scored in this runner's workers (what ``Verifier.guarded`` returns)."""
+        return Guarded(verifier, self)
+
+    def score(self, verifier: Verifier, responses: list[str], answers: list[str]) -> Scores:
+        """Score ``responses[i]`` against ``answers[i]`` for every i. A sample whose verifier raises, gives a value
+        that is not finite, times out or takes its worker down fails (0, why in ``failed``); ``metrics`` count the
+        ``timeouts`` and ``worker_deaths``."""
         if len(responses) != len(answers):
             raise ValueError(f"{len(responses)} responses but {len(answers)} answers")
-        result = RewardScores(rewards=[0.0] * len(responses), correct=[False] * len(responses))
-        if isinstance(reward, Weighted):
-            result.components = {name: [0.0] * len(responses) for name in reward.rewards}
         if self.workers == 0:
-            for i, (response, answer) in enumerate(zip(responses, answers)):
-                try:
-                    self._record(result, i, *score_one(reward, response, answer), None, reward)
-                except Exception as err:  # noqa: BLE001 - a user's verifier must not stop the run; it is counted
-                    self._record(result, i, 0.0, False, None, one_line(err), reward)
-            return result
+            scores = verdicts(verifier, list(zip(responses, answers)))
+            scores.metrics = {"timeouts": 0.0, "worker_deaths": 0.0}
+            return scores
+        result = Scores(values=[0.0] * len(responses), solved=[False] * len(responses),
+                        metrics={"timeouts": 0.0, "worker_deaths": 0.0})
         if responses:
             try:
-                self._score_in_workers(reward, list(responses), list(answers), result)
+                self._score_in_workers(verifier, list(responses), list(answers), result)
             except BaseException:
                 # Interrupted (an unloadable reward, Ctrl-C): workers still on this batch would answer the
                 # next one with stale results.
@@ -251,7 +184,7 @@ class RewardRunner:
                 raise
         return result
 
-    def _score_in_workers(self, reward, responses: list[str], answers: list[str], result: RewardScores) -> None:
+    def _score_in_workers(self, reward, responses: list[str], answers: list[str], result: Scores) -> None:
         try:
             blob = pickle.dumps(reward)
         except Exception as err:  # noqa: BLE001 - whatever failed, it is raised as one line
@@ -291,7 +224,7 @@ class RewardRunner:
                 elif time.monotonic() >= worker.deadline:
                     self._expire(worker, reward, result)
 
-    def _receive(self, worker: _Worker, reward, result: RewardScores) -> None:
+    def _receive(self, worker: _Worker, reward, result: Scores) -> None:
         try:
             message = worker.child.receive(0.0, "answer")  # ready: it answered or its end closed
         except ChildDied:  # the process is gone: os._exit, a signal, the OOM killer
@@ -301,9 +234,8 @@ class RewardRunner:
                 raise RuntimeError(f"a reward worker process exited with code {code} while "
                                    f"{'starting' if worker.state == 'starting' else 'loading the reward'}; "
                                    "its error is printed above") from None
-            result.worker_deaths += 1
-            self._record(result, worker.index, 0.0, False, None,
-                         f"its reward worker process died (exit code {code})", reward)
+            result.metrics["worker_deaths"] += 1
+            self._record(result, worker.index, 0.0, False, f"its reward worker process died (exit code {code})")
             return
         if message[0] == "ready":
             worker.state = "idle"
@@ -318,84 +250,60 @@ class RewardRunner:
                 worker.loaded.popitem(last=False)
             worker.state = "idle"
         elif message[0] == "done":
-            _, index, value, ok, parts, error = message
+            _, index, value, ok, error = message
             worker.state, worker.index = "idle", None
-            self._record(result, index, value, ok, parts, error, reward)
+            self._record(result, index, value, ok, error)
 
-    def _expire(self, worker: _Worker, reward, result: RewardScores) -> None:
+    def _expire(self, worker: _Worker, reward, result: Scores) -> None:
         self._pool.remove(worker)
         worker.child.kill()
         if worker.state != "busy":
             raise RuntimeError(f"a reward worker process did not finish "
                                f"{'starting' if worker.state == 'starting' else 'loading the reward'} within "
                                f"{_START_TIMEOUT if worker.state == 'starting' else _LOAD_TIMEOUT:g} s")
-        result.timeouts += 1
-        self._record(result, worker.index, 0.0, False, None,
-                     f"timed out after {self.timeout_seconds:g} s (its worker process was replaced)", reward)
+        result.metrics["timeouts"] += 1
+        self._record(result, worker.index, 0.0, False,
+                     f"timed out after {self.timeout_seconds:g} s (its worker process was replaced)")
 
     @staticmethod
-    def _record(result: RewardScores, i: int, value: float, ok: bool, parts: dict | None, error: str | None,
-                reward) -> None:
+    def _record(result: Scores, i: int, value: float, ok: bool, error: str | None) -> None:
         if error is not None:
-            log.warning("reward %s failed on sample %d (scored 0; fix the reward): %s", type(reward).__name__, i, error)
-            result.failures += 1
-            result.errors[i] = error
+            result.failed[i] = error
             value, ok = 0.0, False
-        result.rewards[i] = float(value)
-        result.correct[i] = bool(ok)
-        for name, values in result.components.items():
-            values[i] = float(parts[name]) if parts else 0.0
-
-    # ----------------------------------------------------------------------------------------- pre-flight
-    def preflight(self, reward: Reward | BatchReward, rows: list[dict], k: int = 4, field: str = "answer") -> None:
-        """Before training, check that the reward tells right from wrong on ``k`` of the rows (spread evenly).
-
-        For each, the response ``REFERENCE_RESPONSE`` ("The answer is \\boxed{<answer>}.", with the answer the
-        row's field stands for: ``reward.reference_answer``) must be correct
-        (the full reward, ``reward.correct``; for ``Weighted``, of its ``correct_from`` component) and the
-        same response with a wrong answer must not: the answer's last digit changed (7 -> 8, 9 -> 0), or
-        "<answer> + 1" when it has no digit. Otherwise raises ``RecipeError`` in one line naming the reward
-        class and the row (its ``source``, e.g. "train.jsonl row 3"): a reward that scores every response 0,
-        or 1, would otherwise train on nothing without a word.
-
-        A ``BatchReward`` is not checked (one info line says so): a reward model or a judge scores a response by
-        more than its stated answer.
-        """
-        if k < 1 or not rows:
-            return
-        if isinstance(reward, BatchReward):
-            log.info("model.reward: %s scores whole batches (a BatchReward), which reference answers cannot check: "
-                     "no reward pre-flight for it", type(reward).__name__)
-            return
-        picks = sorted({i * len(rows) // min(k, len(rows)) for i in range(min(k, len(rows)))})
-        answers = [str(rows[i].get(field, "")).strip() for i in picks]
-        # The answer a right response states (a reward whose rows hold a key to it says what the key stands for).
-        stated = [getattr(reward, "reference_answer", lambda a: a)(a) for a in answers]
-        right = [REFERENCE_RESPONSE.format(answer=a) for a in stated]
-        wrong = [REFERENCE_RESPONSE.format(answer=_wrong_answer(a)) for a in stated]
-        scores = self.score(reward, right + wrong, answers + answers)
-        name = type(reward).__name__
-        full = f"its full reward {reward.correct:g}" if isinstance(reward, Reward) else "a positive reward"
-        if isinstance(reward, Weighted):
-            full = f"the full reward of its component {reward.correct_from!r}"
-        for j, i in enumerate(picks):
-            where = rows[i].get("source", f"row {i + 1}")
-            if not scores.correct[j]:
-                why = f" ({scores.errors[j]})" if j in scores.errors else ""
-                raise RecipeError(
-                    f"model.reward: {name} does not give the reference answer of {where} {full}: the response "
-                    f"{_quote(right[j])} against {field} {_quote(answers[j])} scored {scores.rewards[j]:g}{why}; "
-                    f"make the reward read this answer format, or fix the data{PREFLIGHT_SKIP}")
-            if scores.correct[len(picks) + j]:
-                raise RecipeError(
-                    f"model.reward: {name} gives a wrong response {full}: {_quote(wrong[j])} against {field} "
-                    f"{_quote(answers[j])} ({where}) scored {scores.rewards[len(picks) + j]:g}; the reward must "
-                    f"compare the response with the answer{PREFLIGHT_SKIP}")
+        result.values[i] = float(value)
+        result.solved[i] = bool(ok)
 
 
-def _wrong_answer(answer: str) -> str:
-    """``answer`` with its last digit changed (d -> d + 1 mod 10), or ``answer + 1`` when it has no digit."""
-    for pos in range(len(answer) - 1, -1, -1):
-        if answer[pos] in "0123456789":
-            return answer[:pos] + str((int(answer[pos]) + 1) % 10) + answer[pos + 1:]
-    return f"{answer} + 1"
+class Guarded(Reward):
+    """A verifier scored in a ``RewardRunner``'s worker processes, a timeout per sample (``Verifier.guarded``)."""
+
+    def __init__(self, verifier: Verifier, runner: RewardRunner):
+        self.verifier, self.runner = verifier, runner
+
+    def score(self, samples: Sequence[Sample]) -> Scores:
+        return self.runner.score(self.verifier, [s.response for s in samples], [s.answer for s in samples])
+
+    def solved_from(self, values: list[float]) -> list[bool]:
+        return self.verifier.solved_from(values)
+
+    @property
+    def answers_decide(self) -> bool:
+        return self.verifier.answers_decide
+
+    def full_reward(self) -> str:
+        return self.verifier.full_reward()
+
+    def check_answer(self, answer: str) -> str | None:
+        return self.verifier.check_answer(answer)
+
+    def reference_answer(self, answer: str) -> str:
+        return self.verifier.reference_answer(answer)
+
+    def check(self) -> None:
+        self.verifier.check()
+
+    def close(self) -> None:
+        self.verifier.close()
+
+    def __repr__(self) -> str:
+        return f"Guarded({self.verifier!r})"

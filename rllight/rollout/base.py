@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
+from rllight.bounds import NonNegativeInt, PositiveFloat, PositiveInt, UpToOne, bounded
 from rllight.errors import RecipeError
 
 
@@ -117,7 +118,7 @@ class RolloutEngine:
     Args:
         max_new_tokens: Longest response, in tokens.
         temperature: Sampling temperature; the trainer divides its logits by the same value so that its
-            log-probs and the engine's describe the same distribution.
+            log-probs and the engine's describe the same distribution (validation already decodes greedily).
         top_p: Nucleus sampling threshold (1.0 = off).
         top_k: Keep the k most likely tokens (0 = off).
     """
@@ -126,19 +127,9 @@ class RolloutEngine:
     """The engine holds weights of its own, filled from the policy's full state dict with LoRA adapters merged
     (``rllight.rollout.weights.full_state_dict``), rather than generating with the policy or a copy of it."""
 
-    def __init__(self, max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0):
-        key = "model.rollout.init_args"
-        if max_new_tokens < 1:
-            raise RecipeError(f"{key}.max_new_tokens must be >= 1, got {max_new_tokens}")
-        if temperature <= 0:
-            raise RecipeError(
-                f"{key}.temperature must be > 0, got {temperature}; sampling needs a positive temperature "
-                "(validation already decodes greedily)"
-            )
-        if not 0 < top_p <= 1:
-            raise RecipeError(f"{key}.top_p must be in (0, 1], got {top_p}")
-        if top_k < 0:
-            raise RecipeError(f"{key}.top_k must be >= 0 (0 = off), got {top_k}")
+    @bounded
+    def __init__(self, max_new_tokens: PositiveInt = 64, temperature: PositiveFloat = 1.0, top_p: UpToOne = 1.0,
+                 top_k: NonNegativeInt = 0):
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.top_p = top_p

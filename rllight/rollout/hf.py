@@ -11,6 +11,7 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from rllight._compat import return_free_memory
+from rllight.bounds import NonNegativeInt, PositiveFloat, PositiveInt, UpToOne, bounded
 from rllight.dtensor import full_tensor
 from rllight.errors import RecipeError
 from rllight.precision import AUTO, DTYPES, Float32Head, cpu_bf16
@@ -95,20 +96,19 @@ class HFEngine(RolloutEngine):
             (``train/rollout/logprob_diff_*``) and an off-policy correction would count it as staleness.
     """
 
+    @bounded
     def __init__(
         self,
-        max_new_tokens: int = 64,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        batch_size: int = 64,
+        max_new_tokens: PositiveInt = 64,
+        temperature: PositiveFloat = 1.0,
+        top_p: UpToOne = 1.0,
+        top_k: NonNegativeInt = 0,
+        batch_size: PositiveInt = 64,
         dtype: str | None = AUTO,
-        min_new_tokens: int = 0,
+        min_new_tokens: NonNegativeInt = 0,
     ):
         super().__init__(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
-        if batch_size < 1:
-            raise RecipeError(f"model.rollout.init_args.batch_size must be >= 1, got {batch_size}")
-        if not 0 <= min_new_tokens <= max_new_tokens:
+        if not min_new_tokens <= max_new_tokens:
             raise RecipeError(f"model.rollout.init_args.min_new_tokens must be in 0..max_new_tokens "
                               f"({max_new_tokens}), got {min_new_tokens}")
         self.min_new_tokens = min_new_tokens

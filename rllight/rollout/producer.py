@@ -1,7 +1,7 @@
 """Rollout production: prompt rows in, scored rollouts out.
 
 ``RolloutProducer`` encodes chat prompts, drops over-long ones, generates with the engine and scores the
-responses with the reward (a ``Reward`` per response, or a ``BatchReward`` once per batch of ``Sample``s).
+responses with the reward (``Reward.score``, once per batch of ``Sample``s; its verifiers in the reward workers).
 Samplers compose it (``producer.sample(rows, n)``, ``producer.more_prompts(n)``); it knows nothing of the
 trainer, so a new kind of rollout is a new sampler or producer, not a trainer subclass. The trainer hands it the
 policy and tokenizer once they are loaded (``bind``) and a prompt stream for extra draws (the datamodule's
@@ -22,15 +22,14 @@ from rllight.distributed import Ranks
 from rllight.envs.base import Environment
 from rllight.envs.guard import EpisodeGuard
 from rllight.errors import ComponentError, RecipeError
-from rllight.rewards import Reward, RewardRunner, batch_rewards
-from rllight.rewards.batch import BatchReward, Sample
+from rllight.rewards import Reward, RewardRunner, Sample
 from rllight.rollout.ahead import steps_ahead
 from rllight.rollout.base import RolloutEngine, Sampling, malformed
 from rllight.rollout.episodes import (  # noqa: F401 (encode_chat, with_first_observation: re-exported)
     ChatTurns, encode_chat, episodes_to_rollout, run_episodes, start_episodes, trajectory_rewards,
     with_first_observation)
-from rllight.data.mix import source_metrics
-from rllight.rollout.scoring import Scored, score_responses, score_samples, token_tensor  # noqa: F401 (re-exported)
+from rllight.rollout.scoring import reward_metrics, score_samples, token_tensor
+from rllight.rollout.source_metrics import source_metrics
 from rllight.stopping import end_after_step
 from rllight.types import Rollout
 
@@ -42,17 +41,16 @@ weights that generated the response (0 when sampling is on-policy; asynchronous 
 
 
 class RolloutProducer:
-    """Samples responses to prompt rows with a ``RolloutEngine`` and scores them with a ``Reward`` or a
-    ``BatchReward``.
+    """Samples responses to prompt rows with a ``RolloutEngine`` and scores them with a ``Reward``.
 
     Prompts longer than ``max_prompt_tokens`` are dropped and counted (``data/dropped_long_prompts``), never
     truncated: a cut prompt is a different question. A training batch on which the reward failed for every
     sample is a warning; ``max_failed_reward_steps`` of them in a row stop the run with one line.
 
-    Rewards are computed by ``runner`` (worker processes with a per-sample timeout: a reward that hangs,
-    raises or kills its process costs that sample 0, counted, never the run); None = in this process. A
-    ``BatchReward`` (a reward model, a judge) is called in this process, once per batch (per data source under
-    ``PerSource``), with one ``Sample`` per response; if it raises, every sample of the batch is a failure (0).
+    The reward's verifiers are scored by ``runner`` (``Reward.guarded``: worker processes with a per-sample timeout:
+    a verifier that hangs, raises or kills its process costs that sample 0, counted, never the run); None = in this
+    process. Any other reward (a reward model, a judge) is called in this process, once per batch (per data source
+    under ``PerSource``), with one ``Sample`` per response; if it raises, every sample of the batch is a failure (0).
 
     With an ``environment`` every sample is a multi-turn episode (``rllight.rollout.episodes``): the environment
     scores it, not ``reward``, and a prompt is dropped as too long also when it leaves no room under the
@@ -65,7 +63,7 @@ class RolloutProducer:
     spans them (dynamic sampling fills one global target).
     """
 
-    def __init__(self, engine: RolloutEngine, reward: Reward | BatchReward, max_prompt_tokens: int | None = None,
+    def __init__(self, engine: RolloutEngine, reward: Reward | None, max_prompt_tokens: int | None = None,
                  max_failed_reward_steps: int = 3, runner: RewardRunner | None = None,
                  environment: Environment | None = None, max_steps_without_update: int | None = None):
         self.max_steps_without_update = max_steps_without_update
@@ -75,6 +73,7 @@ class RolloutProducer:
         self._chat_turns: ChatTurns | None = None
         self.reward = reward
         self.runner = runner
+        self.scorer = None if reward is None else reward.guarded(runner)  # the reward as scored: its verifiers guarded
         self.max_prompt_tokens = max_prompt_tokens
         self.max_failed_reward_steps = max_failed_reward_steps
         self.policy: torch.nn.Module | None = None
@@ -91,7 +90,7 @@ class RolloutProducer:
     def bind(self, policy: torch.nn.Module, tokenizer, draw: Callable[[int], list[dict]] | None = None,
              ranks: Ranks | None = None, observe: Callable[[list[dict], list[float]], None] | None = None) -> None:
         """The policy to sample from, its tokenizer, where extra prompt rows come from, the collectives of the
-        training processes, and who hears each training prompt's pass rate (``PromptSource.observe``: every
+        training processes, and who hears each training prompt's pass rate (``PromptSource.hear``: every
         group a training ``sample`` scores, also those a sampler then drops)."""
         if tokenizer is not self.tokenizer:
             self._chat_turns = None
@@ -148,16 +147,15 @@ class RolloutProducer:
         texts = self.tokenizer.batch_decode(gen.response_ids, skip_special_tokens=True)
         answers = [r["answer"] for r in rows for _ in range(n)]
         sources = [r.get("data_source") for r in rows for _ in range(n)]
-        samples = self.samples(rows, prompts, n, gen, texts) if batch_rewards(self.reward) else None
-        scored = self.score(texts, answers, sources, samples)
-        rewards, correct, failures, reward_metrics = scored.rewards, scored.correct, scored.failures, scored.metrics
+        scores = score_samples(self.scorer, self.samples(rows, prompts, n, gen, texts))
+        rewards, correct, failures = scores.values, scores.solved, len(scores.failed)
         self.reward_failures += failures
         if training:
             self.count_failed_reward_batch(failures == len(texts))
             self._heard(rows, correct, n)
         t2 = time.perf_counter()
         device = gen.response_ids.device
-        dense = None if scored.token_scores is None else token_tensor(scored.token_scores, gen.response_mask)
+        dense = None if scores.token_scores is None else token_tensor(scores.token_scores, gen.response_mask)
         return Rollout(
             prompt_ids=gen.prompt_ids,
             prompt_mask=gen.prompt_mask,
@@ -174,8 +172,7 @@ class RolloutProducer:
             extras={
                 "time/rollout": t1 - t0,
                 "time/reward": t2 - t1,
-                "reward/failures": float(failures),
-                **reward_metrics,
+                **reward_metrics(scores),
                 "data/dropped_long_prompts": float(dropped),
                 "kept_rows": tuple(keep),  # a tuple: per prompt row, not per response (select leaves it)
                 **source_metrics(sources, rewards, correct),  # several data sources: each one's share and reward
@@ -213,7 +210,7 @@ class RolloutProducer:
                 f"{self._no_update[1]} RL steps in a row made no update: every rollout was empty after filtering "
                 f"({self.dropped_prompts} prompts dropped as longer than max_prompt_tokens={self.max_prompt_tokens}; "
                 "see train/guard/empty_rollouts and the rollout callbacks' metrics); relax the filters or check the "
-                "data (model.max_steps_without_update sets when this stops a run)")
+                "data (model.guards.max_steps_without_update sets when this stops a run)")
         if self._warned_empty:
             log.debug("step %d: empty rollout after filtering; no update", step)
             return
@@ -309,7 +306,7 @@ class RolloutProducer:
         )
 
     def samples(self, rows: list[dict], prompts: list[list[int]], n: int, gen, texts: list[str]) -> list[Sample]:
-        """One ``Sample`` per response of ``gen`` (``n`` per prompt, in order) for a ``BatchReward``: the prompt
+        """One ``Sample`` per response of ``gen`` (``n`` per prompt, in order), for the reward: the prompt
         decoded as the policy saw it (special tokens kept), the row's messages, the response's text and ids (up
         to its end token), the answer, the row (a shallow copy per prompt), the prompt's index as its group."""
         prompt_texts = self.tokenizer.batch_decode(prompts)
@@ -320,18 +317,13 @@ class RolloutProducer:
                        response_ids=ids[i][:int(lengths[i])], answer=str(copies[i // n].get("answer", "")),
                        row=copies[i // n], group=i // n, truncated=bool(truncated[i])) for i in range(len(texts))]
 
-    def score(self, texts: list[str], answers: list[str], sources: list[str | None],
-              samples: list[Sample] | None = None) -> Scored:
-        """The responses ``texts`` scored (``rllight.rollout.scoring.score_responses``)."""
-        return score_responses(self.reward, self.runner, texts, answers, sources, samples)
-
     def close(self) -> None:
-        """Stop the reward worker processes and free what a ``BatchReward`` and the environment hold (``close``,
-        e.g. a server it started); they start again when next needed."""
+        """Stop the reward worker processes and free what the reward and the environment hold (``close``, e.g. a
+        model, a server it started); they start again when next needed."""
         if self.runner is not None:
             self.runner.close()
-        for reward in batch_rewards(self.reward):
-            reward.close()
+        if self.scorer is not None:
+            self.scorer.close()
         if self.environment is not None:
             self.environment.close()
 
@@ -347,10 +339,10 @@ class RolloutProducer:
         if self.malformed_steps >= self.max_failed_reward_steps:
             raise ComponentError(
                 f"model.rollout: {name} returned {self.malformed_steps} batches in a row that cannot be trained on "
-                f"(last: {problem}); check the engine or its server (model.max_failed_reward_steps sets how many "
-                "batches are tolerated)")
+                f"(last: {problem}); check the engine or its server (model.guards.max_failed_reward_steps sets how "
+                "many batches are tolerated)")
         log.warning("model.rollout: %s returned a batch that cannot be trained on (%s); dropped, %d in a row (the "
-                    "run stops at model.max_failed_reward_steps=%d)", name, problem, self.malformed_steps,
+                    "run stops at model.guards.max_failed_reward_steps=%d)", name, problem, self.malformed_steps,
                     self.max_failed_reward_steps)
 
     def count_failed_reward_batch(self, all_failed: bool, last_error: str | None = None) -> None:
@@ -363,23 +355,23 @@ class RolloutProducer:
         if self.environment is not None:
             name = type(self.environment).__name__
             log.warning("the environment %s failed on every episode (%d batch(es) in a row; the run stops at "
-                        "model.max_failed_reward_steps=%d): fix it, its errors are logged above", name,
+                        "model.guards.max_failed_reward_steps=%d): fix it, its errors are logged above", name,
                         self.failed_reward_steps, self.max_failed_reward_steps)
             if self.failed_reward_steps >= self.max_failed_reward_steps:
                 raise ComponentError(
                     f"model.environment: {name} failed on every episode of {self.failed_reward_steps} batches in a "
-                    f"row (last: {last_error}); fix the environment (model.max_failed_reward_steps sets how many "
-                    "batches are tolerated)")
+                    f"row (last: {last_error}); fix the environment (model.guards.max_failed_reward_steps sets how "
+                    "many batches are tolerated)")
             return
         log.warning("the reward %s failed on every sample (%d batch(es) in a row; the run stops at "
-                    "model.max_failed_reward_steps=%d): fix it, its errors are logged above",
+                    "model.guards.max_failed_reward_steps=%d): fix it, its errors are logged above",
                     type(self.reward).__name__, self.failed_reward_steps, self.max_failed_reward_steps)
         if self.failed_reward_steps >= self.max_failed_reward_steps:
             raise RecipeError(
                 f"model.reward: {type(self.reward).__name__} failed on every sample of "
                 f"{self.failed_reward_steps} batches in a row (see the warnings above for its error); fix the "
-                "reward or the answers' format (model.max_failed_reward_steps sets how many batches are tolerated)"
-            )
+                "reward or the answers' format (model.guards.max_failed_reward_steps sets how many batches are "
+                "tolerated)")
 
     def state_dict(self) -> dict[str, Any]:
         return {"reward_failures": self.reward_failures, "dropped_prompts": self.dropped_prompts,

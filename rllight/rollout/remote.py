@@ -11,7 +11,10 @@ and select it in a recipe::
     model:
       rollout:
         class_path: rllight.rollout.remote.VLLMServerEngine
-        init_args: {url: "http://gen-node:8000", weights_dir: /shared/rllight-weights, max_new_tokens: 256}
+        init_args:
+          server: {class_path: rllight.serving.Endpoint, init_args: {url: "http://gen-node:8000"}}
+          weights_dir: /shared/rllight-weights
+          max_new_tokens: 256
 
 How it runs:
 - **Generation** is vLLM's OpenAI-compatible ``POST /v1/completions`` with the prompts as token ids,
@@ -47,8 +50,9 @@ How it runs:
   two barriers (no request in flight during the load, none sent before it is done). A model too large for one
   device is served with the server's own parallelism (``vllm serve ... --tensor-parallel-size N``), which the
   trainer does not see.
-- **Faults never hang the trainer**: every request waits at most ``timeout_seconds``; a server that does not
-  answer, or answers with an error, stops the step with one line naming the URL and the route.
+- **Faults never hang the trainer**: the server is an ``rllight.serving.Endpoint``, so every attempt lasts at most its
+  ``timeout_seconds`` (600 unless set) and is retried as its ``retries`` say; a server that does not answer, or
+  answers with an error, stops the step with one line naming the URL and the route.
 """
 
 from __future__ import annotations
@@ -62,16 +66,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from rllight.bounds import NonNegativeInt, PositiveFloat, PositiveInt, UpToOne, bounded
 from rllight.distributed import process_rank_and_world
 from rllight.dtensor import is_dtensor
 from rllight.errors import ComponentError, RecipeError
-from rllight.http_client import Failure, JSONClient
 from rllight.rollout.ahead import SentAhead
 from rllight.rollout.base import Generation, RolloutEngine, Sampling, request_key
 from rllight.rollout.hf import eos_token_ids
 from rllight.rollout.samples import generation_from_samples
 from rllight.rollout.weights import GatheredState, full_state_dict
-from rllight.stopping import call_stoppable, wait_stoppable
+from rllight.serving import Endpoint, Failed
+from rllight.stopping import wait_stoppable
 
 log = logging.getLogger(__name__)
 
@@ -81,12 +86,12 @@ class VLLMServerEngine(RolloutEngine):
     ``rllight.rollout.remote``).
 
     Args:
-        url: The server's base URL, e.g. ``http://gen-node:8000``.
+        server: The server (``rllight.serving.Endpoint``): its base URL (e.g. ``http://gen-node:8000``), key,
+            ``timeout_seconds`` for one request (a generation or a push; 600 unless set) and retries.
         weights_dir: A folder the trainer writes the weights to and the server reads them from (the same path
             on both machines). Needed to train; None only for evaluation of the weights the server holds.
         max_new_tokens, temperature, top_p, top_k: Sampling settings, sent with every request.
         sync_every: Push the weights every k optimizer updates (1 = always on-policy).
-        timeout_seconds: Longest wait for one request (a generation or a push).
         model: The served model name (None = the first of ``GET /v1/models``).
         max_staleness: Asynchronous rollouts: the next steps' generations run while the trainer updates, no
             response older than this many optimizer updates is trained on (0 = synchronous).
@@ -94,26 +99,23 @@ class VLLMServerEngine(RolloutEngine):
 
     syncs_merged_weights = True  # holds weights of its own, filled from the policy's full state dict
 
-    def __init__(self, url: str, weights_dir: str | None = None, max_new_tokens: int = 64, temperature: float = 1.0,
-                 top_p: float = 1.0, top_k: int = 0, sync_every: int = 1, timeout_seconds: float = 600.0,
-                 model: str | None = None, max_staleness: int = 0):
+    @bounded
+    def __init__(self, server: Endpoint, weights_dir: str | None = None, max_new_tokens: PositiveInt = 64,
+                 temperature: PositiveFloat = 1.0, top_p: UpToOne = 1.0, top_k: NonNegativeInt = 0,
+                 sync_every: PositiveInt = 1, model: str | None = None, max_staleness: int = 0):
         super().__init__(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
         key = "model.rollout.init_args"
-        if not url.startswith(("http://", "https://")):
-            raise RecipeError(f"{key}.url must start with http:// or https://, got {url!r}")
-        if sync_every < 1:
-            raise RecipeError(f"{key}.sync_every must be >= 1, got {sync_every}")
-        if not timeout_seconds > 0:
-            raise RecipeError(f"{key}.timeout_seconds must be > 0, got {timeout_seconds}")
+        if not isinstance(server, Endpoint):
+            raise RecipeError(f"{key}.server must be an rllight.serving.Endpoint (class_path and init_args: url...), "
+                              f"got {server!r}")
+        self.server = server.bind(f"{key}.server.init_args", what="the vLLM server", timeout=600.0)
         if weights_dir is not None and os.path.exists(weights_dir) and not os.path.isdir(weights_dir):
             raise RecipeError(f"{key}.weights_dir {weights_dir!r} is a file; name a folder the server can read")
         self._ahead = SentAhead(max_staleness, key)  # (request key, version, future of the answer), oldest first
         self._ahead.check_sync_every(sync_every, key)
         self.max_staleness = max_staleness
-        self.url = url.rstrip("/")
         self.weights_dir = weights_dir
         self.sync_every = sync_every
-        self.timeout_seconds = float(timeout_seconds)
         self.model = model
         self._updates = 0  # optimizer updates so far
         self._version: int | None = None  # the version last pushed (None: nothing pushed yet)
@@ -128,43 +130,23 @@ class VLLMServerEngine(RolloutEngine):
         state.update(_pool=None, _ahead=SentAhead(self.max_staleness))
         return state
 
+    @property
+    def url(self) -> str:
+        return self.server.url
+
     # ------------------------------------------------------------------------------- HTTP
     def _request(self, route: str, body: dict | None = None) -> dict:
-        """``GET`` (no body) or ``POST`` a JSON body to the server; the decoded JSON answer ({} if none).
-
-        On the main thread the request runs on a helper thread that is waited for in short slices, so that
-        Ctrl-C or SIGTERM stops the run within seconds however long the server takes (``call_stoppable``)."""
-        if threading.current_thread() is not threading.main_thread():
-            return self._send(route, body)
-        finished, value, error = call_stoppable(lambda: self._send(route, body), self.timeout_seconds + 5.0,
-                                                f"the vLLM server at {self.url} ({route})")
-        if error is not None:
-            raise error
-        if not finished:  # a server that trickles its answer past the socket's per-read timeout
-            raise ComponentError(f"model.rollout: no answer from the vLLM server at {self.url} to {route} within "
-                                 f"timeout_seconds={self.timeout_seconds:g}; check that it runs and the URL "
-                                 "(model.rollout.init_args.url)")
-        return value
-
-    def _send(self, route: str, body: dict | None) -> dict:
+        """``GET`` (no body) or ``POST`` a JSON body to the server; the decoded JSON answer ({} if none), else
+        ``ComponentError`` in one line naming the URL and the route (``Endpoint.call``: on the main thread a stop is
+        seen within seconds however long the server takes)."""
         try:
-            return JSONClient(self.timeout_seconds).once(f"{self.url}{route}", body, empty={})
-        except Failure as failure:
-            if failure.kind == "not_json":
-                raise ComponentError(f"model.rollout: the vLLM server at {self.url} answered {route} with something "
-                                     f"other than a JSON object ({failure.detail[:80]!r}); check that the URL "
-                                     "(model.rollout.init_args.url) is a vLLM server (vllm serve), not another web "
-                                     "server") from None
-            if failure.kind == "status":
-                hint = ("start the server with VLLM_SERVER_DEV_MODE=1" if failure.status == 404 and route in
-                        ("/collective_rpc", "/reset_prefix_cache") else
-                        "check that the URL is a vLLM server (vllm serve) of a version with this route"
-                        if failure.status == 404 else "see the server's log")
-                raise ComponentError(f"model.rollout: the vLLM server at {self.url} answered {route} with HTTP "
-                                     f"{failure.status} ({failure.detail[:300] or failure.phrase}); {hint}") from None
-            raise ComponentError(f"model.rollout: no answer from the vLLM server at {self.url} to {route} within "
-                                 f"timeout_seconds={self.timeout_seconds:g} ({failure.detail}); check that it runs "
-                                 "and the URL (model.rollout.init_args.url)") from None
+            return self.server.call(route, body, empty={})
+        except Failed as failed:
+            status = getattr(failed.failure, "status", None)
+            if status == 404 and route in ("/collective_rpc", "/reset_prefix_cache"):
+                raise ComponentError(f"model.rollout: the vLLM server at {self.url} answered {route} with HTTP 404; "
+                                     "start the server with VLLM_SERVER_DEV_MODE=1") from None
+            raise ComponentError(f"model.rollout: {failed}") from None
 
     def _served_model(self) -> str:
         if self.model is None:
@@ -330,12 +312,13 @@ class VLLMServerEngine(RolloutEngine):
 
     def _wait(self, future: Future) -> Future:
         """``future`` once done, waited for in short slices (a stop is honoured within seconds); a generation
-        sent ahead makes three requests, each within ``timeout_seconds``."""
+        sent ahead makes three requests, each within the server's bound for one request."""
         done = threading.Event()
         future.add_done_callback(lambda _: done.set())
-        if not wait_stoppable(done, 3 * self.timeout_seconds + 5.0, f"the vLLM server at {self.url}"):
+        bound = 3 * self.server.bound(1)
+        if not wait_stoppable(done, bound, f"the vLLM server at {self.url}"):
             raise ComponentError(f"model.rollout: no answer from the vLLM server at {self.url} to a generation sent "
-                                 f"ahead within 3 x timeout_seconds={self.timeout_seconds:g}; check that it runs")
+                                 f"ahead within {bound:.0f} s; check that it runs")
         return future
 
     def state_dict(self) -> dict:

@@ -63,13 +63,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import math
 import time
 import weakref
 from typing import Any
 
 import torch
 
+from rllight.bounds import NonNegativeInt, PositiveFiniteFloat, PositiveFloat, PositiveInt, UpToOne, bounded
 from rllight.errors import ComponentError, RecipeError
 from rllight.rollout.ahead import SentAhead
 from rllight.rollout.base import Generation, RolloutEngine, Sampling, outer_or_inner_sampling, request_key
@@ -152,17 +152,15 @@ class ProcessEngine(RolloutEngine):
     top_p = _forwarded("top_p")
     top_k = _forwarded("top_k")
 
-    def __init__(self, engine: RolloutEngine, sync_every: int = 1, timeout_seconds: float = 600.0,
-                 max_staleness: int = 0, max_new_tokens: int | None = None, temperature: float | None = None,
-                 top_p: float | None = None, top_k: int | None = None):
+    @bounded
+    def __init__(self, engine: RolloutEngine, sync_every: PositiveInt = 1, timeout_seconds: PositiveFiniteFloat = 600.0,
+                 max_staleness: int = 0, max_new_tokens: PositiveInt | None = None,
+                 temperature: PositiveFloat | None = None, top_p: UpToOne | None = None,
+                 top_k: NonNegativeInt | None = None):
         key = "model.rollout.init_args"
         if isinstance(engine, ProcessEngine):
             raise RecipeError(f"{key}.engine: a ProcessEngine inside a ProcessEngine; name the engine to run "
                               "(e.g. rllight.rollout.HFEngine)")
-        if sync_every < 1:
-            raise RecipeError(f"{key}.sync_every must be >= 1, got {sync_every}")
-        if not (math.isfinite(timeout_seconds) and timeout_seconds > 0):
-            raise RecipeError(f"{key}.timeout_seconds must be a positive number of seconds, got {timeout_seconds}")
         SentAhead(max_staleness, key).check_sync_every(sync_every, key)
         if max_staleness and getattr(engine, "tensor_parallel_size", 1) > 1:
             raise RecipeError(f"{key}: max_staleness={max_staleness} with a tensor-parallel engine "

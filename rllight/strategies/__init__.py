@@ -15,7 +15,9 @@ a recipe names (``rllight.strategies.GroupRelative``):
 - ``aggregations.py``, aggregations (``model.aggregation``): ``Aggregation``, ``TokenMean``, ``SeqMeanTokenMean``,
   ``SeqMeanTokenSum``, ``SeqMeanTokenSumNorm``;
 - ``samplers.py``, samplers (``model.sampler``): ``Sampler``, ``GroupSampler``, ``ReMaxSampler``, ``DynamicSampling``;
-- ``kl.py``, the KL penalty (``model.kl``): ``KLPenalty``.
+- ``kl.py``, the KL penalty (``model.kl``): ``KLPenalty``;
+- ``token_rewards.py``, the rewards per response token an estimator reads (the outcome, a reward's token scores, a
+  KL penalty in the reward): ``token_rewards``.
 
 A method is a recipe, not a class. What the recipe of each method (``recipes/<recipe>.yaml``) composes: its
 advantage + policy loss + aggregation + sampler, then a critic (``critics.``: ``rllight.critics``), rollout callbacks

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from rllight._compat import lazy_default
 from rllight.algorithms import gae, group_relative, masked_whiten, reinforce_pp, remax, rloo
+from rllight.bounds import ClosedUnitInterval, NonNegativeFloat, PositiveFloat, UpToOne, bounded
 from rllight.errors import RecipeError
 from rllight.rollout.episodes import EPISODE_ID, EPISODE_MAIN
 from rllight.strategies.lambdas import AdaptiveLambda, LambdaSchedule
@@ -99,10 +100,8 @@ class GAE(AdvantageEstimator):
     needs_values = True
     uses_token_rewards = True
 
-    def __init__(self, gamma: float = 1.0, lam: float = 0.95, whiten: bool = True):
-        for name, value in (("gamma", gamma), ("lam", lam)):
-            if not 0 <= value <= 1:
-                raise RecipeError(f"model.advantage.init_args.{name} must be in [0, 1], got {value}")
+    @bounded
+    def __init__(self, gamma: ClosedUnitInterval = 1.0, lam: ClosedUnitInterval = 0.95, whiten: bool = True):
         self.gamma = gamma
         self.lam = lam
         self.whiten = whiten
@@ -126,7 +125,7 @@ class DecoupledGAE(AdvantageEstimator):
     ``value_lam: null`` couples them again (targets use the policy's lambda, as plain PPO).
 
     The update order of note 000 (K_v critic optimizer steps on the fresh rollout, then values and advantages
-    recomputed with the updated critic, then the policy update) is ``model.critic_steps_first``.
+    recomputed with the updated critic, then the policy update) is ``model.critic_first.steps``.
 
     Lambda statistics go to ``rollout.extras`` as ``advantage/lambda_{mean,min,max}``.
 
@@ -141,12 +140,9 @@ class DecoupledGAE(AdvantageEstimator):
     needs_values = True
     uses_token_rewards = True
 
-    def __init__(self, policy_lambda: LambdaSchedule = lazy_default(AdaptiveLambda), value_lam: float | None = 1.0,
-                 gamma: float = 1.0, whiten: bool = True):
-        if value_lam is not None and not 0.0 <= value_lam <= 1.0:
-            raise RecipeError(f"model.advantage.value_lam must be in [0, 1] or null, got {value_lam}")
-        if not 0.0 <= gamma <= 1.0:
-            raise RecipeError(f"model.advantage.gamma must be in [0, 1], got {gamma}")
+    @bounded
+    def __init__(self, policy_lambda: LambdaSchedule = lazy_default(AdaptiveLambda),
+                 value_lam: ClosedUnitInterval | None = 1.0, gamma: ClosedUnitInterval = 1.0, whiten: bool = True):
         self.policy_lambda = policy_lambda
         self.value_lam = value_lam
         self.gamma = gamma
@@ -194,11 +190,10 @@ class PromptBaseline(AdvantageEstimator):
 
     needs_values = True
 
-    def __init__(self, normalize: str = "none", min_sigma: float = 0.05, eps: float = 1e-6):
+    @bounded
+    def __init__(self, normalize: str = "none", min_sigma: PositiveFloat = 0.05, eps: float = 1e-6):
         if normalize not in _NORMALIZE:
             raise RecipeError(f"model.advantage.normalize: '{normalize}' is not one of {', '.join(_NORMALIZE)}")
-        if min_sigma <= 0:
-            raise RecipeError(f"model.advantage.min_sigma must be > 0, got {min_sigma}")
         self.normalize = normalize
         self.min_sigma = min_sigma
         self.eps = eps
@@ -281,9 +276,8 @@ class ReinforcePP(AdvantageEstimator):
 
     uses_token_rewards = True
 
-    def __init__(self, gamma: float = 1.0):
-        if not 0 < gamma <= 1:
-            raise RecipeError(f"model.advantage.gamma must be in (0, 1], got {gamma}")
+    @bounded
+    def __init__(self, gamma: UpToOne = 1.0):
         self.gamma = gamma
 
     def __call__(self, rollout: Rollout) -> tuple[Tensor, None]:
@@ -318,10 +312,9 @@ class OnPolicyDistillation(AdvantageEstimator):
         task_weight: Weight of the task's advantage (ignored without ``task``).
     """
 
-    def __init__(self, coef: float = 1.0, task: AdvantageEstimator | None = None, task_weight: float = 1.0):
-        if coef < 0 or task_weight < 0:
-            raise RecipeError(f"model.advantage.init_args: coef and task_weight must be >= 0, got {coef} and "
-                              f"{task_weight}")
+    @bounded
+    def __init__(self, coef: NonNegativeFloat = 1.0, task: AdvantageEstimator | None = None,
+                 task_weight: NonNegativeFloat = 1.0):
         self.coef = coef
         self.task = task
         self.task_weight = task_weight

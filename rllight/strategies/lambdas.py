@@ -7,6 +7,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from rllight.algorithms.lambdas import adaptive_lambda, vapo_lambda
+from rllight.bounds import ClosedUnitInterval, PositiveFloat, bounded
 from rllight.errors import RecipeError
 
 __all__ = ["AdaptiveLambda", "FixedLambda", "LambdaSchedule", "VAPOLambda"]
@@ -30,9 +31,8 @@ class FixedLambda(LambdaSchedule):
         lam: GAE lambda in [0, 1].
     """
 
-    def __init__(self, lam: float = 0.95):
-        if not 0.0 <= lam <= 1.0:
-            raise RecipeError(f"model.advantage.policy_lambda.lam must be in [0, 1], got {lam}")
+    @bounded
+    def __init__(self, lam: ClosedUnitInterval = 0.95):
         self.lam = lam
 
     def __call__(self, lengths: Tensor) -> float:
@@ -48,10 +48,11 @@ class AdaptiveLambda(LambdaSchedule):
         lam_max: Lambda of the longest responses (0.95 in the note).
     """
 
-    def __init__(self, lam_min: float = 0.3, lam_max: float = 0.95):
-        if not 0.0 <= lam_min <= lam_max <= 1.0:
-            raise RecipeError(f"model.advantage.policy_lambda: need 0 <= lam_min <= lam_max <= 1, got "
-                              f"lam_min={lam_min}, lam_max={lam_max}")
+    @bounded
+    def __init__(self, lam_min: ClosedUnitInterval = 0.3, lam_max: ClosedUnitInterval = 0.95):
+        if not lam_min <= lam_max:
+            raise RecipeError(f"model.advantage.policy_lambda: need lam_min <= lam_max, got lam_min={lam_min}, "
+                              f"lam_max={lam_max}")
         self.lam_min = lam_min
         self.lam_max = lam_max
 
@@ -67,9 +68,8 @@ class VAPOLambda(LambdaSchedule):
         alpha: 0.05 in the paper (lambda 0.8 at 100 tokens, 0.98 at 1000).
     """
 
-    def __init__(self, alpha: float = 0.05):
-        if alpha <= 0:
-            raise RecipeError(f"model.advantage.policy_lambda.alpha must be > 0, got {alpha}")
+    @bounded
+    def __init__(self, alpha: PositiveFloat = 0.05):
         self.alpha = alpha
 
     def __call__(self, lengths: Tensor) -> Tensor:

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from rllight._compat import lazy_default
 from rllight.algorithms import icepop_weight, masked_mean, sequence_is_mask, token_is_mask, truncated_is_weight
+from rllight.bounds import NonNegativeFloat, PositiveFloat, bounded
 from rllight.errors import RecipeError
 from rllight.strategies.aggregations import Aggregation
 from rllight.strategies.policy_losses import ClippedSurrogate, PolicyLoss
@@ -41,9 +42,8 @@ class TruncatedIS(PolicyLoss):
         cap: C, the truncation of the weight.
     """
 
-    def __init__(self, loss: PolicyLoss, cap: float = 2.0):
-        if cap <= 0:
-            raise RecipeError(f"model.policy_loss.cap must be > 0, got {cap}")
+    @bounded
+    def __init__(self, loss: PolicyLoss, cap: PositiveFloat = 2.0):
         self.loss = loss
         self.cap = cap
 
@@ -96,8 +96,9 @@ class MaskedIS(PolicyLoss):
         high: The highest ratio kept (None: 2.0; 5.0 for ``icepop``).
     """
 
-    def __init__(self, loss: PolicyLoss, mask: str = "sequence", low: float | None = None,
-                 high: float | None = None):
+    @bounded
+    def __init__(self, loss: PolicyLoss, mask: str = "sequence", low: NonNegativeFloat | None = None,
+                 high: PositiveFloat | None = None):
         if mask not in MASKS:
             raise RecipeError(f"model.policy_loss.mask must be one of {', '.join(MASKS)}, got {mask!r}")
         high = high if high is not None else (5.0 if mask == "icepop" else 2.0)
@@ -148,10 +149,9 @@ class PositiveExampleNLL(PolicyLoss):
             token-mean aggregation.
     """
 
+    @bounded
     def __init__(self, loss: PolicyLoss = lazy_default(ClippedSurrogate, clip_low=0.2, clip_high=0.28),
-                 coef: float = 0.1, normalize: str = "correct_tokens"):
-        if coef < 0:
-            raise RecipeError(f"model.policy_loss.coef must be >= 0, got {coef}")
+                 coef: NonNegativeFloat = 0.1, normalize: str = "correct_tokens"):
         if normalize not in _NLL_NORMALIZE:
             raise RecipeError(f"model.policy_loss.normalize: '{normalize}' is not one of {', '.join(_NLL_NORMALIZE)}")
         self.loss = loss

@@ -24,19 +24,12 @@ from rllight.algorithms import (
     sequence_clipped_surrogate,
     vespo_weight,
 )
+from rllight.bounds import AboveOne, NonNegativeFloat, OpenUnitInterval, PositiveFloat, UpToOne, bounded
 from rllight.errors import RecipeError
 from rllight.strategies.aggregations import Aggregation
 from rllight.types import Rollout
 
 __all__ = ["CISPO", "GSPO", "VESPO", "ClippedSurrogate", "PolicyLoss", "SequenceClippedSurrogate"]
-
-
-def check_clip_range(clip_low: float, clip_high: float) -> None:
-    """One-line errors for a clip range ``[1 - clip_low, 1 + clip_high]`` that cannot work."""
-    if not 0 < clip_low < 1:
-        raise RecipeError(f"model.policy_loss.clip_low must be in (0, 1), got {clip_low}")
-    if clip_high <= 0:
-        raise RecipeError(f"model.policy_loss.clip_high must be > 0, got {clip_high}")
 
 
 class PolicyLoss:
@@ -62,11 +55,9 @@ class ClippedSurrogate(PolicyLoss):
         dual_clip: c > 1 bounds the loss of negative-advantage tokens by -c A (None = off).
     """
 
-    def __init__(self, clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None):
-        check_clip_range(clip_low, clip_high)
-        if dual_clip is not None and not dual_clip > 1:
-            raise RecipeError(f"model.policy_loss.dual_clip must be > 1 (it bounds the loss at -c A) or null, "
-                              f"got {dual_clip}")
+    @bounded
+    def __init__(self, clip_low: OpenUnitInterval = 0.2, clip_high: PositiveFloat = 0.2,
+                 dual_clip: AboveOne | None = None):
         self.clip_low = clip_low
         self.clip_high = clip_high
         self.dual_clip = dual_clip
@@ -90,11 +81,8 @@ class CISPO(PolicyLoss):
         clip_high: epsilon above 1 (the paper tunes only this one).
     """
 
-    def __init__(self, clip_low: float | None = None, clip_high: float = 0.28):
-        if clip_low is not None and not 0 < clip_low <= 1:
-            raise RecipeError(f"model.policy_loss.clip_low must be in (0, 1] or null, got {clip_low}")
-        if clip_high <= 0:
-            raise RecipeError(f"model.policy_loss.clip_high must be > 0, got {clip_high}")
+    @bounded
+    def __init__(self, clip_low: UpToOne | None = None, clip_high: PositiveFloat = 0.28):
         self.clip_low = clip_low
         self.clip_high = clip_high
 
@@ -142,8 +130,8 @@ class VESPO(PolicyLoss):
       ``async_training.use_rollout_log_probs=True``: the rollout's log-probs become the old ones).
 
     Staleness ``N = global batch / mini batch`` is the number of sequential optimizer updates per rollout:
-    with R = data.batch_size * sampler.group_size responses per rollout, ``N = model.ppo_epochs * R /
-    model.minibatch_size``. The paper trains at N = 8 and stays stable up to N = 64.
+    with R = data.batch_size * sampler.group_size responses per rollout, ``N = model.batching.ppo_epochs * R /
+    model.batching.minibatch_size``. The paper trains at N = 8 and stays stable up to N = 64.
 
     Logged: ``policy/vespo_phi_mean``, ``policy/vespo_ess`` (normalised effective sample size of the phi
     weights, in (0, 1]), ``policy/vespo_ess_raw`` (of the raw weights W), ``policy/vespo_log_weight_mean``
@@ -151,21 +139,17 @@ class VESPO(PolicyLoss):
 
     Args:
         c1_pos: Power c1 for A >= 0.
-        c2_pos: Exponential damping c2 for A >= 0.
+        c2_pos: Exponential damping c2 for A >= 0 (above 0: it is what damps large weights; without it phi grows
+            like W^c1).
         c1_neg: Power c1 for A < 0.
         c2_neg: Exponential damping c2 for A < 0.
         weight_against: The behaviour log-probs of W: ``trainer`` (the trainer's old log-probs, as the
             authors' code) or ``engine`` (the rollout engine's sampling log-probs, note 002's literal form).
     """
 
-    def __init__(self, c1_pos: float = 2.0, c2_pos: float = 3.0, c1_neg: float = 3.0, c2_neg: float = 2.0,
-                 weight_against: str = "trainer"):
-        for name, value in (("c1_pos", c1_pos), ("c1_neg", c1_neg)):
-            if value < 0:
-                raise RecipeError(f"model.policy_loss.{name} must be >= 0, got {value}")
-        for name, value in (("c2_pos", c2_pos), ("c2_neg", c2_neg)):
-            if value <= 0:  # c2 > 0 is what damps large weights; without it phi grows like W^c1
-                raise RecipeError(f"model.policy_loss.{name} must be > 0, got {value}")
+    @bounded
+    def __init__(self, c1_pos: NonNegativeFloat = 2.0, c2_pos: PositiveFloat = 3.0, c1_neg: NonNegativeFloat = 3.0,
+                 c2_neg: PositiveFloat = 2.0, weight_against: str = "trainer"):
         if weight_against not in WEIGHTS_AGAINST:
             raise RecipeError(f"model.policy_loss.weight_against must be one of {', '.join(WEIGHTS_AGAINST)}, "
                               f"got {weight_against!r}")
@@ -207,8 +191,8 @@ class SequenceClippedSurrogate(PolicyLoss):
         clip_high: epsilon above 1.
     """
 
-    def __init__(self, clip_low: float = 0.2, clip_high: float = 0.2):
-        check_clip_range(clip_low, clip_high)
+    @bounded
+    def __init__(self, clip_low: OpenUnitInterval = 0.2, clip_high: PositiveFloat = 0.2):
         self.clip_low = clip_low
         self.clip_high = clip_high
 
@@ -230,7 +214,7 @@ class GSPO(PolicyLoss):
     """GSPO (Zheng et al., arXiv:2507.18071): PPO's clip applied to the sequence ratio
     ``s_i = exp(mean_t(logp - old_logp))``; one loss per response (shape (B,)), averaged over responses
     whatever the recipe's aggregation. The clip only matters with several updates per rollout
-    (``model.minibatch_size`` below the rollout size).
+    (``model.batching.minibatch_size`` below the rollout size).
 
     Logged: ``policy/clipfrac_low`` / ``policy/clipfrac_high`` (fractions of responses clipped, A < 0 /
     A > 0) and ``policy/seq_ratio_mean``.
@@ -240,8 +224,8 @@ class GSPO(PolicyLoss):
         clip_high: epsilon above 1 (4e-4 in the paper).
     """
 
-    def __init__(self, clip_low: float = 3e-4, clip_high: float = 4e-4):
-        check_clip_range(clip_low, clip_high)
+    @bounded
+    def __init__(self, clip_low: OpenUnitInterval = 3e-4, clip_high: PositiveFloat = 4e-4):
         self.clip_low = clip_low
         self.clip_high = clip_high
 

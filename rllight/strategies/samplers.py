@@ -11,6 +11,7 @@ import torch
 
 from rllight.algorithms.batching import first_in_rank_order
 from rllight.algorithms.shaping import mixed_groups
+from rllight.bounds import AtLeastTwo, PositiveInt, bounded
 from rllight.distributed import share
 from rllight.errors import RecipeError
 from rllight.types import Rollout
@@ -54,9 +55,8 @@ class GroupSampler(Sampler):
         group_size: Responses per prompt (1 for PPO / SPPO-style single samples).
     """
 
-    def __init__(self, group_size: int = 4):
-        if group_size < 1:
-            raise RecipeError(f"model.sampler.init_args.group_size must be >= 1, got {group_size}")
+    @bounded
+    def __init__(self, group_size: PositiveInt = 4):
         self.group_size = group_size
 
     def __call__(self, producer: RolloutProducer, rows: list[dict]) -> Rollout:
@@ -72,9 +72,8 @@ class ReMaxSampler(Sampler):
         group_size: Sampled responses per prompt (ReMax uses 1).
     """
 
-    def __init__(self, group_size: int = 1):
-        if group_size < 1:
-            raise RecipeError(f"model.sampler.init_args.group_size must be >= 1, got {group_size}")
+    @bounded
+    def __init__(self, group_size: PositiveInt = 1):
         self.group_size = group_size
 
     def __call__(self, producer: RolloutProducer, rows: list[dict]) -> Rollout:
@@ -122,7 +121,7 @@ class DynamicSampling(Sampler):
     response token, discarded groups included).
 
     Args:
-        group_size: G, responses per prompt (DAPO: 16).
+        group_size: G, responses per prompt (DAPO: 16; at least 2, as a group of one is never mixed).
         target_groups: Mixed groups a step trains on (None = the number of prompts in the step's batch).
         max_rounds: Cap on sampling rounds per step, the first included (verl's max_num_gen_batches).
         prompts_per_round: Prompts drawn in each extra round (None = the step's batch size).
@@ -130,19 +129,9 @@ class DynamicSampling(Sampler):
             or ``correct`` (the 0/1 accuracy, as DAPO's verl recipe filters on ``acc``).
     """
 
-    def __init__(self, group_size: int = 16, target_groups: int | None = None, max_rounds: int = 10,
-                 prompts_per_round: int | None = None, metric: str = "reward"):
-        if group_size < 2:
-            raise RecipeError(f"model.sampler.init_args.group_size must be >= 2 for dynamic sampling (a group of "
-                              f"one is never mixed), got {group_size}")
-        if target_groups is not None and target_groups < 1:
-            raise RecipeError(f"model.sampler.init_args.target_groups must be >= 1 or null, got {target_groups}")
-        if max_rounds < 1:
-            raise RecipeError(f"model.sampler.init_args.max_rounds must be >= 1, got {max_rounds}")
-        if prompts_per_round is not None and prompts_per_round < 1:
-            raise RecipeError(
-                f"model.sampler.init_args.prompts_per_round must be >= 1 or null, got {prompts_per_round}"
-            )
+    @bounded
+    def __init__(self, group_size: AtLeastTwo = 16, target_groups: PositiveInt | None = None,
+                 max_rounds: PositiveInt = 10, prompts_per_round: PositiveInt | None = None, metric: str = "reward"):
         if metric not in _METRICS:
             raise RecipeError(f"model.sampler.init_args.metric must be one of {', '.join(_METRICS)}, got {metric!r}")
         self.group_size = group_size

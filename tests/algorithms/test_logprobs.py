@@ -52,11 +52,12 @@ def test_module_paths_agree(tiny_model_dir):
     """The trainer's forward gives the same log-probs and gradients with and without chunking."""
     from rllight.models import HFModel
     from rllight.module import RLModule
+    from rllight.settings import Batching
 
     torch.manual_seed(0)
     grads, outs = [], []
     for chunk in (None, 3):
-        module = RLModule(HFModel(tiny_model_dir), logprob_chunk_size=chunk)
+        module = RLModule(HFModel(tiny_model_dir), batching=Batching(logprob_chunk_size=chunk))
         module.configure_model()
         if not outs:
             rows = [{"messages": [{"role": "user", "content": "What is 3 + 4?"}], "answer": "7"}]

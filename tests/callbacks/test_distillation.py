@@ -18,7 +18,7 @@ from conftest import RECIPES
 from helpers import build, tiny_overrides
 from rllight.callbacks import RolloutContext, TeacherLogprobs
 from rllight.callbacks.distillation import TEACHER_LOGPROBS, tokenizer_difference
-from rllight.cli import main
+from rllight.app.cli import main
 from rllight.errors import RecipeError
 from rllight.models import HFModel
 from rllight.strategies import GroupRelative, OnPolicyDistillation
@@ -119,8 +119,8 @@ def test_the_teachers_logprobs_are_a_plain_forward_pass_over_prompt_and_response
     callback = TeacherLogprobs(HFModel(teacher_dir), micro_batch_size=2)  # 3 rows: micro-batches of 2 and 1
     callback.setup(_TRAINER, _module(tiny_model_dir, temperature=0.7), "fit")
     assert callback.used_temperature == 0.7  # the engine's
+    out = callback.on_rollout(None, RolloutContext(), rollout)  # the teacher loads at its first rollout
     assert not any(p.requires_grad for p in callback.teacher.parameters()) and not callback.teacher.training
-    out = callback.on_rollout(None, RolloutContext(), rollout)
     got = out.extras[TEACHER_LOGPROBS]
     assert got.shape == rollout.response_ids.shape
     teacher = AutoModelForCausalLM.from_pretrained(teacher_dir)
@@ -196,9 +196,9 @@ def test_the_same_tokenizer_passes_and_a_missing_teacher_folder_names_the_callba
 
 def test_the_constructor_is_cheap_and_checks_its_settings():
     TeacherLogprobs(HFModel("runs/not-made-yet/model"))  # nothing loads: a recipe parses before the teacher exists
-    with pytest.raises(RecipeError, match="micro_batch_size"):
+    with pytest.raises(RecipeError, match=r"^TeacherLogprobs\.micro_batch_size must be an integer >= 1, got 0$"):
         TeacherLogprobs(HFModel("x"), micro_batch_size=0)
-    with pytest.raises(RecipeError, match="temperature"):
+    with pytest.raises(RecipeError, match=r"^TeacherLogprobs\.temperature must be a number > 0 or null, got 0\.0$"):
         TeacherLogprobs(HFModel("x"), temperature=0.0)
 
 

@@ -1,4 +1,5 @@
-"""The distillation teacher behind a URL (``TeacherLogprobs(url=...)``): its log-probs equal the in-process teacher's
+"""The distillation teacher at a server (``TeacherLogprobs(placement=Endpoint(...))``): its log-probs equal the
+in-process teacher's
 on the same rollout (a fake OpenAI-compatible server that computes them with the same tiny teacher, and a real vLLM
 server), a 5xx is retried, a server that stays down or refuses stops the step in one line naming the URL, no
 weights load in the trainer, and a temperature other than 1 is refused in one line."""
@@ -20,10 +21,16 @@ from rllight.callbacks import RolloutContext, TeacherLogprobs
 from rllight.callbacks.distillation import TEACHER_LOGPROBS
 from rllight.errors import ComponentError, RecipeError
 from rllight.models import HFModel
+from rllight.serving import Endpoint, PromptLogprobs
 from rllight.testing import build_tiny_model
 from rllight.types import Rollout
 
 _TRAINER = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")))
+
+
+def _module_without_source() -> SimpleNamespace:
+    """An RLModule as ``check_before_fit`` reads it, with no policy to compare tokenizers with."""
+    return SimpleNamespace(source=None, rollout=SimpleNamespace(temperature=1.0))
 
 
 def _module(policy_dir: str, temperature: float = 1.0) -> SimpleNamespace:
@@ -133,7 +140,8 @@ def test_the_url_teachers_logprobs_are_the_in_process_teachers(tiny_model_dir, t
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_weights)
     monkeypatch.setenv("TEACHER_KEY", "sk-secret")
-    callback = TeacherLogprobs(HFModel(teacher_dir), micro_batch_size=2, url=fake.url, api_key_env="TEACHER_KEY")
+    callback = TeacherLogprobs(HFModel(teacher_dir), micro_batch_size=2,
+                               placement=Endpoint(fake.url, api_key_env="TEACHER_KEY", max_concurrency=1))
     callback.setup(_TRAINER, _module(tiny_model_dir), "fit")
     got = callback.on_rollout(None, RolloutContext(), rollout).extras[TEACHER_LOGPROBS]
     assert got.shape == rollout.response_ids.shape and got.dtype == torch.float32
@@ -149,14 +157,14 @@ def test_the_url_teachers_logprobs_are_the_in_process_teachers(tiny_model_dir, t
     assert bodies[0]["prompt"][1] == prompt_1 + rollout.response_ids[1, : int(rollout.response_mask[1].sum())].tolist()
     assert [len(b["prompt"]) for b in bodies] == [2, 1]
     assert {auth for _, _, auth in fake.requests} == {"Bearer sk-secret"}
-    assert "sk-secret" not in repr(callback.server) and "sk-secret" not in repr(vars(callback.server))
+    assert "sk-secret" not in repr(callback.placement) and "sk-secret" not in repr(vars(callback.placement))
 
 
 @pytest.mark.parametrize("fake", [(500, 503)], indirect=True)
 def test_a_server_error_is_retried(tiny_model_dir, teacher_dir, fake):
     rollout = _rollout(tiny_model_dir)
-    callback = TeacherLogprobs(HFModel(teacher_dir), micro_batch_size=8, url=fake.url, served_model="teacher",
-                               backoff_seconds=0.01)
+    callback = TeacherLogprobs(HFModel(teacher_dir), micro_batch_size=8, placement=Endpoint(
+        fake.url, protocol=PromptLogprobs(model="teacher"), backoff_seconds=0.01))
     got = callback.on_rollout(None, RolloutContext(), rollout).extras[TEACHER_LOGPROBS]
     torch.testing.assert_close(got, _in_process(teacher_dir, tiny_model_dir, rollout), atol=1e-5, rtol=1e-5)
     assert [route for route, _, _ in fake.requests] == ["/v1/completions"] * 3  # 500, 503, then the answer
@@ -164,19 +172,20 @@ def test_a_server_error_is_retried(tiny_model_dir, teacher_dir, fake):
 
 @pytest.mark.parametrize("fake", [(500, 500, 500)], indirect=True)
 def test_a_server_that_keeps_failing_stops_the_step_in_one_line(tiny_model_dir, teacher_dir, fake):
-    callback = TeacherLogprobs(HFModel(teacher_dir), url=fake.url, served_model="teacher", retries=2,
-                               backoff_seconds=0.01)
+    callback = TeacherLogprobs(HFModel(teacher_dir), placement=Endpoint(
+        fake.url, protocol=PromptLogprobs(model="teacher"), retries=2, backoff_seconds=0.01))
     with pytest.raises(ComponentError) as err:
         callback.on_rollout(None, RolloutContext(), _rollout(tiny_model_dir))
     line = str(err.value)
-    assert "\n" not in line and line.startswith("trainer.callbacks: TeacherLogprobs: the teacher's vLLM server at "
+    assert "\n" not in line and line.startswith("trainer.callbacks: TeacherLogprobs: the teacher at "
                                                 f"{fake.url} answered /v1/completions with HTTP 500"), line
     assert line.endswith("(after 3 attempts)") and len(fake.requests) == 3
 
 
 @pytest.mark.parametrize("fake", [(400,)], indirect=True)
 def test_a_client_error_is_not_retried(tiny_model_dir, teacher_dir, fake):
-    callback = TeacherLogprobs(HFModel(teacher_dir), url=fake.url, served_model="teacher", backoff_seconds=0.01)
+    callback = TeacherLogprobs(HFModel(teacher_dir), placement=Endpoint(
+        fake.url, protocol=PromptLogprobs(model="teacher"), backoff_seconds=0.01))
     with pytest.raises(ComponentError, match=f"at {fake.url} answered /v1/completions with HTTP 400"):
         callback.on_rollout(None, RolloutContext(), _rollout(tiny_model_dir))
     assert len(fake.requests) == 1
@@ -184,41 +193,45 @@ def test_a_client_error_is_not_retried(tiny_model_dir, teacher_dir, fake):
 
 def test_a_server_that_is_down_is_one_line_naming_the_url(tiny_model_dir, teacher_dir):
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    callback = TeacherLogprobs(HFModel(teacher_dir), url=url, served_model="teacher", retries=1,
-                               backoff_seconds=0.01, timeout_seconds=5)
+    callback = TeacherLogprobs(HFModel(teacher_dir), placement=Endpoint(
+        url, protocol=PromptLogprobs(model="teacher"), retries=1, backoff_seconds=0.01, timeout_seconds=5))
     start = time.monotonic()
     with pytest.raises(ComponentError) as err:
         callback.on_rollout(None, RolloutContext(), _rollout(tiny_model_dir))
     line = str(err.value)
-    assert line.startswith(f"trainer.callbacks: TeacherLogprobs: no answer from the teacher's vLLM server at {url} "
+    assert line.startswith(f"trainer.callbacks: TeacherLogprobs: no answer from the teacher at {url} "
                            "to /v1/completions within timeout_seconds=5 ("), line
-    assert line.endswith("check that it runs and the URL (TeacherLogprobs.url) (after 2 attempts)"), line
+    assert line.endswith("check that it runs and the URL (trainer.callbacks: TeacherLogprobs.placement.init_args.url) "
+                         "(after 2 attempts)"), line
     assert "\n" not in line and time.monotonic() - start < 10
 
 
 def test_a_temperature_other_than_1_is_refused_in_one_line(tiny_model_dir, teacher_dir):
     url = "http://127.0.0.1:1"
-    with pytest.raises(RecipeError, match=r"^trainer.callbacks: TeacherLogprobs.url: a vLLM server's prompt "
-                                          r"log-probs are at temperature 1 .* not at the temperature 0.7; set"):
-        TeacherLogprobs(HFModel(teacher_dir), url=url, temperature=0.7)
-    callback = TeacherLogprobs(HFModel(teacher_dir), url=url)
+    with pytest.raises(RecipeError, match=r"^trainer.callbacks: TeacherLogprobs.placement: the server's log-probs "
+                                          r"are at temperature 1 \(PromptLogprobs .* not at the temperature 0.7; set"):
+        TeacherLogprobs(HFModel(teacher_dir), placement=Endpoint(url), temperature=0.7)
+    callback = TeacherLogprobs(HFModel(teacher_dir), placement=Endpoint(url))
     with pytest.raises(RecipeError, match="not at the engine's sampling temperature 0.7; set TeacherLogprobs"):
         callback.setup(_TRAINER, _module(tiny_model_dir, temperature=0.7), "fit")
     # Distilling at temperature 1 from an engine that samples at 0.7 is a choice the recipe states:
-    TeacherLogprobs(HFModel(teacher_dir), url=url, temperature=1.0).setup(_TRAINER, _module(tiny_model_dir, 0.7), "fit")
+    TeacherLogprobs(HFModel(teacher_dir), placement=Endpoint(url), temperature=1.0).setup(
+        _TRAINER, _module(tiny_model_dir, 0.7), "fit")
 
 
 def test_bad_url_settings_are_one_line_errors(teacher_dir):
-    for kwargs, needle in [({"url": "teacher-node:8000"}, "url must start with http"),
-                           ({"url": "http://x:8000/v1"}, "without /v1"),
-                           ({"url": "http://x", "api_key_env": "sk-123"}, "NAME of an environment variable"),
+    key = r"^trainer\.callbacks: TeacherLogprobs\.placement\.init_args\."
+    for kwargs, needle in [({"url": "teacher-node:8000"}, "url must be the server's URL, starting with http"),
+                           ({"url": "http://x:8000/v1"}, r"url is the server's base URL: drop /v1"),
+                           ({"url": "http://x", "api_key_env": "sk-123"}, "api_key_env must be the NAME of an "
+                                                                          "environment variable"),
                            ({"url": "http://x", "timeout_seconds": 0}, "timeout_seconds"),
                            ({"url": "http://x", "retries": -1}, "retries")]:
-        with pytest.raises(RecipeError, match=needle):
-            TeacherLogprobs(HFModel(teacher_dir), **kwargs)
-    callback = TeacherLogprobs(HFModel(teacher_dir), url="http://x", api_key_env="NO_SUCH_TEACHER_KEY")
+        with pytest.raises(RecipeError, match=key + needle):
+            TeacherLogprobs(HFModel(teacher_dir), placement=Endpoint(**kwargs))
+    callback = TeacherLogprobs(HFModel(teacher_dir), placement=Endpoint("http://x", api_key_env="NO_SUCH_TEACHER_KEY"))
     with pytest.raises(RecipeError, match="environment variable NO_SUCH_TEACHER_KEY is not set"):
-        callback.server.request("/v1/models")
+        callback.check_before_fit(_module_without_source())
 
 
 # ------------------------------------------------------------------------------------------- a vLLM server
@@ -236,7 +249,7 @@ def vllm_teacher(tmp_path_factory):
 def test_a_vllm_servers_prompt_logprobs_are_the_in_process_teachers(tiny_model_dir, vllm_teacher):
     url, teacher_dir = vllm_teacher
     rollout = _rollout(tiny_model_dir)
-    callback = TeacherLogprobs(HFModel(teacher_dir), micro_batch_size=2, url=url)
+    callback = TeacherLogprobs(HFModel(teacher_dir), micro_batch_size=2, placement=Endpoint(url))
     callback.setup(_TRAINER, _module(tiny_model_dir), "fit")  # the tokenizers compared, the served name asked
     got = callback.on_rollout(None, RolloutContext(), rollout).extras[TEACHER_LOGPROBS]
     # Tolerance 1e-4 (absolute): both sides are float32, but vLLM's CPU kernels (its attention, its fused RMSNorm,

@@ -21,7 +21,7 @@ def _rows(sizes=None):
 
 class ScriptedProducer:
     """A producer whose training responses are correct at each row's scripted pass rate (``rates[prompt]``); the
-    curriculum hears them as the real producer's ``observe`` call tells them."""
+    curriculum hears them as the real producer's ``hear`` call tells them."""
 
     def __init__(self, curriculum, rates):
         self.curriculum, self.rates, self.ranks = curriculum, rates, Ranks()
@@ -37,18 +37,34 @@ class ScriptedProducer:
         return rollout
 
 
+class StepData:
+    """The data side a curriculum reads: the step counter, and each step's count of each source (set per step from
+    the rows a loader's batch would hold)."""
+
+    def __init__(self):
+        self.batches_trained, self.counts = 0, {}
+
+    def step_counts(self, step):
+        return self.counts
+
+
 def _step(curriculum, producer, loader_rows, replacements=0):
-    """One training step: the curriculum's choice, heard back at the scripted rates (plus ``replacements`` extra
-    prompts a sampler asks for); returns the prompts trained on and the step's metrics."""
+    """One training step: the curriculum's choice of as many prompts of each source as ``loader_rows`` has, heard
+    back at the scripted rates (plus ``replacements`` extra prompts a sampler asks for); returns the prompts trained
+    on and the step's metrics."""
     seen = []
 
     def sampler(prod, rows):
         rows = rows + (prod.curriculum.draw(replacements) if replacements else [])
         seen.extend(r["prompt"] for r in rows)
-        prod.curriculum.observe(rows, [prod.rates[r["prompt"]] for r in rows])
+        prod.curriculum.hear(rows, [prod.rates[r["prompt"]] for r in rows])
         return Rollout.empty()
 
-    rollout = curriculum.run(sampler, producer, loader_rows, curriculum.steps)
+    if curriculum.data is None:
+        curriculum.data = StepData()
+    curriculum.data.counts = Counter(r["data_source"] for r in loader_rows)
+    rollout = curriculum.run(sampler, producer, loader_rows)
+    curriculum.trained()
     return seen, rollout.extras
 
 
@@ -176,7 +192,8 @@ def test_a_resumed_curriculum_draws_exactly_what_the_uninterrupted_one_draws():
 
 
 def test_bad_settings_and_a_changed_data_set_are_one_line():
-    with pytest.raises(RecipeError, match="pools.hard must be a pass rate"):
+    with pytest.raises(RecipeError,
+                       match=r"^data\.curriculum\.init_args\.pools\.hard must be a number in \[0, 1\], got 2$"):
         DifficultyPools(pools={"hard": 2})
     with pytest.raises(RecipeError, match="no pool holds a pass rate of 1"):
         DifficultyPools(pools={"hard": 0.5})
@@ -184,10 +201,12 @@ def test_bad_settings_and_a_changed_data_set_are_one_line():
         DifficultyPools(weights={"hard": 1})
     with pytest.raises(RecipeError, match="unseen is 'medium'"):
         DifficultyPools(unseen="medium")
-    with pytest.raises(RecipeError, match="max_draws must be an integer >= 1"):
+    with pytest.raises(RecipeError, match=r"^DifficultyPools\.max_draws must be an integer >= 1 or null, got 0$"):
         DifficultyPools(max_draws=0)
-    with pytest.raises(RecipeError, match="window must be an integer >= 1, got None"):
+    with pytest.raises(RecipeError, match=r"^DifficultyPools\.window must be an integer >= 1, got None$"):
         DifficultyPools(window=None)
+    with pytest.raises(RecipeError, match=r"^DifficultyPools\.max_pass_rate must be a number in \[0, 1\] or null"):
+        DifficultyPools(max_pass_rate=1.5)
     assert DifficultyPools(pools={"low": 0.5, "high": 1.0}, unseen="low").weights == {"low": 1.0, "high": 1.0}
     state = DifficultyPools().bind(_rows({"a": 5}), 0).state_dict()
     curriculum = DifficultyPools().bind(_rows({"a": 6}), 0)
@@ -199,3 +218,29 @@ def test_bad_settings_and_a_changed_data_set_are_one_line():
     fresh.load_state_dict({"cursor": 4})
     _step(fresh, ScriptedProducer(fresh, {r["prompt"]: 0.5 for r in fresh.rows}), fresh.rows[:2])
     assert fresh.steps == 1 and len(fresh.history) == 2
+
+
+def test_a_rule_of_ones_own_gets_the_cap_the_gate_and_the_replacements_of_the_base_and_its_state_back():
+    from test_curriculum_fit import HardestFirst
+
+    class OddRowsOnly(HardestFirst):
+        def admit(self, index):
+            return index % 2 == 1
+
+    rows = _rows({"a": 10, "b": 6})  # a: rows 0..9, b: rows 10..15
+    rule = OddRowsOnly(max_draws=5, seed=0).bind(rows, 0)
+    producer = ScriptedProducer(rule, {r["prompt"]: 0.5 for r in rows})
+    seen, metrics = _step(rule, producer, [rows[0], rows[1], rows[10]], replacements=2)
+    # all unseen, so by row: a draws 0 (rejected), 1, 2 (rejected), 3; b draws 10 (rejected): 5 draws, the cap;
+    # the replacements find the cap reached
+    assert sorted(seen) == ["a 1", "a 3"]
+    assert (metrics["curriculum/draws"], metrics["curriculum/cap_hit"]) == (5, 1)
+    assert (metrics["curriculum/a/draws"], metrics["curriculum/b/draws"]) == (4, 1)
+    assert rule.state_dict() == {"steps": 1, "rows": 16, "profiled": False, "rates": {1: 0.5, 3: 0.5}}
+    # the next step: the rows not seen yet first (0, 2, 4 rejected, then 5; 6 rejected at the cap), and a rule
+    # resumed from the state draws the same, where a fresh one would draw rows 1 and 3 again
+    resumed = OddRowsOnly(max_draws=5, seed=0).bind(rows, 0)
+    resumed.load_state_dict(rule.state_dict())
+    for curriculum in (rule, resumed):
+        seen, _ = _step(curriculum, ScriptedProducer(curriculum, producer.rates), [rows[0], rows[1], rows[10]])
+        assert seen == ["a 5"]

@@ -75,7 +75,7 @@ def test_row_without_answer_names_row(tmp_path):
 
 
 def test_missing_data_file_through_the_cli_is_one_line(tmp_path, tiny_model_dir, capsys):
-    from rllight.cli import main
+    from rllight.app.cli import main
 
     from conftest import RECIPES
     from helpers import tiny_overrides
@@ -134,7 +134,7 @@ def test_empty_file_names_the_file(tmp_path, name, write, expected):
 
 
 def test_empty_file_through_the_cli_is_one_line(tmp_path, tiny_model_dir, capsys):
-    from rllight.cli import main
+    from rllight.app.cli import main
 
     from conftest import RECIPES
     from helpers import tiny_overrides

@@ -8,7 +8,8 @@ import pytest
 from rllight.data import ArithmeticTask, RLDataModule
 from rllight.data.module import gsm8k_answer
 from rllight.errors import RecipeError
-from rllight.rewards import IntegerMatch, MathVerify, PerSource, by_source, check_rows, score_rows
+from reward_fixtures import samples_of
+from rllight.rewards import IntegerMatch, MathVerify, PerSource, check_rows, scored
 
 
 def _write_jsonl(path, rows):
@@ -206,23 +207,25 @@ def test_per_source_picks_the_reward_of_each_row():
     with pytest.raises(RecipeError, match="^model.reward: no reward for data_source 'aime'"):
         reward.for_source("aime")
     # IntegerMatch cannot read "1/2" and scores -1 when wrong; MathVerify reads 0.5 = 1/2.
-    rewards, correct, failures = score_rows(reward, ["42", "0.5", "41", "x"], ["42", "1/2", "42", "1/2"],
-                                            ["openai/gsm8k", "math", "openai/gsm8k", "math"])
-    assert (rewards, correct, failures) == ([1.0, 1.0, -1.0, 0.0], [True, True, False, False], 0)
+    scores = scored(reward, samples_of(["42", "0.5", "41", "x"], ["42", "1/2", "42", "1/2"],
+                                       ["openai/gsm8k", "math", "openai/gsm8k", "math"]))
+    assert (scores.values, scores.solved, scores.failed) == ([1.0, 1.0, -1.0, 0.0], [True, True, False, False], {})
     # With a default, an unknown source uses it.
     fallback = PerSource(rewards={"math": MathVerify()}, default=IntegerMatch())
     assert fallback.for_source("aime") is fallback.default
-    assert score_rows(fallback, ["7"], ["7"], ["aime"]) == ([1.0], [True], 0)
+    fallen = scored(fallback, samples_of(["7"], ["7"], ["aime"]))
+    assert (fallen.values, fallen.solved, fallen.failed) == ([1.0], [True], {})
     # A plain reward scores every row.
-    assert score_rows(IntegerMatch(), ["7", "8"], ["7", "7"], ["a", "b"]) == ([1.0, 0.0], [True, False], 0)
+    plain = scored(IntegerMatch(), samples_of(["7", "8"], ["7", "7"], ["a", "b"]))
+    assert (plain.values, plain.solved) == ([1.0, 0.0], [True, False])
 
 
-def test_by_source_groups_responses_for_any_scorer():
+def test_split_groups_rows_by_the_reward_that_scores_them():
     reward = _per_source()
-    groups = by_source(reward, ["math", "openai/gsm8k", "math"])
+    groups = reward.split([{"data_source": s} for s in ["math", "openai/gsm8k", "math"]])
     assert [(type(r).__name__, index) for r, index in groups] == [("MathVerify", [0, 2]), ("IntegerMatch", [1])]
     plain = IntegerMatch()
-    assert by_source(plain, ["a", "b"]) == [(plain, [0, 1])]
+    assert plain.split([{"data_source": "a"}, {"data_source": "b"}]) == [(plain, [0, 1])]
 
 
 def test_check_rows_uses_each_source_reward():

@@ -7,8 +7,8 @@ from collections import Counter
 import pytest
 
 from rllight.data import RLDataModule, SourceMix, Task
-from rllight.data.mix import source_metrics
 from rllight.errors import RecipeError
+from rllight.rollout.source_metrics import source_metrics
 
 
 class ThreeSources(Task):
@@ -44,6 +44,19 @@ def test_every_batch_holds_each_sources_share_exactly():
     loader = [list(b) for b in data.train_dataloader()]
     assert len(loader) == 8 and [[r["prompt"] for r in b] for b in loader] == [[r["prompt"] for r in b]
                                                                               for b in batches[:8]]
+
+
+@pytest.mark.parametrize("mix", [None, SourceMix({"a": 1, "b": 1, "c": 1}, schedule=[{"step": 9, "weights": {
+    "a": 0, "b": 1, "c": 3}}])])
+def test_the_data_side_counts_each_steps_sources_as_the_loaders_global_batch_holds_them(mix):
+    """A curriculum draws ``step_counts`` prompts of each source: those of the global batch the loader's processes
+    hold together, with a mix and without one (the seeded order's), past an epoch's end."""
+    ranks = [_data(mix, batch_size=4, rank=r, world=2) for r in (0, 1)]
+    batches = [data.upcoming_batches(0, 40) for data in ranks]
+    counts = [ranks[0].step_counts(step) for step in range(40)]
+    assert [{s: n for s, n in c.items() if n} for c in counts] == [
+        dict(_sources(batches[0][step] + batches[1][step])) for step in range(40)]
+    assert len({tuple(sorted(c.items())) for c in counts}) > 1  # the steps differ: the comparison can fail
 
 
 def test_a_share_that_does_not_divide_the_batch_is_off_by_at_most_one_and_exact_over_batches():
@@ -96,7 +109,8 @@ def test_sources_and_weights_that_do_not_match_are_one_line(mix, message):
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"weights": {}}, "data.mix.weights must map each data source to a weight"),
-    ({"weights": {"a": -1}}, "data.mix.weights.a must be a number >= 0"),
+    ({"weights": {"a": -1}}, "data.mix.weights.a must be a finite number >= 0, got -1"),
+    ({"weights": {"a": float("inf")}}, "data.mix.weights.a must be a finite number >= 0, got inf"),
     ({"weights": {"a": 0}}, "every weight is 0"),
     ({"weights": {"a": 1}, "schedule": [{"step": 3}]}, "data.mix.schedule[0] must be {step: S, weights"),
     ({"weights": {"a": 1, "b": 1}, "schedule": [{"step": 3, "weights": {"a": 1}}]}, "schedule[0].weights names"),

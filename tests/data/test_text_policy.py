@@ -81,7 +81,7 @@ def test_decode_errors_skip_leaves_rows_out_and_error_names_the_row(tmp_path, ca
 def test_a_run_on_rows_with_lone_surrogates_trains(tmp_path, tiny_model_dir):
     """Every batch holds a row with an escaped lone surrogate, which the JSON reader took: the run trains (it crashed
     in the tokenizer at the first rollout, and so did every resume from its checkpoint, which read the same rows)."""
-    from rllight.cli import main
+    from rllight.app.cli import main
 
     path = tmp_path / "train.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"What is {i} + 1? \ud800", "answer": str(i + 1)}) + "\n"
@@ -93,7 +93,7 @@ def test_a_run_on_rows_with_lone_surrogates_trains(tmp_path, tiny_model_dir):
 def test_generate_reads_prompts_that_are_not_utf8(tmp_path, tiny_model_dir, restore_sys_path):
     """A .txt file with a Latin-1 byte and a CESU-8 surrogate, and ``--prompt`` text from a shell that passed bytes
     that are not UTF-8 (Python gives them as lone surrogates): replaced, and answered."""
-    from rllight.cli import main
+    from rllight.app.cli import main
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_bytes(b"Caf\xe9?\n\nWhat is \xed\xa0\x80?\n")
@@ -134,7 +134,7 @@ def test_chat_input_that_is_not_utf8(mode, expected, capsys):
     """Piped chat input with bytes that are not UTF-8 (a strict stdin raised UnicodeDecodeError): each line is
     replaced or skipped by the policy; the conversation goes on."""
     from rllight.data.text import TextPolicy
-    from rllight.generate import chat
+    from rllight.app.generate import chat
 
     stdin = io.TextIOWrapper(io.BytesIO(b"Caf\xe9?\n\xff\xfe 2 + 2\n/exit\n"), encoding="utf-8")
     session = _Session()
@@ -161,7 +161,7 @@ def test_a_jsonl_line_over_max_row_bytes_is_one_line_before_it_is_read_whole(tmp
                               "shorten or split that row, or raise data.max_row_bytes")
     assert peak < 1_000_000  # the 8 MB line was never held
     RLDataModule(train_files=[str(path)], max_row_bytes=8_000_100).setup("fit")  # under a larger bound: read
-    with pytest.raises(RecipeError, match="data.max_row_bytes must be a number of bytes >= 1, got 0"):
+    with pytest.raises(RecipeError, match=r"^RLDataModule\.max_row_bytes must be an integer >= 1, got 0$"):
         RLDataModule(max_row_bytes=0)
 
 
@@ -188,7 +188,7 @@ def test_a_row_over_max_row_bytes_in_an_array_or_parquet(tmp_path, name, write):
 def test_a_txt_prompt_over_max_row_bytes(tmp_path):
     from argparse import Namespace
 
-    from rllight.generate import _prompt_rows
+    from rllight.app.generate import _prompt_rows
 
     path = tmp_path / "prompts.txt"
     path.write_bytes(b"short\n" + b"z" * 5000 + b"\n")
@@ -300,7 +300,7 @@ def test_a_run_refuses_a_prompt_longer_than_the_context_before_training(tmp_path
 
 def test_generate_refuses_or_cuts_a_prompt_longer_than_the_context(tmp_path, tiny_model_dir, capsys,
                                                                     restore_sys_path):
-    from rllight.cli import main
+    from rllight.app.cli import main
 
     line = _error(capsys, "generate", "--model.path", tiny_model_dir, "--prompt", LONG, "--max_new_tokens", "2")
     assert line.startswith("rllight: error: --prompt 1: the prompt is ") and "--max_new_tokens=2" in line

@@ -22,7 +22,7 @@ import sys
 import pytest
 
 from conftest import RECIPES
-from rllight.cli import main
+from rllight.app.cli import main
 
 ROOT = os.path.dirname(RECIPES)
 DOCS = os.path.join(ROOT, "docs")
@@ -86,10 +86,10 @@ BASH = _bash_cases()
 
 
 def _record_options() -> set[str]:
-    """The options ``rllight.records.add_record_options`` gives a tool (``--record``, ``--shared``, ...)."""
+    """The options ``rllight.app.records.add_record_options`` gives a tool (``--record``, ``--shared``, ...)."""
     import argparse
 
-    from rllight.records import add_record_options
+    from rllight.app.records import add_record_options
 
     parser = argparse.ArgumentParser()
     add_record_options(parser, id=None, section=None)
@@ -109,7 +109,7 @@ def test_shell_block_names_what_exists(page, command, tmp_path, capsys, monkeypa
     if head in ("python", ".venv/bin/python") and len(command) > 1 and command[1].startswith("tools/"):
         with open(os.path.join(ROOT, command[1])) as f:
             source = f.read()
-        shared = _record_options() if "add_record_options(" in source else set()  # rllight.records adds them
+        shared = _record_options() if "add_record_options(" in source else set()  # rllight.app.records adds them
         for token in command[2:]:
             if token.startswith("--"):
                 option = token.split("=", 1)[0]

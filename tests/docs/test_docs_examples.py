@@ -31,9 +31,13 @@ METRICS = {
     "extending/environment.md": "train/episode/turns_mean",
     "extending/engine.md": "train/rollout/new_tokens",
     "extending/strategy.md": "train/policy/ratio_max",
+    "extending/curriculum.md": "train/curriculum/unseen",
 }
 # The methods through which a class of each kind takes part in a run; each one a class defines itself must run.
-HOOKS = ("__call__", "on_rollout", "step", "generate", "is_correct")
+HOOKS = ("__call__", "on_rollout", "step", "generate", "is_correct", "choose")
+# Pages whose classes are parts a run's owner uses (a placement, a wire protocol that needs a server), not a 2-step run
+# of their own: the test file named runs each one's my_lab.py as written instead.
+OWN_TESTS = {"extending/serving.md": "test_docs_serving.py"}
 
 
 def code_blocks(page: str) -> list[tuple[str, str]]:
@@ -117,12 +121,14 @@ def _count_hooks(cls, calls: dict, monkeypatch) -> list[str]:
 
 def test_the_extending_pages_each_have_an_example():
     pages = example_pages()
-    for name in ("strategy", "loss-term", "callback", "environment", "reward", "engine"):
+    for name in ("strategy", "loss-term", "callback", "environment", "reward", "engine", "curriculum", "serving"):
         assert f"extending/{name}.md" in pages
     assert set(METRICS) <= set(pages)  # no metric of a page that lost its example
+    for page, test in OWN_TESTS.items():  # no page left to a test that is gone
+        assert page in pages and os.path.exists(os.path.join(os.path.dirname(__file__), test)), (page, test)
 
 
-@pytest.mark.parametrize("page", example_pages())
+@pytest.mark.parametrize("page", [page for page in example_pages() if page not in OWN_TESTS])
 def test_a_docs_example_trains_two_steps_as_written(page, tmp_path, tiny_model_dir, monkeypatch):
     install_my_lab(page, tmp_path / "user", monkeypatch)
     overlays = my_lab_overlays(page)
@@ -139,7 +145,7 @@ def test_a_docs_example_trains_two_steps_as_written(page, tmp_path, tiny_model_d
         my_lab = sys.modules["my_lab"]
         calls: dict[str, int] = {}
         hooks = {name: _count_hooks(getattr(my_lab, name), calls, monkeypatch) for name in names}
-        parts = [*vars(cli.model).values(), *cli.model.loss_terms, *cli.trainer.callbacks]
+        parts = [*vars(cli.model).values(), *cli.model.loss_terms, *cli.trainer.callbacks, cli.datamodule.curriculum]
         for name in names:  # the recipe built the page's class, not a built-in one
             assert any(type(p).__module__ == "my_lab" and type(p).__name__ == name for p in parts), name
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)

@@ -409,7 +409,7 @@ def test_an_environment_failing_on_every_episode_stops_the_run_naming_it_not_the
                                          ("huge", "Faulty.step gave reward 1e+39, which is not finite in float32")])
 def test_an_environment_that_always_fails_ends_the_cli_with_one_line_and_exit_2(fault, last, tmp_path, capsys,
                                                                                tiny_model_dir):
-    from rllight.cli import main
+    from rllight.app.cli import main
 
     env = {"class_path": "test_environments.Faulty", "init_args": {"fault": fault, "always": True}}
     overlay = tiny_overrides(tmp_path, tiny_model_dir, environment=env)
@@ -419,12 +419,13 @@ def test_an_environment_that_always_fails_ends_the_cli_with_one_line_and_exit_2(
     err = capsys.readouterr().err.strip().splitlines()
     assert "Traceback" not in "\n".join(err)
     assert err[-1] == (f"rllight: error: model.environment: Faulty failed on every episode of 3 batches in a row "
-                       f"(last: {last}); fix the environment (model.max_failed_reward_steps sets how many batches "
-                       "are tolerated)")
+                       f"(last: {last}); fix the environment (model.guards.max_failed_reward_steps sets how many "
+                       "batches are tolerated)")
 
 
 def test_environment_timeout_setting_is_checked():
-    with pytest.raises(RecipeError, match="model.environment.init_args.timeout_seconds must be a positive"):
+    with pytest.raises(RecipeError, match=r"^ArithmeticFeedback\.timeout_seconds must be a finite number > 0 or null, "
+                                          r"got 0$"):
         ArithmeticFeedback(timeout_seconds=0)
     assert Calculator(timeout_seconds=None).timeout_seconds is None
     assert ArithmeticFeedback().timeout_seconds == Environment.DEFAULT_TIMEOUT == 30.0
@@ -508,17 +509,21 @@ def test_calculator_limits_are_settings():
         evaluate("1 + 2 + 3", max_chars=5)
 
 
-@pytest.mark.parametrize("make, key", [
-    (lambda: ArithmeticFeedback(max_turns=0), "model.environment.init_args.max_turns"),
-    (lambda: ArithmeticFeedback(max_total_tokens=1), "model.environment.init_args.max_total_tokens"),
-    (lambda: ArithmeticFeedback(turn_discount=0.0), "model.environment.init_args.turn_discount"),
-    (lambda: ArithmeticFeedback(turn_discount=1.5), "model.environment.init_args.turn_discount"),
-    (lambda: Calculator(max_depth=0), "model.environment.init_args.max_depth"),
+@pytest.mark.parametrize("make, message", [  # a call from Python names Class.parameter (a recipe: its key)
+    (lambda: ArithmeticFeedback(max_turns=0), "ArithmeticFeedback.max_turns must be an integer >= 1, got 0"),
+    (lambda: ArithmeticFeedback(max_total_tokens=1), "ArithmeticFeedback.max_total_tokens must be an integer >= 2, "
+                                                     "got 1"),
+    (lambda: ArithmeticFeedback(turn_discount=0.0), "ArithmeticFeedback.turn_discount must be a number in (0, 1], "
+                                                    "got 0.0"),
+    (lambda: ArithmeticFeedback(turn_discount=1.5), "ArithmeticFeedback.turn_discount must be a number in (0, 1], "
+                                                    "got 1.5"),
+    (lambda: Calculator(max_depth=0), "Calculator.max_depth must be an integer >= 1, got 0"),
+    (lambda: Calculator(max_concurrency=True), "Calculator.max_concurrency must be an integer >= 1, got True"),
 ])
-def test_bad_environment_settings_name_the_key(make, key):
+def test_bad_environment_settings_name_the_key(make, message):
     with pytest.raises(RecipeError) as err:
         make()
-    assert str(err.value).startswith(key) and "\n" not in str(err.value)
+    assert str(err.value) == message
 
 
 # ------------------------------------------------------------------------------ recipes, end to end
@@ -535,7 +540,7 @@ def test_environment_recipe_trains_two_steps_with_groups(recipe, tmp_path, tiny_
         extra = ["--data.task", '{class_path: rllight.data.ReasoningGymTask, init_args: {tasks: {chain_sum: {}, '
                  'leg_counting: {}}, train_size: 16, val_size: 4}}']
     cli = build(os.path.join(RECIPES, recipe), tiny_overrides(tmp_path, tiny_model_dir), "--trainer.max_steps", "2",
-                "--model.minibatch_size", "null", *extra)
+                "--model.batching.minibatch_size", "null", *extra)
     env = cli.model.producer.environment
     assert type(env).__name__ == {"env-arithmetic-feedback.yaml": "ArithmeticFeedback",
                                   "env-calculator.yaml": "Calculator",
@@ -551,6 +556,24 @@ def test_environment_recipe_trains_two_steps_with_groups(recipe, tmp_path, tiny_
     assert float(metrics.get("train/episode/failures", 0.0)) == 0.0  # every call into an episode succeeded
 
 
+def test_an_environment_scores_without_a_reward_and_its_verifier_checks_the_answers(tmp_path, tiny_model_dir):
+    """With no ``model.reward`` the environment scores the episodes, and its ``verifier`` does what a reward did
+    before training: it checks every reference answer and passes the pre-flight."""
+    cli = build(os.path.join(RECIPES, "env-calculator.yaml"),
+                tiny_overrides(tmp_path, tiny_model_dir, reward=None, reward_preflight=2), "--trainer.max_steps", "1",
+                "--model.batching.minibatch_size", "null")
+    assert cli.model.reward is None and cli.model.producer.scorer is None
+    assert cli.model.answer_checker is cli.model.environment.verifier
+    seen = fit_recording_rollouts(cli)  # the pre-flight passed: IntegerMatch tells a right answer from a wrong one
+    assert len(seen) == 1 and cli.model._preflight_done
+    rows = tmp_path / "train.jsonl"
+    rows.write_text('{"prompt": "What is half of 1?", "answer": "1/2"}\n')
+    cli = build(os.path.join(RECIPES, "env-calculator.yaml"), tiny_overrides(tmp_path, tiny_model_dir, reward=None),
+                "--data.train_files", f"[{rows}]", "--trainer.max_steps", "1")
+    with pytest.raises(RecipeError, match=r"train.jsonl row 1: answer '1/2' can never be matched by IntegerMatch"):
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+
+
 def test_dynamic_sampling_and_group_sampler_train_on_multi_turn_rollouts(tmp_path, tiny_model_dir):
     """DAPO's dynamic sampling keeps the mixed groups of two-turn episodes and the update changes every
     parameter: the samplers run unchanged on multi-turn rollouts."""
@@ -558,7 +581,7 @@ def test_dynamic_sampling_and_group_sampler_train_on_multi_turn_rollouts(tmp_pat
     sampler = {"class_path": "rllight.strategies.DynamicSampling", "init_args": {"group_size": 4, "max_rounds": 3}}
     cli = build(os.path.join(RECIPES, "env-arithmetic-feedback.yaml"),
                 tiny_overrides(tmp_path, tiny_model_dir, environment=env, sampler=sampler),
-                "--trainer.max_steps", "2", "--model.minibatch_size", "null")
+                "--trainer.max_steps", "2", "--model.batching.minibatch_size", "null")
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     metrics = cli.trainer.callback_metrics
     assert float(metrics["train/sampling/groups_kept"]) > 0

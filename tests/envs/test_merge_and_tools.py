@@ -194,7 +194,7 @@ def test_a_run_whose_template_forgets_trains_on_every_sample_of_each_episode(tmp
     tok.save_pretrained(model_dir)
     env = {"class_path": "test_environments.DigitFeedback", "init_args": {"max_turns": 2}}
     cli = build(f"{RECIPES}/env-arithmetic-feedback.yaml", tiny_overrides(tmp_path, model_dir, environment=env),
-                "--trainer.max_steps", "2", "--model.minibatch_size", "null")
+                "--trainer.max_steps", "2", "--model.batching.minibatch_size", "null")
     seen = fit_recording_rollouts(cli)
     assert len(seen) == 2
     for rollout in seen:
@@ -259,7 +259,8 @@ def test_a_trl_contract_class_trains_from_a_recipe(tmp_path, tiny_model_dir):
     model = {"class_path": "rllight.models.HFModel", "init_args": {"path": tiny_model_dir, "chat_template": str(template)}}
     cli = build(f"{RECIPES}/env-arithmetic-feedback.yaml",
                 tiny_overrides(tmp_path, tiny_model_dir, environment=env, model=model),
-                "--trainer.max_steps", "2", "--model.minibatch_size", "null", "--model.max_prompt_tokens", "480")
+                "--trainer.max_steps", "2", "--model.batching.minibatch_size", "null",
+                "--model.max_prompt_tokens", "480")
     seen = fit_recording_rollouts(cli)
     assert float(cli.trainer.callback_metrics["train/episode/failures"]) == 0.0
     assert len(seen) == 2 and all(len(r) == 16 for r in seen)  # 2 prompts x G = 8, one sample per episode

@@ -325,13 +325,22 @@ def test_a_missing_package_is_one_line_with_the_install_command(monkeypatch):
     ({"url": "http://h:1", "action_args": {"message": "x"}}, "action_args sets 'message'"),
     ({"url": "http://h:1", "reset_args": [1]}, "reset_args must be a mapping"),
     ({"url": "http://h:1", "reset_from_row": {"seed": 1}}, "reset_from_row maps"),
-    ({"url": "http://h:1", "startup_timeout_seconds": 0}, "startup_timeout_seconds must be a positive number"),
-    ({"url": "http://h:1", "max_concurrency": 0}, "max_concurrency must be an integer"),
 ])
 def test_bad_settings_are_one_line_naming_the_key(kwargs, key):
     with pytest.raises(RecipeError) as err:
         OpenEnv(**kwargs)
     assert str(err.value).startswith(f"model.environment.init_args.{key}") and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"startup_timeout_seconds": 0}, "OpenEnv.startup_timeout_seconds must be a number > 0, got 0"),
+    ({"max_concurrency": 0}, "OpenEnv.max_concurrency must be an integer >= 1, got 0"),
+    ({"timeout_seconds": float("inf")}, "OpenEnv.timeout_seconds must be a finite number > 0 or null, got inf"),
+])
+def test_settings_out_of_their_declared_bounds_are_one_line_naming_the_parameter(kwargs, message):
+    with pytest.raises(RecipeError) as err:
+        OpenEnv(url="http://h:1", **kwargs)
+    assert str(err.value) == message
 
 
 def test_constructors_start_nothing_and_copies_carry_the_settings_only():

@@ -193,7 +193,7 @@ def test_the_recipe_trains_two_steps_on_the_tiny_model(tmp_path, tiny_model_dir)
     played to their end or to the context limit, and no call into a game failed."""
     recipe = os.path.join(RECIPES, "env-textarena-guess.yaml")
     cli = build(recipe, tiny_overrides(tmp_path, tiny_model_dir), "--trainer.max_steps", "2",
-                "--model.minibatch_size", "null", "--model.environment.init_args.max_total_tokens", "512",
+                "--model.batching.minibatch_size", "null", "--model.environment.init_args.max_total_tokens", "512",
                 "--data.task", "{class_path: rllight.data.seeded.SeededTask, init_args: {train_size: 16, val_size: 4}}")
     assert isinstance(cli.model.producer.environment, TextArena)
     seen = fit_recording_rollouts(cli)

@@ -148,14 +148,17 @@ def test_eval_settings_defaults_are_greedy():
 
 @pytest.mark.parametrize("kwargs,expected", [
     ({"n": 4}, "model.evaluation.n is 4 with temperature 0 (greedy)"),
-    ({"n": 0}, "model.evaluation.n must be an integer >= 1"),
-    ({"temperature": -0.1}, "model.evaluation.temperature must be >= 0"),
-    ({"temperature": float("nan")}, "model.evaluation.temperature must be >= 0"),
-    ({"top_p": 0.0}, "model.evaluation.top_p must be in (0, 1]"),
-    ({"max_new_tokens": 0}, "model.evaluation.max_new_tokens must be >= 1"),
+    ({"n": 0}, "EvalSettings.n must be an integer >= 1, got 0"),  # a direct call names Class.parameter
+    ({"temperature": -0.1}, "EvalSettings.temperature must be a number >= 0, got -0.1"),
+    ({"temperature": float("nan")}, "EvalSettings.temperature must be a number >= 0, got nan"),
+    ({"temperature": float("inf")}, "model.evaluation.temperature must be finite, got inf"),
+    ({"top_p": 0.0}, "EvalSettings.top_p must be a number in (0, 1], got 0.0"),
+    ({"max_new_tokens": 0}, "EvalSettings.max_new_tokens must be an integer >= 1 or null, got 0"),
     ({"n": 4, "temperature": 1.0, "ks": [1, 8]}, "model.evaluation.ks holds 8; each k must be an integer in 1..n = 1..4"),
     ({"n": 4, "temperature": 1.0, "ks": []}, "model.evaluation.ks is empty"),
-    ({"bootstrap": -1}, "model.evaluation.bootstrap must be"),
+    ({"bootstrap": -1}, "EvalSettings.bootstrap must be an integer >= 0, got -1"),
+    ({"confidence": 1.0}, "EvalSettings.confidence must be a number in (0, 1), got 1.0"),
+    ({"n": 1.5}, "EvalSettings.n must be an integer >= 1, got 1.5"),
     ({"sampling_seed": 1.5}, "model.evaluation.sampling_seed must be an integer or null"),
 ])
 def test_eval_settings_errors_are_one_line(kwargs, expected):

@@ -111,7 +111,8 @@ def test_process_engine_takes_each_sampling_setting_from_the_side_that_gives_it(
     message = str(err.value)
     assert "model.rollout.init_args.temperature=0.7" in message and "engine.init_args.temperature=0.9" in message
     assert len(message.splitlines()) == 1
-    with pytest.raises(RecipeError, match="temperature must be > 0"):  # validated as the inner engine's are
+    # declared as the inner engine's are
+    with pytest.raises(RecipeError, match=r"^ProcessEngine\.temperature must be a number > 0 or null, got 0\.0$"):
         ProcessEngine(HFEngine(), temperature=0.0)
 
 

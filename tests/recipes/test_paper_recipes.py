@@ -128,10 +128,10 @@ def test_paper_recipe_updates_per_rollout(recipe):
     sampler = model["sampler"]["init_args"]
     groups = sampler.get("target_groups") or data["batch_size"]
     rollout = groups * sampler["group_size"]
-    minibatch = model["minibatch_size"]
+    minibatch = model["batching"]["minibatch_size"]
     assert minibatch is not None and rollout % minibatch == 0, (rollout, minibatch)
     name = os.path.basename(recipe)
-    assert model.get("ppo_epochs", 1) * rollout // minibatch == UPDATES_PER_ROLLOUT[name]
+    assert model["batching"].get("ppo_epochs", 1) * rollout // minibatch == UPDATES_PER_ROLLOUT[name]
     if name not in SINGLE_UPDATE:
         assert minibatch < rollout  # several updates per rollout
 
@@ -148,7 +148,8 @@ def test_paper_recipe_per_process_shares_times_its_world_are_the_papers_totals(r
     data.trainer = SimpleNamespace(global_rank=world - 1, world_size=world)
     data.setup("fit")
     prompts = data.local_batch_size  # what each process's training loader hands it per step
-    minibatch = share(config["model"]["minibatch_size"], world, "model.minibatch_size")  # the updater's share
+    # the updater's share
+    minibatch = share(config["model"]["batching"]["minibatch_size"], world, "model.batching.minibatch_size")
     assert (prompts * world, minibatch * world) == PAPER_TOTALS[os.path.basename(recipe)]
     assert len(next(iter(data.train_dataloader()))) == prompts
 
@@ -173,7 +174,7 @@ def test_paper_recipe_is_for_a_cluster(recipe):
     assert model["model"]["class_path"] == "rllight.models.HFModel"
     assert model["lr_scheduler"]["class_path"] == "rllight.schedules.WarmupSchedule"
     assert model["optimizer"]["init_args"]["lr"] > 0
-    assert model["max_grad_norm"] is not None
+    assert model["grad_clip"]["policy"] is not None
 
 
 @pytest.mark.parametrize("recipe", PAPER_RECIPES, ids=os.path.basename)

@@ -37,7 +37,7 @@ def serve_misbehaving(connection) -> None:
     forward = reward_model.RewardModel.forward
 
     def misbehaving(self, texts):
-        joined = " ".join(text for text, _ in texts)
+        joined = " ".join(t[0] for t in texts)
         while "HANG" in joined:
             time.sleep(1)
         if "DIE" in joined:

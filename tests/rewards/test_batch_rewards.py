@@ -1,6 +1,6 @@
-"""Rewards that score a batch (``rllight.rewards.batch``) and the reward model (``rllight.rewards.reward_model``).
+"""Rewards that read the batch (``rllight.rewards.Reward.score``) and the reward model (``rllight.rewards.reward_model``).
 
-- The producer gives a ``BatchReward`` one ``Sample`` per response (prompt as the policy saw it, messages,
+- The producer gives a reward one ``Sample`` per response (prompt as the policy saw it, messages,
   response text and ids, answer, row, group) in one call; a call that raises fails the batch (every sample 0,
   counted, one warning); a wrong number of scores is one ``RecipeError`` line.
 - ``RewardModel`` on a tiny ``LlamaForSequenceClassification`` built here: its scores are the classifier's own
@@ -26,12 +26,11 @@ from transformers import AutoTokenizer, LlamaForSequenceClassification
 
 from rllight.errors import RecipeError
 from rllight.models import HFModel
-from rllight.rewards import BatchReward, BatchScores, IntegerMatch, PerSource, RewardModel, RewardRunner, check_rows
-from rllight.rewards.batch import Sample
-from rllight.rewards.combine import WeightedBatch
-from rllight.rewards.per_source import batch_rewards
+from rllight.rewards import (IntegerMatch, PerSource, Reward, RewardModel, RewardRunner, Sample, Scores, Weighted,
+                             check_rows, preflight)
 from rllight.rollout import HFEngine
 from rllight.rollout.producer import RolloutProducer, encode_chat
+from rllight.serving import Worker
 
 QUESTIONS = ["What is 2 + 3?", "What is 7 - 4?"]
 ROWS = [{"messages": [{"role": "user", "content": q}], "answer": a, "data_source": "arith", "source": f"t row {i + 1}"}
@@ -62,11 +61,12 @@ def sample(prompt="Q: 2 + 3?\nA: ", response="5", messages=None, group=0) -> Sam
                   group=group)
 
 
-class Recording(BatchReward):
+class Recording(Reward):
     """Scores each sample by its response's length and keeps every batch it was given."""
 
+    solved_at = 3.0
+
     def __init__(self):
-        super().__init__(correct=3.0)
         self.calls: list[list[Sample]] = []
 
     def score(self, samples):
@@ -74,14 +74,14 @@ class Recording(BatchReward):
         return [float(len(s.response)) for s in samples]
 
 
-class Raises(BatchReward):
+class Raises(Reward):
     def score(self, samples):
         raise ConnectionError("the judge is down")
 
 
-class TooFew(BatchReward):
+class TooFew(Reward):
     def score(self, samples):
-        return BatchScores(scores=[1.0])
+        return Scores(values=[1.0])
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +112,7 @@ def test_a_batch_reward_gets_one_sample_per_response_in_one_call(policy):
         assert s.response_ids == rollout.response_ids[i][rollout.response_mask[i].bool()].tolist()
         assert s.truncated == bool(rollout.truncated[i])
     assert rollout.rewards.tolist() == [float(len(t)) for t in rollout.texts]
-    assert rollout.correct.tolist() == [float(len(t) >= 3) for t in rollout.texts]  # correct from reward.correct
+    assert rollout.correct.tolist() == [float(len(t) >= 3) for t in rollout.texts]  # solved from reward.solved_at
     assert rollout.extras["reward/failures"] == 0.0
 
 
@@ -128,23 +128,24 @@ def test_per_source_scores_each_source_with_its_own_kind_of_reward(policy):
 
 def test_a_batch_reward_that_raises_fails_the_whole_batch_counted(policy, caplog):
     producer = producer_for(Raises(), policy)
-    with caplog.at_level(logging.WARNING, logger="rllight.rollout.producer"):
+    with caplog.at_level(logging.WARNING, logger="rllight.rollout"):
         rollout = producer.sample(ROWS, 2)
     assert rollout.rewards.tolist() == [0.0] * 4 and rollout.correct.tolist() == [0.0] * 4
     assert rollout.extras["reward/failures"] == 4.0 and producer.reward_failures == 4
-    assert producer.failed_reward_steps == 1  # counts towards model.max_failed_reward_steps
-    failed = [r.getMessage() for r in caplog.records if "whole batch" in r.getMessage()]
-    assert len(failed) == 1 and "Raises" in failed[0] and "ConnectionError: the judge is down" in failed[0]
+    assert producer.failed_reward_steps == 1  # counts towards model.guards.max_failed_reward_steps
+    failed = [r.getMessage() for r in caplog.records if "could not score" in r.getMessage()]
+    assert len(failed) == 1 and "Raises could not score 4 of 4" in failed[0]
+    assert "ConnectionError: the judge is down" in failed[0]
 
 
-class PartlyFails(BatchReward):
+class PartlyFails(Reward):
     def score(self, samples):
-        return BatchScores(scores=[1.0, float("nan"), 1.0, 1.0], failed={2: "no verdict in the judge's answer"})
+        return Scores(values=[1.0, float("nan"), 1.0, 1.0], failed={2: "no verdict in the judge's answer"})
 
 
 def test_samples_a_batch_reward_could_not_score_get_0_and_count(policy, caplog):
     producer = producer_for(PartlyFails(), policy)
-    with caplog.at_level(logging.WARNING, logger="rllight.rollout.producer"):
+    with caplog.at_level(logging.WARNING, logger="rllight.rollout"):
         rollout = producer.sample(ROWS, 2)
     assert rollout.rewards.tolist() == [1.0, 0.0, 0.0, 1.0] and rollout.correct.tolist() == [1.0, 0.0, 0.0, 1.0]
     assert rollout.extras["reward/failures"] == 2.0 and producer.failed_reward_steps == 0
@@ -162,21 +163,21 @@ def test_a_wrong_number_of_scores_is_one_recipe_error_line(policy):
 
 
 # ------------------------------------------------------------------------- a batch reward mixed with a verifier
-def test_weighted_batch_is_the_weighted_sum_correct_from_the_verifier():
+def test_weighted_is_the_weighted_sum_correct_from_the_verifier():
     recording = Recording()
-    mix = WeightedBatch({"correctness": IntegerMatch(), "judge": recording}, weights={"correctness": 1.0, "judge": 0.5})
+    mix = Weighted({"correctness": IntegerMatch(), "judge": recording}, weights={"correctness": 1.0, "judge": 0.5})
     out = mix.score([sample(response="5"), sample(response="it is 5"), sample(response="it is 4")])
     # correctness 1, 1, 0; judge = len(response) 1, 7, 7; total = correctness + 0.5 * judge
-    assert out.scores == [1.0 + 0.5 * 1, 1.0 + 0.5 * 7, 0.0 + 0.5 * 7]
-    assert out.correct == [True, True, False]  # from IntegerMatch, whatever the judge's correct (3) says
+    assert out.values == [1.0 + 0.5 * 1, 1.0 + 0.5 * 7, 0.0 + 0.5 * 7]
+    assert out.solved == [True, True, False]  # from IntegerMatch, whatever the judge's solved_at (3) says
     assert out.components == {"correctness": [1.0, 1.0, 0.0], "judge": [1.0, 7.0, 7.0]} and not out.failed
     assert len(recording.calls) == 1  # the batch reward scored the batch once
-    assert batch_rewards(mix) == [mix, recording]  # the trainer's close() reaches the judge
-    assert batch_rewards(PerSource(rewards={"a": mix, "b": recording})) == [mix, recording]
+    assert mix.parts()[1] is recording  # the trainer's close() reaches the judge
+    assert PerSource(rewards={"a": mix, "b": recording, "c": mix}).parts() == [mix, recording]  # each once
 
 
-def test_weighted_batch_through_the_producer_logs_each_component(policy):
-    mix = WeightedBatch({"correctness": IntegerMatch(), "judge": Recording()}, weights={"correctness": 1.0, "judge": 0.5})
+def test_weighted_through_the_producer_logs_each_component(policy):
+    mix = Weighted({"correctness": IntegerMatch(), "judge": Recording()}, weights={"correctness": 1.0, "judge": 0.5})
     rollout = producer_for(mix, policy).sample(ROWS, 2)
     answers = [r["answer"] for r in ROWS for _ in range(2)]
     verdicts = [float(IntegerMatch()(t, a)) for t, a in zip(rollout.texts, answers)]
@@ -188,10 +189,10 @@ def test_weighted_batch_through_the_producer_logs_each_component(policy):
 
 
 def test_a_component_that_fails_on_a_sample_fails_that_sample_counted(policy, caplog):
-    mix = WeightedBatch({"correctness": IntegerMatch(), "judge": PartlyFails()}, weights={"correctness": 1.0,
+    mix = Weighted({"correctness": IntegerMatch(), "judge": PartlyFails()}, weights={"correctness": 1.0,
                                                                                           "judge": 0.5})
     producer = producer_for(mix, policy)
-    with caplog.at_level(logging.WARNING, logger="rllight.rollout.producer"):
+    with caplog.at_level(logging.WARNING, logger="rllight.rollout"):
         rollout = producer.sample(ROWS, 2)
     answers = [r["answer"] for r in ROWS for _ in range(2)]
     verdicts = [float(IntegerMatch()(t, a)) for t, a in zip(rollout.texts, answers)]
@@ -204,23 +205,35 @@ def test_a_component_that_fails_on_a_sample_fails_that_sample_counted(policy, ca
 
 
 @pytest.mark.parametrize(("kwargs", "start"), [
-    ({"weights": {"correctness": 1.0}}, "WeightedBatch.weights has no weight for 'judge'"),
-    ({"weights": {"correctness": 1.0, "judge": float("inf")}}, "WeightedBatch.weights.judge is inf"),
-    ({"correct_from": "style"}, "WeightedBatch.correct_from 'style' is not a reward"),
+    ({"weights": {"correctness": 1.0}}, "Weighted.weights has no weight for 'judge'"),
+    ({"weights": {"correctness": 1.0, "judge": float("inf")}}, "Weighted.weights.judge is inf"),
+    ({"correct_from": "style"}, "Weighted.correct_from 'style' is not a reward"),
 ])
-def test_weighted_batch_bad_weights_are_one_recipe_error_line(kwargs, start):
+def test_weighted_bad_weights_are_one_recipe_error_line(kwargs, start):
     with pytest.raises(RecipeError) as err:
-        WeightedBatch({"correctness": IntegerMatch(), "judge": Recording()}, **kwargs)
+        Weighted({"correctness": IntegerMatch(), "judge": Recording()}, **kwargs)
     assert str(err.value).startswith(start) and "\n" not in str(err.value)
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda: RewardModel("rm", batch_size=0), "RewardModel.batch_size must be an integer >= 1, got 0"),
+    (lambda: RewardModel("rm", max_length=True), "RewardModel.max_length must be an integer >= 1 or null, got True"),
+    (lambda: RewardModel("rm", clip=float("inf")), "RewardModel.clip must be a finite number > 0 or null, got inf"),
+    (lambda: RewardModel("rm", placement=Worker(load_timeout_seconds=0)),  # at bind: the placement's key
+     "model.reward.init_args.placement.init_args.load_timeout_seconds must be a finite number > 0, got 0"),
+])
+def test_a_reward_models_settings_out_of_their_declared_bounds_are_one_line(make, message):
+    with pytest.raises(RecipeError) as err:
+        make()
+    assert str(err.value) == message
+
 
 def test_the_checks_before_training_skip_a_batch_reward(caplog):
     reward = RewardModel("/no/such/folder")  # never loaded: the checks must not need the weights
     check_rows(reward, ROWS)
-    with caplog.at_level(logging.INFO, logger="rllight.rewards.runner"):
-        RewardRunner(workers=0).preflight(reward, ROWS)
+    with caplog.at_level(logging.INFO, logger="rllight.rewards"):
+        preflight(reward.guarded(RewardRunner(workers=0)), ROWS)
     assert sum("no reward pre-flight" in r.getMessage() for r in caplog.records) == 1
-    with pytest.raises(TypeError, match="trainer's process"):
-        RewardRunner(workers=0).score(reward, ["5"], ["5"])
+    assert reward.guarded(RewardRunner(workers=0)) is reward  # only verifiers go to the reward workers
 
 
 def test_the_guides_example_ranks_each_group(policy, tmp_path, monkeypatch):

@@ -18,8 +18,9 @@ from conftest import RECIPES
 
 from rllight import stopping
 from rllight.errors import RecipeError
-from rllight.rewards.batch import BatchReward, Sample, as_batch_scores
+from rllight.rewards import Reward, Sample, checked
 from rllight.rewards.judge import LLMJudge, default_template, parse_labels, parse_scores
+from rllight.serving import Endpoint
 
 SECRET = "sk-test-J7x9-never-print-me"  # the key: asserted absent from every output
 ENV = "RLLIGHT_TEST_JUDGE_KEY"
@@ -116,10 +117,16 @@ def key(monkeypatch):
     return SECRET
 
 
+ENDPOINT = ("url", "api_key_env", "timeout_seconds", "retries", "backoff_seconds", "max_concurrency",
+            "requests_per_second")
+"""The settings of the judge's ``Endpoint``; the others are ``LLMJudge``'s."""
+
+
 def judge(fake, **kwargs) -> LLMJudge:
-    kwargs = {"url": fake.url, "model": "judge-model", "api_key_env": ENV, "timeout_seconds": 5.0,
-              "backoff_seconds": 0.05, **kwargs}
-    return LLMJudge(**kwargs)
+    endpoint = {"url": fake.url, "api_key_env": ENV, "timeout_seconds": 5.0, "backoff_seconds": 0.05,
+                **{k: v for k, v in kwargs.items() if k in ENDPOINT}}
+    return LLMJudge(**{"model": "judge-model", **{k: v for k, v in kwargs.items() if k not in ENDPOINT}},
+                    placement=Endpoint(**endpoint))
 
 
 def test_scores_are_parsed_scaled_and_sent_with_the_key(fake, key):
@@ -128,9 +135,9 @@ def test_scores_are_parsed_scaled_and_sent_with_the_key(fake, key):
                                                  body["messages"][0]["content"])), {})
     j = judge(fake)
     out = j.score(samples(3))
-    assert out.scores == [0.7, 1.0, 0.3] and out.failed == {}
-    checked = as_batch_scores(j, samples(3), out)
-    assert checked.correct == [True, True, False]  # correct = 0.5 by default
+    assert out.values == [0.7, 1.0, 0.3] and out.failed == {}
+    read = checked(j, samples(3), out)
+    assert read.solved == [True, True, False]  # solved_at = 0.5 by default
     assert fake.auth == [f"Bearer {SECRET}"] * 3
     body = fake.bodies[0]
     assert body["model"] == "judge-model" and body["temperature"] == 0.0 and body["max_tokens"] == 512
@@ -144,7 +151,7 @@ def test_the_question_is_the_rows_last_user_message(fake, key):
                                                       {"role": "user", "content": "How many legs has a spider?"}],
                response="8", response_ids=[1], answer="8", row={}, group=0)
     j = judge(fake, template="Q={question} R={response} A={answer}")
-    assert j.score([s]).scores == [0.7]
+    assert j.score([s]).values == [0.7]
     assert fake.bodies[0]["messages"][0]["content"] == "Q=How many legs has a spider? R=8 A=8"
 
 
@@ -155,12 +162,14 @@ def test_a_hanging_judge_fails_its_samples_within_the_time_bound(fake, key):
     out = j.score(samples(3))
     elapsed = time.monotonic() - start
     assert elapsed < 0.5 * 2 + 0.05 + 2.0  # timeout x (retries + 1) + the backoff + room for a busy machine
-    assert out.scores == [0.5, 0.0, 0.5] and list(out.failed) == [1]
-    assert "no answer within timeout_seconds=0.5, after 2 attempts" in out.failed[1]
+    assert out.values == [0.5, 0.0, 0.5] and list(out.failed) == [1]
+    assert out.failed[1] == (f"no answer from the judge at {fake.url} to /chat/completions within timeout_seconds=0.5 "
+                             f"(timed out); check that it runs and the URL "
+                             f"(model.reward.init_args.placement.init_args.url) (after 2 attempts)")
     assert len([b for b in fake.bodies if "resp-1" in b["messages"][0]["content"]]) == 2
     # the next batch is scored (the pool is not left stuck)
     fake.reply = lambda body, n: (200, chat("Score: 9"), {})
-    assert j.score(samples(2)).scores == [0.9, 0.9]
+    assert j.score(samples(2)).values == [0.9, 0.9]
 
 
 def test_a_stop_asked_while_the_judge_hangs_ends_the_wait_within_seconds(fake, key, monkeypatch):
@@ -176,19 +185,20 @@ def test_a_stop_asked_while_the_judge_hangs_ends_the_wait_within_seconds(fake, k
 def test_a_server_error_is_retried_and_then_scored(fake, key):
     fake.reply = lambda body, n: (500, '{"error": "overloaded"}', {}) if n == 1 else (200, chat("Score: 8"), {})
     out = judge(fake, retries=2).score(samples(1))
-    assert out.scores == [0.8] and out.failed == {} and len(fake.bodies) == 2
+    assert out.values == [0.8] and out.failed == {} and len(fake.bodies) == 2
 
 
 def test_a_server_error_without_retries_is_a_counted_failure(fake, key):
     fake.reply = lambda body, n: (500, '{"error": "overloaded"}', {})
     out = judge(fake, retries=0).score(samples(1))
-    assert out.scores == [0.0] and out.failed[0].startswith("HTTP 500 from the judge") and len(fake.bodies) == 1
+    assert out.values == [0.0] and len(fake.bodies) == 1
+    assert out.failed[0].startswith(f"the judge at {fake.url} answered /chat/completions with HTTP 500"), out.failed
 
 
 def test_429_waits_and_retries_but_another_4xx_does_not(fake, key):
     fake.reply = lambda body, n: (429, '{"error": "rate"}', {"Retry-After": "0"}) if n == 1 else (
         200, chat("Score: 6"), {})
-    assert judge(fake).score(samples(1)).scores == [0.6] and len(fake.bodies) == 2
+    assert judge(fake).score(samples(1)).values == [0.6] and len(fake.bodies) == 2
     fake.bodies.clear()
     fake.reply = lambda body, n: (400, '{"error": "bad request"}', {})
     out = judge(fake, retries=3).score(samples(1))
@@ -197,7 +207,7 @@ def test_429_waits_and_retries_but_another_4xx_does_not(fake, key):
 
 @pytest.mark.parametrize("text,reason", [
     (chat("I think it is fine."), "no 'Score: N' in the judge's answer"),
-    ("<html>Bad gateway</html>", "not a JSON object"),
+    ("<html>Bad gateway</html>", "answered /chat/completions with something other than a JSON object"),
     ('{"choices": []}', "has no choices[0].message.content"),
     (chat("Score: 75"), "outside 0..10"),
 ])
@@ -205,29 +215,29 @@ def test_garbage_is_a_counted_failure_with_a_reason(fake, key, text, reason):
     fake.reply = lambda body, n: (200, text, {})
     j = judge(fake)
     out = j.score(samples(2))
-    assert out.scores == [0.0, 0.0] and sorted(out.failed) == [0, 1] and reason in out.failed[0]
+    assert out.values == [0.0, 0.0] and sorted(out.failed) == [0, 1] and reason in out.failed[0]
     assert len(fake.bodies) == 2  # an answer that cannot be read is not asked again
-    checked = as_batch_scores(j, samples(2), out)
-    assert checked.correct == [False, False] and checked.failed == out.failed
+    read = checked(j, samples(2), out)
+    assert read.solved == [False, False] and read.failed == out.failed
 
 
 def test_a_slow_judge_within_the_timeout_is_scored(fake, key):
     fake.delay = 0.4
     out = judge(fake, timeout_seconds=3.0, retries=0).score(samples(2))
-    assert out.scores == [0.7, 0.7] and out.failed == {}
+    assert out.values == [0.7, 0.7] and out.failed == {}
 
 
 def test_the_concurrency_limit_holds(fake, key):
     fake.delay = 0.2
     out = judge(fake, max_concurrency=2).score(samples(8))
-    assert out.scores == [0.7] * 8
+    assert out.values == [0.7] * 8
     assert fake.max_in_flight == 2  # parallel, and never more than the limit
 
 
 def test_the_rate_limit_holds(fake, key):
     start = time.monotonic()
     out = judge(fake, max_concurrency=6, requests_per_second=10.0).score(samples(6))
-    assert out.scores == [0.7] * 6
+    assert out.values == [0.7] * 6
     # One start per 0.1 s: only k requests may start in the first k x 0.1 s, so the k-th to reach the server
     # (from 0) came no sooner than that, however the machine delayed each on its way.
     arrivals = sorted(fake.arrivals)
@@ -249,7 +259,7 @@ def test_group_mode_one_request_per_group_in_order(fake, key):
     j = judge(fake, mode="group")
     out = j.score(samples(9, group_size=3))
     assert len(fake.bodies) == 3
-    assert out.scores[:6] == [0.2, 1.0, 0.5, 0.4, 0.6, 0.8] and out.scores[6:] == [0.0] * 3
+    assert out.values[:6] == [0.2, 1.0, 0.5, 0.4, 0.6, 0.8] and out.values[6:] == [0.0] * 3
     assert sorted(out.failed) == [6, 7, 8] and "gives 2 scores for 3 responses" in out.failed[6]
 
 
@@ -259,7 +269,7 @@ def test_label_verdicts(fake, key):
     fake.reply = lambda body, n: (200, chat(next(v for k, v in answers.items() if k in
                                                  body["messages"][0]["content"])), {})
     out = judge(fake, verdict="label").score(samples(3))
-    assert out.scores == [1.0, 0.0, 0.0] and list(out.failed) == [2] and "none of the labels" in out.failed[2]
+    assert out.values == [1.0, 0.0, 0.0] and list(out.failed) == [2] and "none of the labels" in out.failed[2]
     assert "correct, incorrect" in fake.bodies[0]["messages"][0]["content"]
 
 
@@ -269,7 +279,7 @@ def test_yes_logprob_scores_p_yes_over_yes_and_no(fake, key):
     fake.reply = lambda body, n: (200, chat("Yes", {"content": [{"token": "Yes", "logprob": math.log(0.6),
                                                                   "top_logprobs": top}]}), {})
     out = judge(fake, verdict="yes_logprob").score(samples(1))
-    assert out.scores == [pytest.approx((0.6 + 0.1) / (0.6 + 0.1 + 0.2))]
+    assert out.values == [pytest.approx((0.6 + 0.1) / (0.6 + 0.1 + 0.2))]
     body = fake.bodies[0]
     assert body["logprobs"] is True and body["top_logprobs"] == 5 and body["max_tokens"] == 1
     fake.reply = lambda body, n: (200, chat("Yes"), {})  # a server without log-probs
@@ -301,15 +311,13 @@ def test_the_key_appears_in_no_output(fake, key, caplog, capsys, tmp_path, monke
         assert SECRET[:12] not in text
     assert SECRET.encode() not in pickle.dumps(j)
     copy = pickle.loads(pickle.dumps(j))
-    assert copy.api_key_env == ENV and copy._pool is None
+    assert copy.placement.api_key_env == ENV and copy.placement._pool is None
     # --print_config of a recipe using it: only the variable's name is a setting.
-    from rllight.module import RLModule
-    if "BatchReward" not in str(RLModule.__init__.__annotations__.get("reward")):
-        pytest.skip("model.reward does not accept a BatchReward yet")
-    from rllight.cli import main
+    from rllight.app.cli import main
     overlay = tmp_path / "judge.yaml"
     overlay.write_text(f"model:\n  reward:\n    class_path: rllight.rewards.judge.LLMJudge\n    init_args:\n"
-                       f"      url: {fake.url}\n      model: judge-model\n      api_key_env: {ENV}\n")
+                       f"      model: judge-model\n      placement:\n        class_path: rllight.serving.Endpoint\n"
+                       f"        init_args: {{url: '{fake.url}', api_key_env: {ENV}}}\n")
     capsys.readouterr()
     with pytest.raises(SystemExit) as exc:
         main(["fit", "--config", f"{RECIPES}/quickstart.yaml", "--config", str(overlay), "--print_config"])
@@ -322,33 +330,46 @@ def test_the_key_appears_in_no_output(fake, key, caplog, capsys, tmp_path, monke
 def test_a_missing_key_variable_is_one_line_naming_it(fake, monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
     j = judge(fake)  # the key is read at the first call, not when the recipe is parsed
-    with pytest.raises(RecipeError, match=f"model.reward.init_args.api_key_env: the environment variable {ENV} is "
-                                          "not set") as err:
+    with pytest.raises(RecipeError, match=f"model.reward.init_args.placement.init_args.api_key_env: the environment "
+                                          f"variable {ENV} is not set") as err:
         j.score(samples(1))
     assert "\n" not in str(err.value) and fake.bodies == []
 
 
 @pytest.mark.parametrize("kwargs,field", [
-    ({"url": "127.0.0.1:8000/v1"}, "url"),
-    ({"url": "http://x/v1/chat/completions"}, "url"),
-    ({"api_key_env": "sk-abc key"}, "api_key_env"),
+    ({"url": "127.0.0.1:8000/v1"}, "placement.init_args.url"),
+    ({"url": "http://x/v1/chat/completions"}, "placement.init_args.url"),
+    ({"api_key_env": "sk-abc key"}, "placement.init_args.api_key_env"),
     ({"verdict": "stars"}, "verdict"),
     ({"mode": "group", "verdict": "yes_logprob"}, "verdict"),
     ({"labels": {"good": 1.0}}, "labels"),
     ({"verdict": "label", "labels": {}}, "labels"),
-    ({"scale": 0}, "scale"),
-    ({"max_concurrency": 0}, "max_concurrency"),
-    ({"requests_per_second": 0}, "requests_per_second"),
-    ({"timeout_seconds": 0}, "timeout_seconds"),
-    ({"retries": -1}, "retries"),
+    ({"max_concurrency": 0}, "placement.init_args.max_concurrency"),
+    ({"requests_per_second": 0}, "placement.init_args.requests_per_second"),
+    ({"timeout_seconds": 0}, "placement.init_args.timeout_seconds"),
+    ({"retries": -1}, "placement.init_args.retries"),
     ({"template": "Rate {response} with {score}"}, "template"),
     ({"template": "Rate the question {question}"}, "template"),
 ])
 def test_bad_settings_are_one_line_naming_the_field(kwargs, field):
-    with pytest.raises(RecipeError, match=rf"model\.reward\.init_args\.{field}") as err:
-        LLMJudge(**{"url": "http://127.0.0.1:1/v1", "model": "m", **kwargs})
+    endpoint = {"url": "http://127.0.0.1:1/v1", **{k: v for k, v in kwargs.items() if k in ENDPOINT}}
+    with pytest.raises(RecipeError, match=rf"model\.reward\.init_args\.{re.escape(field)}") as err:
+        LLMJudge(model="m", placement=Endpoint(**endpoint), **{k: v for k, v in kwargs.items() if k not in ENDPOINT})
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"scale": 0}, "LLMJudge.scale must be a finite number > 0, got 0"),
+    ({"scale": float("inf")}, "LLMJudge.scale must be a finite number > 0, got inf"),
+    ({"temperature": -0.5}, "LLMJudge.temperature must be a number >= 0, got -0.5"),
+    ({"max_tokens": 0}, "LLMJudge.max_tokens must be an integer >= 1, got 0"),
+    ({"batch_size": True}, "LLMJudge.batch_size must be an integer >= 1, got True"),
+])
+def test_settings_out_of_their_declared_bounds_are_one_line_naming_them(kwargs, message):
+    with pytest.raises(RecipeError) as err:
+        LLMJudge(model="m", placement=Endpoint("http://127.0.0.1:1/v1"), **kwargs)
+    assert str(err.value) == message
+
+
 def test_it_is_a_batch_reward():
-    assert isinstance(LLMJudge(url="http://127.0.0.1:1/v1", model="m"), BatchReward)
+    assert isinstance(LLMJudge(model="m", placement=Endpoint("http://127.0.0.1:1/v1")), Reward)

@@ -1,4 +1,4 @@
-"""``LLMJudge`` with a local judge model (``placement: process`` and ``worker``, ``rllight.rewards.judge_local``) on
+"""``LLMJudge`` with a local judge model (placed ``InProcess`` and in a ``Worker``, ``rllight.rewards.judge_local``) on
 tiny models built here: P(yes) equals the one computed by hand from the judge's logits, both placements give the same
 rewards and the same failure reasons, a judge trained to answer ``Score: 7`` gives 0.7 by the number verdict, a worker
 that hangs costs its batch (counted) and the next batch is judged, and wrong settings are one line before anything
@@ -16,10 +16,12 @@ from helpers import build, tiny_overrides
 from reward_model_fixtures import make_classifier
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rllight.cli import main
+from rllight.app.cli import main
 from rllight.errors import RecipeError
 from rllight.rewards import LLMJudge, Sample
-from rllight.rollout.producer import encode_chat, score_samples
+from rllight.rollout.producer import encode_chat
+from rllight.rollout.scoring import score_samples
+from rllight.serving import Endpoint, InProcess, Worker
 from rllight.testing import build_tiny_model
 
 QUESTIONS = ["What is 2 + 3?", "What is 7 - 4?", "Name a prime.", "What is 6 * 7?"]
@@ -93,26 +95,26 @@ def hand_yes_probability(judge_dir: str, judge: LLMJudge, s: Sample) -> float:
 
 
 def test_p_yes_is_the_judges_own_over_every_yes_and_no_token_in_both_placements(judge_dir):
-    process = LLMJudge(model=judge_dir, placement="process", verdict="yes_logprob", batch_size=3, dtype="float32")
+    process = LLMJudge(model=judge_dir, placement=InProcess(), verdict="yes_logprob", batch_size=3, dtype="float32")
     out = process.score(SAMPLES)
     assert not out.failed
     expected = [hand_yes_probability(judge_dir, process, s) for s in SAMPLES]
-    assert out.scores == pytest.approx(expected, abs=1e-5)
+    assert out.values == pytest.approx(expected, abs=1e-5)
     assert max(expected) - min(expected) > 1e-4  # the reward depends on the response (a judge blind to it: 1e-15)
-    worker = LLMJudge(model=judge_dir, placement="worker", verdict="yes_logprob", batch_size=2, dtype="float32")
+    worker = LLMJudge(model=judge_dir, placement=Worker(), verdict="yes_logprob", batch_size=2, dtype="float32")
     try:
-        assert worker.score(SAMPLES).scores == pytest.approx(expected, abs=1e-5)
+        assert worker.score(SAMPLES).values == pytest.approx(expected, abs=1e-5)
     finally:
         worker.close()
 
 
 def test_generated_verdicts_and_their_failures_are_the_same_in_both_placements(judge_dir, score7_dir):
-    trained = LLMJudge(model=score7_dir, placement="process", max_tokens=8, dtype="float32")
+    trained = LLMJudge(model=score7_dir, placement=InProcess(), max_tokens=8, dtype="float32")
     out = trained.score(SAMPLES)
-    assert out.scores == [0.7] * 4 and not out.failed
+    assert out.values == [0.7] * 4 and not out.failed
     # The untrained judge answers noise: each sample fails with the same reason in both placements.
-    process = LLMJudge(model=judge_dir, placement="process", max_tokens=6, dtype="float32").score(SAMPLES)
-    worker = LLMJudge(model=judge_dir, placement="worker", max_tokens=6, dtype="float32")
+    process = LLMJudge(model=judge_dir, placement=InProcess(), max_tokens=6, dtype="float32").score(SAMPLES)
+    worker = LLMJudge(model=judge_dir, placement=Worker(), max_tokens=6, dtype="float32")
     try:
         in_worker = worker.score(SAMPLES)
     finally:
@@ -122,7 +124,7 @@ def test_generated_verdicts_and_their_failures_are_the_same_in_both_placements(j
 
 
 def test_sampling_judge_leaves_the_training_runs_random_stream_alone(score7_dir):
-    judge = LLMJudge(model=score7_dir, placement="process", max_tokens=8, temperature=1.0, dtype="float32")
+    judge = LLMJudge(model=score7_dir, placement=InProcess(), max_tokens=8, temperature=1.0, dtype="float32")
     torch.manual_seed(123)
     judge.score(SAMPLES)
     after_judge = torch.rand(3)
@@ -131,44 +133,41 @@ def test_sampling_judge_leaves_the_training_runs_random_stream_alone(score7_dir)
 
 
 class Hanging(LLMJudge):
-    _worker_target = "judge_local_fixtures:serve_hanging"
+    worker_target = "judge_local_fixtures:serve_hanging"
 
 
 def test_a_judge_worker_that_hangs_costs_its_batch_and_the_next_is_judged(judge_dir):
-    judge = Hanging(model=judge_dir, placement="worker", verdict="yes_logprob", timeout_seconds=3, dtype="float32")
+    judge = Hanging(model=judge_dir, placement=Worker(timeout_seconds=3), verdict="yes_logprob", dtype="float32")
     try:
         judge.score(SAMPLES[:1])  # started and loaded: the timeout is the batch's alone
         started = time.monotonic()
-        values, _, failures = score_samples(judge, [sample("HANG", "x")] + SAMPLES[1:])
-        assert time.monotonic() - started < 3 + 10 and failures == 4 and values == [0.0] * 4
-        assert judge._worker.child is None  # killed
+        scores = score_samples(judge, [sample("HANG", "x")] + SAMPLES[1:])
+        assert time.monotonic() - started < 3 + 10 and len(scores.failed) == 4 and scores.values == [0.0] * 4
+        assert "the judge's worker process did not answer a batch of 4 within 3 s" in scores.failed[0]
+        assert judge.placement.child is None  # killed
         out = judge.score(SAMPLES)
-        assert not out.failed and all(0 < v < 1 for v in out.scores)
+        assert not out.failed and all(0 < v < 1 for v in out.values)
     finally:
         judge.close()
 
 
 def test_wrong_local_judge_settings_are_one_line_before_anything_loads(tmp_path, judge_dir, monkeypatch):
-    with pytest.raises(RecipeError, match="url and api_key_env are read by placement url only"):
-        LLMJudge(url="http://127.0.0.1:8000/v1", model=judge_dir, placement="process")
     with pytest.raises(RecipeError, match=r"^model.reward.init_args.model must be the folder or hub id"):
-        LLMJudge(placement="worker")
-    with pytest.raises(RecipeError, match="placement: 'gpu' is not one of url, process, worker"):
-        LLMJudge(model=judge_dir, placement="gpu")
+        LLMJudge(placement=Worker())
     classifier = make_classifier(tmp_path / "classifier", judge_dir)
     with pytest.raises(RecipeError, match=r"is a LlamaForSequenceClassification, not a causal LM"):
-        LLMJudge(model=classifier, placement="process").check()
+        LLMJudge(model=classifier, placement=InProcess()).check()
     with pytest.raises(RecipeError, match=r"^model.reward.init_args.model: folder '.*missing' does not exist"):
-        LLMJudge(model=str(tmp_path / "missing"), placement="worker").check()
+        LLMJudge(model=str(tmp_path / "missing"), placement=Worker()).check()
     (tmp_path / "empty").mkdir()
     with pytest.raises(RecipeError, match=r"cannot be read as a Hugging Face model"):
-        LLMJudge(model=str(tmp_path / "empty"), placement="worker").check()
+        LLMJudge(model=str(tmp_path / "empty"), placement=Worker()).check()
     monkeypatch.delenv("RLLIGHT_NO_SUCH_KEY", raising=False)
     with pytest.raises(RecipeError, match="RLLIGHT_NO_SUCH_KEY is not set"):
-        LLMJudge(url="http://127.0.0.1:8000/v1", model="m", api_key_env="RLLIGHT_NO_SUCH_KEY").check()
-    LLMJudge(model=judge_dir, placement="process").check()  # a causal LM: no error
-    assert math.isfinite(LLMJudge(model=judge_dir, placement="process", verdict="yes_logprob").score(SAMPLES[:1])
-                         .scores[0])
+        LLMJudge(model="m", placement=Endpoint("http://127.0.0.1:8000/v1", api_key_env="RLLIGHT_NO_SUCH_KEY")).check()
+    LLMJudge(model=judge_dir, placement=InProcess()).check()  # a causal LM: no error
+    assert math.isfinite(LLMJudge(model=judge_dir, placement=InProcess(), verdict="yes_logprob").score(SAMPLES[:1])
+                         .values[0])
 
 
 def test_a_judge_that_is_not_a_causal_lm_is_one_line_before_any_model_loads(tmp_path, tiny_model_dir, judge_dir,
@@ -179,7 +178,8 @@ def test_a_judge_that_is_not_a_causal_lm_is_one_line_before_any_model_loads(tmp_
     classifier = make_classifier(tmp_path / "classifier", judge_dir)
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_weights)
     overlay = tiny_overrides(tmp_path, tiny_model_dir, reward={
-        "class_path": "rllight.rewards.LLMJudge", "init_args": {"model": classifier, "placement": "process"}})
+        "class_path": "rllight.rewards.LLMJudge",
+        "init_args": {"model": classifier, "placement": {"class_path": "rllight.serving.InProcess"}}})
     with pytest.raises(SystemExit) as exc:
         main(["fit", "--config", os.path.join(RECIPES, "grpo.yaml"), "--config", overlay])
     assert exc.value.code == 2

@@ -57,12 +57,12 @@ def test_the_tasks_own_verifier_scores_the_final_answer():
 def test_the_preflight_check_states_the_answer_a_rows_key_stands_for():
     """The pre-flight boxes the answer a reasoning-gym row's key stands for (not the key itself), so the task's
     verifier passes the right response and fails the one with a changed digit, on every task of the mix."""
-    from rllight.rewards import IntegerMatch, RewardRunner
+    from rllight.rewards import IntegerMatch, preflight
 
     train, _ = ReasoningGymTask(MIX, train_size=16, val_size=4).splits()
-    RewardRunner(workers=0).preflight(ReasoningGymScore(), train, k=8)
+    preflight(ReasoningGymScore(), train, k=8)
     with pytest.raises(RecipeError, match=r"^model\.reward: IntegerMatch does not give the reference answer"):
-        RewardRunner(workers=0).preflight(IntegerMatch(), train, k=8)  # it would compare with the key
+        preflight(IntegerMatch(), train, k=8)  # it would compare with the key
 
 
 @pytest.mark.parametrize("response, expected", [

@@ -9,14 +9,14 @@ import yaml
 
 from conftest import RECIPES
 from helpers import fit_in_child, tiny_overrides
-from rllight.cli import main
+from rllight.app.cli import main
 
 
 @pytest.mark.slow
 def test_a_reward_that_fails_on_every_sample_stops_the_run_with_one_line(tmp_path, tiny_model_dir):
     overlay = tiny_overrides(tmp_path, tiny_model_dir, reward={"class_path": "user_strategies.AlwaysFails"})
     run = fit_in_child("grpo.yaml", "--config", overlay, "--trainer.max_steps", "20",
-                       "--model.max_failed_reward_steps", "2", timeout=600)
+                       "--model.guards.max_failed_reward_steps", "2", timeout=600)
     assert run.returncode == 2, run.stderr[-3000:]
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith("rllight: error: model.reward: AlwaysFails failed on every sample of 2 batches in a row")
@@ -27,7 +27,8 @@ def test_a_failed_batch_between_good_ones_only_warns(tiny_model_dir, tmp_path):
     from helpers import build
     from conftest import RECIPES
 
-    cli = build(f"{RECIPES}/grpo.yaml", tiny_overrides(tmp_path, tiny_model_dir), "--model.max_failed_reward_steps", "2")
+    cli = build(f"{RECIPES}/grpo.yaml", tiny_overrides(tmp_path, tiny_model_dir),
+                "--model.guards.max_failed_reward_steps", "2")
     producer = cli.model.producer
     producer.count_failed_reward_batch(True)
     producer.count_failed_reward_batch(False)  # a good batch resets the count

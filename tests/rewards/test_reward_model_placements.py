@@ -1,14 +1,15 @@
-"""The reward model's placements (``rllight.rewards.reward_model``): in the trainer's process, in a worker process,
-at a URL (``reward_model_worker``, ``reward_model_remote``).
+"""The reward model's placements (``rllight.rewards.reward_model``, ``rllight.serving``): in the trainer's process,
+in a worker process, at a URL.
 
 - One tiny ``LlamaForSequenceClassification`` and the same samples give equal scores (to 1e-5) in every placement:
-  ``process``, ``worker``, and ``url`` against a fake server in this process that scores with the same classifier,
-  for each protocol (vLLM's Pooling API, OpenRLHF's remote reward model), with the request fields each documents.
+  ``InProcess``, ``Worker``, and ``Endpoint`` against a fake server in this process that scores with the same
+  classifier, for each protocol (vLLM's Pooling API, OpenRLHF's remote reward model), with the request fields each
+  documents.
 - A worker killed mid-batch is restarted once and the batch still scored; killed again, the batch fails, counted
-  (``score_samples``: every sample 0). A worker that hangs fails its batch within about ``timeout_seconds``, and the
+  (``score_samples``: every sample 0). A worker that hangs fails its batch within about its ``timeout_seconds``, and the
   next batch is scored by a new one. ``close`` stops the worker; a pickle carries the settings only.
-- A server that answers 500 is retried, then the batch fails, counted; a bad placement, protocol or URL is one
-  ``RecipeError`` line naming ``model.reward.init_args.<field>``.
+- A server that answers 500 is retried, then the batch fails, counted; a bad placement setting or URL is one
+  ``RecipeError`` line naming ``model.reward.init_args.placement.init_args.<field>``.
 """
 
 import json
@@ -23,8 +24,9 @@ from reward_model_fixtures import DIE_MARKER, make_classifier
 
 from rllight.errors import RecipeError
 from rllight.rewards import RewardModel
-from rllight.rewards.batch import Sample
-from rllight.rollout.producer import score_samples
+from rllight.rewards import Sample
+from rllight.rollout.scoring import score_samples
+from rllight.serving import Endpoint, OpenRLHF, PromptLogprobs, VLLMPooling, Worker
 
 QUESTIONS = ["What is 2 + 3?", "What is 7 - 4?", "Name a prime."]
 
@@ -33,6 +35,12 @@ def sample(response: str, question: str | None = None, group: int = 0) -> Sample
     messages = [{"role": "user", "content": question}] if question is not None else None
     return Sample(prompt=f"Q: {question or '1 + 1?'}\nA: ", messages=messages, response=response, response_ids=[1],
                   answer="5", row={}, group=group)
+
+
+def counted(reward, samples: list[Sample]) -> tuple[list[float], list[bool] | None, int]:
+    """``(values, solved, failures)`` of the trainer's checked scores of ``samples`` (``score_samples``)."""
+    scores = score_samples(reward, samples)
+    return scores.values, scores.solved, len(scores.failed)
 
 
 CHATS = [sample(r, q, i) for i, (q, r) in enumerate(zip(QUESTIONS, ["5", "it is three, 3", "seven is one"]))]
@@ -47,7 +55,7 @@ def classifier_dir(tiny_model_dir, tmp_path_factory) -> str:
 class Misbehaving(RewardModel):
     """A reward model whose worker hangs on a ``HANG`` text and dies on a ``DIE`` one (``serve_misbehaving``)."""
 
-    _worker_target = "reward_model_fixtures:serve_misbehaving"
+    worker_target = "reward_model_fixtures:serve_misbehaving"
 
 
 # ------------------------------------------------------------------------------------------------- a fake server
@@ -97,23 +105,25 @@ def server(classifier_dir):
 def test_every_placement_gives_the_same_scores(classifier_dir, server):
     expected = RewardModel(classifier_dir).score(CHATS + PLAIN)
     assert max(expected) - min(expected) > 0.1  # the texts are told apart
-    worker = RewardModel(classifier_dir, placement="worker")
+    worker = RewardModel(classifier_dir, placement=Worker())
     try:
         assert worker.score(CHATS + PLAIN) == pytest.approx(expected, abs=1e-5)
         copy = pickle.loads(pickle.dumps(worker))  # settings only, no process
-        assert copy._worker is None and copy.placement == "worker"
-        child = worker._worker.child
+        assert copy.placement.child is None and isinstance(copy.placement, Worker)
+        child = worker.placement.child
+        assert child is not None
     finally:
         worker.close()
-    assert child.exit_code(wait_seconds=5.0) is not None and worker._worker is None  # close stops it
-    vllm = RewardModel(classifier_dir, placement="url", url=server.url + "/pooling", protocol="vllm_pooling")
+    assert child.exit_code(wait_seconds=5.0) is not None and worker.placement.child is None  # close stops it
+    # One request at a time, so that they reach the server in the order the protocol writes them.
+    vllm = RewardModel(classifier_dir, placement=Endpoint(server.url, protocol=VLLMPooling(), max_concurrency=1))
     server.bodies.clear()
     assert vllm.score(CHATS + PLAIN) == pytest.approx(expected, abs=1e-5)
     # Templated and plain texts go in two requests, each saying whether the server adds special tokens.
     assert [(path, body["model"], body["add_special_tokens"], len(body["input"])) for path, body in server.bodies] \
         == [("/pooling", classifier_dir, False, 3), ("/pooling", classifier_dir, True, 1)]
     assert server.bodies[0][1]["input"] == [vllm.text(s)[0] for s in CHATS]
-    openrlhf = RewardModel(classifier_dir, placement="url", url=server.url + "/get_reward", protocol="openrlhf")
+    openrlhf = RewardModel(classifier_dir, placement=Endpoint(server.url, protocol=OpenRLHF()))
     server.bodies.clear()
     assert openrlhf.score(CHATS) == pytest.approx(expected[:3], abs=1e-5)
     [(_, body)] = server.bodies
@@ -124,7 +134,7 @@ def test_every_placement_gives_the_same_scores(classifier_dir, server):
 # ------------------------------------------------------------------------------------------------- the worker
 def test_a_worker_killed_mid_batch_is_restarted_once(classifier_dir, tmp_path, monkeypatch):
     monkeypatch.setenv(DIE_MARKER, str(tmp_path / "died-once"))
-    reward = Misbehaving(classifier_dir, placement="worker")
+    reward = Misbehaving(classifier_dir, placement=Worker())
     dying = [*CHATS[:2], sample("DIE now", QUESTIONS[2], 2)]
     try:
         scores = reward.score(dying)  # the first child SIGKILLs itself; the restart scores the batch
@@ -133,22 +143,23 @@ def test_a_worker_killed_mid_batch_is_restarted_once(classifier_dir, tmp_path, m
         # Now the running child dies on it (its marker gone) and so does its restart (no marker): the batch fails.
         (tmp_path / "died-once").unlink()
         monkeypatch.delenv(DIE_MARKER)
-        values, correct, failures = score_samples(reward, dying)
+        values, correct, failures = counted(reward, dying)
         assert values == [0.0] * 3 and correct == [False] * 3 and failures == 3
     finally:
         reward.close()
 
 
 def test_a_worker_that_hangs_fails_its_batch_within_the_timeout(classifier_dir, caplog):
-    reward = Misbehaving(classifier_dir, placement="worker", timeout_seconds=3)
+    reward = Misbehaving(classifier_dir, placement=Worker(timeout_seconds=3))
     try:
         reward.score(CHATS[:1])  # started and loaded: the timeout is the batch's alone
         started = time.monotonic()
-        with caplog.at_level(logging.WARNING, logger="rllight.rollout.producer"):
-            values, _, failures = score_samples(reward, [sample("HANG", QUESTIONS[0])] + CHATS[1:])
+        with caplog.at_level(logging.WARNING):
+            values, _, failures = counted(reward, [sample("HANG", QUESTIONS[0])] + CHATS[1:])
         assert time.monotonic() - started < 3 + 10 and failures == 3 and values == [0.0] * 3
-        assert any("did not score a batch of 3 texts within 3 s" in r.getMessage() for r in caplog.records)
-        assert reward._worker.child is None  # killed
+        assert any("the reward model's worker process did not answer a batch of 3 within 3 s" in r.getMessage()
+                   for r in caplog.records)
+        assert reward.placement.child is None  # killed
         assert reward.score(CHATS) == pytest.approx(RewardModel(classifier_dir).score(CHATS), abs=1e-5)
     finally:
         reward.close()
@@ -156,35 +167,37 @@ def test_a_worker_that_hangs_fails_its_batch_within_the_timeout(classifier_dir, 
 
 # ------------------------------------------------------------------------------------------------- the server
 def test_a_server_that_answers_500_is_retried_then_the_batch_fails(classifier_dir, server, caplog):
-    reward = RewardModel(classifier_dir, placement="url", url=server.url + "/pooling", retries=2,
-                         backoff_seconds=0.01, timeout_seconds=5)
+    reward = RewardModel(classifier_dir, placement=Endpoint(server.url, retries=2, backoff_seconds=0.01,
+                                                            timeout_seconds=5))
     server.bodies.clear()
     server.fail = True
     try:
-        with caplog.at_level(logging.WARNING, logger="rllight.rollout.producer"):
-            values, _, failures = score_samples(reward, CHATS)
+        with caplog.at_level(logging.WARNING):
+            values, _, failures = counted(reward, CHATS)
     finally:
         server.fail = False
     assert values == [0.0] * 3 and failures == 3 and len(server.bodies) == 3  # one request and two retries
-    [line] = [r.getMessage() for r in caplog.records if "whole batch" in r.getMessage()]
-    assert "HTTP 500 from the reward model" in line and "after 3 attempts" in line
+    [line] = [r.getMessage() for r in caplog.records if "could not score 3 of 3 samples" in r.getMessage()]
+    assert f"the reward model at {server.url} answered /pooling with HTTP 500" in line, line
+    assert line.endswith("(after 3 attempts)"), line
     assert reward.score(CHATS) == pytest.approx(RewardModel(classifier_dir).score(CHATS), abs=1e-5)  # back up
 
 
-@pytest.mark.parametrize(("settings", "field"), [
-    ({"placement": "gpu"}, "placement"),
-    ({"placement": "url", "url": "http://127.0.0.1:1/pooling", "protocol": "grpc"}, "protocol"),
-    ({"placement": "url", "url": "127.0.0.1:8000/pooling"}, "url"),
-    ({"placement": "url", "url": None}, "url"),
-    ({"placement": "url", "url": "http://127.0.0.1:8000/v1"}, "url"),  # vLLM's pooling route is not under /v1
-    ({"placement": "worker", "url": "http://127.0.0.1:8000/pooling"}, "url"),
-    ({"placement": "url", "url": "http://h/pooling", "api_key_env": "sk-secret value"}, "api_key_env"),
-    ({"placement": "worker", "timeout_seconds": 0}, "timeout_seconds"),
+@pytest.mark.parametrize(("placement", "field"), [
+    (lambda: Endpoint("http://127.0.0.1:1", protocol=PromptLogprobs(rows_per_request=0)),
+     "protocol.init_args.rows_per_request"),
+    (lambda: Endpoint("127.0.0.1:8000"), "url"),
+    (lambda: Endpoint(None), "url"),
+    (lambda: Endpoint("http://127.0.0.1:8000/pooling"), "url"),  # the base URL: the protocol appends /pooling
+    (lambda: Endpoint("http://h", api_key_env="sk-secret value"), "api_key_env"),
+    (lambda: Endpoint("http://h", retries=-1), "retries"),
+    (lambda: Worker(timeout_seconds=0), "timeout_seconds"),
 ])
-def test_a_bad_placement_setting_is_one_line_naming_it(settings, field):
+def test_a_bad_placement_setting_is_one_line_naming_it(placement, field):
     with pytest.raises(RecipeError) as err:
-        RewardModel("any/model", **settings)
-    assert str(err.value).startswith(f"model.reward.init_args.{field}") and "\n" not in str(err.value), str(err.value)
+        RewardModel("any/model", placement=placement())
+    assert str(err.value).startswith(f"model.reward.init_args.placement.init_args.{field}") \
+        and "\n" not in str(err.value), str(err.value)
 
 
 # ------------------------------------------------------------------------------------------------- the recipe

@@ -10,11 +10,12 @@ import time
 import pytest
 import yaml
 from jsonargparse import ArgumentParser
-from reward_fixtures import Always, DieOn, Echo, HangOn, Loads, Pid
+from reward_fixtures import Always, DieOn, Echo, HangOn, Loads, Pid, samples_of
 
 from rllight.errors import RecipeError
-from rllight.rewards import FormatReward, IntegerMatch, MathVerify, Reward, RewardRunner, Weighted, check_answers
-from rllight.rewards.runner import _wrong_answer
+from rllight.rewards import (FormatReward, IntegerMatch, MathVerify, Reward, RewardRunner, Verifier, Weighted,
+                             check_answers, preflight, scored)
+from rllight.rewards.preflight import wrong_answer
 
 
 @pytest.fixture(scope="module")
@@ -32,26 +33,26 @@ def test_a_hanging_sample_times_out_and_the_rest_of_the_batch_is_scored():
         scores = runner.score(HangOn(on="7"), responses, answers)
         elapsed = time.monotonic() - start
         assert elapsed < 3 + 20  # the timeout plus room for starting the workers on a busy machine
-        assert scores.rewards == [1.0, 1.0, 0.0, 1.0, 0.0, 1.0]
-        assert scores.correct == [True, True, False, True, False, True]
-        assert (scores.failures, scores.timeouts, scores.worker_deaths) == (1, 1, 0)
-        assert list(scores.errors) == [2] and "timed out after 3 s" in scores.errors[2]
+        assert scores.values == [1.0, 1.0, 0.0, 1.0, 0.0, 1.0]
+        assert scores.solved == [True, True, False, True, False, True]
+        assert (len(scores.failed), scores.metrics["timeouts"], scores.metrics["worker_deaths"]) == (1, 1, 0)
+        assert list(scores.failed) == [2] and "timed out after 3 s" in scores.failed[2]
         # the hung worker was replaced: the pool is whole and the next batch is scored
         again = runner.score(HangOn(on="7"), ["1", "3"], ["1", "2"])
-        assert again.rewards == [1.0, 0.0] and (again.failures, again.timeouts) == (0, 0)
+        assert again.values == [1.0, 0.0] and (again.failed, again.metrics["timeouts"]) == ({}, 0)
 
 
 @pytest.mark.parametrize("how", ["exit", "sigkill"])
 def test_a_sample_that_kills_its_worker_is_counted_and_the_next_batch_still_works(runner, how):
     reward = DieOn(on="3", how=how)
     scores = runner.score(reward, ["1", "3", "5", "6"], ["1", "3", "5", "7"])
-    assert scores.rewards == [1.0, 0.0, 1.0, 0.0]
-    assert scores.correct == [True, False, True, False]
-    assert (scores.failures, scores.timeouts, scores.worker_deaths) == (1, 0, 1)
+    assert scores.values == [1.0, 0.0, 1.0, 0.0]
+    assert scores.solved == [True, False, True, False]
+    assert (len(scores.failed), scores.metrics["timeouts"], scores.metrics["worker_deaths"]) == (1, 0, 1)
     code = "exit code 1" if how == "exit" else "exit code -9"
-    assert "worker process died" in scores.errors[1] and code in scores.errors[1]
+    assert "worker process died" in scores.failed[1] and code in scores.failed[1]
     again = runner.score(reward, ["2", "8"], ["2", "9"])
-    assert again.rewards == [1.0, 0.0] and again.failures == again.worker_deaths == 0
+    assert again.values == [1.0, 0.0] and again.failed == {} and again.metrics["worker_deaths"] == 0
 
 
 @pytest.mark.parametrize("workers", [1, 0])
@@ -60,31 +61,31 @@ def test_raising_and_float32_overflowing_samples_get_zero(runner, workers):
     # (and is >= correct = 1). "boom" is not a number: float() raises. workers=0 scores in-process.
     local = runner if workers else RewardRunner(workers=0)
     scores = local.score(Echo(), ["1e39", "3e38", "boom", "1", "0.5"], [""] * 5)
-    assert scores.rewards == [0.0, 3e38, 0.0, 1.0, 0.5]
-    assert scores.correct == [False, True, False, True, False]
-    assert (scores.failures, scores.timeouts, scores.worker_deaths) == (2, 0, 0)
-    assert "not finite in float32" in scores.errors[0] and "ValueError" in scores.errors[2]
+    assert scores.values == [0.0, 3e38, 0.0, 1.0, 0.5]
+    assert scores.solved == [False, True, False, True, False]
+    assert (len(scores.failed), scores.metrics["timeouts"], scores.metrics["worker_deaths"]) == (2, 0, 0)
+    assert "not finite in float32" in scores.failed[0] and "ValueError" in scores.failed[2]
 
 
 def test_math_verify_runs_in_the_workers(runner):
     responses = ["\\boxed{\\frac{1}{2}}", "\\boxed{\\frac{1}{3}}", "so $x = \\sqrt{4}$", "\\boxed{3}"]
     answers = ["0.5", "0.5", "2", "4"]
     scores = runner.score(MathVerify(), responses, answers)
-    assert scores.correct == [True, False, True, False]
-    assert scores.rewards == [1.0, 0.0, 1.0, 0.0]
-    assert scores.failures == 0
+    assert scores.solved == [True, False, True, False]
+    assert scores.values == [1.0, 0.0, 1.0, 0.0]
+    assert not scores.failed
 
 
 def test_workers_are_other_processes_reused_across_batches_and_get_the_reward_once(tmp_path):
     with RewardRunner(workers=1, timeout_seconds=60) as runner:
         first = runner.score(Pid(), ["a", "b"], ["", ""])
         second = runner.score(Pid(), ["c"], [""])
-        assert first.rewards[0] == first.rewards[1] == second.rewards[0] != float(os.getpid())
+        assert first.values[0] == first.values[1] == second.values[0] != float(os.getpid())
         # one unpickling in the worker for 5 samples over two batches (the same reward pickles the same)
         reward = Loads()
-        assert runner.score(reward, ["x"] * 3, [""] * 3).rewards == [1.0] * 3
-        assert runner.score(reward, ["x"] * 2, [""] * 2).rewards == [1.0] * 2
-        pid = int(first.rewards[0])
+        assert runner.score(reward, ["x"] * 3, [""] * 3).values == [1.0] * 3
+        assert runner.score(reward, ["x"] * 2, [""] * 2).values == [1.0] * 2
+        pid = int(first.values[0])
     with pytest.raises(ProcessLookupError):  # closed: the worker is gone (and reaped)
         os.kill(pid, 0)
 
@@ -93,19 +94,19 @@ def test_a_runner_copies_without_its_workers(runner):
     runner.score(IntegerMatch(), ["1"], ["1"])
     clone = copy.deepcopy(runner)
     assert (clone.workers, clone.timeout_seconds) == (2, 60.0) and clone._pool == []
-    assert clone.score(IntegerMatch(), ["1", "2"], ["1", "1"]).rewards == [1.0, 0.0]
+    assert clone.score(IntegerMatch(), ["1", "2"], ["1", "1"]).values == [1.0, 0.0]
     clone.close()
 
 
 def test_a_reward_the_workers_cannot_get_is_one_recipe_error(tmp_path, monkeypatch):
-    class Local(Reward):  # not importable by name: cannot be pickled
+    class Local(Verifier):  # not importable by name: cannot be pickled
         def __call__(self, response, answer):
             return 1.0
 
     with RewardRunner(workers=1) as runner, pytest.raises(RecipeError, match=r"model.reward: Local cannot be sent"):
         runner.score(Local(), ["a"], ["a"])
     # A class of the script being run: the workers import rllight, not the trainer's __main__.
-    class Script(Reward):
+    class Script(Verifier):
         def __call__(self, response, answer):
             return 1.0
 
@@ -115,7 +116,7 @@ def test_a_reward_the_workers_cannot_get_is_one_recipe_error(tmp_path, monkeypat
         runner.score(Script(), ["a"], ["a"])
     # A module on the trainer's path when the reward was made but not when the workers start.
     (tmp_path / "gone_rewards.py").write_text(
-        "from rllight.rewards import Reward\n\n\nclass Gone(Reward):\n"
+        "from rllight.rewards import Verifier\n\n\nclass Gone(Verifier):\n"
         "    def __call__(self, response, answer):\n        return 1.0\n")
     sys.path.insert(0, str(tmp_path))
     try:
@@ -128,7 +129,7 @@ def test_a_reward_the_workers_cannot_get_is_one_recipe_error(tmp_path, monkeypat
         message = str(err.value)
         assert "Gone cannot be loaded in a reward worker process" in message and "gone_rewards" in message
         assert "\n" not in message
-        assert runner.score(IntegerMatch(), ["1"], ["1"]).rewards == [1.0]  # the runner is still usable
+        assert runner.score(IntegerMatch(), ["1"], ["1"]).values == [1.0]  # the runner is still usable
 
 
 @pytest.mark.parametrize("kwargs,key", [({"workers": -1}, "workers"), ({"timeout_seconds": 0}, "timeout_seconds"),
@@ -142,7 +143,7 @@ def test_bad_runner_settings(kwargs, key):
 @pytest.mark.parametrize("answer,wrong", [("17", "18"), ("9", "0"), ("1,239", "1,230"), ("-3", "-4"),
                                           ("\\frac{1}{2}", "\\frac{1}{3}"), ("x", "x + 1")])
 def test_the_wrong_answer_of_the_preflight(answer, wrong):
-    assert _wrong_answer(answer) == wrong
+    assert wrong_answer(answer) == wrong
 
 
 def _rows(*answers):
@@ -150,14 +151,14 @@ def _rows(*answers):
 
 
 def test_preflight_passes_rewards_that_tell_right_from_wrong(runner):
-    runner.preflight(IntegerMatch(), _rows("12", "-3", "1,234", "0", "9"))
-    runner.preflight(MathVerify(), _rows("0.5", "\\frac{1}{3}", "x^2", "\\sqrt{2}"))
-    runner.preflight(IntegerMatch(correct=1.0, wrong=-1.0), _rows("4"), k=1)  # DAPO's scale
+    preflight(IntegerMatch().guarded(runner), _rows("12", "-3", "1,234", "0", "9"))
+    preflight(MathVerify().guarded(runner), _rows("0.5", "\\frac{1}{3}", "x^2", "\\sqrt{2}"))
+    preflight(IntegerMatch(correct=1.0, wrong=-1.0).guarded(runner), _rows("4"), k=1)  # DAPO's scale
 
 
 def test_preflight_rejects_a_reward_that_accepts_a_wrong_answer(runner):
     with pytest.raises(RecipeError) as err:
-        runner.preflight(Always(1.0), _rows("12", "5"))
+        preflight(Always(1.0).guarded(runner), _rows("12", "5"))
     message = str(err.value)
     assert message.startswith("model.reward: Always gives a wrong response its full reward 1:")
     assert "'The answer is \\\\boxed{13}.'" in message and "train.jsonl row 1" in message and "\n" not in message
@@ -166,7 +167,7 @@ def test_preflight_rejects_a_reward_that_accepts_a_wrong_answer(runner):
 
 def test_preflight_rejects_a_reward_that_never_gives_the_full_reward(runner):
     with pytest.raises(RecipeError) as err:
-        runner.preflight(Always(0.0), _rows("12", "5"))
+        preflight(Always(0.0).guarded(runner), _rows("12", "5"))
     message = str(err.value)
     assert message.startswith("model.reward: Always does not give the reference answer of train.jsonl row 1 "
                               "its full reward 1:")
@@ -178,7 +179,7 @@ def test_preflight_names_the_row_whose_answer_the_reward_cannot_read(runner):
     # k = 4 of 8 rows checks rows 1, 3, 5 and 7 (indices 0, 2, 4, 6): row 5's answer breaks IntegerMatch.
     rows = _rows("1", "2.5", "3", "4", "5.0", "6", "7", "8")
     with pytest.raises(RecipeError) as err:
-        runner.preflight(IntegerMatch(), rows, k=4)
+        preflight(IntegerMatch().guarded(runner), rows, k=4)
     message = str(err.value)
     assert "of train.jsonl row 5 its full reward 1" in message and "ValueError" in message and "\n" not in message
 
@@ -191,37 +192,31 @@ def _correct_plus_format():
 
 def test_weighted_sums_its_components_and_follows_one_for_correctness():
     reward = _correct_plus_format()
-    assert reward("so \\boxed{4}", "4") == pytest.approx(1.2)  # 1.0 * 1 + 0.2 * 1
-    assert reward("so 4", "4") == 1.0  # 1.0 * 1 + 0.2 * 0
-    assert reward("\\boxed{5}", "4") == pytest.approx(0.2)  # a format bonus on a wrong answer...
-    assert not reward.is_correct("\\boxed{5}", "4")  # ...does not make it correct
-    assert reward.is_correct("so 4", "4")
-    assert (reward.correct, reward.wrong) == (pytest.approx(1.2), 0.0)
-    assert reward.components("\\boxed{5}", "4") == {"correctness": 0.0, "format": 1.0}
+    scores = scored(reward, samples_of(["so \\boxed{4}", "so 4", "\\boxed{5}"], ["4", "4", "4"]))
+    # 1.0 * 1 + 0.2 * 1; 1.0 * 1 + 0.2 * 0; a format bonus on a wrong answer (0.2)...
+    assert scores.values == pytest.approx([1.2, 1.0, 0.2])
+    assert scores.solved == [True, True, False]  # ...does not make it correct
+    assert scores.components == {"correctness": [1.0, 1.0, 0.0], "format": [1.0, 0.0, 1.0]}
     assert "not an integer" in reward.check_answer("2.0")  # the correctness component checks the answers
     with pytest.raises(RecipeError, match="can never be matched by Weighted"):
         check_answers(reward, _rows("2.0"))
 
 
-def test_weighted_extremes_follow_the_sign_of_each_weight():
-    # a: 2 * (+1 or -1) -> best 2, worst -2; b: -0.5 * (1 or 0) -> best 0, worst -0.5
-    reward = Weighted({"a": IntegerMatch(correct=1.0, wrong=-1.0), "b": FormatReward()}, {"a": 2.0, "b": -0.5})
-    assert (reward.correct, reward.wrong) == (2.0, -2.5)
-
-
 def test_weighted_components_through_the_runner(runner):
-    reward = _correct_plus_format()
-    scores = runner.score(reward, ["\\boxed{4}", "4", "\\boxed{5}", "none"], ["4", "4", "4", "4"])
-    assert scores.rewards == pytest.approx([1.2, 1.0, 0.2, 0.0])
-    assert scores.correct == [True, True, False, False]
+    reward = _correct_plus_format().guarded(runner)
+    assert all(type(part).__name__ == "Guarded" for part in reward.parts())  # each verifier in the workers
+    scores = scored(reward, samples_of(["\\boxed{4}", "4", "\\boxed{5}", "none"], ["4", "4", "4", "4"]))
+    assert scores.values == pytest.approx([1.2, 1.0, 0.2, 0.0])
+    assert scores.solved == [True, True, False, False]
     assert scores.components == {"correctness": [1.0, 1.0, 0.0, 0.0], "format": [1.0, 0.0, 1.0, 0.0]}
+    assert scores.metrics == {"timeouts": 0.0, "worker_deaths": 0.0}  # summed over the components
     # a component that fails fails the sample: 0 everywhere, counted
-    broken = Weighted({"value": Echo(), "format": FormatReward()}, {"value": 1.0, "format": 0.5})
-    scores = runner.score(broken, ["2", "oops \\boxed{1}"], ["", ""])
-    assert scores.rewards == [2.0, 0.0] and scores.failures == 1
+    broken = Weighted({"value": Echo(), "format": FormatReward()}, {"value": 1.0, "format": 0.5}).guarded(runner)
+    scores = scored(broken, samples_of(["2", "oops \\boxed{1}"], ["", ""]))
+    assert scores.values == [2.0, 0.0] and list(scores.failed) == [1] and scores.failed[1].startswith("value: ")
     assert scores.components == {"value": [2.0, 0.0], "format": [0.0, 0.0]}
     assert runner.score(IntegerMatch(), ["1"], ["1"]).components == {}
-    runner.preflight(reward, _rows("12", "7"))  # correctness decides the pre-flight, not the format
+    preflight(reward, _rows("12", "7"))  # correctness decides the pre-flight, not the format
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -264,7 +259,7 @@ runner: {workers: 1, timeout_seconds: 2.5}
     correctness = reward.rewards["correctness"]
     assert isinstance(correctness, MathVerify) and correctness.timeout_seconds == 3
     assert reward.rewards["format"].pattern == "<answer>.+</answer>"
-    assert reward("<answer>$\\frac{1}{2}$</answer>", "0.5") == pytest.approx(1.2)
+    assert scored(reward, samples_of(["<answer>$\\frac{1}{2}$</answer>"], ["0.5"])).values == pytest.approx([1.2])
     assert (cfg.runner.workers, cfg.runner.timeout_seconds) == (1, 2.5)
 
 
@@ -276,4 +271,16 @@ def test_a_reward_the_worker_dropped_from_its_cache_is_sent_again():
         for reward in [first, *(IntegerMatch(correct=float(c)) for c in (2, 3, 4, 5))]:
             runner.score(reward, ["\\boxed{4}"], ["4"])
         again = runner.score(first, ["\\boxed{4}", "\\boxed{5}"], ["4", "4"])
-        assert (again.failures, again.rewards) == (0, [1.0, 0.0]), again.errors
+        assert (again.failed, again.values) == ({}, [1.0, 0.0]), again.failed
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"workers": -1}, "RewardRunner.workers must be an integer >= 0, got -1"),
+    ({"workers": True}, "RewardRunner.workers must be an integer >= 0, got True"),
+    ({"timeout_seconds": 0}, "RewardRunner.timeout_seconds must be a finite number > 0, got 0"),
+    ({"timeout_seconds": float("inf")}, "RewardRunner.timeout_seconds must be a finite number > 0, got inf"),
+])
+def test_bad_runner_settings_are_one_line(kwargs, message):
+    with pytest.raises(RecipeError) as err:
+        RewardRunner(**kwargs)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)

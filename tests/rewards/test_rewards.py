@@ -7,7 +7,9 @@ import pytest
 
 from rllight.data import ArithmeticTask, RLDataModule
 from rllight.errors import RecipeError
-from rllight.rewards import IntegerMatch, MathVerify, Reward, check_answers, last_integer, score_batch
+from reward_fixtures import samples_of
+from rllight.rewards import IntegerMatch, MathVerify, Reward, Verifier, check_answers, last_integer
+from rllight.rollout.scoring import score_samples
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -30,7 +32,7 @@ def test_math_verify_equivalence():
     assert r("The answer is $\\boxed{3}$", "4") == 0.0
 
 
-def test_score_batch_isolates_failures():
+def test_a_verifier_that_fails_on_a_sample_costs_that_sample_only():
     class Bad(IntegerMatch):
         def __call__(self, response, answer):
             if response == "boom":
@@ -39,29 +41,30 @@ def test_score_batch_isolates_failures():
                 return float("nan")
             return super().__call__(response, answer)
 
-    rewards, correct, failures = score_batch(Bad(), ["boom", "5", "nan", "4"], ["5", "5", "5", "5"])
-    assert rewards == [0.0, 1.0, 0.0, 0.0]
-    assert correct == [False, True, False, False]
-    assert failures == 2
+    scores = score_samples(Bad(), samples_of(["boom", "5", "nan", "4"], ["5", "5", "5", "5"]))
+    assert scores.values == [0.0, 1.0, 0.0, 0.0]
+    assert scores.solved == [False, True, False, False]
+    assert sorted(scores.failed) == [0, 2] and scores.failed[0] == "ValueError: boom"
 
 
-class Echo(Reward):
+class Echo(Verifier):
     """The reward is the response read as a number."""
 
     def __call__(self, response, answer):
         return float(response)
 
 
-def test_score_batch_rejects_rewards_that_overflow_float32(caplog):
+def test_scoring_rejects_rewards_that_overflow_float32(caplog):
     # The largest float32 is (2 - 2**-23) * 2**127 = 3.4028235e38. 1e39 and -1e39 are finite doubles but
     # become +-inf in the float32 rollout tensor: failures, reward 0. 3e38 fits: kept, and >= correct (1.0).
-    with caplog.at_level(logging.WARNING, logger="rllight.rewards"):
-        rewards, correct, failures = score_batch(Echo(), ["1e39", "3e38", "-1e39", "1", "inf"], ["0"] * 5)
-    assert rewards == [0.0, 3e38, 0.0, 1.0, 0.0]
-    assert correct == [False, True, False, True, False]
-    assert failures == 3
-    warned = [r.getMessage() for r in caplog.records if "not finite in float32" in r.getMessage()]
-    assert len(warned) == 3 and "sample 0" in warned[0] and "sample 2" in warned[1] and "sample 4" in warned[2]
+    with caplog.at_level(logging.WARNING, logger="rllight"):
+        scores = score_samples(Echo(), samples_of(["1e39", "3e38", "-1e39", "1", "inf"], ["0"] * 5))
+    assert scores.values == [0.0, 3e38, 0.0, 1.0, 0.0]
+    assert scores.solved == [False, True, False, True, False]
+    assert sorted(scores.failed) == [0, 2, 4]
+    assert all("not finite in float32" in why for why in scores.failed.values())
+    warned = [r.getMessage() for r in caplog.records if "could not score" in r.getMessage()]  # one line a batch
+    assert len(warned) == 1 and "3 of 5 samples" in warned[0] and "sample 0: ValueError: reward 1e+39" in warned[0]
 
 
 @pytest.mark.parametrize("answer", ["4", " -12 ", "1,234", "+7"])

@@ -1,5 +1,5 @@
-"""Scores per response token (``BatchScores.token_scores``): checked against each sample's response tokens, mixed by
-``WeightedBatch``, laid on the rollout's response tokens (``Rollout.dense_rewards``), added to the outcome's token
+"""Scores per response token (``Scores.token_scores``): checked against each sample's response tokens, mixed by
+``Weighted``, laid on the rollout's response tokens (``Rollout.dense_rewards``), added to the outcome's token
 rewards so that GAE at lambda = gamma = 1 with a zero critic gives each token the outcome plus the token scores from it
 on (the return of a process reward), refused in one line by an estimator that reads only the outcome."""
 
@@ -11,7 +11,7 @@ import torch
 from rllight.errors import RecipeError
 from rllight.models import HFModel
 from rllight.module import RLModule
-from rllight.rewards import BatchReward, BatchScores, IntegerMatch, Sample, WeightedBatch, as_batch_scores
+from rllight.rewards import IntegerMatch, Reward, Sample, Scores, Weighted, checked
 from rllight.rollout import HFEngine
 from rllight.rollout.producer import RolloutProducer
 from rllight.strategies import GAE, GroupRelative, ReinforcePP
@@ -23,33 +23,33 @@ def sample(n_tokens: int, response: str = "7") -> Sample:
                   row={}, group=0)
 
 
-class PerToken(BatchReward):
+class PerToken(Reward):
     """Score 1 per response; token t of a response scores 0.1 * (t + 1)."""
 
     def score(self, samples):
-        return BatchScores(scores=[1.0] * len(samples),
-                           token_scores=[[0.1 * (t + 1) for t in range(len(s.response_ids))] for s in samples])
+        return Scores(values=[1.0] * len(samples),
+                      token_scores=[[0.1 * (t + 1) for t in range(len(s.response_ids))] for s in samples])
 
 
 def test_token_scores_are_checked_against_each_samples_response_tokens():
     samples = [sample(2), sample(3)]
-    out = as_batch_scores(PerToken(), samples, BatchScores(scores=[1, 2], token_scores=[[1, 2], None]))
+    out = checked(PerToken(), samples, Scores(values=[1, 2], token_scores=[[1, 2], None]))
     assert out.token_scores == [[1.0, 2.0], None]
     with pytest.raises(RecipeError, match=r"returned 2 token scores for sample 1, whose response has 3 tokens"):
-        as_batch_scores(PerToken(), samples, BatchScores(scores=[1, 2], token_scores=[[1, 2], [1, 2]]))
+        checked(PerToken(), samples, Scores(values=[1, 2], token_scores=[[1, 2], [1, 2]]))
     with pytest.raises(RecipeError, match=r"token scores for 1 samples of 2"):
-        as_batch_scores(PerToken(), samples, BatchScores(scores=[1, 2], token_scores=[[1, 2]]))
-    out = as_batch_scores(PerToken(), samples, BatchScores(scores=[1, 2], token_scores=[[1, float("nan")], [1, 2, 3]],
+        checked(PerToken(), samples, Scores(values=[1, 2], token_scores=[[1, 2]]))
+    out = checked(PerToken(), samples, Scores(values=[1, 2], token_scores=[[1, float("nan")], [1, 2, 3]],
                                                            failed={1: "judge down"}))
     assert out.token_scores == [None, None]  # the first not finite, the second failed: neither trains
-    assert out.failed == {0: "a token score is not finite", 1: "judge down"} and out.scores == [0.0, 0.0]
+    assert out.failed == {0: "a token score is not finite", 1: "judge down"} and out.values == [0.0, 0.0]
 
 
-def test_weighted_batch_weighs_the_token_scores_of_the_components_that_give_them():
-    mix = WeightedBatch({"steps": PerToken(), "exact": IntegerMatch()}, weights={"steps": 2.0, "exact": 1.0},
+def test_weighted_weighs_the_token_scores_of_the_components_that_give_them():
+    mix = Weighted({"steps": PerToken(), "exact": IntegerMatch()}, weights={"steps": 2.0, "exact": 1.0},
                         correct_from="exact")
-    out = as_batch_scores(mix, [sample(3), sample(2, response="8")], mix.score([sample(3), sample(2, response="8")]))
-    assert out.scores == pytest.approx([2.0 + 1.0, 2.0 + 0.0])
+    out = checked(mix, [sample(3), sample(2, response="8")], mix.score([sample(3), sample(2, response="8")]))
+    assert out.values == pytest.approx([2.0 + 1.0, 2.0 + 0.0])
     assert out.token_scores == [pytest.approx([0.2, 0.4, 0.6]), pytest.approx([0.2, 0.4])]
 
 

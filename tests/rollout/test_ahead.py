@@ -11,6 +11,7 @@ from rllight.errors import RecipeError
 from rllight.rollout.ahead import SentAhead, steps_ahead
 from rllight.rollout.hf import HFEngine
 from rllight.rollout.remote import VLLMServerEngine
+from rllight.serving import Endpoint
 from rllight.rollout.worker import ProcessEngine
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -68,7 +69,7 @@ def test_a_bound_that_is_not_a_count_of_updates_is_one_line(value):
 
 @pytest.mark.parametrize("make", [
     lambda **kw: ProcessEngine(HFEngine(), **kw),
-    lambda **kw: VLLMServerEngine("http://127.0.0.1:9", weights_dir=None, **kw),
+    lambda **kw: VLLMServerEngine(Endpoint("http://127.0.0.1:9"), weights_dir=None, **kw),
 ])
 def test_both_asynchronous_engines_refuse_the_same_settings_in_the_same_words(make):
     with pytest.raises(RecipeError, match=r"^model\.rollout\.init_args\.max_staleness must be an integer >= 0"):

@@ -19,6 +19,7 @@ from rllight.models import HFModel
 from rllight.module import RLModule
 from rllight.rollout.metrics import logprob_mismatch
 from rllight.rollout.remote import VLLMServerEngine
+from rllight.serving import Endpoint
 from rllight.testing import build_tiny_model
 
 ROWS = [{"messages": [{"role": "user", "content": "What is 1 + 2?" + " 3" * k}], "answer": "3"} for k in range(4)]
@@ -26,11 +27,14 @@ ROWS = [{"messages": [{"role": "user", "content": "What is 1 + 2?" + " 3" * k}],
 
 def test_bad_options_are_one_line_errors(tmp_path):
     (tmp_path / "file").write_text("x")
-    for kwargs, needle in [({"url": "gen-node:8000"}, "url must start with http"),
-                           ({"url": "http://x", "sync_every": 0}, "sync_every"),
-                           ({"url": "http://x", "weights_dir": str(tmp_path / "file")}, "weights_dir")]:
+    key = r"^model\.rollout\.init_args\."
+    for url, kwargs, needle in [("gen-node:8000", {}, key + "server.init_args.url must be the server's URL, starting "
+                                                            "with http"),
+                                ("http://x", {"sync_every": 0},
+                                 r"^VLLMServerEngine\.sync_every must be an integer >= 1, got 0$"),  # declared bound
+                                ("http://x", {"weights_dir": str(tmp_path / "file")}, key + "weights_dir")]:
         with pytest.raises(RecipeError, match=needle):
-            VLLMServerEngine(**kwargs)
+            VLLMServerEngine(Endpoint(url), **kwargs)
 
 
 def test_a_server_that_does_not_answer_is_one_line_naming_the_url(tiny_model_dir):
@@ -38,8 +42,8 @@ def test_a_server_that_does_not_answer_is_one_line_naming_the_url(tiny_model_dir
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     module = RLModule(HFModel(tiny_model_dir),
-                      rollout=VLLMServerEngine(f"http://127.0.0.1:{port}", weights_dir=None, timeout_seconds=5,
-                                               model="served"))
+                      rollout=VLLMServerEngine(Endpoint(f"http://127.0.0.1:{port}", timeout_seconds=5, retries=0),
+                                               weights_dir=None, model="served"))
     module.configure_model()
     with pytest.raises(RecipeError, match="weights_dir is not set"):
         module.producer.sample(ROWS[:1], n=1)
@@ -98,8 +102,8 @@ class FakeServer:
 
 
 def _remote_module(model_dir, url, timeout_seconds=5.0):
-    module = RLModule(HFModel(model_dir), rollout=VLLMServerEngine(url, weights_dir="unused", model="served",
-                                                                     timeout_seconds=timeout_seconds))
+    server = Endpoint(url, timeout_seconds=timeout_seconds, retries=0)
+    module = RLModule(HFModel(model_dir), rollout=VLLMServerEngine(server, weights_dir="unused", model="served"))
     module.configure_model()
     module.rollout._version = 0  # as if pushed: the first request then is the generation's
     return module
@@ -107,8 +111,7 @@ def _remote_module(model_dir, url, timeout_seconds=5.0):
 
 @pytest.mark.parametrize("mode, message", [
     ("html", "answered /weight_info with something other than a JSON object ('<html><body>Welcome to nginx!"
-             "</body></html>'); check that the URL (model.rollout.init_args.url) is a vLLM server (vllm serve), "
-             "not another web server"),
+             "</body></html>'); check the URL (model.rollout.init_args.server.init_args.url)"),
     ("500", 'answered /weight_info with HTTP 500 ({"error": "CUDA out of memory"}); see the server\'s log'),
     ("version", "holds weight version '7' before generating where 0 was pushed (restarted, or pushed to by "
                 "another trainer); its samples are not used. Resume from the last checkpoint"),
@@ -134,12 +137,14 @@ def test_a_refused_server_ends_the_cli_with_one_line_and_exit_2(tmp_path, capsys
 
     port = free_port()  # nothing listens there
     rollout = {"class_path": "rllight.rollout.remote.VLLMServerEngine",
-               "init_args": {"url": f"http://127.0.0.1:{port}", "weights_dir": str(tmp_path / "weights"),
-                             "model": "served", "max_new_tokens": 4}}
+               "init_args": {"server": {"class_path": "rllight.serving.Endpoint",
+                                        "init_args": {"url": f"http://127.0.0.1:{port}", "backoff_seconds": 0.01}},
+                             "weights_dir": str(tmp_path / "weights"), "model": "served", "max_new_tokens": 4}}
     err = [one_line_error(tmp_path, tiny_model_dir, capsys, rollout=rollout)]
     assert err[-1].startswith(f"rllight: error: model.rollout: no answer from the vLLM server at "
                               f"http://127.0.0.1:{port} to /collective_rpc within timeout_seconds=600 ("), err[-1]
-    assert err[-1].endswith("check that it runs and the URL (model.rollout.init_args.url)")
+    assert err[-1].endswith("check that it runs and the URL (model.rollout.init_args.server.init_args.url) "
+                            "(after 3 attempts)"), err[-1]
 
 
 @pytest.mark.slow
@@ -152,8 +157,8 @@ def test_sigterm_is_honoured_within_seconds_while_the_server_never_answers(tmp_p
     server = FakeServer("hang")
     try:
         rollout = {"class_path": "rllight.rollout.remote.VLLMServerEngine",
-                   "init_args": {"url": server.url, "weights_dir": str(tmp_path / "weights"), "model": "served",
-                                 "max_new_tokens": 4}}
+                   "init_args": {"server": {"class_path": "rllight.serving.Endpoint", "init_args": {"url": server.url}},
+                                 "weights_dir": str(tmp_path / "weights"), "model": "served", "max_new_tokens": 4}}
         child = start_fit("grpo.yaml", "--config", tiny_overrides(tmp_path, tiny_model_dir, rollout=rollout))
         deadline = time.monotonic() + 300
         while not (tmp_path / "weights" / "model.safetensors").exists():  # the push, then /collective_rpc hangs
@@ -189,7 +194,7 @@ def _trainer_logprobs(module, rollout, policy=None):
 @pytest.mark.vllm
 def test_the_servers_samples_are_the_trainers_policy_before_and_after_a_push(server, tmp_path):
     url, model_dir = server
-    engine = VLLMServerEngine(url, weights_dir=str(tmp_path / "weights"), max_new_tokens=8, temperature=0.7)
+    engine = VLLMServerEngine(Endpoint(url), weights_dir=str(tmp_path / "weights"), max_new_tokens=8, temperature=0.7)
     module = RLModule(HFModel(model_dir), rollout=engine)
     module.configure_model()
     rollout = module.producer.sample(ROWS, n=2)
@@ -227,7 +232,7 @@ def test_raw_log_probs_from_a_server_are_detected(tiny_model_dir):
     from rllight.rollout.base import Generation
 
     module = RLModule(HFModel(tiny_model_dir),
-                      rollout=VLLMServerEngine("http://127.0.0.1:1", weights_dir=None, temperature=0.5))
+                      rollout=VLLMServerEngine(Endpoint("http://127.0.0.1:1"), weights_dir=None, temperature=0.5))
     module.configure_model()
     engine, policy = module.rollout, module.policy
     prompt, response = [1, 5, 6, 7], torch.tensor([9, 12, 4])
@@ -249,8 +254,8 @@ def test_raw_log_probs_from_a_server_are_detected(tiny_model_dir):
 @pytest.mark.vllm
 def test_asynchronous_generation_from_the_server_is_the_old_policys_and_tagged(server, tmp_path):
     url, model_dir = server
-    engine = VLLMServerEngine(url, weights_dir=str(tmp_path / "weights"), max_new_tokens=8, temperature=0.7,
-                              max_staleness=1)
+    engine = VLLMServerEngine(Endpoint(url), weights_dir=str(tmp_path / "weights"), max_new_tokens=8,
+                              temperature=0.7, max_staleness=1)
     module = RLModule(HFModel(model_dir), rollout=engine)
     module.configure_model()
     module.producer.prefetch(ROWS, 2)  # sent now, with the trainer's weights (pushed first)
@@ -279,8 +284,8 @@ def test_two_fsdp_ranks_share_one_server_and_each_samples_its_trainers_policy(se
     server ends on the version of the last update and the ranks with the same weights."""
     url, model_dir = server
     engine = {"class_path": "rllight.rollout.remote.VLLMServerEngine",
-              "init_args": {"url": url, "weights_dir": str(tmp_path / "weights"), "max_new_tokens": 6,
-                            "temperature": 0.7}}
+              "init_args": {"server": {"class_path": "rllight.serving.Endpoint", "init_args": {"url": url}},
+                            "weights_dir": str(tmp_path / "weights"), "max_new_tokens": 6, "temperature": 0.7}}
     overlay = tiny_overrides(tmp_path, model_dir, rollout=engine)
     run = fit_in_child("grpo.yaml", "--config", overlay, "--trainer.strategy", "{class_path: rllight.fsdp.FSDP}",
                        "--trainer.devices", "2", "--trainer.callbacks+", "user_strategies.DumpState",

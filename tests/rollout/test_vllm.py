@@ -173,7 +173,7 @@ def test_vllms_repeated_messages_reach_the_log_once_and_those_with_nothing_to_do
 
 
 def test_importing_rllight_does_not_import_vllm():
-    code = ("import sys, rllight, rllight.cli, rllight.module, rllight.rollout.vllm, rllight.rollout.metrics; "
+    code = ("import sys, rllight, rllight.app.cli, rllight.module, rllight.rollout.vllm, rllight.rollout.metrics; "
             "sys.exit('vllm' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], env={**os.environ, "HF_HUB_OFFLINE": "1"}).returncode == 0
 

@@ -2,6 +2,7 @@
 faults (a killed, stale or hanging worker) that never hang or silently corrupt training."""
 
 import copy
+import math
 import os
 import signal
 import time
@@ -75,9 +76,13 @@ def test_settings_are_the_inner_engines_and_bad_values_are_one_line_errors():
     assert (engine.max_new_tokens, engine.temperature, engine.top_p, engine.top_k) == (5, 0.7, 0.9, 4)
     assert EvalSettings(temperature=0.3, max_new_tokens=2).sampling(engine.sampling) == Sampling(2, 0.3, 1.0, 0)
     assert (inner.max_new_tokens, inner.temperature) == (5, 0.7)  # evaluation passes its own; nothing changes
-    for kwargs, key in [({"sync_every": 0}, "sync_every"), ({"timeout_seconds": 0}, "timeout_seconds")]:
-        with pytest.raises(RecipeError, match=f"model.rollout.init_args.{key}"):
+    for kwargs, message in [({"sync_every": 0}, "ProcessEngine.sync_every must be an integer >= 1, got 0"),
+                            ({"timeout_seconds": 0}, "ProcessEngine.timeout_seconds must be a finite number > 0, got 0"),
+                            ({"timeout_seconds": math.inf},
+                             "ProcessEngine.timeout_seconds must be a finite number > 0, got inf")]:
+        with pytest.raises(RecipeError) as err:
             ProcessEngine(HFEngine(), **kwargs)
+        assert str(err.value) == message
 
 
 def test_after_an_update_and_a_sync_the_worker_samples_from_the_trainers_policy(tiny_model_dir):

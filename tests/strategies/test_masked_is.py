@@ -65,8 +65,8 @@ def _trained(tmp_path, tiny_model_dir, policy_loss):
     engine = {"class_path": "user_strategies.ScriptedEngine", "init_args": {"max_new_tokens": 6}}
     tmp_path.mkdir()
     overlay = tiny_overrides(tmp_path, tiny_model_dir, rollout=engine, policy_loss=policy_loss)
-    cli = build(os.path.join(RECIPES, "grpo.yaml"), overlay, "--trainer.max_steps", "2", "--model.minibatch_size",
-                "null", "--data.batch_size", "4")
+    cli = build(os.path.join(RECIPES, "grpo.yaml"), overlay, "--trainer.max_steps", "2",
+                "--model.batching.minibatch_size", "null", "--data.batch_size", "4")
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     params = {n: p.detach().clone() for n, p in cli.model.policy.named_parameters()}
     return params, {k: float(v) for k, v in cli.trainer.callback_metrics.items()}

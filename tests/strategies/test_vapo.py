@@ -594,11 +594,11 @@ class SpyLoss(ClippedSurrogate):
 @pytest.mark.parametrize("critic_first", [2, 0])
 def test_critic_steps_first_recompute_advantages_with_the_updated_critic(critic_first, tmp_path, tiny_model_dir):
     # One RL step of vapo.yaml (no pretraining, no replay, to isolate the update order), 16 responses in one
-    # minibatch and one micro-batch. With critic_steps_first = K: the estimator runs on the fresh values,
+    # minibatch and one micro-batch. With critic_first.steps = K: the estimator runs on the fresh values,
     # the critic takes K steps, the estimator runs again on the new values, and the policy trains on
     # those second advantages. With 0 the estimator runs once and critic and policy train together.
     cli = build(os.path.join(RECIPES, "vapo.yaml"), tiny_overrides(tmp_path, tiny_model_dir), _callbacks(tmp_path),
-                "--trainer.max_steps", "1", "--model.critic_steps_first", str(critic_first))
+                "--trainer.max_steps", "1", "--model.critic_first.steps", str(critic_first))
     module = cli.model
     module.advantage = SpyGAE(policy_lambda=AdaptiveLambda(), value_lam=1.0)
     module.policy_loss = SpyLoss(clip_low=0.2, clip_high=0.28)
@@ -629,13 +629,13 @@ def test_critic_steps_first_recompute_advantages_with_the_updated_critic(critic_
 def test_critic_steps_first_takes_k_v_optimizer_steps_per_rollout(steps_first, epochs_first, expected_steps,
                                                                    tmp_path, tiny_model_dir):
     # One RL step of vapo.yaml (no pretraining, no replay): 2 prompts x 8 = 16 responses in 4 minibatches of 4.
-    # Note 000's K_v counts the critic's optimizer steps per rollout: critic_steps_first K takes K steps, one
+    # Note 000's K_v counts the critic's optimizer steps per rollout: critic_first.steps K takes K steps, one
     # minibatch each in the order of the policy's first epoch, cycling (6: the 4 minibatches, then the first 2
-    # again). critic_epochs_first E takes E passes over all 4 minibatches in row order: 2 x 4 = 8 steps (the
+    # again). critic_first.epochs E takes E passes over all 4 minibatches in row order: 2 x 4 = 8 steps (the
     # reading of rllight's former critic_updates_first, whose K_v = 4 took 4 x 4 = 16 steps here).
-    overlay = tiny_overrides(tmp_path, tiny_model_dir, minibatch_size=4, micro_batch_size=4)
+    overlay = tiny_overrides(tmp_path, tiny_model_dir, batching={"minibatch_size": 4, "micro_batch_size": 4})
     cli = build(os.path.join(RECIPES, "vapo.yaml"), overlay, _callbacks(tmp_path), "--trainer.max_steps", "4",
-                "--model.critic_steps_first", str(steps_first), "--model.critic_epochs_first", str(epochs_first))
+                "--model.critic_first.steps", str(steps_first), "--model.critic_first.epochs", str(epochs_first))
     module = cli.model
     seen, calls = [], []
     update, critic_update = module.updater.update, module.updater.critic_update
@@ -670,13 +670,10 @@ def test_critic_steps_first_takes_k_v_optimizer_steps_per_rollout(steps_first, e
 
 
 @pytest.mark.parametrize("args, message", [
-    (("--model.critic_epochs_first", "4"), "critic_steps_first and model.critic_epochs_first are both set"),
-    (("--model.critic_steps_first", "-1"), "model.critic_steps_first must be >= 0"),
-    (("--model.critic_steps_first", "0", "--model.critic_epochs_first", "-2"),
-     "model.critic_epochs_first must be >= 0"),
+    (("--model.critic_first.epochs", "4"), "critic_first.steps and model.critic_first.epochs are both set"),
 ])
 def test_critic_first_schedule_errors_are_one_line_recipe_errors(args, message, tmp_path, tiny_model_dir):
-    # vapo.yaml sets critic_steps_first: 4; adding epochs would leave the schedule ambiguous.
+    # vapo.yaml sets critic_first.steps: 4; adding epochs would leave the schedule ambiguous.
     with pytest.raises(RecipeError, match=message):
         build(os.path.join(RECIPES, "vapo.yaml"), tiny_overrides(tmp_path, tiny_model_dir), *args)
 
@@ -702,7 +699,7 @@ def test_critic_first_updates_train_the_shared_backbone_only_in_figure_5s_form(f
     # per rollout here, where old log-probs are otherwise the live ones of the policy at its update).
     cli = build(os.path.join(RECIPES, "vapo.yaml"), tiny_overrides(tmp_path, tiny_model_dir), SHARED_CRITIC,
                 *([FIGURE_5] if figure_5 else []), _callbacks(tmp_path), "--trainer.max_steps", "1",
-                "--model.critic_steps_first", "3", "--model.critic.init_args.lr", "0.1")
+                "--model.critic_first.steps", "3", "--model.critic.init_args.lr", "0.1")
     module = cli.model
     assert module.critic.critic_first_trains_backbone is figure_5
     assert module.critic.clip == 0.2  # the overlays merge: figure 5's keeps the shared critic's settings
@@ -735,10 +732,10 @@ def test_critic_first_updates_train_the_shared_backbone_only_in_figure_5s_form(f
 
 
 def test_figure_5s_backbone_option_without_critic_first_updates_is_a_recipe_error(tmp_path, tiny_model_dir):
-    # With critic_steps_first 0 the value loss trains the shared backbone in every joint update anyway.
-    with pytest.raises(RecipeError, match="critic_first_trains_backbone needs model.critic_steps_first"):
+    # With critic_first.steps 0 the value loss trains the shared backbone in every joint update anyway.
+    with pytest.raises(RecipeError, match="critic_first_trains_backbone needs model.critic_first.steps"):
         build(os.path.join(RECIPES, "vapo.yaml"), tiny_overrides(tmp_path, tiny_model_dir), SHARED_CRITIC, FIGURE_5,
-              "--model.critic_steps_first", "0")
+              "--model.critic_first.steps", "0")
 
 
 def test_value_loss_clip_of_the_critics_is_optional_and_acts():
@@ -761,7 +758,7 @@ def _vapo_module_and_scored_rollout(tmp_path, tiny_model_dir):
     """A vapo.yaml module with the shared value head after one policy step, and a fresh rollout of 16 responses
     with values and returns."""
     cli = build(os.path.join(RECIPES, "vapo.yaml"), tiny_overrides(tmp_path, tiny_model_dir), SHARED_CRITIC,
-                _callbacks(tmp_path), "--trainer.max_steps", "1", "--model.micro_batch_size", "4")
+                _callbacks(tmp_path), "--trainer.max_steps", "1", "--model.batching.micro_batch_size", "4")
     module = cli.model
     cli.trainer.fit(module, datamodule=cli.datamodule)
     rollout = module.sampler(module.producer, cli.datamodule.train_rows[:2])
@@ -902,8 +899,8 @@ def test_compare_counts_the_budget_in_rollouts():
 
     def config(batch_size, group_size, minibatch_size, ppo_epochs):
         return {"data": {"batch_size": batch_size}, "model": {"sampler": {"init_args": {"group_size": group_size}},
-                                                              "minibatch_size": minibatch_size,
-                                                              "ppo_epochs": ppo_epochs}}
+                                                              "batching": {"minibatch_size": minibatch_size,
+                                                                           "ppo_epochs": ppo_epochs}}}
 
     assert compare.updates_per_rollout(config(4, 8, 16, 1)) == 2  # 32 responses / 16
     assert compare.updates_per_rollout(config(4, 8, None, 1)) == 1  # the whole rollout in one update

@@ -82,7 +82,7 @@ def test_async_staleness_runs_a_masked_loss_one_step_stale_and_reports_it(tmp_pa
         assert r["steps_logged"] == 2 and r["finite"] and r["num_val"] == 2
         config = yaml.safe_load(open(os.path.join(r["log_dir"], "config.yaml")))
         assert config["model"]["policy_loss"]["init_args"]["mask"] == "sequence"
-        assert config["model"]["minibatch_size"] == 8  # one update per step
+        assert config["model"]["batching"]["minibatch_size"] == 8  # one update per step
         assert config["trainer"]["precision"] == "32-true"
     table = (out / "async_staleness.md").read_text()
     assert "| grpo-seq-mask | 1 |" in table and "| 0.50 / 1 |" in table
@@ -90,7 +90,7 @@ def test_async_staleness_runs_a_masked_loss_one_step_stale_and_reports_it(tmp_pa
     machine, last = run.stdout.strip().splitlines()[-2:]
     assert machine.startswith("machine: ") and last == "runs_finished=1/1"
     # The record: the run's row of the table as printed, the runs that finished in the summary.
-    from rllight.records import load_records, parse_value
+    from rllight.app.records import load_records, parse_value
 
     (written,) = load_records(str(record.parent))
     assert written["command"].startswith(".venv/bin/python tools/async_staleness.py ")

@@ -24,8 +24,8 @@ def bench(*args: str) -> subprocess.CompletedProcess:
 
 def recorded(path) -> dict:
     """The record bench_step wrote to ``path`` (``<folder>/<id>.json``), read back and checked
-    (``rllight.records.load_records``); its command is bench_step's."""
-    from rllight.records import load_records
+    (``rllight.app.records.load_records``); its command is bench_step's."""
+    from rllight.app.records import load_records
 
     (record,) = load_records(str(path.parent))
     assert record["id"] == path.stem and record["command"].startswith(".venv/bin/python tools/bench_step.py ")

@@ -18,7 +18,7 @@ def _overlay(tmp_path, model_dir: str) -> str:
         "trainer": {"max_steps": 2, "accelerator": "cpu", "precision": "32-true", "enable_progress_bar": False},
         "model": {"model": {"class_path": "rllight.models.HFModel", "init_args": {"path": model_dir}},
                   "rollout": {"init_args": {"max_new_tokens": 4}}, "sampler": {"init_args": {"group_size": 2}},
-                  "minibatch_size": None, "micro_batch_size": 4,
+                  "batching": {"minibatch_size": None, "micro_batch_size": 4},
                   "reward_runner": {"class_path": "rllight.rewards.RewardRunner", "init_args": {"workers": 0}},
                   "evaluation": {"n": 2, "ks": [1, 2], "max_new_tokens": 4}},
         "data": {"batch_size": 2, "val_batch_size": 8, "val_size": 4,

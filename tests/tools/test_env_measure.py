@@ -6,7 +6,7 @@ import yaml
 from helpers import load_tool
 from test_tools import agrees, recorded
 
-from rllight.records import headline_value
+from rllight.app.records import headline_value
 
 pytest.importorskip("textarena")
 
@@ -22,7 +22,7 @@ def _overlay(tmp_path, model_dir: str) -> str:
         "model": {"model": {"class_path": "rllight.models.HFModel", "init_args": {"path": model_dir}},
                   "environment": {"init_args": {"max_total_tokens": 512}},
                   "rollout": {"init_args": {"max_new_tokens": 4}}, "sampler": {"init_args": {"group_size": 2}},
-                  "minibatch_size": None, "micro_batch_size": 4, "reward_runner": None},
+                  "batching": {"minibatch_size": None, "micro_batch_size": 4}, "reward_runner": None},
         "data": {"batch_size": 1, "task": {"init_args": {"train_size": 8, "val_size": 2}}}}))
     return str(path)
 

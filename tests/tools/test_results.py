@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from helpers import TESTS, load_tool
-from rllight.records import load_records
+from rllight.app.records import load_records
 
 RESULTS = os.path.join(os.path.dirname(TESTS), "docs", "results")
 

@@ -12,7 +12,7 @@ import pytest
 from helpers import TESTS, load_tool, tiny_overrides
 from test_tools import agrees, recorded
 
-from rllight.records import parse_pairs
+from rllight.app.records import parse_pairs
 
 ROOT = os.path.dirname(TESTS)
 tool = load_tool("sanity_check")

@@ -11,7 +11,7 @@ The numbers these runs print mean nothing (a random model, a few tokens); the ch
 what the tools compute exactly (the GAE and log-prob paths agree with their references to float noise, vLLM's
 log-probs with the trainer's), and that tools/rerun_numbers.py still knows every command of the tools page.
 
-Each measuring tool's run here also writes its record (``--record <tmp>/<id>.json``, ``rllight.records``): the
+Each measuring tool's run here also writes its record (``--record <tmp>/<id>.json``, ``rllight.app.records``): the
 record ``load_records`` reads back, its command the tool's, and its values those the tool printed (parsed from its
 output), so that a record cannot disagree with the printout. tools/bench_step.py's and tools/async_staleness.py's
 runs check theirs in their own files.
@@ -29,7 +29,7 @@ import torch
 import yaml
 from helpers import TESTS, load_tool
 
-from rllight.records import load_records, parse_pairs, parse_value
+from rllight.app.records import load_records, parse_pairs, parse_value
 from rllight.testing import build_tiny_model
 
 ROOT = os.path.dirname(TESTS)
@@ -456,7 +456,7 @@ def test_distill_measure_distils_the_first_grpo_model_and_records_each_run(tmp_p
         "trainer": {"max_steps": 1},
         "model": {"model": {"class_path": "rllight.models.HFModel", "init_args": {"path": model}},
                   "reward": {"class_path": "user_strategies.DigitReward"}, "reward_preflight": 0,
-                  "reward_runner": None, "minibatch_size": None,
+                  "reward_runner": None, "batching": {"minibatch_size": None},
                   "rollout": {"init_args": {"max_new_tokens": 4}}, "sampler": {"init_args": {"group_size": 2}},
                   "evaluation": {"n": 2, "ks": [1, 2]}},
         "data": {"batch_size": 1, "val_size": 2}}))

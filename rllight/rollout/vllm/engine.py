@@ -16,6 +16,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
+from rllight.bounds import NonNegativeInt, PositiveFloat, PositiveInt, UpToOne, bounded
 from rllight.errors import RecipeError
 from rllight.rollout.base import Generation, RolloutEngine, Sampling
 from rllight.rollout.hf import eos_token_ids
@@ -93,34 +94,27 @@ class VLLMEngine(RolloutEngine):
 
     syncs_merged_weights = True  # holds weights of its own, filled from the policy's full state dict
 
+    @bounded
     def __init__(
         self,
-        max_new_tokens: int = 64,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        gpu_memory_utilization: float = 0.3,
+        max_new_tokens: PositiveInt = 64,
+        temperature: PositiveFloat = 1.0,
+        top_p: UpToOne = 1.0,
+        top_k: NonNegativeInt = 0,
+        gpu_memory_utilization: UpToOne = 0.3,
         kv_cache_gb: float | None = None,
-        sync_every: int = 1,
+        sync_every: PositiveInt = 1,
         dtype: str = "auto",
         enforce_eager: bool = False,
         max_model_len: int | None = None,
         seed: int | None = None,
         lora_sync: str = "adapter",
-        tensor_parallel_size: int = 1,
+        tensor_parallel_size: PositiveInt = 1,
     ):
         super().__init__(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
         if lora_sync not in LORA_SYNCS:
             raise RecipeError(
                 f"model.rollout.init_args.lora_sync must be one of {', '.join(LORA_SYNCS)}, got {lora_sync!r}")
-        if not 0 < gpu_memory_utilization <= 1:
-            raise RecipeError(
-                f"model.rollout.init_args.gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
-            )
-        if sync_every < 1:
-            raise RecipeError(f"model.rollout.init_args.sync_every must be >= 1, got {sync_every}")
-        if tensor_parallel_size < 1:
-            raise RecipeError(f"model.rollout.init_args.tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
         # Found without importing it (importing vllm is slow and has side effects): a missing vLLM is
         # reported when the recipe is read, before any model loads.
         if importlib.util.find_spec("vllm") is None:

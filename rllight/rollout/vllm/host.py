@@ -91,7 +91,7 @@ def quiet_vllm_noise() -> None:
         logger = logging.getLogger(name)
         if NOISE_FILTER not in logger.filters:
             logger.addFilter(NOISE_FILTER)
-    # (Lightning's sync_dist warning, which vLLM's world of one sets off: rllight.progress.quiet_lightning.)
+    # (Lightning's sync_dist warning, which vLLM's world of one sets off: rllight.app.progress.quiet_lightning.)
 
 
 @contextlib.contextmanager

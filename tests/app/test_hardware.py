@@ -1,5 +1,5 @@
 """A recipe on hardware it cannot use is one line naming what it needs, before the seed, the model or vLLM
-(rllight.hardware): a paper recipe (recipes/paper/) on a machine without CUDA, more devices or a wider vLLM engine
+(rllight.app.hardware): a paper recipe (recipes/paper/) on a machine without CUDA, more devices or a wider vLLM engine
 than the machine's GPUs, vLLM on a CPU with a build that has no CPU backend. The machine's GPUs and vLLM build are
 stood in for, so the tests mean the same on any machine; one runs the real command with CUDA hidden."""
 
@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
-import rllight.hardware as hardware
-from rllight.cli import main
+import rllight.app.hardware as hardware
+from rllight.app.cli import main
 from rllight.errors import RecipeError
-from rllight.hardware import check_hardware, smoke_command
+from rllight.app.hardware import check_hardware, smoke_command
 
 from conftest import RECIPES
 from test_smoke import PAPER_ON_CPU

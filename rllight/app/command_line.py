@@ -1,7 +1,7 @@
 """The ``rllight`` command line around its parse: the parser (``trainer.precision: auto`` resolved while parsing),
 the help texts of ``fit`` and of the commands not offered, what is read from the arguments before the parse (every
 ``--config`` file checked, the ``--ckpt_path`` given) and jsonargparse's errors condensed into one line.
-``rllight.cli`` runs the command."""
+``rllight.app.cli`` runs the command."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Literal, Union
 
 from lightning.pytorch.cli import LightningArgumentParser
 
+from rllight.bounds import bound_of
 from rllight.errors import RecipeError
 from rllight.precision import resolve_config
 
@@ -51,11 +52,11 @@ class RecipeParser(LightningArgumentParser):
                 action._typehint = Union[Literal["auto"], action._typehint]
 
 
-_SPECIAL_CKPT = ("last", "best", "hpc", "registry")
+SPECIAL_CKPT = ("last", "best", "hpc", "registry")
 """``--ckpt_path`` values that Lightning resolves itself (not files)."""
 
 
-def _ckpt_path(argv: list[str]) -> str | None:
+def ckpt_path_given(argv: list[str]) -> str | None:
     """The ``--ckpt_path`` given on the command line (the last one wins, as in the parser)."""
     found = None
     for a, b in zip(argv, argv[1:] + [None]):
@@ -66,7 +67,7 @@ def _ckpt_path(argv: list[str]) -> str | None:
     return found
 
 
-def _check_config_files(argv: list[str]) -> None:
+def check_config_files(argv: list[str]) -> None:
     """Every ``--config FILE`` exists and is valid YAML; else one line naming the file, line and column
     (the parser's own message names neither)."""
     import yaml
@@ -91,6 +92,23 @@ _DETAIL_HINTS = ("is not accepted", "not expected", "Unrecognized", "Expected a"
 _EXPECTED_TYPE = re.compile(r"Expected a <class '(\w+)'>")
 _NESTED_KEY = re.compile(r'Parser key "([\w.]+)"')
 _GIVEN = re.compile(r"Given value: (.*?)(?:\. Got value:|$)")
+_BOUND = re.compile(r"Not of type (\w+): got (.*)")  # rllight.bounds.plain's refusal
+_CLASS_PATH = re.compile(r"Problem with given class_path '([\w.]+)'")
+
+
+def _bound_error(message: str) -> str | None:
+    """A value out of a declared bound (``rllight.bounds``) as one line, ``<key> must be <range>, got <value>``,
+    the key joined from the parser's nested keys; None for any other error."""
+    found = _BOUND.search(message)
+    bound = bound_of(found.group(1)) if found else None
+    if bound is None:
+        return None
+    keys = _NESTED_KEY.findall(message)  # the outer key, then one per class's init_args
+    key = ".init_args.".join(keys)
+    owner = _CLASS_PATH.search(message)
+    if "Subtypes: [list[" in message and owner and len(keys) > 1:  # an item of a list (trainer.callbacks): its class
+        key = f"{keys[0]}: {owner.group(1).rsplit('.', 1)[-1]}.{'.init_args.'.join(keys[1:])}"
+    return f"{key} must be {bound}, got {found.group(2)} (see: rllight fit --help)"
 
 
 def one_line_parse_error(message: str) -> str:
@@ -99,6 +117,9 @@ def one_line_parse_error(message: str) -> str:
     if not lines:
         return "invalid recipe"
     head = lines[0].rstrip(":")
+    bound = _bound_error(str(message))
+    if bound is not None:
+        return bound
     # A value of the wrong type inside a class's init_args (e.g. an optimizer's lr): name the full key and
     # the type expected, not the first alternative the parser tried ("Expected a path").
     keys = _NESTED_KEY.findall(str(message))

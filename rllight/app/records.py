@@ -34,7 +34,7 @@ import sys
 from rllight.machine import machine_line
 from rllight.paths import existing_ancestor
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS_DIR = os.path.join(ROOT, "docs", "results")
 SECTIONS = ("Quickstart", "Methods on the quickstart task", "reasoning-gym", "Environments", "Against TRL",
             "Speed and memory", "Asynchronous and stale rollouts")
@@ -118,7 +118,7 @@ def add_record_options(parser, *, id: str | None, section: str | None, headline:
     ``section``), ``--title`` and ``--note`` (replacing the tool's own), and with ``headline`` ``--headline LABEL``
     (a README row with the tool's template). ``id`` or ``section`` None: the tool chooses from its mode."""
     group = parser.add_argument_group("record", "Write a record of this measurement for docs/results/ "
-                                               "(rllight.records).")
+                                               "(rllight.app.records).")
     group.add_argument("--record", metavar="PATH",
                        help="Write the record to PATH: a .json file named after the record's id, or a folder "
                             "(<id>.json in it).")

@@ -1,19 +1,19 @@
-"""The one JSON-over-HTTP client of the servers a run talks to: LLM judges, reward-model servers, a distillation
-teacher's vLLM server and a vLLM rollout server.
+"""The one JSON-over-HTTP client of the servers a run talks to (``rllight.serving.Endpoint`` is its only user).
 
 - **The API key** is read from the environment variable a recipe names (``api_key_env``), when a batch starts,
   and sent as ``Authorization: Bearer <key>``; it is never kept in an attribute, so ``repr``, pickles and
   ``--print_config`` cannot hold it, and every text a failure quotes has it replaced by ``[key]`` (``redact``).
-- **One attempt** (``JSONClient.once``) waits at most its timeout and returns the decoded JSON object, or raises
-  ``Failure``: a status other than 2xx, a timeout, a refused or broken connection, or an answer that is not a
-  JSON object, each with the server's words (or the cause) in ``detail``.
+- **One attempt** (``JSONClient.once``) lasts at most its timeout, the whole of it: connecting, sending, the
+  headers and the body together. A watchdog shuts the socket at the deadline, so a server that sends a byte a
+  second cannot hold an attempt past it (a socket timeout alone bounds each read, not their sum). It returns the
+  decoded JSON object, or raises ``Failure``: a status other than 2xx, a timeout, a refused or broken connection,
+  or an answer that is not a JSON object, each with the server's words (or the cause) in ``detail``.
 - **Retries** (``JSONClient.call``): after HTTP 429 and 5xx, timeouts and connection errors, ``retries`` more
   attempts, waiting ``backoff_seconds`` doubled after each; a ``Retry-After`` header is honoured up to twice the
   backoff it replaces. Other 4xx and answers that are not JSON are not retried: a second attempt would get the same.
-  The waits go through a callable, so a caller can cut them short (a judge's batch that hit its time bound).
+  The waits go through a callable, so a caller can cut them short (a batch that hit its time bound).
 
-Each caller words its own one-line messages from ``Failure``'s fields: the caller knows what the server is to the
-user (the judge, the reward model at ..., the teacher's vLLM server at ...) and which setting to check.
+The proxies of the environment (``http_proxy``, ``https_proxy``, ``no_proxy``) are used as ``urllib`` would.
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ import http.client
 import json
 import os
 import re
+import socket
+import threading
 import time
-import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 
@@ -63,6 +65,11 @@ def snippet(value, n: int = 80) -> str:
     return repr(text[:n] + ("..." if len(text) > n else ""))
 
 
+def attempts(n: int) -> str:
+    """``1 attempt``, ``3 attempts``."""
+    return f"{n} attempt{'s' if n != 1 else ''}"
+
+
 class Failure(Exception):
     """An attempt that failed, and how.
 
@@ -91,10 +98,10 @@ class Failure(Exception):
 
 
 class JSONClient:
-    """JSON requests with a timeout per attempt and retries (see the module's docstring).
+    """JSON requests with a deadline per attempt and retries (see the module's docstring).
 
     Args:
-        timeout_seconds: Longest wait for one attempt's answer.
+        timeout_seconds: Longest time one attempt may take, from connecting to the answer's last byte.
         retries: Further attempts after a retryable failure.
         backoff_seconds: Wait before the first retry; it doubles with each further one.
     """
@@ -110,19 +117,11 @@ class JSONClient:
         headers = {"Content-Type": "application/json"} if data is not None else {}
         if key:
             headers["Authorization"] = f"Bearer {key}"
-        request = urllib.request.Request(url, data=data, headers=headers)
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout_seconds if timeout is None else timeout) as r:
-                text = r.read().decode(errors="replace")
-        except urllib.error.HTTPError as err:
-            detail = redact(" ".join(err.read().decode(errors="replace").split()), key)
-            retry_after = _seconds(err.headers.get("Retry-After") if err.headers else None)
-            raise Failure("status", detail, status=err.code, phrase=str(err.reason or ""),
-                          retry_after=retry_after) from None
-        except (urllib.error.URLError, TimeoutError, OSError, http.client.HTTPException) as err:
-            cause = getattr(err, "reason", err)
-            timed_out = isinstance(cause, TimeoutError) or "timed out" in str(cause)
-            raise Failure("timeout" if timed_out else "unreachable", redact(str(cause), key)) from None
+        status, phrase, retry_after, text = _exchange(url, data, headers,
+                                                      self.timeout_seconds if timeout is None else timeout, key)
+        if not 200 <= status < 300:
+            raise Failure("status", redact(" ".join(text.split()), key), status=status, phrase=phrase,
+                          retry_after=_seconds(retry_after))
         if empty is not None and not text.strip():
             return empty
         try:
@@ -135,14 +134,14 @@ class JSONClient:
 
     def call(self, url: str, body: dict | None = None, key: str | None = None, *,
              wait: Callable[[float], bool | None] = time.sleep,
-             before: Callable[[int], float | None] | None = None) -> dict:
+             before: Callable[[int], float | None] | None = None, empty: dict | None = None) -> dict:
         """``once`` with the retries. ``wait(seconds)`` sleeps between attempts and returns True to give up;
         ``before(attempt)`` runs before each (from 0) and returns that attempt's timeout (None: the client's),
         or raises to give up. The last ``Failure`` is raised with ``attempts`` set."""
         for attempt in range(self.retries + 1):
             timeout = before(attempt) if before is not None else None
             try:
-                return self.once(url, body, key, timeout)
+                return self.once(url, body, key, timeout, empty)
             except Failure as failure:
                 failure.attempts = attempt + 1
                 if not failure.retryable or attempt == self.retries:
@@ -155,9 +154,61 @@ class JSONClient:
         raise AssertionError("unreachable")
 
 
-def attempts(n: int) -> str:
-    """``1 attempt``, ``3 attempts``."""
-    return f"{n} attempt{'s' if n != 1 else ''}"
+def _connection(url: str, timeout: float) -> tuple[http.client.HTTPConnection, str]:
+    """A connection to ``url``'s server (through the environment's proxy where one applies) and the request target."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise Failure("unreachable", f"not an http(s) URL: {url!r}")
+    secure = parts.scheme == "https"
+    kind = http.client.HTTPSConnection if secure else http.client.HTTPConnection
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    proxy = urllib.request.getproxies().get(parts.scheme)
+    if not proxy or urllib.request.proxy_bypass(parts.hostname):
+        return kind(parts.hostname, parts.port, timeout=timeout), target
+    via = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+    if not secure:  # a plain proxy takes the whole URL as the target
+        return http.client.HTTPConnection(via.hostname, via.port, timeout=timeout), url
+    connection = kind(via.hostname, via.port, timeout=timeout)
+    connection.set_tunnel(parts.hostname, parts.port)
+    return connection, target
+
+
+def _exchange(url: str, data: bytes | None, headers: dict, timeout: float,
+              key: str | None) -> tuple[int, str, str | None, str]:
+    """``(status, reason phrase, Retry-After, text)`` of one request, all of it within ``timeout`` seconds;
+    ``Failure`` (``timeout`` or ``unreachable``) when there is no whole answer."""
+    connection, target = _connection(url, timeout)
+    expired, held = threading.Event(), []  # held: the socket, kept here (a response that closes takes it over)
+
+    def cut() -> None:  # the deadline: a read blocked on the socket returns at once
+        expired.set()
+        for sock in held:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    watchdog = threading.Timer(timeout, cut)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        connection.connect()  # within ``timeout`` too: the connection's own
+        held.append(connection.sock)
+        if expired.is_set():
+            cut()
+        connection.request("GET" if data is None else "POST", target, body=data, headers=headers)
+        response = connection.getresponse()
+        text = response.read().decode(errors="replace")
+        if expired.is_set():  # cut while the last bytes came: not a whole answer
+            raise TimeoutError("timed out")
+        return response.status, str(response.reason or ""), response.getheader("Retry-After"), text
+    except (OSError, http.client.HTTPException) as err:
+        if expired.is_set() or isinstance(err, TimeoutError) or "timed out" in str(err):
+            raise Failure("timeout", "timed out") from None
+        raise Failure("unreachable", redact(" ".join(str(err).split()) or type(err).__name__, key)) from None
+    finally:
+        watchdog.cancel()
+        connection.close()
 
 
 def _seconds(value: str | None) -> float | None:

@@ -13,22 +13,23 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
 from rllight._compat import RunCheckpoint, resolve_last_checkpoint
+from rllight.bounds import PositiveFloat
 from rllight.checkpoint import AtomicCheckpointIO, CheckpointSettings, disk_size, human_size
-from rllight.command_line import (_SPECIAL_CKPT, FIT_DESCRIPTION, NOT_OFFERED, RecipeParser, _check_config_files,
-                                  _ckpt_path, one_line_parse_error)
+from rllight.app.command_line import (FIT_DESCRIPTION, NOT_OFFERED, SPECIAL_CKPT, RecipeParser, check_config_files,
+                                  ckpt_path_given, one_line_parse_error)
 from rllight.data import RLDataModule
 from rllight.errors import ComponentError, RecipeError
 from rllight.evaluation import before_after, column_notes, evaluation_table
 from rllight.export import check_export_dir, overlaps
-from rllight.hardware import check_hardware
-from rllight.launch import TIMEOUT_MINUTES, launch_settings, prepare, rank_failures
+from rllight.app.hardware import check_hardware
+from rllight.app.launch import TIMEOUT_MINUTES, launch_settings, prepare, rank_failures
 from rllight.module import RLModule
 from rllight.paths import add_user_import_paths, expand_config_paths, expand_path, model_path_args
 from rllight.precision import bound_onednn_cache, check_float32_lm_head, resolve_config
-from rllight.progress import StepLog, progress_callbacks, quiet_lightning
+from rllight.app.progress import StepLog, progress_callbacks, quiet_lightning
 from rllight.safety import (RECIPE_KEY, Interrupts, RecipeRecord, check_resume, check_writable, read_checkpoint,
                             tolerate_closed_output)
-from rllight.usage import DESCRIPTION, top_help
+from rllight.app.usage import DESCRIPTION, top_help
 
 log = logging.getLogger("rllight")
 
@@ -46,9 +47,9 @@ class RLLightCLI(LightningCLI):
     recipe configures a ``ModelCheckpoint`` or sets ``trainer.enable_checkpointing: false``, a
     ``rllight._compat.RunCheckpoint`` set by the top-level ``checkpoint`` options
     (``rllight.checkpoint.CheckpointSettings``: ``last.ckpt`` every 10 RL steps and at the end). What a run prints
-    (``rllight.progress.progress_callbacks``): a line per RL step and evaluation progress in a log file, a bar that
+    (``rllight.app.progress.progress_callbacks``): a line per RL step and evaluation progress in a log file, a bar that
     counts rollouts in a terminal, the model summary without FLOPs; messages a recipe cannot act on are filtered
-    (``rllight.progress.quiet_lightning``).
+    (``rllight.app.progress.quiet_lightning``).
 
     Before the model loads (``before_fit``): every output location (``model.export_dir``,
     ``trainer.default_root_dir``, checkpoint and log folders) must be writable, the export folder must be new,
@@ -72,7 +73,7 @@ class RLLightCLI(LightningCLI):
     def __init__(self, *args, **kwargs):
         argv = kwargs.get("args", args[0] if args else None)
         self._argv = list(sys.argv[1:] if argv is None else argv) if not isinstance(argv, dict) else []
-        _check_config_files(self._argv)
+        check_config_files(self._argv)
         # --model.path DIR stands for the two options that name an HFModel folder (rllight.paths). From the
         # command line, sys.argv itself is rewritten: LightningCLI reads it, and so do the processes it
         # launches for several devices.
@@ -85,8 +86,8 @@ class RLLightCLI(LightningCLI):
         quiet_lightning()
         # A --ckpt_path is read here, before LightningCLI loads it for its hyper-parameters (which would fail
         # with a traceback on a bad file); only the stored recipe is kept, for the comparison in before_fit.
-        ckpt = _ckpt_path(self._argv)
-        ckpt = expand_path(ckpt, "--ckpt_path") if ckpt and ckpt not in _SPECIAL_CKPT else None
+        ckpt = ckpt_path_given(self._argv)
+        ckpt = expand_path(ckpt, "--ckpt_path") if ckpt and ckpt not in SPECIAL_CKPT else None
         self._saved_recipe = read_checkpoint(ckpt).get(RECIPE_KEY) if ckpt else None
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         # inference_mode off: validation runs under no_grad instead, because a validation before fit
@@ -110,7 +111,7 @@ class RLLightCLI(LightningCLI):
 
     def parse_arguments(self, parser, args) -> None:
         super().parse_arguments(parser, args)
-        # The hardware the run asks for, before the seed, the model and vLLM (rllight.hardware); not for generate
+        # The hardware the run asks for, before the seed, the model and vLLM (rllight.app.hardware); not for generate
         # and chat (run=False), which pick their own device.
         if self.config.get("subcommand"):
             check_hardware(self.config[self.config.subcommand], self._argv)
@@ -139,9 +140,10 @@ class RLLightCLI(LightningCLI):
                                  "becomes the tiny rllight.testing.TinyModel; recipes/overlays/smoke.yaml sets it with "
                                  "a few-step CPU budget.")
         parser.add_class_arguments(CheckpointSettings, "checkpoint")
-        parser.add_argument("--distributed_timeout_minutes", type=float, default=TIMEOUT_MINUTES,
+        parser.add_argument("--distributed_timeout_minutes", type=PositiveFloat, default=TIMEOUT_MINUTES,
                             help="How long the processes of a run wait for the slowest one (at a collective, and "
-                                 "at the start) before the run fails (rllight.launch.TIMEOUT_MINUTES: why this value).")
+                                 "at the start) before the run fails (rllight.app.launch.TIMEOUT_MINUTES: why this "
+                                 "value).")
         if isinstance(parser, RecipeParser):
             parser.allow_auto_precision()
 
@@ -190,7 +192,7 @@ class RLLightCLI(LightningCLI):
             # starting at step 0 would read as a fresh run (tools/plot.py), and without a logger its files would
             # replace the run's own (config.yaml, evaluation/val_step<N>.json).
             kwargs["default_root_dir"] = os.path.join(trainer_config.get("default_root_dir") or os.getcwd(), "validate")
-        with launch_settings(trainer_config.get("num_nodes") or 1):  # checked, in one line each (rllight.launch)
+        with launch_settings(trainer_config.get("num_nodes") or 1):  # checked, in one line each (rllight.app.launch)
             trainer = super().instantiate_trainer(**{**kwargs, "callbacks": callbacks})
         prepare(trainer, config.get("distributed_timeout_minutes", TIMEOUT_MINUTES))
         return trainer
@@ -250,10 +252,10 @@ class RLLightCLI(LightningCLI):
                                   "path, or leave --ckpt_path out to start afresh")
             self.config.fit.ckpt_path = self.config_init.fit.ckpt_path = ckpt_path = found
             log.info("--ckpt_path last: resuming from %s", ckpt_path)
-        if not ckpt_path or ckpt_path in _SPECIAL_CKPT:
+        if not ckpt_path or ckpt_path in SPECIAL_CKPT:
             return
         saved = self._saved_recipe
-        if _ckpt_path(self._argv) != str(ckpt_path):  # given in a config file, not on the command line
+        if ckpt_path_given(self._argv) != str(ckpt_path):  # given in a config file, not on the command line
             saved = read_checkpoint(str(ckpt_path)).get(RECIPE_KEY)
         for line in check_resume(saved, self._recipe(), str(ckpt_path),
                                  allow_changes=self.config.fit.resume_allow_changes):
@@ -377,8 +379,8 @@ class RLLightCLI(LightningCLI):
         acc_before, acc_after = before.get("val/accuracy"), after.get("val/accuracy")
         if acc_before is None or acc_after is None:
             if self.trainer.is_global_zero:
-                print(f"rllight: evaluate_before_after: no validation ran ({reason or 'no val/accuracy was logged'}), so "
-                      "there is nothing to compare; set trainer.limit_val_batches above 0 and data.val_size above 0",
+                print(f"rllight: evaluate_before_after: no validation ran ({reason or 'no val/accuracy was logged'}), "
+                      "so there is nothing to compare; set trainer.limit_val_batches above 0 and data.val_size above 0",
                       flush=True)
             return
         n = len(self.datamodule.val_rows)
@@ -415,7 +417,7 @@ def main(args: list[str] | None = None) -> None:
     """Entry point of the ``rllight`` console script (and of ``python -m rllight``)."""
     argv = list(sys.argv[1:] if args is None else args)
     if argv[:1] in (["--version"], ["-V"]):
-        from rllight.versions import version
+        from rllight.app.versions import version
 
         print(version())
         return
@@ -458,11 +460,11 @@ def _run_command(argv: list[str], args: list[str] | None) -> None:
         if argv[:1] and argv[0] in NOT_OFFERED:
             raise RecipeError(NOT_OFFERED[argv[0]])
         if argv[:1] in (["generate"], ["chat"]):
-            from rllight.generate import run
+            from rllight.app.generate import run
 
             run(argv[0], argv[1:], lambda recipe: RLLightCLI(args=recipe, run=False))
         else:
-            with rank_failures():  # several processes: a failing rank stops all, in one line (rllight.launch)
+            with rank_failures():  # several processes: a failing rank stops all, in one line (rllight.app.launch)
                 RLLightCLI(args=args)
     except ArgumentError as err:
         print(f"rllight: error: {one_line_parse_error(str(err))}", file=sys.stderr)

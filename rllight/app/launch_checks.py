@@ -1,5 +1,5 @@
 """The launch settings of a run on several devices or machines, checked before any process group starts
-(``rllight.launch`` runs the checks, and reports a failing rank).
+(``rllight.app.launch`` runs the checks, and reports a failing rank).
 
 - **Checks** (``launch_problem``, a pure function of the environment): what Lightning's cluster environment will read
   (``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, ``LOCAL_RANK``, ``WORLD_SIZE``, torchrun's and SLURM's counts)
@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Mapping
 from rllight.errors import RecipeError
 
 
-def _integer(env: Mapping[str, str], name: str) -> int | str | None:
+def env_integer(env: Mapping[str, str], name: str) -> int | str | None:
     """``env[name]`` as an int, the raw text where it is not one, None where unset."""
     value = env.get(name)
     if value is None:
@@ -41,7 +41,7 @@ _INTEGERS = {"NODE_RANK": "set it on each node to that node's index ({nodes})",
 def unreadable_setting(env: Mapping[str, str], num_nodes: int) -> str | None:
     """The first launch setting in ``env`` that is not the integer it must be, in one line, or None."""
     for name, what in _INTEGERS.items():
-        value = _integer(env, name)
+        value = env_integer(env, name)
         if isinstance(value, str):
             return f"{name}={value!r} is not an integer; " + what.format(nodes=f"0 .. {num_nodes - 1}")
     return None
@@ -63,7 +63,7 @@ def launch_settings(num_nodes: int) -> Iterator[None]:
 def _node_rank_problem(env: Mapping[str, str], num_nodes: int) -> str | None:
     """``NODE_RANK`` (or ``GROUP_RANK``, which Lightning reads in its place) is this node's index."""
     name = "NODE_RANK" if "NODE_RANK" in env or "GROUP_RANK" not in env else "GROUP_RANK"
-    value = _integer(env, name)
+    value = env_integer(env, name)
     nodes = f"0 .. {num_nodes - 1}"
     if value is None:
         if num_nodes > 1:
@@ -80,7 +80,7 @@ def _node_rank_problem(env: Mapping[str, str], num_nodes: int) -> str | None:
 
 def _world_problem(env: Mapping[str, str], devices: int, num_nodes: int, launcher: str) -> str | None:
     """``WORLD_SIZE`` and ``LOCAL_RANK`` of processes started by someone else agree with the recipe's counts."""
-    world, local = _integer(env, "WORLD_SIZE"), _integer(env, "LOCAL_RANK")
+    world, local = env_integer(env, "WORLD_SIZE"), env_integer(env, "LOCAL_RANK")
     hint = " (torchrun: --nproc-per-node trainer.devices, --nnodes trainer.num_nodes)" if launcher == "torchrun" else ""
     if isinstance(world, str) or (world is not None and world != devices * num_nodes):
         return (f"WORLD_SIZE={world} (the processes the launcher started) but trainer.devices x trainer.num_nodes = "
@@ -88,7 +88,7 @@ def _world_problem(env: Mapping[str, str], devices: int, num_nodes: int, launche
     if isinstance(local, str) or (local is not None and not 0 <= local < devices):
         return (f"LOCAL_RANK={local!r} is not a device index of this node: trainer.devices is {devices} "
                 f"(0 .. {devices - 1})")
-    local_world = _integer(env, "LOCAL_WORLD_SIZE") if launcher == "torchrun" else None
+    local_world = env_integer(env, "LOCAL_WORLD_SIZE") if launcher == "torchrun" else None
     if local_world is not None and local_world != devices:
         return (f"LOCAL_WORLD_SIZE={local_world} (torchrun's --nproc-per-node) but trainer.devices is {devices}; "
                 "make them agree")
@@ -101,7 +101,7 @@ def _slurm_problem(env: Mapping[str, str], devices: int, num_nodes: int) -> str 
                                     ("SLURM_NNODES", "--nodes", num_nodes, "trainer.num_nodes"),
                                     ("SLURM_NTASKS", "--ntasks", devices * num_nodes,
                                      "trainer.devices x trainer.num_nodes")):
-        value = _integer(env, name)
+        value = env_integer(env, name)
         if isinstance(value, int) and value != want:  # other forms ("8(x2)") are Lightning's to read
             return f"{name}={value} (#SBATCH {option}) but {key} is {want}; make them agree"
     return None
@@ -115,7 +115,7 @@ def _address_problem(env: Mapping[str, str], num_nodes: int, spawns: bool,
         if num_nodes > 1 and name not in env:
             return (f"trainer.num_nodes is {num_nodes} but {name} is not set: set MASTER_ADDR and MASTER_PORT on every "
                     "node to node 0's address and a free port there")
-    port = _integer(env, "MASTER_PORT")
+    port = env_integer(env, "MASTER_PORT")
     if isinstance(port, str) or (port is not None and not 0 < port < 65536):
         return f"MASTER_PORT={port!r} is not a port number (1 .. 65535)"
     address = env.get("MASTER_ADDR")
@@ -124,7 +124,7 @@ def _address_problem(env: Mapping[str, str], num_nodes: int, spawns: bool,
         if why is not None:
             fix = "node 0's address or host name" if num_nodes > 1 else "127.0.0.1 (or unset it on one machine)"
             return f"MASTER_ADDR={address!r} does not resolve to an address ({why}); set it to {fix}"
-    node = _integer(env, "NODE_RANK") if "NODE_RANK" in env else _integer(env, "GROUP_RANK")
+    node = env_integer(env, "NODE_RANK") if "NODE_RANK" in env else env_integer(env, "GROUP_RANK")
     if spawns and port is not None and not node and not port_free(port):
         return (f"MASTER_PORT={port} is in use on this machine, where node 0 hosts the rendezvous; choose a free port"
                 + (" (or unset MASTER_PORT: one is picked)" if num_nodes == 1 else ""))

@@ -1,5 +1,5 @@
 """What ``rllight --help`` prints: every command, answered without importing torch, Lightning or transformers
-(``rllight.__main__`` prints it before anything heavy loads; ``rllight.cli`` uses the same text)."""
+(``rllight.__main__`` prints it before anything heavy loads; ``rllight.app.cli`` uses the same text)."""
 
 DESCRIPTION = (
     "rllight: reinforcement learning for language models from YAML recipes. Recipes live in the recipes/ "

@@ -1,4 +1,4 @@
-"""rllight.records: a record lacking its provenance or holding a value for no column is refused, naming the field;
+"""rllight.app.records: a record lacking its provenance or holding a value for no column is refused, naming the field;
 what the measuring tools call to write one (``--record``) parses their printed values back exactly and refuses a
 path that could not hold the record before anything is measured. (The pages rendered from the records:
 tests/tools/test_results.py.)"""
@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from rllight import records
-from rllight.records import (add_record_options, check_record, check_record_options, load_records, make_record,
+from rllight.app import records
+from rllight.app.records import (add_record_options, check_record, check_record_options, load_records, make_record,
                              pairs_record, parse_pairs, parse_value, printed, tool_record)
 
 

@@ -2,8 +2,8 @@
 starts; the process group's timeout; the rendezvous bound to the loopback address on one machine; and a rank that
 fails, which stops every rank and is named in one line.
 
-- **Checks** (``launch_problem``, a pure function of the environment, in ``rllight.launch_checks``): what Lightning's
-  cluster environment will read (``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+- **Checks** (``launch_problem``, a pure function of the environment, in ``rllight.app.launch_checks``): what
+  Lightning's cluster environment will read (``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, ``LOCAL_RANK``, ``WORLD_SIZE``,
   torchrun's and SLURM's counts) against ``trainer.devices`` and ``trainer.num_nodes``. Each mistake is one
   ``RecipeError`` line, where it used to be a rendezvous that waits out its timeout (``NODE_RANK=5`` of 2 nodes) or
   a long torch traceback.
@@ -32,8 +32,9 @@ import traceback
 from collections.abc import Iterator, Mapping
 from datetime import timedelta
 
+from rllight.bounds import PositiveFloat, checked
 from rllight.errors import ComponentError, RecipeError
-from rllight.launch_checks import (_integer, launch_problem, launch_settings, port_is_free, resolve_error,
+from rllight.app.launch_checks import (env_integer, launch_problem, launch_settings, port_is_free, resolve_error,
                                    unreadable_setting)
 
 log = logging.getLogger(__name__)
@@ -173,8 +174,7 @@ def prepare(trainer, timeout_minutes: float = TIMEOUT_MINUTES) -> None:
     """Before ``trainer`` starts any process group: check the launch settings (a ``RecipeError`` line), set the
     process group's timeout, and where Lightning starts this machine's other ranks from this process, watch them
     (``rank_failures``) and host the rendezvous on the loopback address."""
-    if not (isinstance(timeout_minutes, (int, float)) and timeout_minutes > 0):
-        raise RecipeError(f"distributed_timeout_minutes must be > 0 (minutes), got {timeout_minutes!r}")
+    timeout_minutes = checked("distributed_timeout_minutes", timeout_minutes, PositiveFloat)
     environment = getattr(trainer.strategy, "cluster_environment", None)
     if environment is None:  # one device: no process group
         return
@@ -188,8 +188,8 @@ def prepare(trainer, timeout_minutes: float = TIMEOUT_MINUTES) -> None:
     set_process_group_timeout(trainer.strategy, _RUN.timeout)
     if kind != "lightning":
         return
-    node = _integer(os.environ, "NODE_RANK") if "NODE_RANK" in os.environ else _integer(os.environ, "GROUP_RANK")
-    _RUN.rank, _RUN.num_nodes = (node or 0) * devices + (_integer(os.environ, "LOCAL_RANK") or 0), trainer.num_nodes
+    node = env_integer(os.environ, "NODE_RANK") if "NODE_RANK" in os.environ else env_integer(os.environ, "GROUP_RANK")
+    _RUN.rank, _RUN.num_nodes = (node or 0) * devices + (env_integer(os.environ, "LOCAL_RANK") or 0), trainer.num_nodes
     if os.environ.get(FAILURES_ENV) and os.environ.get("LOCAL_RANK", "0") != "0" and _RUN.role != "spawner":
         _RUN.role, _RUN.parent = "spawned", os.getppid()
     elif devices > 1 and not environment.creates_processes_externally and trainer.strategy.launcher is not None:
@@ -213,7 +213,7 @@ def _host_loopback_store() -> None:
     whatever address it is given, and has no setting for it but a socket handed over ready (``master_listen_fd``);
     its ``multi_tenant`` store, which ``init_process_group`` asks for, then reuses this process's server on that port
     rather than start its own. Where that fails (an older torch), the store is torch's own."""
-    address, port = os.environ.get("MASTER_ADDR"), _integer(os.environ, "MASTER_PORT")
+    address, port = os.environ.get("MASTER_ADDR"), env_integer(os.environ, "MASTER_PORT")
     if _RUN.num_nodes != 1 or address != "127.0.0.1" or not isinstance(port, int) or _RUN.store is not None:
         return
     from torch.distributed import TCPStore

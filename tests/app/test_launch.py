@@ -1,4 +1,4 @@
-"""The launch of several processes (rllight.launch): settings checked in one line before any process group starts,
+"""The launch of several processes (rllight.app.launch): settings checked in one line before any process group starts,
 the process group's timeout from the recipe, a failing rank that stops every rank with one line naming it and its
 cause, and a single machine's rendezvous on the loopback address."""
 
@@ -13,13 +13,14 @@ from datetime import timedelta
 
 import pytest
 import torch
+from jsonargparse import ArgumentError
 
 from conftest import RECIPES
 from helpers import build, start_fit, tiny_overrides
-from rllight.cli import main
+from rllight.app.cli import main
 from rllight.errors import RecipeError
-from rllight.launch import (TIMEOUT_MINUTES, choose_cause, describe, failure_line, is_collective_error,
-                            launch_problem, port_is_free, resolve_error, unreadable_setting)
+from rllight.app.launch import (TIMEOUT_MINUTES, choose_cause, describe, failure_line, is_collective_error,
+                            launch_problem, port_is_free, prepare, resolve_error, unreadable_setting)
 
 
 def _never(*_):
@@ -123,10 +124,10 @@ def _raised(err: BaseException) -> BaseException:
 
 
 def test_a_failure_record_names_where_and_tells_a_collective_error_from_a_cause():
-    cwd = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cwd = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     record = describe(_raised(ValueError("bad row\nmore detail")), 1, 5.0, cwd)
     assert record["type"] == "ValueError" and record["message"] == "bad row" and record["rank"] == 1
-    assert re.fullmatch(r"tests/test_launch\.py:\d+", record["where"]), record["where"]
+    assert re.fullmatch(r"tests/app/test_launch\.py:\d+", record["where"]), record["where"]
     assert not record["collective"] and not record["user_error"]
     gloo = RuntimeError("[third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4822")
     assert describe(_raised(gloo), 0, 6.0)["collective"]
@@ -184,8 +185,10 @@ def test_the_process_group_timeout_is_a_recipe_setting(tmp_path, tiny_model_dir,
         minutes=TIMEOUT_MINUTES)
     cli = build(os.path.join(RECIPES, "grpo.yaml"), overlay, *common, "--distributed_timeout_minutes", "2.5")
     assert cli.trainer.strategy._timeout == timedelta(minutes=2.5)
-    with pytest.raises(RecipeError, match=r"^distributed_timeout_minutes must be > 0 \(minutes\), got 0.0$"):
+    with pytest.raises(ArgumentError, match="PositiveFloat"):  # declared: the parser refuses it (test_user_errors)
         build(os.path.join(RECIPES, "grpo.yaml"), overlay, *common, "--distributed_timeout_minutes", "0")
+    with pytest.raises(RecipeError, match=r"^distributed_timeout_minutes must be a number > 0, got 0$"):
+        prepare(cli.trainer, 0)  # a call from Python
 
 
 # ------------------------------------------------------------------------------------------------- 2 processes

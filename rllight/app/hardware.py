@@ -106,8 +106,8 @@ def _what_recipe_asks(recipe: str, devices: int | None, nodes, engine, tensor_pa
 def smoke_overlay() -> str:
     """The smoke overlay of this checkout, as a path from the working directory (absolute from outside it);
     ``recipes/overlays/smoke.yaml`` where rllight is installed without its recipes."""
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "overlays",
-                        "smoke.yaml")
+    checkout = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # rllight/app/ -> up
+    path = os.path.join(checkout, "recipes", "overlays", "smoke.yaml")
     if not os.path.isfile(path):
         return "recipes/overlays/smoke.yaml"
     relative = os.path.relpath(path)

@@ -55,8 +55,9 @@ def duration(seconds: float) -> str:
 def planned_updates_per_rollout(module, datamodule) -> int:
     """Optimizer updates one rollout makes as the recipe plans them: ``ppo_epochs x ceil(data.batch_size x
     group_size / minibatch_size)`` (one per epoch without a minibatch size), as ``RLModule.rl_step`` counts them."""
-    epochs = max(int(getattr(module, "ppo_epochs", 1) or 1), 1)
-    minibatch = getattr(module, "minibatch_size", None)
+    batching = getattr(module, "batching", None)
+    epochs = max(int(getattr(batching, "ppo_epochs", 1) or 1), 1)
+    minibatch = getattr(batching, "minibatch_size", None)
     batch = getattr(datamodule, "batch_size", None)
     if not minibatch or not batch:
         return epochs
@@ -412,7 +413,7 @@ def quiet_lightning() -> None:
     # The frozen reference policy (and a frozen critic backbone) are in eval mode on purpose: dropout off, as the
     # importance ratio needs one deterministic function; Lightning warns of every module in eval mode at the start.
     warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode", category=UserWarning)
-    # A resumed run writes its checkpoints in a version folder of its own, by design (rllight.cli: --ckpt_path last
+    # A resumed run writes its checkpoints in a version folder of its own, by design (rllight.app.cli: --ckpt_path last
     # finds the earlier run's); only Lightning's best-model bookkeeping, which rllight does not use, is not carried.
     warnings.filterwarnings("ignore", message="The dirpath has changed from", category=UserWarning)
     # generate and chat build the recipe's CLI from their own parsed arguments: the args parameter is the point.

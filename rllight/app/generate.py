@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 
+from rllight.bounds import NonNegativeFloat, NonNegativeInt, PositiveInt, UpToOne, checked
 from rllight.data.text import TextPolicy, decode
 from rllight.errors import RecipeError
 from rllight.paths import MODEL_PATH_FLAG, config_files, expand_path
@@ -76,6 +77,11 @@ def _parser(command: str) -> _Parser:
     return p
 
 
+SAMPLING_BOUNDS = {"max_new_tokens": PositiveInt, "temperature": NonNegativeFloat, "top_p": UpToOne,
+                   "top_k": NonNegativeInt}
+"""The bound of each sampling flag: the engine's, but a temperature of 0 (greedy) is allowed here."""
+
+
 def _sampling(flags: argparse.Namespace, engine) -> tuple[dict, bool]:
     """The sampling settings (the recipe's ``model.rollout``, overridden by the flags) and whether greedy."""
     defaults = {"max_new_tokens": 64, "temperature": 1.0, "top_p": 1.0, "top_k": 0}  # RolloutEngine's
@@ -83,14 +89,7 @@ def _sampling(flags: argparse.Namespace, engine) -> tuple[dict, bool]:
     for name in settings:
         if getattr(flags, name) is not None:
             settings[name] = getattr(flags, name)
-    if settings["max_new_tokens"] < 1:
-        raise RecipeError(f"--max_new_tokens must be >= 1, got {settings['max_new_tokens']}")
-    if settings["temperature"] < 0:
-        raise RecipeError(f"--temperature must be >= 0 (0 = greedy), got {settings['temperature']}")
-    if not 0 < settings["top_p"] <= 1:
-        raise RecipeError(f"--top_p must be in (0, 1], got {settings['top_p']}")
-    if settings["top_k"] < 0:
-        raise RecipeError(f"--top_k must be >= 0 (0 = off), got {settings['top_k']}")
+    settings = {name: checked(f"--{name}", value, SAMPLING_BOUNDS[name]) for name, value in settings.items()}
     greedy = flags.greedy or settings["temperature"] == 0
     if greedy:
         settings["temperature"] = 1.0  # unused when greedy; the engine requires a positive value
@@ -292,8 +291,7 @@ def run(command: str, argv: list[str], make_cli: Callable[[list[str]], object]) 
     flags.command = command
     cli = _recipe(recipe_argv, make_cli)
     if command == "generate":
-        if flags.num_samples < 1:
-            raise RecipeError(f"--num_samples must be >= 1, got {flags.num_samples}")
+        checked("--num_samples", flags.num_samples, PositiveInt)
         rows = _prompt_rows(flags, cli.datamodule)  # a bad file fails before the model loads
     session = _load(cli, flags)
     if command == "generate":

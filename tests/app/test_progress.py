@@ -14,7 +14,8 @@ import yaml
 
 from conftest import RECIPES
 from helpers import build, fit_in_child, tiny_overrides
-from rllight.progress import RolloutCount, StepLog, duration, planned_updates_per_rollout
+from rllight.app.progress import RolloutCount, StepLog, duration, planned_updates_per_rollout
+from rllight.settings import Batching
 
 STEP_LINE = re.compile(
     r"^rllight: step (\d+)/(\d+) \| updates (\d+)/(\d+) \| reward [\d.]+ \| accuracy [\d.]+ \| entropy [\d.]+ "
@@ -38,7 +39,8 @@ NOISE = (
 def _overlay(tmp_path, tiny_model_dir, checkpoint_every: int | None = None, bar: str | None = None) -> str:
     """The tiny-model overlay as a user would run it: the default logger, progress bar and model summary, a
     validation, (``checkpoint_every``) a ModelCheckpoint of the recipe's own and (``bar``) a progress bar."""
-    path = tiny_overrides(tmp_path, tiny_model_dir, minibatch_size=8)  # 2 prompts x 8 = 16 responses: 2 updates
+    # 2 prompts x 8 = 16 responses: 2 updates
+    path = tiny_overrides(tmp_path, tiny_model_dir, batching={"minibatch_size": 8})
     with open(path) as f:
         cfg = yaml.safe_load(f)
     cfg["trainer"].update({"logger": True, "enable_progress_bar": True, "limit_val_batches": 1.0})
@@ -48,7 +50,7 @@ def _overlay(tmp_path, tiny_model_dir, checkpoint_every: int | None = None, bar:
                                         "init_args": {"dirpath": str(tmp_path / "ckpt"), "save_last": True,
                                                       "save_top_k": 0, "every_n_train_steps": checkpoint_every}}]
     if bar:
-        cfg["trainer"].setdefault("callbacks", []).append({"class_path": f"rllight.progress.{bar}"})
+        cfg["trainer"].setdefault("callbacks", []).append({"class_path": f"rllight.app.progress.{bar}"})
     with open(path, "w") as f:
         yaml.safe_dump(cfg, f)
     return path
@@ -147,7 +149,7 @@ def test_the_terminal_bar_counts_rollouts_also_after_a_resume(bar, tmp_path, tin
 def _trainer(**kw):
     defaults = dict(max_steps=80, global_step=0, max_epochs=-1, num_training_batches=float("inf"),
                     datamodule=SimpleNamespace(batches_trained=0, batch_size=4),
-                    lightning_module=SimpleNamespace(ppo_epochs=1, minibatch_size=16,
+                    lightning_module=SimpleNamespace(batching=Batching(minibatch_size=16),
                                                      sampler=SimpleNamespace(group_size=8)))
     return SimpleNamespace(**{**defaults, **kw})
 
@@ -181,11 +183,11 @@ def test_steps_that_trained_nothing_count_in_the_eta_and_the_updates_total_is_wh
     measured over those too, so a run that trains every other step shows twice the steps left (not the 1 step its
     max_steps would take at full rate); with no update made yet there is no total and the ETA says so. The updates
     shown against their total are what the run will make: whole rollouts (max_steps 1 at 4 a rollout: 4/4)."""
-    import rllight.progress
+    import rllight.app.progress
 
     empty = {"train/guard/empty_rollouts": 1.0}
     metrics = {}
-    monkeypatch.setattr(rllight.progress, "step_metrics", lambda trainer: metrics)
+    monkeypatch.setattr(rllight.app.progress, "step_metrics", lambda trainer: metrics)
     trainer = _trainer()  # planned: 2 updates a rollout, 80 updates = 40 rollouts
     count = RolloutCount()
     count.batch_start(trainer)
@@ -209,7 +211,7 @@ def test_steps_that_trained_nothing_count_in_the_eta_and_the_updates_total_is_wh
     count.batch_end(trainer)
     assert count.per_rollout(trainer) == 1.0
     small = _trainer(max_steps=1, global_step=4, datamodule=SimpleNamespace(batches_trained=1, batch_size=16),
-                     lightning_module=SimpleNamespace(ppo_epochs=1, minibatch_size=16, sampler=SimpleNamespace(
+                     lightning_module=SimpleNamespace(batching=Batching(minibatch_size=16), sampler=SimpleNamespace(
                          group_size=4)))
     log = StepLog()
     log.durations = [1.0]
@@ -287,7 +289,7 @@ def test_lightnings_warnings_a_user_cannot_act_on_are_filtered(message):
 
     from lightning.fabric.utilities.warnings import PossibleUserWarning
 
-    from rllight.progress import quiet_lightning
+    from rllight.app.progress import quiet_lightning
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

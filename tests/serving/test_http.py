@@ -1,4 +1,4 @@
-"""``rllight.http_client``, the one client of judges, reward-model servers, a teacher's and a rollout's vLLM server:
+"""``rllight.serving.http``, the one client of judges, reward-model servers, a teacher's and a rollout's vLLM server:
 against a scripted server on 127.0.0.1, what is retried and what is not, the backoff and ``Retry-After``, the key
 sent as a bearer token and redacted from every quoted text, and the one-line key errors."""
 
@@ -10,7 +10,7 @@ import pytest
 from helpers import free_port
 
 from rllight.errors import RecipeError
-from rllight.http_client import Failure, JSONClient, check_key_env, read_key
+from rllight.serving.http import Failure, JSONClient, check_key_env, read_key
 
 KEY = "sk-test-0123456789"
 
