@@ -43,6 +43,11 @@ class Reward:
         """Which of ``values`` (what ``score`` gave, when it did not say) count as solved."""
         return [v >= self.solved_at for v in values]
 
+    @property
+    def name(self) -> str:
+        """The reward in messages: its class's name (a wrapper gives the name of what it wraps)."""
+        return type(self).__name__
+
     def parts(self) -> list[Reward]:
         """The rewards this one combines (none: a reward of its own)."""
         return []

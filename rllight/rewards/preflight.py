@@ -39,7 +39,7 @@ def preflight(reward: Reward, rows: list[dict], k: int = 4, field: str = "answer
             check_part(part, [rows[i] for i in index], k, field)
         else:
             log.info("model.reward: %s scores more than the stated answer, which reference answers cannot check: "
-                     "no reward pre-flight for it", type(getattr(part, "verifier", part)).__name__)
+                     "no reward pre-flight for it", part.name)
 
 
 def check_part(reward: Reward, rows: list[dict], k: int, field: str) -> None:
@@ -52,7 +52,7 @@ def check_part(reward: Reward, rows: list[dict], k: int, field: str) -> None:
     samples = [Sample(prompt="", messages=None, response=text, response_ids=[], answer=answers[j % len(picks)],
                       row=rows[picks[j % len(picks)]], group=j % len(picks)) for j, text in enumerate(right + wrong)]
     scores = scored(reward, samples)
-    name, full = type(getattr(reward, "verifier", reward)).__name__, reward.full_reward()
+    name, full = reward.name, reward.full_reward()
     for j, i in enumerate(picks):
         where = rows[i].get("source", f"row {i + 1}")
         if not scores.solved[j]:

@@ -287,6 +287,10 @@ class Guarded(Reward):
         return self.verifier.solved_from(values)
 
     @property
+    def name(self) -> str:
+        return self.verifier.name
+
+    @property
     def answers_decide(self) -> bool:
         return self.verifier.answers_decide
 

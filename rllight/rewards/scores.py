@@ -125,7 +125,7 @@ def checked(reward, samples: Sequence[Sample], out: list[float] | Scores) -> Sco
     a failed sample's value, components and token scores zeroed or dropped. Raises ``RecipeError`` in one line when
     a count is wrong (a bug in the reward, not a failed sample)."""
     scores = out if isinstance(out, Scores) else Scores(values=list(out))
-    name = type(reward).__name__
+    name = reward.name
     _check_counts(name, samples, scores)
     failed = dict(scores.failed)
     tokens = _checked_tokens(name, samples, scores.token_scores, failed)  # marks a sample with a token score not finite

@@ -24,7 +24,7 @@ def score_samples(reward: Reward, samples: list[Sample]) -> Scores:
     if scores.failed:
         first = min(scores.failed)
         log.warning("reward %s could not score %d of %d samples (each scored 0; fix the reward); sample %d: %s",
-                    type(reward).__name__, len(scores.failed), len(samples), first, scores.failed[first])
+                    reward.name, len(scores.failed), len(samples), first, scores.failed[first])
     return scores
 
 

@@ -8,7 +8,7 @@ import pytest
 from rllight.data import ArithmeticTask, RLDataModule
 from rllight.errors import RecipeError
 from reward_fixtures import samples_of
-from rllight.rewards import IntegerMatch, MathVerify, Reward, Verifier, check_answers, last_integer
+from rllight.rewards import IntegerMatch, MathVerify, Reward, RewardRunner, Verifier, check_answers, last_integer
 from rllight.rollout.scoring import score_samples
 
 
@@ -45,6 +45,20 @@ def test_a_verifier_that_fails_on_a_sample_costs_that_sample_only():
     assert scores.values == [0.0, 1.0, 0.0, 0.0]
     assert scores.solved == [False, True, False, False]
     assert sorted(scores.failed) == [0, 2] and scores.failed[0] == "ValueError: boom"
+
+
+def test_a_verifier_in_the_reward_workers_is_named_as_itself_in_the_warning(caplog):
+    class Bad(IntegerMatch):  # defined here: scored in this process (workers: 0), as the runner wraps it all the same
+        def __call__(self, response, answer):
+            raise ValueError("boom")
+
+    guarded = Bad().guarded(RewardRunner(workers=0))
+    assert type(guarded).__name__ == "Guarded" and guarded.name == "Bad"
+    with caplog.at_level(logging.WARNING, logger="rllight"):
+        scores = score_samples(guarded, samples_of(["5", "6"], ["5", "5"]))
+    assert sorted(scores.failed) == [0, 1]
+    [line] = [r.getMessage() for r in caplog.records if "could not score" in r.getMessage()]
+    assert line.startswith("reward Bad could not score 2 of 2 samples")
 
 
 class Echo(Verifier):
