@@ -13,13 +13,12 @@ on 127.0.0.1 (and the reward model at a tiny classifier), build owners that spea
 
 import copy
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import yaml
 from conftest import RECIPES
 from helpers import build, one_line_error, tiny_overrides
+from json_server import JSONServer
 from reward_model_fixtures import make_classifier
 from test_docs_examples import install_my_lab, my_lab_overlays
 
@@ -32,44 +31,22 @@ KEY = "sk-test-0123456789"
 WHERE = "model.reward.init_args.placement.init_args"
 
 
-class Server:
+class Server(JSONServer):
     """A server on 127.0.0.1 that keeps each request's path, body and Authorization header. ``/v1/score`` answers
     ``{"results": [{"score": len(text)}, ...]}``; ``/chat/completions`` answers ``Score: 7``. ``broken`` set: the
     scores answer lacks ``results``, the chat answer is HTTP 500."""
 
     def __init__(self):
-        self.requests, self.broken = [], False
-        server = self
+        self.broken = False
+        super().__init__()
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                server.requests.append((self.path, body, self.headers.get("Authorization")))
-                status, answer = 404, {"error": "no such route"}
-                if self.path == "/v1/score":
-                    status, answer = 200, ({"oops": 1} if server.broken else
-                                           {"results": [{"score": float(len(t))} for t in body["texts"]]})
-                elif self.path == "/chat/completions":
-                    status, answer = (500, {"error": "busy"}) if server.broken else (200, {"choices": [
-                        {"index": 0, "message": {"role": "assistant", "content": "Fine.\nScore: 7"}}]})
-                data = json.dumps(answer).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args):
-                pass
-
-        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.http.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
-        threading.Thread(target=self.http.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.http.shutdown()
-        self.http.server_close()
+    def answer(self, path: str, body: dict) -> tuple[int, dict]:
+        if path == "/v1/score":
+            return 200, ({"oops": 1} if self.broken else {"results": [{"score": float(len(t))} for t in body["texts"]]})
+        if path == "/chat/completions":
+            return (500, {"error": "busy"}) if self.broken else (200, {"choices": [
+                {"index": 0, "message": {"role": "assistant", "content": "Fine.\nScore: 7"}}]})
+        return 404, {"error": "no such route"}
 
 
 @pytest.fixture

@@ -12,14 +12,12 @@ in a worker process, at a URL.
   ``RecipeError`` line naming ``model.reward.init_args.placement.init_args.<field>``.
 """
 
-import json
 import logging
 import pickle
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from json_server import JSONServer
 from reward_model_fixtures import DIE_MARKER, make_classifier
 
 from rllight.errors import RecipeError
@@ -59,46 +57,29 @@ class Misbehaving(RewardModel):
 
 
 # ------------------------------------------------------------------------------------------------- a fake server
-class FakeServer:
+class FakeServer(JSONServer):
     """A reward-model server on 127.0.0.1 that scores with the tiny classifier in this process, at ``/pooling``
-    (vLLM) and ``/get_reward`` (OpenRLHF); ``fail`` makes it answer HTTP 500. It keeps every request body."""
+    (vLLM) and ``/get_reward`` (OpenRLHF); ``fail`` makes it answer HTTP 500. It keeps every request."""
 
     def __init__(self, folder: str):
-        self.scorer, self.fail, self.bodies = RewardModel(folder), False, []
-        server = self
+        self.scorer, self.fail = RewardModel(folder), False
+        super().__init__()
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                server.bodies.append((self.path, body))
-                status, answer = (500, {"error": "busy"}) if server.fail else (200, server.answer(self.path, body))
-                data = json.dumps(answer).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args):
-                pass
-
-        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
-        threading.Thread(target=self.http.serve_forever, daemon=True).start()
-
-    def answer(self, path: str, body: dict) -> dict:
+    def answer(self, path: str, body: dict) -> tuple[int, dict]:
+        if self.fail:
+            return 500, {"error": "busy"}
         if path == "/get_reward":  # OpenRLHF: full texts in, {"rewards": [...]} out; these are templated texts
-            return {"rewards": self.scorer.forward([(q, True) for q in body["query"]])}
+            return 200, {"rewards": self.scorer.forward([(q, True) for q in body["query"]])}
         scores = self.scorer.forward([(t, not body["add_special_tokens"]) for t in body["input"]])
         data = [{"index": i, "object": "pooling", "data": [s]} for i, s in enumerate(scores)]
-        return {"object": "list", "model": body["model"], "data": data[::-1]}  # in any order: "index" says which
+        return 200, {"object": "list", "model": body["model"], "data": data[::-1]}  # any order: "index" says which
 
 
 @pytest.fixture(scope="module")
 def server(classifier_dir):
     fake = FakeServer(classifier_dir)
     yield fake
-    fake.http.shutdown()
+    fake.close()
 
 
 # ------------------------------------------------------------------------------------------------- equal scores
@@ -117,16 +98,16 @@ def test_every_placement_gives_the_same_scores(classifier_dir, server):
     assert child.exit_code(wait_seconds=5.0) is not None and worker.placement.child is None  # close stops it
     # One request at a time, so that they reach the server in the order the protocol writes them.
     vllm = RewardModel(classifier_dir, placement=Endpoint(server.url, protocol=VLLMPooling(), max_concurrency=1))
-    server.bodies.clear()
+    server.requests.clear()
     assert vllm.score(CHATS + PLAIN) == pytest.approx(expected, abs=1e-5)
     # Templated and plain texts go in two requests, each saying whether the server adds special tokens.
-    assert [(path, body["model"], body["add_special_tokens"], len(body["input"])) for path, body in server.bodies] \
+    assert [(path, body["model"], body["add_special_tokens"], len(body["input"])) for path, body, _ in server.requests] \
         == [("/pooling", classifier_dir, False, 3), ("/pooling", classifier_dir, True, 1)]
-    assert server.bodies[0][1]["input"] == [vllm.text(s)[0] for s in CHATS]
+    assert server.requests[0][1]["input"] == [vllm.text(s)[0] for s in CHATS]
     openrlhf = RewardModel(classifier_dir, placement=Endpoint(server.url, protocol=OpenRLHF()))
-    server.bodies.clear()
+    server.requests.clear()
     assert openrlhf.score(CHATS) == pytest.approx(expected[:3], abs=1e-5)
-    [(_, body)] = server.bodies
+    [(_, body, _)] = server.requests
     assert body == {"query": [openrlhf.text(s)[0] for s in CHATS], "prompts": [s.prompt for s in CHATS],
                     "labels": ["5"] * 3}
 
@@ -169,14 +150,14 @@ def test_a_worker_that_hangs_fails_its_batch_within_the_timeout(classifier_dir, 
 def test_a_server_that_answers_500_is_retried_then_the_batch_fails(classifier_dir, server, caplog):
     reward = RewardModel(classifier_dir, placement=Endpoint(server.url, retries=2, backoff_seconds=0.01,
                                                             timeout_seconds=5))
-    server.bodies.clear()
+    server.requests.clear()
     server.fail = True
     try:
         with caplog.at_level(logging.WARNING):
             values, _, failures = counted(reward, CHATS)
     finally:
         server.fail = False
-    assert values == [0.0] * 3 and failures == 3 and len(server.bodies) == 3  # one request and two retries
+    assert values == [0.0] * 3 and failures == 3 and len(server.requests) == 3  # one request and two retries
     [line] = [r.getMessage() for r in caplog.records if "could not score 3 of 3 samples" in r.getMessage()]
     assert f"the reward model at {server.url} answered /pooling with HTTP 500" in line, line
     assert line.endswith("(after 3 attempts)"), line

@@ -11,6 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from conftest import RECIPES
 from helpers import build, tiny_overrides
+from json_server import JSONServer
 
 from rllight.errors import RecipeError
 from rllight.rewards import Sample
@@ -53,34 +54,12 @@ class Canned(Placement):
         return [{"choices": [{"message": {"content": f"Score: {self.score}"}}]} for _ in inputs]
 
 
-class Ollama:
+class Ollama(JSONServer):
     """A fake Ollama on 127.0.0.1: ``/api/chat`` answers ``Score: 8``; it keeps each request's path and body."""
 
-    def __init__(self):
-        self.requests = []
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                fake.requests.append((self.path, json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
-                data = json.dumps({"model": "judge", "message": {"role": "assistant", "content": "Score: 8"},
-                                   "done": True}).encode()
-                self.send_response(200 if self.path == "/api/chat" else 404)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args):
-                pass
-
-        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.http.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
-        threading.Thread(target=self.http.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.http.shutdown()
-        self.http.server_close()
+    def answer(self, path: str, body: dict) -> tuple[int, dict]:
+        return 200 if path == "/api/chat" else 404, {"model": "judge", "message": {"role": "assistant",
+                                                                              "content": "Score: 8"}, "done": True}
 
 
 SAMPLES = [Sample(prompt="What is 2 + 3?", messages=None, response=r, response_ids=[1], answer="5", row={},
@@ -105,7 +84,7 @@ def test_a_protocol_of_the_users_module_is_named_in_a_recipe_and_spoken(tmp_path
     finally:
         server.close()
     assert out.values == [0.8, 0.8] and not out.failed
-    assert [path for path, _ in server.requests] == ["/api/chat", "/api/chat"]
+    assert [path for path, *_ in server.requests] == ["/api/chat", "/api/chat"]
     body = server.requests[1][1]  # the judge's prompt in Ollama's form, the served name filled in
     assert body["model"] == "judge" and body["stream"] is False and "six" in body["messages"][0]["content"]
 
