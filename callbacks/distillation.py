@@ -4,6 +4,7 @@ a frozen model that scores the tokens the student sampled, for ``rllight.strateg
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Any
 
 import lightning as L
@@ -13,14 +14,19 @@ from torch import Tensor
 from rllight.algorithms import chunked_logprobs_and_entropy, logprobs_and_entropy
 from rllight.bounds import PositiveFloat, PositiveInt, bounded
 from rllight.callbacks.base import RolloutCallback, RolloutContext
+from rllight.distributed import Ranks
 from rllight.errors import ComponentError, RecipeError
 from rllight.models import HFModel, disable_dropout, response_hidden_states
+from rllight.rollout.base import LOGPROB_SLACK
 from rllight.scoring import micro_batches
-from rllight.serving import Failed, Placement, PromptLogprobs, Protocol, placed
+from rllight.serving import Failed, InProcess, Placement, PromptLogprobs, Protocol, placed
+from rllight.stopping import end_after_step
 from rllight.strategies.advantages import TEACHER_LOGPROBS
 from rllight.types import Rollout
 
-__all__ = ["TEACHER_LOGPROBS", "TeacherLogprobs", "tokenizer_difference"]
+__all__ = ["TEACHER_LOGPROBS", "TeacherLogprobs", "tokenizer_difference", "unusable_logprobs"]
+
+log = logging.getLogger(__name__)
 
 KEY = "trainer.callbacks: TeacherLogprobs.model"
 _FIXED_TEMPERATURE = ("trainer.callbacks: TeacherLogprobs.placement: the server's log-probs are at temperature "
@@ -91,6 +97,31 @@ def teacher_logprobs(teacher: torch.nn.Module, rollout: Rollout, temperature: fl
     return out * mask
 
 
+def unusable_logprobs(values: Any, kept: Tensor) -> str | None:
+    """Why a teacher's log-probs of one response cannot be trained on, or None: one number per response token asked
+    (``kept``'s length), and on the tokens in the response mask finite and at most 0 (``LOGPROB_SLACK`` above it for
+    float32 rounding), as the engine's sampled log-probs are checked (``rllight.rollout.base.malformed``). A NaN would
+    make every later loss NaN, and a log-prob above 0 (or one missing, read as 0) is a teacher surer than certain:
+    its advantage would pull the student towards whatever it sampled.
+
+    Args:
+        values: What the placement answered for the response (a list of numbers, if well formed).
+        kept: Shape (n,), bool, on the CPU: which of the n response tokens asked are in the response mask.
+    """
+    try:
+        values = torch.as_tensor(values, dtype=torch.float32)
+    except (TypeError, ValueError, RuntimeError):
+        return f"not a list of numbers but {type(values).__name__}"
+    if values.dim() != 1 or values.numel() != kept.numel():
+        return f"{values.numel()} log-probs for {kept.numel()} response tokens"
+    values = values[kept]
+    if not torch.isfinite(values).all():
+        return f"{int((~torch.isfinite(values)).sum())} log-probs that are not finite (NaN or infinite)"
+    if values.numel() and float(values.max()) > LOGPROB_SLACK:
+        return f"log-probs above 0 (largest {float(values.max()):.3g}): a log-probability is at most 0"
+    return None
+
+
 class TeacherLogprobs(RolloutCallback):
     """The teacher of on-policy distillation (``rllight.strategies.OnPolicyDistillation``), in the trainer process:
     after each rollout it computes the teacher's log-prob of every sampled response token and stores them as
@@ -115,6 +146,13 @@ class TeacherLogprobs(RolloutCallback):
     computes prompt log-probs before any temperature, so the teacher's temperature must be 1: an engine sampling at
     another temperature is refused in one line unless ``temperature: 1.0`` is set. Every rank sends its own rows. A
     server that fails after the retries stops the step with one line naming the URL.
+
+    **Checked as the engine's log-probs are**, wherever the teacher runs (``unusable_logprobs``): one per response
+    token asked, each finite and at most 0 on the response mask. A sample whose teacher log-probs fail is left out of
+    the loss (its ``response_mask`` zeroed, its reward kept for the group statistics, as ``OverlongFilter`` does) and
+    counted in ``train/distill/bad_teacher_samples``, with one warning per step naming the teacher and the first
+    sample's fault. A step where no sample (on any rank) has usable ones ends the run after the step, saved, in one line
+    naming the teacher (``rllight.stopping.end_after_step``): a teacher that gives nothing usable is broken.
 
     ``rollout_order`` 25: after the reward shaping (10) and the loss masks (20), before the callbacks that train on
     the rollout or store it (``ValuePretraining``: 30, ``SelfImitation``: 40), which then see the teacher's log-probs.
@@ -229,36 +267,79 @@ class TeacherLogprobs(RolloutCallback):
             self.teacher = teacher.requires_grad_(False).eval().to(self._device)
         return self.teacher
 
-    def on_rollout(self, trainer: L.Trainer, context: RolloutContext, rollout: Rollout) -> Rollout:
-        teacher = self.logprobs(rollout)
+    def on_rollout(self, trainer: L.Trainer, context: RolloutContext | None, rollout: Rollout) -> Rollout:
+        asked = int(rollout.response_mask.bool().any(-1).sum())  # rows with a response token in the loss
+        teacher, bad = self.logprobs(rollout)
+        if bad:  # their tokens leave the loss, as the overlong filter's do
+            keep = torch.ones(len(rollout), dtype=rollout.response_mask.dtype, device=rollout.response_mask.device)
+            keep[list(bad)] = 0
+            rollout.response_mask = rollout.response_mask * keep.unsqueeze(-1)
+        ranks = context.ranks if context is not None else Ranks()
+        bad_total, asked_total = (int(n) for n in ranks.sum(torch.tensor([float(len(bad)), float(asked)])).tolist())
+        self.note_bad(bad, asked, bad_total, asked_total)
         rollout.extras[TEACHER_LOGPROBS] = teacher
         rollout.extras.update(gap_metrics(teacher, rollout))
+        rollout.extras["distill/bad_teacher_samples"] = float(bad_total)
         return rollout
 
+    def teacher_name(self) -> str:
+        """The teacher in messages: its folder (or hub id) as the recipe gives it, and where it runs when that is not
+        the trainer's process (an endpoint's URL)."""
+        name = f"the teacher {getattr(self.model, 'path', None) or type(self.model).__name__}"
+        return name if isinstance(self.placement, InProcess) else f"{name} at {self.placement}"
 
-    def logprobs(self, rollout: Rollout) -> Tensor:
+    def note_bad(self, bad: dict[int, str], asked: int, bad_total: int, asked_total: int) -> None:
+        """Say what this step's samples with unusable teacher log-probs (``bad``: row -> why, of this rank's
+        ``asked``) cost: one warning (they are out of the loss), or, where no sample of the step had usable ones on
+        any rank (``bad_total`` of ``asked_total``), the end of the run after the step, saved
+        (``rllight.stopping.end_after_step``): a teacher that gives nothing usable is broken, not unlucky."""
+        first = f"sample {min(bad)}: {bad[min(bad)]}" if bad else "on another rank"
+        if asked_total and bad_total == asked_total:
+            end_after_step(f"trainer.callbacks: TeacherLogprobs: {self.teacher_name()} gave no usable log-probs for "
+                           f"any of the step's {asked_total} samples (first: {first}); check the teacher's weights "
+                           "and, at a server, that it serves the teacher and answers log-probs (its placement's "
+                           "protocol)")
+        elif bad:
+            log.warning("trainer.callbacks: TeacherLogprobs: %s gave log-probs that cannot be trained on for %d of "
+                        "%d samples (first: %s); their tokens are left out of the loss and counted in "
+                        "train/distill/bad_teacher_samples (a step where none is usable ends the run)",
+                        self.teacher_name(), len(bad), asked, first)
+
+    def logprobs(self, rollout: Rollout) -> tuple[Tensor, dict[int, str]]:
         """The teacher's log-probs of ``rollout``'s response tokens given their prompts and the responses before
         them, from where ``placement`` says: each row as its prompt tokens (``prompt_mask``) then its response tokens
-        up to the last one in ``response_mask`` (a row with none is not asked). A failure stops the step in one line:
-        the teacher's signal is never replaced by zeros.
+        up to the last one in ``response_mask`` (a row with none is not asked). Each row's answer is checked
+        (``unusable_logprobs``). A failure stops the step in one line: the teacher's signal is never replaced by
+        zeros.
 
         Returns:
-            Shape (B, T), float32, zero outside ``rollout.response_mask``.
+            The log-probs, shape (B, T), float32, zero outside ``rollout.response_mask`` and on the rows whose
+            answer cannot be trained on; and, for each of those rows, why.
         """
-        mask = rollout.response_mask.to(torch.float32)
-        out = torch.zeros_like(mask)
+        # Read row by row: on the host, copied once.
+        mask, prompt_ids, prompt_mask, response_ids = (t.cpu() for t in (
+            rollout.response_mask.bool(), rollout.prompt_ids, rollout.prompt_mask.bool(), rollout.response_ids))
+        out = torch.zeros(mask.shape, dtype=torch.float32)
         index, rows = [], []
         for i in range(mask.shape[0]):
             kept = mask[i].nonzero()
             if len(kept):
                 index.append(i)
-                rows.append((rollout.prompt_ids[i][rollout.prompt_mask[i].bool()].tolist(),
-                             rollout.response_ids[i, : int(kept[-1]) + 1].tolist()))
-        for i, values in zip(index, self.placement.answer(self, rows)):
+                rows.append((prompt_ids[i][prompt_mask[i]].tolist(), response_ids[i, : int(kept[-1]) + 1].tolist()))
+        answers = list(self.placement.answer(self, rows))
+        bad: dict[int, str] = {}
+        for k, i in enumerate(index):
+            values = answers[k] if len(answers) == len(rows) else None
             if isinstance(values, Failed):
                 raise ComponentError(f"trainer.callbacks: TeacherLogprobs: {values}")
-            out[i, : len(values)] = torch.tensor(values, dtype=torch.float32, device=out.device)
-        return out * mask
+            n = len(rows[k][1])
+            why = (f"{len(answers)} answer(s) for {len(rows)} samples" if len(answers) != len(rows)
+                   else unusable_logprobs(values, mask[i, :n]))
+            if why is not None:
+                bad[i] = why
+            else:
+                out[i, :n] = torch.as_tensor(values, dtype=torch.float32)
+        return torch.where(mask, out, 0.0).to(rollout.response_mask.device), bad
 
 
 def rows_rollout(rows: list[tuple[list[int], list[int]]], device: torch.device) -> Rollout:

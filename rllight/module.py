@@ -280,6 +280,7 @@ class RLModule(L.LightningModule):
     def rl_step(self, rows: list[dict], batch_idx: int) -> None:
         """One RL step on a batch of prompt rows."""
         start, data = time.perf_counter(), self.trainer.datamodule
+        self.producer.begin_step()  # why a step may have nothing to train on is counted afresh
         with record_function("rllight.rollout"):  # 1. draw a rollout (the markers name a profile's phases)
             rollout = self.prompt_stream.run(self.sampler, self.producer, rows)  # the data side's step
         metrics = rollout_metrics(rollout)
@@ -320,14 +321,16 @@ class RLModule(L.LightningModule):
         """The rollout callbacks in ``rollout_order`` (stable: equal orders keep the recipe's order), the empty-rollout
         guard, then the groups dealt evenly to the ranks (``deal_rollout``). None (after logging ``metrics``) when a
         callback used the rollout itself (e.g. value pretraining) or every rank's rollout is empty: no update."""
-        context = self.rollout_context()
+        context, emptied_by = self.rollout_context(), None
         for cb in in_rollout_order(self._trainer.callbacks if self._trainer is not None else []):
+            had = len(rollout) > 0 and rollout.response_mask.sum() > 0
             rollout = cb.on_rollout(self.trainer, context, rollout)
             if rollout is None:
                 self._consumed_steps += 1
                 metrics["time/step"] = time.perf_counter() - start
                 self._log(metrics)
                 return None
+            emptied_by = emptied_by or (type(cb).__name__ if had and not rollout.response_mask.sum() > 0 else None)
         metrics.update(scalar_extras(rollout))  # callbacks' own metrics
         empty = len(rollout) == 0 or rollout.response_mask.sum() == 0
         if empty:
@@ -335,7 +338,7 @@ class RLModule(L.LightningModule):
         # Under DDP a rank whose rollout is empty is dealt a share of the other ranks' groups (or joins their
         # updates with no rows); only when every rank's rollout is empty is the step skipped, by all ranks together.
         if not self.ranks.any(not empty):
-            self.producer.note_empty_step(self.global_step)
+            self.producer.note_empty_step(self.global_step, emptied_by)
             self._log(metrics)
             return None
         if empty:
@@ -405,9 +408,8 @@ class RLModule(L.LightningModule):
         # Progress is an update, or a step a callback used (value pretraining makes no policy update).
         if (self.global_step, self._consumed_steps) == self._epoch_start:
             # Otherwise a run whose every batch is filtered out would loop over epochs forever.
-            raise RecipeError(f"epoch {self.current_epoch} made no update: every batch was empty after filtering "
-                              f"({self.producer.dropped_prompts} prompts dropped as longer than max_prompt_tokens="
-                              f"{self.producer.max_prompt_tokens}); relax the filters or check the data")
+            raise RecipeError(f"epoch {self.current_epoch} made no update: {self.producer.why_empty()}; fix that or "
+                              "relax the filters")
 
     # ---------------------------------------------------------------------------- validate
     def validation_step(self, rows: list[dict], batch_idx: int) -> None:

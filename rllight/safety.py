@@ -1,5 +1,6 @@
 """Never lose a user's work: output locations checked before the model loads, a resumable checkpoint on
-Ctrl-C or SIGTERM, and the recipe stored in every checkpoint and compared on resume.
+Ctrl-C or SIGTERM (also where the output's reader went away: ``rllight.stopping.tolerate_closed_output``), and the
+recipe stored in every checkpoint and compared on resume.
 
 The CLI adds the two callbacks (``Interrupts``, ``RecipeRecord``) to every ``rllight fit``.
 """
@@ -20,48 +21,14 @@ import torch
 from rllight._compat import rl_steps_done
 from rllight.errors import RecipeError, RunStopped
 from rllight.paths import existing_ancestor
-from rllight.stopping import Interrupted, clear_stop, ending, request_stop
+from rllight.stopping import (Interrupted, clear_stop, ending, exit_code, request_stop, say, say_in_handler,
+                              stop_requested)
+from rllight.stopping import tolerate_closed_output  # noqa: F401 (the CLI's, importable from here too)
 
 log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------------ output locations
-class _TolerantStream:
-    """A text stream whose write errors (a reader that went away: ``| tee log`` ended by the same Ctrl-C) are
-    swallowed: after the first, output is dropped, and the run goes on to save its checkpoint."""
-
-    def __init__(self, stream):
-        self._stream, self.broken = stream, False
-
-    def write(self, text: str) -> int:
-        if not self.broken:
-            try:
-                return self._stream.write(text)
-            except (BrokenPipeError, OSError, ValueError):  # EPIPE, EIO, or a stream closed under us
-                self.broken = True
-        return len(text)
-
-    def flush(self) -> None:
-        if not self.broken:
-            try:
-                self._stream.flush()
-            except (BrokenPipeError, OSError, ValueError):
-                self.broken = True
-
-    def __getattr__(self, name):  # isatty, fileno, encoding, ...: the stream's own
-        return getattr(self._stream, name)
-
-
-def tolerate_closed_output() -> None:
-    """Make ``sys.stdout`` and ``sys.stderr`` never end a run with a write error (``_TolerantStream``): Ctrl-C on
-    ``rllight fit ... | tee log`` also ends ``tee``, and the run's next print would raise ``BrokenPipeError`` before
-    it could save the step and print how to resume. Idempotent."""
-    for name in ("stdout", "stderr"):
-        stream = getattr(sys, name)
-        if stream is not None and not isinstance(stream, _TolerantStream):
-            setattr(sys, name, _TolerantStream(stream))
-
-
 def check_writable(path: str, key: str) -> None:
     """Refuse, in one line naming ``key``, a folder the run could not create or write into: a path
     under a regular file, an existing file, or a folder (or nearest existing parent) without write access,
@@ -219,18 +186,29 @@ class Interrupts(L.Callback):
 
     SIGTERM is Lightning's: its handler sets ``trainer.received_sigterm`` and its training loop raises
     ``SIGTERMException`` right after the step's ``on_train_batch_end``, where this callback saves first.
-    SIGINT gets a handler here (while training runs) that only sets a flag, so the step is not cut
+    SIGINT gets a handler here that, while training runs, only sets a flag, so the step is not cut
     short; a second Ctrl-C quits at once without saving. A signal that arrives during validation is
     acted on at the end of the next training step. With ``trainer.enable_checkpointing: false`` nothing
     is saved: the run stops and says so.
 
+    Where no step is in progress, a signal stops the run at once, with the same exit codes and a line saying what
+    is saved: Ctrl-C before training begins (the model loading, a checkpoint restored), Ctrl-C and SIGTERM during an
+    evaluation outside training (``evaluate_before_after``, ``rllight validate``). Once the run is over, the handlers
+    (which Lightning's teardown may put back) do what those before them did.
+
     The checkpoint goes to the ModelCheckpoint's folder (else ``<default_root_dir>/checkpoints``) as
-    ``interrupted-step=N.ckpt``, N the RL steps done (never over an existing file).
+    ``interrupted-step=N.ckpt``, N the RL steps done (never over an existing file). A stop that cuts short a wait
+    inside a step (for an environment, a server, a worker: ``rllight.stopping.check_stop``) saves the run as that
+    step began, as a crash does (``_save_unfinished``).
 
     A guard that finds the run cannot usefully go on (``rllight.stopping.end_after_step``) ends it the same way,
     after its step: saved as ``stopped-step=N.ckpt``, then ``RunStopped`` (one line, exit code 2) says why and how
     to resume. A crash inside a step (``on_exception``) is saved as ``crashed-step=N.ckpt`` where one process can
-    (``_save_after_crash``); every message names a checkpoint that exists, or says there is none.
+    (``_save_unfinished``); every message names a checkpoint that exists, or says there is none.
+
+    The line that names the checkpoint comes after the save, and no write (``| tee`` ended by the same Ctrl-C, a
+    signal handler's inside the interrupted code's own) can end the stop: ``rllight.stopping.say`` and
+    ``say_in_handler``.
 
     Args:
         resume_command: The command line that resumes the run, without ``--ckpt_path``.
@@ -238,47 +216,88 @@ class Interrupts(L.Callback):
 
     def __init__(self, resume_command: str = "rllight fit --config <recipe>"):
         self.resume_command = resume_command
+        self._phase: str | None = None  # "starting" (a fit, before training), "training", "evaluating"; None: done
         self._sigint = False
-        self._previous = None
-        self._previous_term = None
+        self._stopped_now: str | None = None  # "Ctrl-C" or "SIGTERM" where a signal stopped the run at once
+        self._in_step = False
+        self._before: dict = {}  # {signal: the handler ours replaced}: put back after the run, and what ours does then
         self.saved_path: str | None = None
 
     # signal handling ------------------------------------------------------------------------------
+    def _install(self, signum: int, handler) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        current = signal.getsignal(signum)
+        if current != handler:
+            self._before[signum] = signal.SIG_DFL if current is None else current
+            signal.signal(signum, handler)
+
+    def _restore(self) -> None:
+        """Put back the handlers ours replaced, where ours are installed (also where Lightning's teardown put them
+        back: it restores the handlers it found as the trainer started)."""
+        if threading.current_thread() is threading.main_thread():
+            for signum, handler in ((signal.SIGINT, self._on_sigint), (signal.SIGTERM, self._on_sigterm)):
+                if signum in self._before and signal.getsignal(signum) == handler:
+                    signal.signal(signum, self._before[signum])
+
+    def _as_before(self, signum, frame) -> None:
+        """A signal once this callback's run is over (Lightning's teardown puts back the handlers it found, ours
+        among them): what the handler before ours does."""
+        previous = self._before.get(signum, signal.SIG_DFL)
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_DFL and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        elif previous == signal.SIG_DFL:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    def _stop_now(self, what: str) -> None:
+        self._stopped_now = what
+        request_stop(what)
+        raise Interrupted(exit_code(what))
+
     def _on_sigint(self, signum, frame) -> None:
+        if self._phase is None:
+            return self._as_before(signum, frame)
+        if self._phase != "training":
+            self._stop_now("Ctrl-C")
         if self._sigint:  # the second Ctrl-C: quit now
             signal.signal(signal.SIGINT, signal.default_int_handler)
             raise KeyboardInterrupt
         self._sigint = True
         request_stop("Ctrl-C")
-        print("\nrllight: Ctrl-C: saving a checkpoint after this RL step (Ctrl-C again quits without saving)",
-              flush=True)
+        say_in_handler("\nrllight: Ctrl-C: saving a checkpoint after this RL step (Ctrl-C again quits without saving)")
+
+    def _on_sigterm(self, signum, frame) -> None:
+        if self._phase is None:
+            return self._as_before(signum, frame)
+        if self._phase != "training":
+            self._stop_now("SIGTERM")
+        request_stop("SIGTERM")  # also lets a wait for an environment or a server see it (``wait_stoppable``)
+        self._as_before(signum, frame)  # Lightning's, which sets trainer.received_sigterm
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self._phase = "starting" if stage == "fit" else "evaluating"
+        self._sigint, self._stopped_now, self._in_step = False, None, False
+        self._install(signal.SIGINT, self._on_sigint)
+        if stage != "fit":  # in a fit, Lightning's SIGTERM handler (installed after setup) acts until training starts
+            self._install(signal.SIGTERM, self._on_sigterm)
 
     def on_train_start(self, trainer, pl_module) -> None:
         clear_stop()
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
-            # Lightning's SIGTERM handler (installed before training starts) still runs; this one also lets
-            # a wait for an environment or a server see the stop (``wait_stoppable``).
-            self._previous_term = signal.getsignal(signal.SIGTERM)
-            signal.signal(signal.SIGTERM, self._on_sigterm)
-
-    def _on_sigterm(self, signum, frame) -> None:
-        request_stop("SIGTERM")
-        if callable(self._previous_term):
-            self._previous_term(signum, frame)
-        elif self._previous_term != signal.SIG_IGN:  # no handler of Lightning's: end as SIGTERM would
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    def _restore(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
-        if self._previous_term is not None:
-            signal.signal(signal.SIGTERM, self._previous_term)
-            self._previous_term = None
+        self._install(signal.SIGINT, self._on_sigint)
+        # Lightning's SIGTERM handler (installed before training starts) still runs; this one also lets
+        # a wait for an environment or a server see the stop (``wait_stoppable``).
+        self._install(signal.SIGTERM, self._on_sigterm)
+        self._phase = "training"
 
     def on_train_end(self, trainer, pl_module) -> None:
+        self._phase = None
+        self._restore()
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self._phase = None
         self._restore()
 
     # saving ------------------------------------------------------------------------------------------
@@ -293,6 +312,7 @@ class Interrupts(L.Callback):
         return path
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._in_step = False
         reason = ending()  # a guard's (rllight.stopping.end_after_step), else a signal's
         stop = trainer.strategy.reduce_boolean_decision(
             self._sigint or trainer.received_sigterm or reason is not None, all=False)
@@ -305,6 +325,7 @@ class Interrupts(L.Callback):
             path = trainer.strategy.broadcast(self._target(trainer, "interrupted" if reason is None else "stopped"))
             trainer.save_checkpoint(path, weights_only=False)  # explicit: else Lightning 2.6 logs that it assumed it
             self.saved_path = path
+        self._phase = None
         self._restore()
         if not (self._sigint or trainer.received_sigterm):  # a guard's stop: its reason is the run's error
             kept = (f"{done} is saved: resume with: {self.resume_command} --ckpt_path {shlex.quote(path)}" if path
@@ -316,7 +337,7 @@ class Interrupts(L.Callback):
         else:
             message = f"rllight: {what}: stopped after {done}; nothing saved (trainer.enable_checkpointing: false)"
         if trainer.is_global_zero:
-            print(message, flush=True)
+            say(message)
         if not trainer.received_sigterm:  # SIGTERM: Lightning's loop raises SIGTERMException next
             raise Interrupted(130)
 
@@ -325,63 +346,101 @@ class Interrupts(L.Callback):
         from rllight.checkpoint import rng_state
 
         self._step_start = (self._updates(pl_module), rng_state(), rl_steps_done(trainer))
+        self._in_step = True
 
     @staticmethod
     def _updates(pl_module) -> int:
         return getattr(getattr(pl_module, "updater", None), "updates", 0)
 
     def on_exception(self, trainer, pl_module, exception) -> None:
+        phase, self._phase = self._phase, None
         self._restore()
         from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-        if not isinstance(exception, (Interrupted, KeyboardInterrupt, SIGTERMException, RunStopped)):
-            self._save_after_crash(trainer, pl_module)
+        if self._stopped_now is not None:  # a signal where no step was in progress
+            self._say_stopped_now(trainer, phase)
+        elif isinstance(exception, Interrupted) and exception.waiting_for is not None:  # a wait cut short
+            self._save_cut_short(trainer, pl_module)
+        elif not isinstance(exception, (Interrupted, KeyboardInterrupt, SIGTERMException, RunStopped)):
+            self._save_unfinished(trainer, pl_module, "crashed", "the run failed in {step}", sys.stderr)
 
-    def _save_after_crash(self, trainer, pl_module) -> None:
-        """After a crash inside a training step, on one process: save the run where it is and say how to resume.
-        Where the failed step had made no update yet that is the last completed step, its batch to be drawn again;
+    def _say_stopped_now(self, trainer, phase: str | None) -> None:
+        if not trainer.is_global_zero:
+            return
+        what = self._stopped_now
+        if phase == "starting":
+            say(f"rllight: {what}: stopped before training began; {self._as_it_began(trainer)}")
+            return
+        newest = newest_checkpoint(trainer)
+        say(f"rllight: {what}: stopped during the evaluation" + (f"; the run's newest checkpoint is {newest}"
+                                                                  if newest else ""))
+
+    def _as_it_began(self, trainer) -> str:
+        """What a stop before this process trained leaves: the checkpoint it resumed from, or nothing."""
+        ckpt = trainer.ckpt_path
+        if not ckpt:
+            return "nothing was trained"
+        return f"the run is as {ckpt} left it: resume with: {self.resume_command} --ckpt_path {shlex.quote(str(ckpt))}"
+
+    def _save_cut_short(self, trainer, pl_module) -> None:
+        """A stop that gave up a wait (``rllight.stopping.check_stop``, which named it): inside a training step, the
+        run as that step began (``_save_unfinished``); elsewhere (an evaluation during training), nothing."""
+        stop = stop_requested()
+        what = stop[0] if stop else "Ctrl-C"
+        if not trainer.checkpoint_callbacks:
+            say(f"rllight: {what}: nothing saved (trainer.enable_checkpointing: false)")
+        elif not self._in_step:
+            say(f"rllight: {what}: stopped outside a training step; {self._newest_saved(trainer)}")
+        elif not self._save_unfinished(trainer, pl_module, "interrupted", f"{what}: stopped in {{step}}", sys.stdout):
+            say(f"rllight: {what}: stopped in RL step {self._step_start[2] + 1}, this process's first: "
+                f"{self._as_it_began(trainer)}")  # no update made: nothing to save
+
+    def _save_unfinished(self, trainer, pl_module, kind: str, event: str, file) -> bool:
+        """After a crash or a stop inside a training step, on one process: save the run where it is as
+        ``<kind>-step=N.ckpt`` and say how to resume, in a line that begins with ``event`` (``{step}``: the step).
+        Where the step had made no update yet that is the last completed step, its batch to be drawn again;
         where it had made some (an out-of-memory in a later minibatch, an engine that died while taking the new
         weights), the updates made are kept and the step counts as done, without its other updates: nothing
-        trained is lost, and the message says so. With several processes a failed rank cannot save (the others do
-        not join its collectives): the message names the newest checkpoint that exists."""
+        trained is lost, and the message says so. With several processes a rank cannot save (the others do not join
+        its collectives): the message names the newest checkpoint that exists. False where there was nothing to
+        save (no step yet, checkpoints off, or the step was this process's first and made no update)."""
         start = getattr(self, "_step_start", None)
         if start is None or not trainer.checkpoint_callbacks:
-            return  # no training step yet, or checkpoints are off
-        failed = f"RL step {start[2] + 1}"
+            return False  # no training step yet, or checkpoints are off
+        failed = event.format(step=f"RL step {start[2] + 1}")
         made = self._updates(pl_module) - start[0]
         if trainer.world_size > 1:  # said once (rank 0), above the line that names the failed rank (rllight.app.launch)
             if trainer.is_global_zero:
-                print(f"rllight: the run failed in {failed}; with several processes it cannot be saved: "
-                      f"{self._newest_saved(trainer)}", file=sys.stderr, flush=True)
-            return
+                say(f"rllight: {failed}; with several processes it cannot be saved: {self._newest_saved(trainer)}",
+                    file)
+            return True
         if start[0] == 0 and made == 0:
-            return  # the failed step is this process's first: the run's start (or its checkpoint) is as it was
+            return False  # the step is this process's first: the run's start (or its checkpoint) is as it was
         from rllight.checkpoint import set_rng_state
 
         progress = trainer.fit_loop.epoch_loop.batch_progress  # Lightning 2.5, 2.6
         if made == 0:
-            set_rng_state(start[1])  # the streams as the failed step began: a resume draws its rollout again
-            for count in (progress.total, progress.current):  # the failed batch as not begun
+            set_rng_state(start[1])  # the streams as the step began: a resume draws its rollout again
+            for count in (progress.total, progress.current):  # the batch as not begun
                 count.ready = count.started = count.processed = count.completed
             kept = f"RL step {start[2]} is saved"
         else:
             datamodule = trainer.datamodule
             if getattr(datamodule, "batches_trained", None) == start[2]:  # not yet counted (RLModule.training_step)
-                datamodule.batches_trained += 1  # the failed batch as done, as a checkpoint after it would count it
+                datamodule.batches_trained += 1  # the batch as done, as a checkpoint after it would count it
             for count in (progress.total, progress.current):  # as saved at the batch's end (Lightning's restart)
                 count.processed = count.started
             kept = (f"it had made {made} optimizer update(s), kept: it is saved as done, without its other "
                     "updates")
-        path = self._target(trainer, "crashed")
+        path = self._target(trainer, kind)
         try:
             trainer.save_checkpoint(path, weights_only=False)
-        except Exception as err:  # noqa: BLE001 - the run has failed already; its own error follows
-            print(f"rllight: the run failed in {failed} and could not be saved to {path} ({err}): "
-                  f"{self._newest_saved(trainer)}", file=sys.stderr, flush=True)
-            return
+        except Exception as err:  # noqa: BLE001 - the run has failed or stopped already; its own line follows
+            say(f"rllight: {failed} and could not be saved to {path} ({err}): {self._newest_saved(trainer)}", file)
+            return True
         self.saved_path = path
-        print(f"rllight: the run failed in {failed}; {kept}: resume with: {self.resume_command} --ckpt_path "
-              f"{shlex.quote(path)}", file=sys.stderr, flush=True)
+        say(f"rllight: {failed}; {kept}: resume with: {self.resume_command} --ckpt_path {shlex.quote(path)}", file)
+        return True
 
     def _newest_saved(self, trainer) -> str:
         """How to resume from the newest checkpoint that exists (``newest_checkpoint``), or that there is none."""

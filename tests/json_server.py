@@ -9,8 +9,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 class JSONServer:
-    """Answers each POST with ``answer(path, body)``'s ``(status, JSON object)``. ``requests`` keeps each request's
-    ``(path, body, Authorization header)``; ``url`` is the server's base address."""
+    """Answers each POST with ``answer(path, body)``'s ``(status, JSON object)``, each GET with ``get``'s.
+    ``requests`` keeps each request's ``(path, body (None for a GET), Authorization header)``; ``url`` is the
+    server's base address."""
 
     def __init__(self):
         self.requests: list[tuple[str, dict, str | None]] = []
@@ -20,7 +21,13 @@ class JSONServer:
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 server.requests.append((self.path, body, self.headers.get("Authorization")))
-                status, answer = server.answer(self.path, body)
+                self.send(*server.answer(self.path, body))
+
+            def do_GET(self):
+                server.requests.append((self.path, None, self.headers.get("Authorization")))
+                self.send(*server.get(self.path, self.headers.get("Authorization")))
+
+            def send(self, status: int, answer: dict) -> None:
                 data = json.dumps(answer).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
@@ -39,6 +46,10 @@ class JSONServer:
     def answer(self, path: str, body: dict) -> tuple[int, dict]:
         """The HTTP status and the JSON object that answer a POST to ``path`` with ``body``."""
         raise NotImplementedError
+
+    def get(self, path: str, authorization: str | None) -> tuple[int, dict]:
+        """The HTTP status and the JSON object that answer a GET of ``path`` (none by default: 404)."""
+        return 404, {"error": f"no route {path}"}
 
     def close(self) -> None:
         self.http.shutdown()

@@ -2,7 +2,11 @@
 an empty batch after filtering is a no-op step; steps without an update or without a gradient end the run, saved;
 token-budget micro-batches leave the update unchanged."""
 
+import json
 import os
+import re
+import threading
+import time
 
 import pytest
 import torch
@@ -11,6 +15,10 @@ from jsonargparse import ArgumentError
 from conftest import RECIPES
 from helpers import CaptureLogger, build, tiny_overrides
 from rllight.app.command_line import one_line_parse_error
+from rllight.callbacks import RolloutCallback
+from rllight.envs import Environment, StepResult
+from rllight.models import HFModel
+from rllight.rewards import Verifier
 
 
 def test_non_finite_loss_skips_update_then_stops(tmp_path, tiny_model_dir):
@@ -92,7 +100,8 @@ def test_a_run_whose_prompts_are_all_too_long_warns_of_the_drops_once(tmp_path, 
     cli = build(os.path.join(RECIPES, "grpo.yaml"), tiny_overrides(tmp_path, tiny_model_dir, max_prompt_tokens=3))
     with pytest.raises(RecipeError, match="epoch 0 made no update"):
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
-    drops = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "dropped" in r.getMessage()]
+    drops = [r.getMessage() for r in caplog.records
+             if r.levelname == "WARNING" and r.getMessage().startswith("dropped")]
     assert drops == ["dropped 2 prompt(s) longer than max_prompt_tokens=3 (raise it to train on them); later drops "
                      "are counted in train/data/dropped_long_prompts and not logged again"]
     assert cli.model.producer.dropped_prompts == 16
@@ -100,6 +109,152 @@ def test_a_run_whose_prompts_are_all_too_long_warns_of_the_drops_once(tmp_path, 
     empties = [r.getMessage() for r in caplog.records if "empty rollout after filtering" in r.getMessage()
                and r.name == "rllight.rollout.producer" and r.levelname == "WARNING"]
     assert len(empties) == 1
+
+
+def _tokenizer(model_dir):
+    return HFModel(model_dir).load()
+
+
+class AlwaysSolved(Verifier):
+    """Every response correct: with ``retire_after: 1`` every prompt drawn retires."""
+
+    def __call__(self, response: str, answer: str) -> float:
+        return 1.0
+
+
+class EmptiesRollouts(RolloutCallback):
+    """Leaves nothing of any rollout: a filter that drops every sample."""
+
+    def on_rollout(self, trainer, context, rollout):
+        return rollout.select([])
+
+
+RETIRES_ALL = {"class_path": "rllight.data.DifficultyPools", "init_args": {"retire_after": 1}}
+
+
+@pytest.mark.parametrize("case, cause", [
+    # every prompt solved once, so retired: after two steps of 8 the 16 rows are retired, and no step draws again
+    ("retired", r"2 RL step\(s\) drew no prompt \(data\.curriculum: no prompt of data source 'arithmetic' is left "
+                r"to draw in a pool with a positive weight \(16 retired\)\)"),
+    # the environment fails in reset, before the model's first turn: no model token to train on
+    ("reset", r"32 episode\(s\) whose environment failed before the first turn \(first: Faulty\.reset raised "
+              r"KeyError: 'no such task'\)"),
+    ("callback", r"2 rollout\(s\) emptied by the rollout callback EmptiesRollouts"),
+    # every group's rewards equal: dynamic sampling keeps none
+    ("sampler", r"model\.sampler kept none of the 64 response\(s\) it sampled"),  # 2 steps of 2 rounds
+])
+def test_a_run_without_updates_ends_with_a_line_naming_what_emptied_its_steps(case, cause, tmp_path, tiny_model_dir):
+    from rllight.errors import RecipeError
+
+    model = {"guards": {"max_steps_without_update": 2, "max_failed_reward_steps": 5}}
+    extra = []
+    if case == "retired":
+        model["reward"] = {"class_path": "test_guards.AlwaysSolved"}
+        extra = ["--data.curriculum", json.dumps(RETIRES_ALL), "--data.batch_size", "8"]
+    elif case == "reset":
+        model["environment"] = {"class_path": "test_environments.Faulty",
+                                "init_args": {"fault": "reset", "always": True}}
+    elif case == "callback":
+        extra = ["--trainer.callbacks+=test_guards.EmptiesRollouts"]
+    else:
+        model["reward"] = {"class_path": "user_strategies.ConstantReward"}
+        model["sampler"] = {"class_path": "rllight.strategies.DynamicSampling", "init_args": {"group_size": 8,
+                                                                                              "max_rounds": 2}}
+    cli = build(os.path.join(RECIPES, "grpo.yaml"), tiny_overrides(tmp_path, tiny_model_dir, **model),
+                "--trainer.max_steps", "12", *extra)
+    with pytest.raises(RecipeError) as err:
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    line = str(err.value)
+    assert re.match(rf"2 RL steps in a row made no update: {cause}.* \(see train/guard/empty_rollouts\)", line), line
+    assert "max_prompt_tokens" not in line and "\n" not in line
+
+
+def test_an_epoch_without_updates_names_its_cause_not_the_prompt_filter(tmp_path, tiny_model_dir):
+    """An environment that fails before its first turn on every episode of a 2-step epoch (fewer steps than the
+    guards count): the epoch's end is the line, and it names the environment's failure."""
+    from rllight.errors import RecipeError
+
+    env = {"class_path": "test_environments.Faulty", "init_args": {"fault": "reset", "always": True}}
+    cli = build(os.path.join(RECIPES, "grpo.yaml"), tiny_overrides(tmp_path, tiny_model_dir, environment=env),
+                "--data.task.init_args.num_train", "4", "--trainer.max_steps", "10")
+    with pytest.raises(RecipeError) as err:
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert str(err.value) == ("epoch 0 made no update: 32 episode(s) whose environment failed before the first turn "
+                              "(first: Faulty.reset raised KeyError: 'no such task'); fix that or relax the filters")
+
+
+class HangsUntilReleased(Environment):
+    """On rows whose answer is "bad", ``step`` blocks until ``release`` is set (as a call stuck in C, which no
+    exception stops); elsewhere it answers reward 1, done."""
+
+    release = threading.Event()
+
+    def __init__(self):
+        super().__init__(max_turns=1, max_total_tokens=200, timeout_seconds=0.2, max_concurrency=4)
+        self.bad = False
+
+    def reset(self, row):
+        self.bad = row["answer"] == "bad"
+
+    def step(self, response_text):
+        if self.bad:
+            HangsUntilReleased.release.wait(120)
+        return StepResult(None, 1.0, done=True, correct=True)
+
+
+def _call_threads(most: int) -> int:
+    """The threads running calls into ``HangsUntilReleased``, once at most ``most`` (or after 5 s)."""
+    def count():
+        return sum(t.name.startswith("rllight-call:") and "HangsUntilReleased" in t.name for t in threading.enumerate())
+
+    deadline = time.monotonic() + 5
+    while count() > most and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return count()
+
+
+def test_hung_environment_calls_leave_a_bounded_number_of_threads_across_batches(tiny_model_dir):
+    """Each batch's two "bad" episodes hang in ``step`` past the 0.2 s limit; their threads cannot be stopped. At
+    most max(3, max_concurrency=4) = 4 calls of a method are left hung across batches: after two batches there are
+    four, and from then on ``step`` is not called (every episode fails at once, named) instead of leaving two more
+    threads each batch. Once the hung calls return, their threads are gone and the healthy episodes play again."""
+    from test_environments import BAD_ROW, ROW, ScriptedEngine, _producer
+
+    HangsUntilReleased.release.clear()
+    _, tok = _tokenizer(tiny_model_dir)
+    producer, _ = _producer(ScriptedEngine([[40, tok.eos_token_id]] * 20, tok.eos_token_id), HangsUntilReleased(),
+                            tiny_model_dir)
+    try:
+        for batch in range(10):
+            rollout = producer.sample([ROW, BAD_ROW], 2, training=False)
+            healthy = rollout.rewards[:2].tolist()
+            assert healthy == ([1.0, 1.0] if batch < 2 else [0.0, 0.0]), batch
+        assert _call_threads(4) == 4  # the four hung calls' threads, not twenty
+        assert producer.hung_calls.count("step") == producer.hung_calls.count() == 4
+    finally:
+        HangsUntilReleased.release.set()
+    assert _call_threads(0) == 0
+    HangsUntilReleased.release.clear()
+    rollout = producer.sample([ROW, BAD_ROW], 2, training=False)
+    assert rollout.rewards.tolist() == [1.0, 1.0, 0.0, 0.0]  # called again
+    HangsUntilReleased.release.set()
+
+
+def test_a_call_past_the_limit_of_hung_calls_is_named_as_not_made():
+    from rllight.envs.guard import EpisodeFailed, EpisodeGuard, HungCalls
+
+    env = HangsUntilReleased()
+    hung = HungCalls(1)
+    held = hung.start()
+    hung.abandon(held, "step")
+    guard = EpisodeGuard(env, hung)
+    with pytest.raises(EpisodeFailed, match=r"^HangsUntilReleased\.step not called: 1 earlier calls of it are "
+                                            r"still running past timeout_seconds=0\.2 "
+                                            r"\(at most 1 are left running\)$"):
+        guard.step(env.spawn(), "hi")
+    assert guard.reset(env.spawn(), {"answer": "3"}) is None  # the limit is per method: reset is still called
+    hung.end(held)  # the hung call returned: calls are made again
+    assert hung.count() == 0 and isinstance(guard.step(env.spawn(), "hi"), StepResult)
 
 
 def _one_update(tiny_model_dir, tmp_path, **micro):

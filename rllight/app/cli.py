@@ -15,8 +15,9 @@ from lightning.pytorch.cli import LightningCLI
 from rllight._compat import RunCheckpoint, resolve_last_checkpoint
 from rllight.bounds import PositiveFloat
 from rllight.checkpoint import AtomicCheckpointIO, CheckpointSettings, disk_size, human_size
-from rllight.app.command_line import (FIT_DESCRIPTION, NOT_OFFERED, SPECIAL_CKPT, RecipeParser, check_config_files,
-                                  ckpt_path_given, one_line_parse_error)
+from rllight.app.command_line import (FIT_DESCRIPTION, NOT_OFFERED, SPECIAL_CKPT, RecipeParser, check_class_paths,
+                                  ckpt_path_given, one_line_parse_error, relocate)
+from rllight.app.recipe_files import check_config_files
 from rllight.data import RLDataModule
 from rllight.errors import ComponentError, RecipeError
 from rllight.evaluation import before_after, column_notes, evaluation_table
@@ -101,7 +102,11 @@ class RLLightCLI(LightningCLI):
         # can print them on one line.
         kwargs.setdefault("parser_kwargs", {"allow_abbrev": False, "exit_on_error": False,
                                             "description": DESCRIPTION, "fit": {"description": FIT_DESCRIPTION}})
-        super().__init__(RLModule, RLDataModule, *args, **kwargs)
+        try:
+            super().__init__(RLModule, RLDataModule, *args, **kwargs)
+        except ValueError as err:  # a class's RecipeError names its key from where it sits in this recipe
+            relocate(_recipe_cause(err), self._recipe() if hasattr(self, "subcommand") else None)  # past the parse
+            raise
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
@@ -119,6 +124,7 @@ class RLLightCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         # Paths in the recipe expand ~ and $VARIABLES (rllight.paths), before anything reads them.
         config = self.config[self.subcommand] if self.subcommand else self.config
+        check_class_paths(self._recipe())  # nothing of the standard library is constructed (docs/guides/security.md)
         expand_config_paths(config)
         if config.get("smoke"):  # recipes/overlays/smoke.yaml: every model source becomes the tiny model
             from rllight.testing import smoke_models

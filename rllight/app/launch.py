@@ -36,6 +36,7 @@ from rllight.bounds import PositiveFloat, checked
 from rllight.errors import ComponentError, RecipeError
 from rllight.app.launch_checks import (env_integer, launch_problem, launch_settings, port_is_free, resolve_error,
                                    unreadable_setting)
+from rllight.stopping import leave_promptly
 
 log = logging.getLogger(__name__)
 
@@ -321,15 +322,27 @@ def _end_process_group() -> None:
         dist.destroy_process_group()
 
 
+def _exit_code(err: Exception) -> int:
+    """The exit code of a command that raised ``err`` (``rllight.app.cli``: 143 after SIGTERM, 2 for a user's mistake,
+    else 1)."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    if isinstance(err, SIGTERMException):
+        return 128 + signal.SIGTERM
+    return 2 if isinstance(err, (RecipeError, ComponentError)) else 1
+
+
 @contextlib.contextmanager
 def rank_failures() -> Iterator[None]:
     """Around a command: where it runs as one of several ranks started by Lightning's launch, a failure of any rank
     ends every rank, and the last line on stderr names the first real cause (see the module's doc). Elsewhere (one
-    process, torchrun, SLURM), errors go on as they are."""
+    process, torchrun, SLURM), errors go on as they are. A command that a stop (Ctrl-C, SIGTERM) ended leaves the
+    process within seconds, whatever its threads still wait for (``rllight.stopping.leave_promptly``)."""
     try:
         yield
     except Exception as err:
         _RUN.ending.set()
+        leave_promptly(_exit_code(err))  # after Ctrl-C or SIGTERM: within seconds, whatever a thread waits for
         if _RUN.role == "spawned" or (_RUN.role == "spawner" and _RUN.children):
             code = _record(err)
             if _RUN.role == "spawner":
@@ -338,8 +351,9 @@ def rank_failures() -> Iterator[None]:
             if os.getppid() == _RUN.parent:  # the spawner reports; else it is gone, and this rank says it itself
                 sys.exit(code)
         raise
-    except BaseException:  # an interrupt's exit (every rank saves and stops), Lightning's exit after a second Ctrl-C
+    except BaseException as err:  # an interrupt's exit (every rank saves and stops), Lightning's after a second Ctrl-C
         _RUN.ending.set()
+        leave_promptly(err.code if isinstance(err, SystemExit) and isinstance(err.code, int) else 130)
         raise
     else:
         _RUN.ending.set()

@@ -25,6 +25,7 @@ from lightning.pytorch.callbacks import ModelSummary, ProgressBar, RichProgressB
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 
 from rllight._compat import rl_steps_done, step_metrics
+from rllight.stopping import say
 
 STEP_FIELDS = (
     ("reward", "train/reward/mean", "{:.3f}"),
@@ -160,7 +161,7 @@ class StepLog(L.Callback):
 
     def say(self, text: str) -> None:
         with self._lock:
-            print(f"rllight: {text}", flush=True)
+            say(f"rllight: {text}")  # a reader that went away (| tee, ended by Ctrl-C) never ends the run
             if self._eval is not None:
                 self._eval["said"] = time.monotonic()
 
@@ -382,11 +383,12 @@ def progress_callbacks(trainer_config: dict, callbacks: list) -> tuple[list, dic
 
 
 class _DropTips(logging.Filter):
-    """Drops Lightning's "Tip" lines, advertisements for its cloud services (litlogger, litmodels), which a
-    recipe has nothing to do with, and its report of accelerators that are absent (TPU, HPU: rllight does not
-    run on them; the GPU line stays)."""
+    """Drops Lightning's lines that repeat what rllight says or that a recipe has nothing to do with: its "Tip"
+    lines (advertisements for its cloud services), its report of accelerators (rllight's first lines say the
+    device and precision it chose), ``Seed set to`` (the seed is the recipe's ``seed_everything``) and
+    ``Trainer.fit stopped: max_steps reached`` (rllight's ``finished:`` line says how the run ended)."""
 
-    DROPPED = ("Tip:", "TPU available: False", "HPU available: False")
+    DROPPED = ("Tip:", "TPU available:", "HPU available:", "GPU available:", "Seed set to", "`Trainer.fit` stopped:")
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = str(record.msg)
@@ -422,9 +424,10 @@ def quiet_lightning() -> None:
     # each evaluation metric, to log it with sync_dist=True; rllight's evaluation has gathered every rank's rows
     # before it logs (rllight.evaluation.Evaluator.finish), so the numbers are already the run's.
     warnings.filterwarnings("ignore", message=r"It is recommended to use `self\.log\(.*sync_dist=True\)`")
-    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
-    if not any(isinstance(f, _DropTips) for f in logger.filters):
-        logger.addFilter(_DropTips())
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.seed"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropTips) for f in logger.filters):
+            logger.addFilter(_DropTips())
     if not sys.stderr.isatty():
         # transformers' "Loading weights" bar redraws in place: a log file gets every frame on one line.
         from transformers.utils import logging as hf_logging

@@ -17,13 +17,17 @@ side's count of the step: the ``data.mix`` counts, or the seeded order's), the d
 whole step with the same seeded generator, so every process picks the same prompts, then takes its every
 ``world``-th), the cap on draws per step (``max_draws``), the replacements a sampler asks for (``draw``: in the
 step's source proportions, under the same cap), the sharing of pass rates among the processes, an optional
-profiling pass with the starting model, and its own part of the checkpoint (the steps drawn, the number of rows).
-A resumed run therefore draws exactly the prompts an uninterrupted run draws, whatever the rule, as long as the
-rule's state holds everything ``choose`` reads.
+profiling pass with the starting model, and its own part of the checkpoint (the steps drawn, the number of rows, a
+fingerprint of each data source's rows). A resumed run therefore draws exactly the prompts an uninterrupted run
+draws, whatever the rule, as long as the rule's state holds everything ``choose`` reads. What a rule learns is
+keyed by row index, so a resume whose training rows differ from the checkpoint's (other text, answers or order,
+whatever the file's path and row count) is refused in one line, or with ``reset_on_changed_rows`` starts the rule
+afresh on them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections import Counter
@@ -56,6 +60,7 @@ class StepDraws:
     admitted: int = 0
     rejected: int = 0
     cap_hit: bool = False
+    short: dict[str, str] = field(default_factory=dict)  # source -> why it gave fewer prompts than counted
 
 
 class Curriculum(PromptSource):
@@ -69,6 +74,9 @@ class Curriculum(PromptSource):
             model and pass their pass rates to ``observe`` (0 = no profiling pass).
         profile_batch: Prompts per generation call of the profiling pass.
         seed: Seed of the draws (None = ``data.seed``).
+        reset_on_changed_rows: On resume, when the training rows differ from those the checkpoint's curriculum
+            learnt on (what it learnt is keyed by row index): False refuses the resume in one line; True drops what
+            it learnt (and the profiling pass's rates) with a warning and starts afresh on the new rows.
 
     Logged each step (``train/curriculum/...``): ``draws`` and ``cap_hit`` (over all processes), ``<source>/draws``,
     and the rule's own ``metrics``.
@@ -76,15 +84,16 @@ class Curriculum(PromptSource):
 
     @bounded
     def __init__(self, max_draws: PositiveInt | None = None, profile: NonNegativeInt = 0,
-                 profile_batch: PositiveInt = 32, seed: int | None = None):
+                 profile_batch: PositiveInt = 32, seed: int | None = None, reset_on_changed_rows: bool = False):
         self.max_draws, self.profile, self.profile_batch = max_draws, profile, profile_batch
-        self.seed = seed
+        self.seed, self.reset_on_changed_rows = seed, reset_on_changed_rows
         self.rows: list[dict] = []
         self.steps = 0  # steps drawn, the next step's index (the draw's seed)
         self.profiled = False
         self._index: dict[int, int] = {}  # id(row) -> its index in rows
         self.by_source: dict[str, list[int]] = {}  # data source -> its rows' indices (from the first step)
         self._loaded: dict | None = None  # a checkpoint's state, applied when the rows are known
+        self._fingerprint: dict[str, list] | None = None  # each source's rows, once indexed (``fingerprint``)
         self._heard: list[tuple[int, float]] = []  # this process's pass rates of the step
         self._draws: StepDraws | None = None  # the running step's
         self._warned: set[str] = set()
@@ -128,22 +137,73 @@ class Curriculum(PromptSource):
         return self
 
     def state_dict(self) -> dict:
-        return {"steps": self.steps, "rows": len(self.rows), "profiled": self.profiled, **self.rule_state_dict()}
+        if self._loaded is not None:  # a checkpoint's state not applied yet (no step drawn since): it is the run's
+            return dict(self._loaded)
+        fingerprint = {"fingerprint": self._fingerprint} if self._fingerprint is not None else {}
+        return {"steps": self.steps, "rows": len(self.rows), "profiled": self.profiled, **fingerprint,
+                **self.rule_state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self._loaded = dict(state) if state else None
         if self._index:
             self._apply_loaded()
 
+    def fingerprint(self) -> dict[str, list]:
+        """Each data source's rows as this curriculum indexes them: ``{source: [row count, hash]}``, the hash (SHA-256,
+        16 hex digits) of each row's index, prompt messages and answer, in order. Saved in checkpoints: what a rule
+        learns is keyed by row index, so a resume checks that the indices still mean the same rows."""
+        out = {}
+        for source, index in sorted(self.by_source.items()):
+            digest = hashlib.sha256()
+            for i in index:  # repr: about 2 us a row, a second or two for a million
+                row = self.rows[i]
+                digest.update(repr((i, row.get("messages", row.get("prompt")), row.get("answer"))).encode())
+            out[source] = [len(index), digest.hexdigest()[:16]]
+        return out
+
     def _apply_loaded(self) -> None:
         state, self._loaded = self._loaded, None
         if state is None or "rows" not in state:  # a checkpoint of a run without a curriculum: it starts fresh
             return
-        if state["rows"] != len(self.rows):
-            raise RecipeError(f"--ckpt_path: the checkpoint's data.curriculum drew from {state['rows']} training "
-                              f"rows, this run has {len(self.rows)}; resume with the same training data")
-        self.steps, self.profiled = int(state["steps"]), bool(state["profiled"])
-        self.load_rule_state_dict({k: v for k, v in state.items() if k not in ("steps", "rows", "profiled")})
+        changed = self._changed_rows(state)
+        if changed and not self.reset_on_changed_rows:
+            raise RecipeError(f"--ckpt_path: the training rows differ from those the checkpoint's data.curriculum "
+                              f"learnt on by row index ({changed}); resume with the same training rows, or set "
+                              f"{KEY}.reset_on_changed_rows: true to start the curriculum afresh on these")
+        self.steps = int(state["steps"])  # the draws' seed goes on either way
+        if changed:
+            log.warning("data.curriculum: the training rows differ from the checkpoint's (%s); with "
+                        "reset_on_changed_rows it starts afresh on them: what it learnt (pass rates, retired prompts, "
+                        "the profiling pass) is dropped", changed)
+            return
+        self.profiled = bool(state["profiled"])
+        base = ("steps", "rows", "profiled", "fingerprint")
+        self.load_rule_state_dict({k: v for k, v in state.items() if k not in base})
+
+    def _changed_rows(self, state: dict) -> str:
+        """How this run's training rows differ from those of the checkpoint's ``state`` ("" when they do not): the
+        sources whose rows changed, where they come from, their counts then and now. A checkpoint saved without a
+        fingerprint (by an earlier version) is checked by its row count only, with a warning."""
+        before = state.get("fingerprint")
+        if before is None:
+            if state["rows"] != len(self.rows):
+                return f"{state['rows']} rows then, {len(self.rows)} now"
+            if int(state.get("steps", 0)) or state.get("profiled"):
+                log.warning("data.curriculum: the checkpoint holds no fingerprint of its training rows (saved by an "
+                            "earlier version): its state is applied by row index, checked by the row count only "
+                            "(%d rows); if the training rows changed since, set %s.reset_on_changed_rows: true",
+                            len(self.rows), KEY)
+            return ""
+        now = self._fingerprint
+        sources = sorted(s for s in {*before, *now} if list(before.get(s, [0, ""])) != now.get(s, [0, ""]))
+        said = []
+        for source in sources[:3]:
+            index = self.by_source.get(source, [])
+            where = f" from {str(self.rows[index[0]].get('source', '?')).rsplit(' row ', 1)[0]}" if index else ""
+            then, count = int(before.get(source, [0])[0]), len(index)
+            said.append(f"data source {source!r}{where}: {then} rows then, {count} now"
+                        + (", other text, answers or order" if then == count else ""))
+        return "; ".join(said) + (f"; and {len(sources) - 3} more sources" if len(sources) > 3 else "")
 
     def _index_rows(self) -> None:
         """Once, at the first draw (the rows fitted to the model's context by then): the rows indexed, the
@@ -153,6 +213,7 @@ class Curriculum(PromptSource):
                 raise RecipeError("data.curriculum has no training rows to draw from")
             self._index = {id(row): i for i, row in enumerate(self.rows)}
             self.by_source = rows_by_source(self.rows)
+            self._fingerprint = self.fingerprint()
             self._apply_loaded()
 
     # ------------------------------------------------------------------------------------ a step
@@ -168,6 +229,8 @@ class Curriculum(PromptSource):
         draws = self._new_step(ranks.world_size, ranks.rank)
         draws.counts = counts  # a sampler's replacements follow them
         picked = [i for source in sorted(counts) for i in self._pick(source, counts[source])]
+        if not picked:  # the step has nothing to train on: the producer hears why, for the line that ends the run
+            producer.note_no_prompts(self.shortage(draws))
         rollout = sampler(producer, self._share(picked))
         rollout.extras.update({**extras, **self._end(ranks)})
         return rollout
@@ -216,6 +279,7 @@ class Curriculum(PromptSource):
             index = next(order, None)
             if index is None:
                 self._warn_empty(source)
+                draws.short[source] = f"no prompt of data source {source!r} is left to draw{self.empty_note(source)}"
                 break
             draws.taken.add(index)
             draws.draws += 1
@@ -231,6 +295,15 @@ class Curriculum(PromptSource):
         if self.max_draws is not None and draws.draws >= self.max_draws:
             draws.cap_hit = True
         return draws.cap_hit
+
+    def shortage(self, draws: StepDraws) -> str:
+        """Why the step of ``draws`` has fewer prompts than the data side counts for it, in words."""
+        why = [draws.short[source] for source in sorted(draws.short)]
+        if draws.cap_hit:
+            why.append(f"max_draws={self.max_draws} reached ({draws.rejected} rejected by the rule's gate)")
+        if not draws.counts:
+            why.append(f"the data side counts no prompt for step {self.step} (data.mix)")
+        return "data.curriculum: " + ("; ".join(why) or "the rule chose no prompt")
 
     def _warn_empty(self, source: str) -> None:
         if source not in self._warned:

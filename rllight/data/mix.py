@@ -41,6 +41,7 @@ def _check_weights(weights, key: str) -> dict[str, float]:
 def largest_remainder(weights: dict[str, float], total: int) -> dict[str, int]:
     """``total`` shared in proportion to ``weights`` (counts or weights; largest remainders, ties to the earlier
     name)."""
+    weights = scaled(weights)
     whole = sum(weights.values())
     if not whole:
         return {}
@@ -49,6 +50,13 @@ def largest_remainder(weights: dict[str, float], total: int) -> dict[str, int]:
     for k in sorted(exact, key=lambda k: out[k] - exact[k])[: total - sum(out.values())]:
         out[k] += 1
     return out
+
+
+def scaled(weights: dict[str, float]) -> dict[str, float]:
+    """``weights`` over their largest, so that their sum is finite however large each is (any scale means the same
+    shares: ``{a: 1e308, b: 1e308}`` sums to infinity, which would make every share 0)."""
+    top = max(weights.values(), default=0.0)
+    return {k: v / top for k, v in weights.items()} if top > 0 else dict(weights)
 
 
 def rows_by_source(rows: list[dict]) -> dict[str, list[int]]:
@@ -123,6 +131,7 @@ class SourceMix:
                 t = max(0.0, (step - s0) / (s1 - s0))
                 raw = {k: w0[k] + t * (w1[k] - w0[k]) for k in w0}
                 break
+        raw = scaled(raw)
         total = sum(raw.values())
         if not total > 0:
             raise RecipeError(f"{KEY}: every weight is 0 at step {step}; give a source a positive weight there")

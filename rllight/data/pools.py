@@ -78,6 +78,9 @@ class DifficultyPools(Curriculum):
             model and take their pass rates (0 = no profiling pass).
         profile_batch: Prompts per generation call of the profiling pass.
         seed: Seed of the draws (None = ``data.seed``).
+        reset_on_changed_rows: On resume, when the training rows differ from those the checkpoint's pools were
+            learnt on (pass rates are kept by row index): False refuses the resume in one line; True drops the pass
+            rates, solved counts and retired prompts with a warning and starts the pools afresh.
 
     Logged each step (``train/curriculum/...``): ``<source>/pool/<pool>`` (prompts in each pool, after the step),
     ``<source>/retired``, ``<source>/draws``, ``pool/<pool>/draws``, ``draws`` and ``cap_hit`` (over all processes),
@@ -88,8 +91,10 @@ class DifficultyPools(Curriculum):
     def __init__(self, pools: dict[str, float] | None = None, weights: dict[str, float] | None = None,
                  unseen: str = "normal", window: PositiveInt = 1, max_pass_rate: ClosedUnitInterval | None = None,
                  retire_after: PositiveInt | None = None, max_draws: PositiveInt | None = None,
-                 profile: NonNegativeInt = 0, profile_batch: PositiveInt = 32, seed: int | None = None):
-        super().__init__(max_draws=max_draws, profile=profile, profile_batch=profile_batch, seed=seed)
+                 profile: NonNegativeInt = 0, profile_batch: PositiveInt = 32, seed: int | None = None,
+                 reset_on_changed_rows: bool = False):
+        super().__init__(max_draws=max_draws, profile=profile, profile_batch=profile_batch, seed=seed,
+                         reset_on_changed_rows=reset_on_changed_rows)
         if weights is None and pools is not None:  # pools of the recipe's own: alike unless weighted
             weights = dict.fromkeys(pools, 1.0) if isinstance(pools, dict) else None
         self.pools = _pools({"hard": 0.2, "normal": 0.8, "easy": 1.0} if pools is None else pools)

@@ -42,7 +42,9 @@ class Environment:
     ``timeout_seconds``, returns something other than a ``StepResult`` or a reward that is not finite in
     float32 ends that episode with reward 0, counted (``train/episode/failures``, ``train/episode/timeouts``)
     and logged; the run goes on. Every episode of ``model.guards.max_failed_reward_steps`` batches in a row failing
-    stops it with one line naming the environment class.
+    stops it with one line naming the environment class. A call past its limit cannot be killed and keeps its
+    thread until it returns; once ``max(3, max_concurrency)`` calls of one method are in that state, that method is
+    not called (its episodes fail at once) until one returns, so hung calls leave a bounded number of threads.
 
     Args:
         max_turns: Most model turns per episode.

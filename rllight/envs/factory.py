@@ -13,6 +13,10 @@ class unchanged:
   tool call is the answer and ends the episode;
 - the episode's reward is ``get_reward()`` when it ends (answered, out of turns or out of tokens), and it
   counts as correct when that reward is positive.
+
+What ``factory`` may name is checked before anything is called (``environment_maker``): a class with ``reset`` and
+the reward method, or a Python function whose return annotation is such a class. Nothing of the standard library or
+the builtins is imported or called (``os.system``, ``subprocess.run``, ``builtins.eval`` are refused in one line).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import sys
+import typing
 
 from rllight.bounds import AtLeastTwo, PositiveFiniteFloat, PositiveInt
 from rllight.envs.base import Environment, StepResult
@@ -30,18 +36,75 @@ KEY = "model.environment.init_args"
 _NOT_TOOLS = {"reset"}
 
 
+def system_module(module: str) -> bool:
+    """Whether ``module`` (a dotted name) is part of the standard library or the builtins: what a recipe's setting
+    that names something to call may never name (``os.system``, ``subprocess.run``, ``builtins.eval``)."""
+    top = module.split(".")[0]
+    return top in sys.stdlib_module_names or top in sys.builtin_module_names or top == "builtins"
+
+
+def refuse_system(path: str, key: str, what: str) -> None:
+    """A one-line ``RecipeError`` naming ``key`` where the import path ``path`` (``module:name`` or
+    ``module.name``) is in the standard library or the builtins, before anything is imported; ``what`` says what
+    the setting must name instead."""
+    module = path.partition(":")[0] if ":" in path else path.rpartition(".")[0]
+    if system_module(module or path):
+        raise RecipeError(f"{key}: {path!r} is in Python's standard library, which a recipe may not call; name "
+                          f"{what} (docs/guides/security.md)")
+
+
 def import_object(path: str, key: str):
     """The object at ``package.module:name`` or ``package.module.name``; a one-line ``RecipeError`` naming
-    ``key`` when it cannot be imported."""
+    ``key`` when it cannot be imported, or when it is in the standard library or the builtins (not imported)."""
     module, sep, name = path.partition(":")
     if not sep:
         module, _, name = path.rpartition(".")
     if not module or not name:
         raise RecipeError(f"{key} must be an import path such as my_pkg.envs.MyEnv, got {path!r}")
+    refuse_system(path, key, "a class of your own (or of an installed package) written to the contract")
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as err:
         raise RecipeError(f"{key}: cannot import {path!r} ({type(err).__name__}: {err})") from None
+
+
+def environment_maker(obj, path: str, reward_method: str, key: str):
+    """``obj`` (what ``path`` names) if it is what TRL's ``environment_factory`` contract allows, checked without
+    calling it: a class with a ``reset`` method and ``reward_method``, or a Python function whose return annotation is
+    such a class (``def make_env() -> MyEnv``). Anything else (a builtin, a function that does not say what it makes,
+    a class or function of the standard library, an object) is a one-line ``RecipeError`` naming ``key``."""
+    _refuse_system_object(obj, path, key)
+    made = obj
+    if inspect.isfunction(obj):
+        try:
+            made = typing.get_type_hints(obj).get("return")
+        except Exception:  # noqa: BLE001 - an annotation that does not resolve: the function does not say
+            made = None
+        if not inspect.isclass(made) or made is type(None):
+            raise RecipeError(f"{key}: {path} is a function that does not say what it makes; name the environment "
+                              f"class itself, or annotate the function's return with it (def {obj.__name__}() -> "
+                              "MyEnv)")
+        _refuse_system_object(made, path, key)
+    elif not inspect.isclass(obj):
+        raise RecipeError(f"{key}: {path} is a {type(obj).__name__}, not an environment class; name a class written "
+                          "to the contract (reset, tools, get_reward), or a function annotated to return one")
+    if not callable(getattr(made, "reset", None)):
+        raise RecipeError(f"{key}: {made.__name__} has no reset method; an environment class starts each episode with "
+                          "reset(**row) (TRL's environment_factory contract)")
+    if not callable(getattr(made, reward_method, None)):
+        raise RecipeError(f"{KEY}.reward_method: {path} has no method {reward_method!r}; write one that "
+                          "returns the episode's reward, or name it here")
+    return obj
+
+
+def _refuse_system_object(obj, path: str, key: str) -> None:
+    """A one-line ``RecipeError`` where ``obj`` was defined in the standard library or the builtins (``os.system``
+    imported into a user's module under another name)."""
+    module = getattr(obj, "__module__", None) or "builtins"
+    if system_module(module):
+        raise RecipeError(f"{key}: {path} is {module}.{getattr(obj, '__name__', type(obj).__name__)} of Python's "
+                          "standard library, which a recipe may not call; name an environment class of your own "
+                          "(docs/guides/security.md)")
 
 
 def tool_methods(obj, exclude: set[str]) -> dict:
@@ -66,8 +129,8 @@ class FactoryEnvironment(Environment):
     """Episodes of a class written to TRL's environment contract (see the module's docstring).
 
     Args:
-        factory: Import path of the class (``my_pkg.envs.IncrementEnv``), or of any callable that returns one
-            environment object.
+        factory: Import path of the class (``my_pkg.envs.IncrementEnv``), or of a Python function annotated to
+            return it (``def make_env() -> IncrementEnv``); checked before it is called, never in the standard library.
         factory_args: Keyword arguments of ``factory`` (TRL calls it without any).
         reward_method: The method that scores the episode.
         max_turns: Most model turns per episode (tool calls and the answer).
@@ -85,12 +148,10 @@ class FactoryEnvironment(Environment):
         super().__init__(max_turns=max_turns, max_total_tokens=max_total_tokens, timeout_seconds=timeout_seconds,
                          max_concurrency=max_concurrency)
         self.factory = factory
-        self._make = import_object(factory, f"{KEY}.factory")
-        if not callable(self._make):
-            raise RecipeError(f"{KEY}.factory: {factory!r} is not a class or a callable")
-        if isinstance(self._make, type) and not callable(getattr(self._make, reward_method, None)):
-            raise RecipeError(f"{KEY}.reward_method: {factory} has no method {reward_method!r}; write one that "
-                              "returns the episode's reward, or name it here")
+        if not isinstance(reward_method, str) or not reward_method.isidentifier() or reward_method.startswith("_"):
+            raise RecipeError(f"{KEY}.reward_method must name a public method (e.g. get_reward), got {reward_method!r}")
+        self._make = environment_maker(import_object(factory, f"{KEY}.factory"), factory, reward_method,
+                                       f"{KEY}.factory")
         self.factory_args = dict(factory_args or {})
         self.reward_method = reward_method
         self.obj = None

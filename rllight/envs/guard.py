@@ -11,6 +11,14 @@ A call past its limit cannot be killed (it runs in the trainer's process): it is
 (which a pure-Python loop obeys) and left to its thread otherwise. After ``HUNG_IN_A_ROW`` timeouts of one
 method without a call of it that came back, the batch's remaining calls of that method are not made (their
 episodes fail at once): an environment that always hangs costs a few timeouts per batch, not one per episode.
+
+Threads are bounded over the whole run (``HungCalls``, kept by the rollout producer across batches): a call given
+up on keeps its thread until it returns, and once ``max(HUNG_IN_A_ROW, max_concurrency)`` calls of one method of an
+environment are in that state (what one batch may leave), no call of that method is made (its episode fails at
+once, named as such) until one of them returns. So an environment whose calls hang leaves at most that many threads
+per method behind however long the run, instead of a few more every step (besides the ``max_concurrency`` threads
+of a turn's calls, which end with the turn); while a method is at its limit every episode that needs it fails, which
+``model.guards.max_failed_reward_steps`` turns into one line that ends the run.
 """
 
 from __future__ import annotations
@@ -27,6 +35,52 @@ from rllight.stopping import call_stoppable, wait_stoppable
 HUNG_IN_A_ROW = 3
 """Timeouts of one method in a row, without a call of it that returned between them, after which a batch's
 remaining calls of that method fail without being made."""
+
+
+class HungCalls:
+    """The calls into one environment that a guard gave up on and that are still running, by method, across batches
+    (see the module's docstring): each holds a thread until it returns. Once ``limit`` calls of a method are,
+    ``full(method)`` says so and no call of it is made until one returns."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._running: set[int] = set()
+        self._abandoned: dict[int, str] = {}  # token -> its method
+        self._next = 0
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, environment: Environment) -> HungCalls:
+        """For ``environment``: a limit of ``max(HUNG_IN_A_ROW, max_concurrency)`` per method, what one batch may
+        leave of one method (``HUNG_IN_A_ROW`` in a row, or a turn's calls hanging at once)."""
+        return cls(max(HUNG_IN_A_ROW, int(getattr(environment, "max_concurrency", 1) or 1)))
+
+    def count(self, method: str | None = None) -> int:
+        """Calls (of ``method``; None: of any) given up on that are still running."""
+        with self._lock:
+            return sum(method is None or m == method for m in self._abandoned.values())
+
+    def full(self, method: str) -> bool:
+        return self.count(method) >= self.limit
+
+    def start(self) -> int:
+        """A call starts: its token."""
+        with self._lock:
+            self._next += 1
+            self._running.add(self._next)
+            return self._next
+
+    def end(self, token: int) -> None:
+        """The call of ``token`` returned (or raised), given up on or not."""
+        with self._lock:
+            self._running.discard(token)
+            self._abandoned.pop(token, None)
+
+    def abandon(self, token: int, method: str) -> None:
+        """The guard gave up waiting for the call of ``token`` (of ``method``): it counts until it returns."""
+        with self._lock:
+            if token in self._running:
+                self._abandoned[token] = method
 
 
 class EpisodeFailed(Exception):
@@ -53,11 +107,13 @@ class EpisodeGuard:
     ``timeout_seconds`` is the environment's (``Environment.timeout_seconds``); None makes the calls in the
     trainer's thread without a limit (an environment that needs the main thread, e.g. for signal-based
     timeouts of its own). ``failures`` and ``timeouts`` count the episodes that failed and how many of those
-    by timeout; ``first_error`` is the first failure's description.
+    by timeout; ``first_error`` is the first failure's description. ``hung`` counts the environment's calls given
+    up on and still running, kept across batches by the caller (``HungCalls``; None: this guard's own).
     """
 
-    def __init__(self, environment: Environment):
+    def __init__(self, environment: Environment, hung: HungCalls | None = None):
         self.name = type(environment).__name__
+        self.hung = hung if hung is not None else HungCalls.of(environment)
         self.timeout_seconds = getattr(environment, "timeout_seconds", Environment.DEFAULT_TIMEOUT)
         self.failures = 0
         self.timeouts = 0
@@ -77,12 +133,24 @@ class EpisodeGuard:
                 return fn(*args)
             except Exception as err:
                 raise EpisodeFailed(f"{where} raised {one_line(err, 300)}") from None
-        finished, value, error = call_stoppable(lambda: fn(*args), self.timeout_seconds,
-                                                f"the environment {where}")
+        if self.hung.full(method):
+            raise EpisodeFailed(f"{where} not called: {self.hung.count(method)} earlier calls of it are still "
+                                f"running past timeout_seconds={self.timeout_seconds:g} (at most {self.hung.limit} "
+                                "are left running)")
+        token = self.hung.start()
+
+        def run():
+            try:
+                return fn(*args)
+            finally:  # also once given up on: it no longer counts when it ends
+                self.hung.end(token)
+
+        finished, value, error = call_stoppable(run, self.timeout_seconds, f"the environment {where}")
         with self._lock:
             self._hung[method] = 0 if finished else self._hung.get(method, 0) + 1
             self.timeouts += not finished
         if not finished:
+            self.hung.abandon(token, method)
             raise EpisodeFailed(f"{where} did not return within timeout_seconds={self.timeout_seconds:g}")
         if error is not None:
             if not isinstance(error, Exception):  # SystemExit, KeyboardInterrupt raised by the environment

@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 
 from rllight.bounds import AtLeastTwo, PositiveFiniteFloat, PositiveFloat, PositiveInt, bounded
 from rllight.envs.base import Environment, StepResult
+from rllight.envs.factory import refuse_system
 from rllight.envs.openenv_sessions import LATE_SECONDS, BadAnswer, Runtime, close_soon, explain, open_session
 from rllight.errors import ComponentError, RecipeError
 
@@ -228,6 +229,8 @@ def _check_settings(url, server, action_field, action_args, observation_field, r
         bad("url", f"must be the http:// or https:// URL of a running OpenEnv server (ws:// works too), got {url!r}")
     if server is not None and not (isinstance(server, str) and _TARGET.match(server)):
         bad("server", f"must be the import path of an OpenEnv ASGI app, 'package.module:app', got {server!r}")
+    if server is not None:
+        refuse_system(server, f"{KEY}.server", "an OpenEnv app of your own (or of an installed package)")
     for name, value in (("action_field", action_field), ("observation_field", observation_field),
                         ("correct_field", correct_field)):
         if (value is not None or name == "action_field") and not (isinstance(value, str) and value.strip()):

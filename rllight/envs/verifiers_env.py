@@ -27,13 +27,16 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import json
 import math
 import threading
+import typing
 import weakref
 
 from rllight.bounds import AtLeastTwo, PositiveFiniteFloat, PositiveInt
 from rllight.envs.base import Environment, StepResult
+from rllight.envs.factory import refuse_system, system_module
 from rllight.envs.tool_calls import parse_tool_calls
 from rllight.envs.verifiers_play import STOP, Play
 from rllight.errors import RecipeError
@@ -77,6 +80,9 @@ def check_settings(load: str | None, env_id: str | None, args: dict | None, key:
     if load is not None and (not isinstance(load, str) or not all(_split_path(load))):
         raise RecipeError(f"{key}.load must be an import path module:attr (e.g. my_pkg.envs:load_environment), "
                           f"got {load!r}")
+    if load is not None:
+        refuse_system(load, f"{key}.load", "your environment module's load_environment, or a vf.Env or vf.Taskset "
+                                           "class")
     if env_id is not None and (not isinstance(env_id, str) or not env_id.strip()):
         raise RecipeError(f"{key}.env_id must name a verifiers taskset (e.g. textarena), got {env_id!r}")
     if args is not None and not isinstance(args, dict):
@@ -87,6 +93,32 @@ def check_settings(load: str | None, env_id: str | None, args: dict | None, key:
 def _split_path(path: str) -> tuple[str, str]:
     module, _, attr = path.rpartition(":") if ":" in path else path.rpartition(".")
     return module, attr
+
+
+def loader(vf, load: str, key: str):
+    """What ``load`` names, imported and checked without calling it: a ``vf.Env`` or ``vf.Taskset`` class, or a
+    Python function that verifiers' convention names ``load_environment`` or whose return annotation is such a class
+    (``def load_taskset() -> WordTaskset``). Anything else (a builtin, another function, something of the standard
+    library) is a one-line ``RecipeError`` naming ``key``; a module that does not import is one too."""
+    module, attr = _split_path(load)
+    try:
+        obj = getattr(importlib.import_module(module), attr)
+    except Exception as err:  # noqa: BLE001 - the module's own import failing is the recipe's to mend
+        raise RecipeError(f"{key}: the verifiers environment load={load!r} cannot be imported "
+                          f"({type(err).__name__}: {' '.join(str(err).split())[:300]})") from None
+    kinds = (vf.Env, vf.Taskset)
+    made = obj
+    if inspect.isfunction(obj) and obj.__name__ != "load_environment":
+        try:
+            made = typing.get_type_hints(obj).get("return")
+        except Exception:  # noqa: BLE001 - an annotation that does not resolve: the function does not say
+            made = None
+    ok = (inspect.isclass(made) and issubclass(made, kinds)) or (inspect.isfunction(obj) and made is obj)
+    if not ok or system_module(getattr(obj, "__module__", None) or "builtins"):
+        raise RecipeError(f"{key}: {load} is not a verifiers loader; name your environment module's "
+                          "load_environment, a function annotated to return a vf.Env or vf.Taskset, or such a class "
+                          "(docs/guides/security.md)")
+    return obj
 
 
 class Source:
@@ -149,10 +181,10 @@ def load_source(load: str | None, env_id: str | None, args: dict, key: str) -> S
         if cache in _SOURCES:
             return _SOURCES[cache]
         vf = import_verifiers(key)
+        make = loader(vf, load, key) if load is not None else None  # checked before it is called
         try:
-            if load is not None:
-                module, attr = _split_path(load)
-                built = getattr(importlib.import_module(module), attr)(**args)
+            if make is not None:
+                built = make(**args)
             else:
                 config = vf.resolve_env_config({"taskset": {"id": env_id, **args}})
                 built = vf.load_environment(config)
@@ -180,7 +212,9 @@ class Verifiers(Environment):
 
     Args:
         load: Import path (``module:attr``) of a function or class that returns a ``vf.Env`` (or a ``vf.Taskset``,
-            played as verifiers' single-agent environment), called with ``args``.
+            played as verifiers' single-agent environment), called with ``args``: a ``vf.Env`` or ``vf.Taskset``
+            class, a function named ``load_environment`` (verifiers' convention) or one annotated to return such a
+            class; checked before it is called, never in the standard library.
         env_id: Instead of ``load``: the id of a verifiers taskset (built in, e.g. ``textarena``, or an installed
             environment package), built as ``vf.load_environment`` builds it, with ``args`` its taskset settings.
         args: Keyword arguments of ``load``, or the taskset settings of ``env_id``.

@@ -25,19 +25,23 @@ How it runs:
 - **The verdict** is parsed from the judge's answer: ``number`` (the last ``Score: N``, or an answer that is only
   a number; divided by ``scale``), ``label`` (the label after the last ``Verdict:``, else the last one named,
   mapped through ``labels``) or ``yes_logprob`` (P(yes) from the first token's top log-probs, normalised over the
-  yes and no variants: ``yes``, `` Yes``, ``YES``...).
+  yes and no variants: ``yes``, `` Yes``, ``YES``...). A verdict that cannot be is a failure, never a reward: a score
+  outside 0..``scale`` (``Score: 1e308`` included), an answer without the top log-probs P(yes) needs, or log-probs no
+  distribution has (one above 0, yes and no more likely than 1 together: ``rllight.rewards.judge_verdicts``).
 - **Faults cost a counted failure, never a hung run**: at an ``Endpoint`` each request is bounded, retried and
   rate-limited as its settings say, and the whole batch has a time bound the trainer waits for in short slices
-  (``rllight.serving.endpoint``); a ``Worker`` batch waits at most its ``timeout_seconds``. A response whose request
+  (``rllight.serving.endpoint``), and an answer longer than its ``max_answer_bytes`` (8 MiB unless set) fails its
+  request; a ``Worker`` batch waits at most its ``timeout_seconds``. A response whose request
   failed, or whose verdict cannot be parsed, gets reward 0 and a one-line reason (``Scores.failed``); a batch
   where every response failed counts towards ``model.guards.max_failed_reward_steps``, which ends the run in one line.
 - **The API key** (an ``Endpoint``'s ``api_key_env``) is read when each batch starts and never kept, so ``repr``,
-  pickles (checkpoints, worker copies), ``--print_config`` and exports cannot hold it; reasons and log lines have it
-  replaced by ``[key]``.
+  pickles (checkpoints, worker copies), ``--print_config`` and exports cannot hold it; reasons and log lines have
+  every run of 8 or more of its characters masked as ``[key]``, before any cut to length, whatever the server echoes.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -51,7 +55,7 @@ from rllight.rewards.scores import Sample, Scores
 from rllight.rewards.judge_local import LocalChat
 from rllight.rewards.judge_verdicts import JudgeFailed, parse_labels, parse_scores, yes_probability
 from rllight.serving import ChatCompletions, Failed, Placement, Protocol, placed
-from rllight.serving.http import snippet
+from rllight.serving.http import clip, snippet
 
 log = logging.getLogger(__name__)
 
@@ -87,14 +91,15 @@ class LLMJudge(Reward):
             the judge model's folder or hub id (a causal LM, its own chat template).
         placement: Where the judge runs (``rllight.serving``): ``InProcess`` (None, the default), ``Worker`` (its
             ``timeout_seconds`` defaults to 60) or ``Endpoint`` (its protocol defaults to ``ChatCompletions``, its
-            ``timeout_seconds`` to 60).
+            ``timeout_seconds`` to 60, its ``max_answer_bytes`` to 8 MiB).
         template: The judge's prompt, with ``{question}``, ``{response}`` and ``{answer}`` (and optionally
             ``{count}``) placeholders; literal braces doubled. None = a default for ``mode`` and ``verdict``
             (``default_template``).
         verdict: How the reward is read from the answer: ``number`` (the last ``Score: N``, divided by ``scale``;
             outside 0..scale fails), ``label`` (mapped through ``labels``) or ``yes_logprob`` (P(yes) from the first
-            token's top log-probs; pointwise only, a server must return ``logprobs``, and one token is asked
-            for whatever ``max_tokens`` says).
+            token's top log-probs; pointwise only, a server must return ``logprobs`` with ``top_logprobs``, and one
+            token is asked for whatever ``max_tokens`` says; log-probs above 0, or yes and no more likely than 1
+            together, fail).
         labels: Label mode: each label's reward (case-insensitive). None = ``{correct: 1.0, incorrect: 0.0}``.
         scale: Number mode: the judge's top score, which becomes reward 1.
         mode: ``pointwise`` (one request per response) or ``group`` (one request per prompt, listing its responses;
@@ -110,6 +115,8 @@ class LLMJudge(Reward):
 
     what = "the judge"
     default_timeout = 60.0
+    default_max_answer_bytes = 8 * 2 ** 20
+    """An ``Endpoint``'s ``max_answer_bytes`` where the recipe sets none: a chat completion of ``max_tokens``."""
     worker_target: str | None = "rllight.rewards.judge_local:serve_worker"
     """A ``Worker``'s child function (tests name one that misbehaves)."""
 
@@ -209,7 +216,7 @@ class LLMJudge(Reward):
         except RecipeError:  # the recipe's fault, not the batch's (Ctrl-C is no Exception: it passes too)
             raise
         except Exception as err:  # noqa: BLE001 - a failed pass is counted, sample by sample
-            return [Failed(one_line(err, 300))] * len(bodies)
+            return [Failed(clip(one_line(err), 300, self.placement.redact))] * len(bodies)
 
     def _prompt(self, sample: Sample, response: str, count: int) -> str:
         users = [m.get("content") for m in sample.messages or [] if isinstance(m, dict) and m.get("role") == "user"]
@@ -225,21 +232,24 @@ class LLMJudge(Reward):
 
     def _verdicts(self, answer: dict, count: int) -> list[float]:
         """The rewards an OpenAI chat completion ``answer`` gives its ``count`` responses; ``JudgeFailed`` with why."""
+        quote = functools.partial(snippet, mask=self.placement.redact)  # the key masked before the cut
         try:
             choice = answer["choices"][0]
             text = choice["message"]["content"] or ""
         except (KeyError, IndexError, TypeError):
             raise JudgeFailed(f"the judge's answer has no choices[0].message.content: "
-                              f"{snippet(json.dumps(answer))}") from None
+                              f"{quote(json.dumps(answer, default=str))}") from None
+        if not isinstance(text, str):
+            raise JudgeFailed(f"the judge's answer's content is {quote(json.dumps(text, default=str))}, not text")
         if self.verdict == "yes_logprob":
-            return [yes_probability(choice)]
+            return [yes_probability(choice, quote)]
         if self.verdict == "number":
-            values = parse_scores(text, count)
+            values = parse_scores(text, count, quote)
             for v in values:
                 if not 0 <= v <= self.scale:
-                    raise JudgeFailed(f"score {v:g} is outside 0..{self.scale:g} (scale): {snippet(text)}")
+                    raise JudgeFailed(f"score {v:g} is outside 0..{self.scale:g} (scale): {quote(text)}")
             return [v / self.scale for v in values]
-        return [self.labels[name] for name in parse_labels(text, list(self.labels), count)]
+        return [self.labels[name] for name in parse_labels(text, list(self.labels), count, quote)]
 
 
 def _labels(labels: dict[str, float] | None, verdict: str) -> dict[str, float] | None:

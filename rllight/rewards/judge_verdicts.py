@@ -1,29 +1,36 @@
 """Reading a judge's verdicts from its answer: scores (``parse_scores``), labels (``parse_labels``) and P(yes) from
 the first token's log-probs (``yes_probability``). Each raises ``JudgeFailed`` with a one-line reason where the answer
-does not hold what was asked for; ``rllight.rewards.judge.LLMJudge`` counts it as the sample's failure."""
+does not hold what was asked for, or holds what cannot be (a log-prob above 0, yes and no more likely than certain);
+``rllight.rewards.judge.LLMJudge`` counts it as the sample's failure. A reason quotes the answer through ``quote``
+(``snippet``; the judge's masks its placement's key before the cut)."""
 
 from __future__ import annotations
 
 import json
 import math
 import re
+from collections.abc import Callable
 
 from rllight.serving.http import snippet
+
+MASS_TOLERANCE = 0.01
+"""How far above 1 the probability of yes and no together (and above 0 a log-prob) may be read, for the rounding of a
+server's log-probs; past it the verdict fails."""
 
 
 class JudgeFailed(Exception):
     """A request or a verdict that gives its samples a counted failure; the message is the reason."""
 
 
-_NUMBER = r"(-?\d+(?:\.\d+)?)"
+_NUMBER = r"(-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?)"  # 1e308 is read as itself, and then fails the range
 _SCORE = re.compile(r"score[\s:=*]*" + _NUMBER, re.IGNORECASE)
 _ONLY_NUMBER = re.compile(r"\s*\**\s*" + _NUMBER + r"\s*(?:/\s*\d+(?:\.\d+)?)?\s*\**\s*\.?\s*")
 _NUMBERED_SCORE = re.compile(r"response\s*#?\s*(\d+)\s*[:.)\-]*\s*\**\s*(?:score[\s:=*]*)?" + _NUMBER,
                              re.IGNORECASE)
 
 
-def parse_scores(text: str, count: int = 1) -> list[float]:
-    """``count`` scores read from a judge's answer, in order; ``_Failed`` when it does not hold exactly that many.
+def parse_scores(text: str, count: int = 1, quote: Callable[..., str] = snippet) -> list[float]:
+    """``count`` scores read from a judge's answer, in order; ``JudgeFailed`` when it does not hold exactly that many.
 
     One score: the last ``Score: N``, else an answer that is only a number (``7``, ``7/10``). Several (group
     mode): ``Response K: [Score:] N`` lines for K = 1..count (the last line for each K wins), else the last JSON list
@@ -35,7 +42,7 @@ def parse_scores(text: str, count: int = 1) -> list[float]:
         only = _ONLY_NUMBER.fullmatch(text)
         if only:
             return [float(only.group(1))]
-        raise JudgeFailed(f"no 'Score: N' in the judge's answer: {snippet(text)}")
+        raise JudgeFailed(f"no 'Score: N' in the judge's answer: {quote(text)}")
     numbered = {int(k): float(v) for k, v in _NUMBERED_SCORE.findall(text)}
     if set(numbered) == set(range(1, count + 1)):
         return [numbered[k] for k in range(1, count + 1)]
@@ -46,11 +53,11 @@ def parse_scores(text: str, count: int = 1) -> list[float]:
     if len(found) == count:
         return [float(v) for v in found]
     given = max(len(numbered), len(found))
-    raise JudgeFailed(f"the judge's answer gives {given} scores for {count} responses: {snippet(text)}")
+    raise JudgeFailed(f"the judge's answer gives {given} scores for {count} responses: {quote(text)}")
 
 
-def parse_labels(text: str, labels: list[str], count: int = 1) -> list[str]:
-    """``count`` labels (as spelled in ``labels``) read from a judge's answer; ``_Failed`` when it does not hold
+def parse_labels(text: str, labels: list[str], count: int = 1, quote: Callable[..., str] = snippet) -> list[str]:
+    """``count`` labels (as spelled in ``labels``) read from a judge's answer; ``JudgeFailed`` when it does not hold
     exactly that many. One: the first label after the last ``Verdict:``, else the last label named (whole words,
     case-insensitive). Several: ``Response K: [Verdict:] L`` for K = 1..count, else the last JSON list of labels."""
     spelled = {n.lower(): n for n in labels}
@@ -62,7 +69,7 @@ def parse_labels(text: str, labels: list[str], count: int = 1) -> list[str]:
         found = label.search(tail) if tail else None
         found = found or (label.findall(text) or [None])[-1]
         if found is None:
-            raise JudgeFailed(f"none of the labels {labels} in the judge's answer: {snippet(text)}")
+            raise JudgeFailed(f"none of the labels {labels} in the judge's answer: {quote(text)}")
         return [spelled[(found if isinstance(found, str) else found.group(1)).lower()]]
     numbered_re = re.compile(rf"response\s*#?\s*(\d+)\s*[:.)\-]*\s*\**\s*(?:verdict[\s:=*]*)?({names})(?![\w-])",
                              re.IGNORECASE)
@@ -72,25 +79,42 @@ def parse_labels(text: str, labels: list[str], count: int = 1) -> list[str]:
     for values in reversed(_json_lists(text)):
         if len(values) == count and all(isinstance(v, str) and v.strip().lower() in spelled for v in values):
             return [spelled[v.strip().lower()] for v in values]
-    raise JudgeFailed(f"the judge's answer gives {len(numbered)} labels for {count} responses: {snippet(text)}")
+    raise JudgeFailed(f"the judge's answer gives {len(numbered)} labels for {count} responses: {quote(text)}")
 
 
-def yes_probability(choice: dict) -> float:
+def yes_probability(choice: dict, quote: Callable[..., str] = snippet) -> float:
     """P(yes) from a chat completion's ``choices[0]``: the first token's top log-probs (and the sampled token's
-    own), summed over the variants of yes and of no (stripped, case-insensitive), normalised over the two."""
+    own), summed over the variants of yes and of no (stripped, case-insensitive), normalised over the two.
+
+    ``JudgeFailed`` where the answer has no log-probs, no ``top_logprobs`` list (the sampled token alone would give
+    P(yes) = 1 or 0 whatever the judge thinks), an entry that is not ``{"token": str, "logprob": number}``, a
+    log-prob above 0 or NaN (-inf, probability 0, is one), or yes and no together more likely than 1 (beyond
+    ``MASS_TOLERANCE``)."""
     try:
         first = choice["logprobs"]["content"][0]
     except (KeyError, IndexError, TypeError):
         raise JudgeFailed("the judge's answer has no log-probs (choices[0].logprobs.content); the server must support "
-                      "logprobs and top_logprobs") from None
+                          "logprobs and top_logprobs") from None
+    top = first.get("top_logprobs") if isinstance(first, dict) else None
+    if not isinstance(top, list) or not top:
+        raise JudgeFailed(f"the judge's answer has no list of top log-probs for its first token "
+                          f"(choices[0].logprobs.content[0].top_logprobs: {quote(top, 40)}); the server must "
+                          "support top_logprobs")
     tokens = {}
-    for item in [first, *(first.get("top_logprobs") or [])]:
-        if isinstance(item, dict) and isinstance(item.get("token"), str) and isinstance(item.get("logprob"), (int, float)):
-            tokens[item["token"]] = float(item["logprob"])
+    for item in [first, *top]:
+        value = item.get("logprob") if isinstance(item, dict) else None
+        if not isinstance(item, dict) or not isinstance(item.get("token"), str) or isinstance(value, bool) \
+                or not isinstance(value, (int, float)) or math.isnan(value) or value > math.log1p(MASS_TOLERANCE):
+            raise JudgeFailed(f"the judge's first-token log-probs hold {quote(item, 60)}, not a token with a "
+                              "log-prob <= 0")
+        tokens[item["token"]] = float(value)
     yes = sum(math.exp(lp) for t, lp in tokens.items() if t.strip().lower() == "yes")
     no = sum(math.exp(lp) for t, lp in tokens.items() if t.strip().lower() == "no")
     if not yes + no > 0:
-        raise JudgeFailed(f"neither yes nor no among the first token's top log-probs ({sorted(tokens)[:5]})")
+        raise JudgeFailed(f"neither yes nor no among the first token's top log-probs ({quote(sorted(tokens)[:5])})")
+    if yes + no > 1 + MASS_TOLERANCE:
+        raise JudgeFailed(f"the first token's log-probs give yes and no a probability of {yes + no:.3g} together, "
+                          "more than 1: they are not log-probs of one distribution")
     return yes / (yes + no)
 
 
@@ -107,4 +131,4 @@ def _json_lists(text: str) -> list[list]:
 
 
 
-__all__ = ["JudgeFailed", "parse_labels", "parse_scores", "yes_probability"]
+__all__ = ["MASS_TOLERANCE", "JudgeFailed", "parse_labels", "parse_scores", "yes_probability"]

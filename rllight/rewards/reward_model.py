@@ -17,7 +17,9 @@ the texts (the classifier's chat template, with its tokenizer), so that every pl
   keeps its weights on its device. A batch that runs past the worker's ``timeout_seconds`` or kills the child twice
   fails, counted.
 - ``rllight.serving.Endpoint``: at a reward-model server, vLLM's Pooling API (``VLLMPooling``, the default protocol)
-  or OpenRLHF's (``OpenRLHF``). A request that fails after its retries fails the batch, counted.
+  or OpenRLHF's (``OpenRLHF``). A request that fails after its retries, or whose answer is longer than
+  ``max_answer_bytes`` (64 MiB unless set: a batch's scores, one per token where the pooler gives them), fails the
+  batch, counted; its reason, in the trainer's warning, has the API key masked whatever the server echoes.
 
 The constructor only records the settings (a recipe parses without loading anything); the weights (or, for the
 other placements, the tokenizer) load at the first ``score``. A copy (a checkpoint, a pickle) carries the settings.
@@ -121,11 +123,13 @@ class RewardModel(Reward):
         eps: Added to the standard deviation when whitening.
         placement: Where the classifier runs (``rllight.serving``): ``InProcess`` (None, the default), ``Worker``
             (its ``timeout_seconds`` defaults to 300) or ``Endpoint`` (its protocol defaults to ``VLLMPooling``, whose
-            requests name ``model``; its ``timeout_seconds`` to 300).
+            requests name ``model``; its ``timeout_seconds`` to 300, its ``max_answer_bytes`` to 64 MiB).
     """
 
     what = "the reward model"
     default_timeout = 300.0
+    default_max_answer_bytes = 64 * 2 ** 20
+    """An ``Endpoint``'s ``max_answer_bytes`` where the recipe sets none: a batch's scores, per token if need be."""
     worker_target: str | None = "rllight.rewards.reward_model:serve_worker"
     """A ``Worker``'s child function (tests name one that misbehaves)."""
 

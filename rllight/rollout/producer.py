@@ -20,11 +20,13 @@ import torch
 
 from rllight.distributed import Ranks
 from rllight.envs.base import Environment
-from rllight.envs.guard import EpisodeGuard
+from rllight.envs.guard import EpisodeGuard, HungCalls
 from rllight.errors import ComponentError, RecipeError
 from rllight.rewards import Reward, RewardRunner, Sample
 from rllight.rollout.ahead import steps_ahead
 from rllight.rollout.base import RolloutEngine, Sampling, malformed
+from rllight.rollout.empty_steps import (EMPTY_RESPONSES, FAILED_BEFORE_FIRST_TURN, MALFORMED, NO_PROMPTS, SAMPLED,
+                                         TOO_LONG, EmptySteps)
 from rllight.rollout.episodes import (  # noqa: F401 (encode_chat, with_first_observation: re-exported)
     ChatTurns, encode_chat, episodes_to_rollout, run_episodes, start_episodes, trajectory_rewards,
     with_first_observation)
@@ -59,8 +61,10 @@ class RolloutProducer:
     ``episode/failures`` and ``episode/timeouts``; one warning per batch), see ``rllight.envs.guard``.
 
     Counters (``reward_failures``, ``dropped_prompts``, ``failed_reward_steps``) are part of the state saved in
-    checkpoints (``state_dict``). ``ranks`` are the training processes' collectives, for a sampler whose choice
-    spans them (dynamic sampling fills one global target).
+    checkpoints (``state_dict``). ``empty`` counts why the training steps had nothing to train on (``EmptySteps``:
+    prompts dropped, episodes failed before their first turn, a step without prompts, ...), from ``begin_step``
+    on; the lines that end a run without updates name those causes. ``ranks`` are the training processes'
+    collectives, for a sampler whose choice spans them (dynamic sampling fills one global target).
     """
 
     def __init__(self, engine: RolloutEngine, reward: Reward | None, max_prompt_tokens: int | None = None,
@@ -70,6 +74,8 @@ class RolloutProducer:
         self._no_update = (None, 0)  # (the update count of the current run of steps without an update, its length)
         self.engine = engine
         self.environment = environment
+        # the environment's calls given up on and still running, across batches: a bounded number (HungCalls)
+        self.hung_calls = HungCalls.of(environment) if environment is not None else None
         self._chat_turns: ChatTurns | None = None
         self.reward = reward
         self.runner = runner
@@ -84,6 +90,7 @@ class RolloutProducer:
         self.dropped_prompts = 0
         self.failed_reward_steps = 0
         self.malformed_steps = 0
+        self.empty = EmptySteps()
         self._warned_dropped = self._warned_empty = False
         self.ranks = Ranks()
 
@@ -127,9 +134,7 @@ class RolloutProducer:
         keep, prompts = self._fitting_prompts(rows)
         dropped = len(rows) - len(keep)
         if dropped:
-            self._note_dropped(dropped, f"max_prompt_tokens={self.max_prompt_tokens}")
-            if training:
-                self.dropped_prompts += dropped
+            self._note_dropped(dropped, f"max_prompt_tokens={self.max_prompt_tokens}", training)
         rows = [rows[i] for i in keep]
         # "kept_rows": which of the given rows the rollout answers (its groups, in order).
         if not prompts:
@@ -140,6 +145,7 @@ class RolloutProducer:
         problem = malformed(gen, len(prompts) * n, sampling.max_new_tokens) if training else None
         self.count_malformed_batch(problem)
         if problem:  # dropped: the step trains on nothing rather than on what the engine got wrong
+            self.empty.add(MALFORMED, 1, problem)
             return Rollout.empty(extras={"rollout/malformed_batches": 1.0, "data/dropped_long_prompts": float(dropped),
                                          "kept_rows": ()})
         engine_metrics = dict(self.engine.last_metrics)
@@ -154,6 +160,8 @@ class RolloutProducer:
             self.count_failed_reward_batch(failures == len(texts))
             self._heard(rows, correct, n)
         t2 = time.perf_counter()
+        if training:
+            self.count_sampled(gen.response_mask.sum(-1).tolist())
         device = gen.response_ids.device
         dense = None if scores.token_scores is None else token_tensor(scores.token_scores, gen.response_mask)
         return Rollout(
@@ -188,9 +196,33 @@ class RolloutProducer:
         if self._observe is not None:
             self._observe(rows, [sum(float(c) for c in correct[k * n:(k + 1) * n]) / n for k in range(len(rows))])
 
-    def _note_dropped(self, dropped: int, limit: str) -> None:
-        """Warn of prompts dropped as too long the first time only: a data set whose every prompt is too long
-        would otherwise print a line per batch before the run stops (the count is logged every step)."""
+    def count_sampled(self, lengths: list) -> None:
+        """Count a training batch's responses (or episodes played), of ``lengths`` model tokens each, with a token
+        and without one."""
+        sampled = sum(int(k) > 0 for k in lengths)
+        self.empty.add(SAMPLED, sampled)
+        self.empty.add(EMPTY_RESPONSES, len(lengths) - sampled)
+
+    def begin_step(self) -> None:
+        """A training step starts: ``empty`` counts its causes afresh."""
+        self.empty.begin_step()
+
+    def why_empty(self) -> str:
+        """Why the steps without an update in a row had nothing to train on, in words (``EmptySteps.describe``)."""
+        return self.empty.describe()
+
+    def note_no_prompts(self, reason: str) -> None:
+        """The data side gave this training step no prompt, for ``reason`` (e.g. a curriculum's prompts all
+        retired)."""
+        self.empty.add(NO_PROMPTS, 1, reason)
+
+    def _note_dropped(self, dropped: int, limit: str, training: bool = True) -> None:
+        """Count prompts dropped as too long (in a training step) and warn of them the first time only: a data set
+        whose every prompt is too long would otherwise print a line per batch before the run stops (the count is
+        logged every step)."""
+        if training:
+            self.dropped_prompts += dropped
+            self.empty.add(TOO_LONG, dropped, limit)
         if self._warned_dropped:
             log.debug("dropped %d prompt(s) longer than %s", dropped, limit)
             return
@@ -198,26 +230,26 @@ class RolloutProducer:
         log.warning("dropped %d prompt(s) longer than %s (raise it to train on them); later drops are counted in "
                     "train/data/dropped_long_prompts and not logged again", dropped, limit)
 
-    def note_empty_step(self, step: int) -> None:
-        """Warn of a step with no update (its rollout was empty after filtering) the first time only; later
-        ones are counted in ``train/guard/empty_rollouts``. ``max_steps_without_update`` of them in a row (the
-        update count ``step`` has not moved) end the run after the step (``end_after_step``): it would spin to the end
-        of the epoch training nothing."""
+    def note_empty_step(self, step: int, emptied_by: str | None = None) -> None:
+        """Warn of a step with no update (its rollout was empty after filtering; ``emptied_by``: the rollout
+        callback that emptied it, if one did) the first time only, naming why; later ones are counted in
+        ``train/guard/empty_rollouts``. ``max_steps_without_update`` of them in a row (the update count ``step`` has
+        not moved) end the run after the step (``end_after_step``), the line naming the causes (``why_empty``): it
+        would spin to the end of the epoch training nothing."""
         since, count = self._no_update
         self._no_update = (step, count + 1 if since == step else 1)
+        self.empty.no_update(new_run=since != step, emptied_by=emptied_by)
         if self.max_steps_without_update and self._no_update[1] >= self.max_steps_without_update:
             end_after_step(  # after this step, saved: a raise here would lose the steps since the last checkpoint
-                f"{self._no_update[1]} RL steps in a row made no update: every rollout was empty after filtering "
-                f"({self.dropped_prompts} prompts dropped as longer than max_prompt_tokens={self.max_prompt_tokens}; "
-                "see train/guard/empty_rollouts and the rollout callbacks' metrics); relax the filters or check the "
-                "data (model.guards.max_steps_without_update sets when this stops a run)")
+                f"{self._no_update[1]} RL steps in a row made no update: {self.why_empty()} (see "
+                "train/guard/empty_rollouts); fix that or relax the filters (model.guards.max_steps_without_update "
+                "sets when this stops a run)")
         if self._warned_empty:
             log.debug("step %d: empty rollout after filtering; no update", step)
             return
         self._warned_empty = True
-        log.warning("step %d: empty rollout after filtering; no update (later empty steps are counted in "
-                    "train/guard/empty_rollouts and not logged again; if it is most steps, relax the filters: "
-                    "model.max_prompt_tokens, the rollout callbacks)", step)
+        log.warning("step %d: empty rollout after filtering (%s); no update (later empty steps are counted in "
+                    "train/guard/empty_rollouts and not logged again)", step, self.why_empty())
 
     def _fitting_prompts(self, rows: list[dict]) -> tuple[list[int], list[list[int]]]:
         """``(keep, prompts)``: the indices of the rows whose prompt fits ``max_prompt_tokens`` and their ids."""
@@ -242,7 +274,7 @@ class RolloutProducer:
         ``episode/truncated_ratio`` (episodes stopped by ``max_turns`` or ``max_total_tokens``, or whose last
         turn hit ``max_new_tokens``)."""
         env = self.environment
-        guard = EpisodeGuard(env)
+        guard = EpisodeGuard(env, self.hung_calls)
         self.environment.tokenizer = self.tokenizer  # for tool calls read in the model's own format
         episodes, prompts, failed, conversations, tools = start_episodes(self.environment, self.tokenizer, guard,
                                                                          rows, n)
@@ -253,9 +285,7 @@ class RolloutProducer:
         dropped = len(rows) - len(keep)
         if dropped:
             self._note_dropped(dropped, f"{limit} tokens (max_prompt_tokens, or the environment's max_total_tokens "
-                                        "less one)")
-            if training:
-                self.dropped_prompts += dropped
+                                        "less one)", training)
         if not keep:
             return Rollout.empty(extras={"data/dropped_long_prompts": float(dropped), "kept_rows": tuple(keep)})
         index = [k * n + j for k in keep for j in range(n)]
@@ -263,6 +293,8 @@ class RolloutProducer:
         failed, conversations, tools = [failed[i] for i in index], [conversations[i] for i in index], \
             [tools[i] for i in index]
         guard.failures = sum(failed)  # the reset failures of the prompts kept
+        if training:
+            self.empty.add(FAILED_BEFORE_FIRST_TURN, guard.failures, guard.first_error)
         rows = [rows[k] for k in keep]
         if self._chat_turns is None:
             self._chat_turns = ChatTurns(self.tokenizer)
@@ -277,6 +309,7 @@ class RolloutProducer:
             log.warning(guard.summary(len(trajs)))
         self.reward_failures += failures
         if training:
+            self.count_sampled([sum(map(len, t.all_turns)) for t, bad in zip(trajs, failed) if not bad])
             self.count_failed_reward_batch(failures == len(trajs), guard.first_error)
             self._heard(rows, [t.correct for t in trajs], n)
         device = next(self.policy.parameters()).device if self.policy is not None else "cpu"

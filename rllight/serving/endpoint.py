@@ -10,13 +10,16 @@ In a recipe::
 How a batch runs (``answer``):
 
 - The key is read from the environment variable ``api_key_env`` names when the batch starts, sent as a bearer
-  token and never kept: not in an attribute, ``repr``, pickle or ``--print_config``; every reason quotes it as
-  ``[key]``.
+  token and never kept: not in an attribute, ``repr``, pickle or ``--print_config``. Every ``Failed`` the endpoint
+  gives (the transport's reasons, a protocol's ``Malformed`` and errors) has each run of 8 or more characters of the
+  key masked as ``[key]``, before any cut to length (``rllight.serving.http.redact``).
 - The ``protocol`` (``rllight.serving.protocols``) writes the batch's requests; at most ``max_concurrency`` are in
   flight, at most ``requests_per_second`` start each second. Each attempt lasts at most ``timeout_seconds``, the
   whole of it (``rllight.serving.http``); HTTP 429 and 5xx, timeouts and connection errors are retried ``retries``
   times with a doubling ``backoff_seconds`` (``Retry-After`` honoured), other 4xx and answers that are not JSON are
-  not. The protocol reads each answer; one it cannot read fails the inputs of its request.
+  not. An answer longer than ``max_answer_bytes`` fails its request, not retried; reading stops at the limit, so a
+  server cannot fill the trainer's memory. The protocol reads each answer; one it cannot read fails the inputs of its
+  request.
 - The whole batch has a time bound (what its requests could take, retries and the rate limit included, plus a few
   seconds) and the trainer waits for it in short slices, so Ctrl-C is honoured within seconds. A request still
   running at the bound fails its inputs; its thread is left to end at its own deadline and the next batch gets
@@ -37,10 +40,15 @@ from typing import Any
 
 from rllight.bounds import NonNegativeFloat, NonNegativeInt, PositiveFiniteFloat, PositiveInt, check_declared
 from rllight.errors import RecipeError
-from rllight.serving.http import Failure, JSONClient, attempts, check_key_env, read_key, redact
+from rllight.serving.http import (Failure, JSONClient, attempts, check_key_env, clip, looks_like_key, read_key,
+                                  redact)
 from rllight.serving.placement import Failed, Placement, Served
 from rllight.serving.protocols import Malformed, Protocol, Request
 from rllight.stopping import call_stoppable, wait_stoppable
+
+LARGEST_ANSWER = 2 ** 30
+"""``max_answer_bytes`` where neither the recipe nor the owner (its ``default_max_answer_bytes``) sets one: 1 GiB,
+for answers that grow with the tokens asked for (a teacher's log-probs, a rollout server's completions)."""
 
 
 class Endpoint(Placement):
@@ -60,23 +68,29 @@ class Endpoint(Placement):
         max_concurrency: Requests in flight at once.
         requests_per_second: At most this many requests (retries included) start per second (no bursts); None = no
             limit.
+        max_answer_bytes: Longest answer read, in bytes; a longer one fails its request, not retried (counted as the
+            owner counts failures). None = the owner's default: 8 MiB for a judge's chat completion, 64 MiB for a
+            reward model's batch of scores, else 1 GiB (a teacher's log-probs, a rollout server's completions).
     """
 
     def __init__(self, url: str, protocol: Protocol | None = None, api_key_env: str | None = None,
                  timeout_seconds: PositiveFiniteFloat | None = None, retries: NonNegativeInt = 2,
                  backoff_seconds: NonNegativeFloat = 1.0, max_concurrency: PositiveInt = 8,
-                 requests_per_second: PositiveFiniteFloat | None = None):
+                 requests_per_second: PositiveFiniteFloat | None = None, max_answer_bytes: PositiveInt | None = None):
         self.url = url.rstrip("/") if isinstance(url, str) else url
         self.protocol, self.api_key_env = protocol, api_key_env
         self.timeout_seconds, self.retries, self.backoff_seconds = timeout_seconds, retries, backoff_seconds
         self.max_concurrency, self.requests_per_second = max_concurrency, requests_per_second
+        self.max_answer_bytes = max_answer_bytes
         self.what = "the server"
         self._pool: ThreadPoolExecutor | None = None
         self._rate_lock = threading.Lock()
         self._next_start = 0.0  # time.monotonic() before which no request may start (the rate limit)
 
-    def __repr__(self) -> str:  # settings only: the key is not one
-        return (f"Endpoint(url={self.url!r}, protocol={self.protocol!r}, api_key_env={self.api_key_env!r}, "
+    def __repr__(self) -> str:  # settings only: the key is not one, nor a key given where its variable's name goes
+        name = "'[not a name: hidden]'" if self.api_key_env is not None and looks_like_key(self.api_key_env) \
+            else repr(self.api_key_env)
+        return (f"Endpoint(url={self.url!r}, protocol={self.protocol!r}, api_key_env={name}, "
                 f"timeout_seconds={self.timeout_seconds!r})")
 
     def __str__(self) -> str:
@@ -98,6 +112,8 @@ class Endpoint(Placement):
         self.what = what or served.what
         if self.timeout_seconds is None:
             self.timeout_seconds = timeout if served is None else served.default_timeout
+        if self.max_answer_bytes is None:
+            self.max_answer_bytes = getattr(served, "default_max_answer_bytes", None) or LARGEST_ANSWER
         if not isinstance(self.url, str) or not re.match(r"https?://[^/\s]+", self.url):
             raise RecipeError(f"{where}.url must be the server's URL, starting with http:// or https://, got "
                               f"{self.url!r}")
@@ -116,10 +132,34 @@ class Endpoint(Placement):
         return read_key(self.api_key_env, self.where, f"{self.what}'s")
 
     def check(self, served: Served | None = None) -> None:
-        self.key()
+        """Before the policy loads: the key's variable is set, and the server answers the protocol's ``probe_route``
+        (one ``GET``, no retry) without refusing the key; ``RecipeError`` in one line where it is unreachable, does
+        not answer within ``timeout_seconds`` (at most 30 s here) or answers HTTP 401 or 403. Any other answer
+        passes: the route may differ on a server of one's own, and its first batch says what is wrong."""
+        key = self.key()
+        route = self.protocol.probe_route if self.protocol is not None else None
+        if route is None:
+            return
+        client = JSONClient(min(self.timeout_seconds, 30.0), retries=0, max_answer_bytes=self.max_answer_bytes)
+        finished, _, error = call_stoppable(lambda: client.once(self.url + route, None, key, empty={}),
+                                            min(self.timeout_seconds, 30.0) + 5.0, f"{self.what} at {self.url}")
+        if not finished:
+            error = Failure("timeout", "timed out")
+        if not isinstance(error, Failure) or (error.kind != "timeout" and error.kind != "unreachable"
+                                               and error.status not in (401, 403)):
+            return
+        raise RecipeError(f"{self.where}: {self.redact(self.describe(error, route))} (asked once before the run)")
 
     def redact(self, text: str) -> str:
-        return redact(text, os.environ.get(self.api_key_env) if self.api_key_env else None)
+        return redact(text, self._secret())
+
+    def _secret(self) -> str | None:
+        """The key as the environment holds it now, for masking (None without one; no error where it is unset)."""
+        return os.environ.get(self.api_key_env) if self.api_key_env and not looks_like_key(self.api_key_env) else None
+
+    def _masked(self, failed: Failed, key: str | None) -> Failed:
+        """``failed`` with ``key`` masked in its reason (``redact``): every ``Failed`` the endpoint gives passes here."""
+        return Failed(redact(str(failed), key), failed.failure, failed.route)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -136,16 +176,16 @@ class Endpoint(Placement):
         try:
             self.protocol.prepare(self.call)
         except Malformed as err:
-            return [Failed(f"{self.what} at {self.url}: {err}")] * len(inputs)
+            return [self._masked(Failed(f"{self.what} at {self.url}: {err}"), key)] * len(inputs)
         except Failed as failed:
-            return [failed] * len(inputs)
+            return [self._masked(failed, key)] * len(inputs)
         requests = self.protocol.requests(list(inputs))
         out: list[Any] = [Failed(f"{self.what} at {self.url}: no request covered this input")] * len(inputs)
         for request, values in zip(requests, self._run(requests, key)):
             values = values if isinstance(values, list) else [values] * len(request.index)
             for i, value in zip(request.index, values):
                 out[i] = value
-        return out
+        return [self._masked(v, key) if isinstance(v, Failed) else v for v in out]
 
     def bound(self, requests: int) -> float:
         """Seconds ``requests`` requests may take at most: their waves under ``max_concurrency``, each with its
@@ -186,15 +226,16 @@ class Endpoint(Placement):
 
     def _one(self, request: Request, key: str | None, cancel: threading.Event, deadline: float) -> list | Failed:
         route = self.protocol.route
+        mask = lambda text: redact(text, key)  # noqa: E731
         try:
             answer = self._post(route, request.body, key, cancel, deadline)
             values = self.protocol.parse(answer, request)
         except Failed as failed:
             return failed
         except Malformed as err:
-            return Failed(f"{self.what} at {self.url} answered {route}: {err}", route=route)
+            return Failed(f"{self.what} at {self.url} answered {route}: {clip(err, 1000, mask)}", route=route)
         except Exception as err:  # noqa: BLE001 - a protocol's bug fails its request's inputs, in one line
-            return Failed(f"{self.what} at {self.url} answered {route}: {type(err).__name__}: {err}"[:300],
+            return Failed(clip(f"{self.what} at {self.url} answered {route}: {type(err).__name__}: {err}", 300, mask),
                           route=route)
         if len(values) != len(request.index):
             return Failed(f"{self.what} at {self.url} answered {route} with {len(values)} values for "
@@ -208,11 +249,16 @@ class Endpoint(Placement):
         slices, so that Ctrl-C or SIGTERM stops the run within seconds however long the server takes."""
         key = self.key()
         if threading.current_thread() is not threading.main_thread():
-            return self._post(route, body, key, threading.Event(), time.monotonic() + self.bound(1), empty)
+            try:
+                return self._post(route, body, key, threading.Event(), time.monotonic() + self.bound(1), empty)
+            except Failed as failed:
+                raise self._masked(failed, key) from None
         bound = self.bound(1)
         finished, value, error = call_stoppable(
             lambda: self._post(route, body, key, threading.Event(), time.monotonic() + bound, empty), bound,
             f"{self.what} at {self.url} ({route})")
+        if isinstance(error, Failed):
+            raise self._masked(error, key) from None
         if error is not None:
             raise error
         if not finished:
@@ -232,23 +278,28 @@ class Endpoint(Placement):
                              f"(attempt {attempt + 1})", route=route)
             return min(self.timeout_seconds, left)
 
-        client = JSONClient(self.timeout_seconds, self.retries, self.backoff_seconds)
+        client = JSONClient(self.timeout_seconds, self.retries, self.backoff_seconds, self.max_answer_bytes)
         try:
             return client.call(self.url + route, body, key, wait=cancel.wait, before=before, empty=empty)
         except Failure as failure:
-            raise Failed(self.describe(failure, route), failure, route) from None
+            raise Failed(self.describe(failure, route, key), failure, route) from None
 
-    def describe(self, failure: Failure, route: str) -> str:
-        """The one-line reason of a request to ``route`` that failed as ``failure`` says, with what to check."""
-        at = f"{self.what} at {self.url}"
+    def describe(self, failure: Failure, route: str, key: str | None = None) -> str:
+        """The one-line reason of a request to ``route`` that failed as ``failure`` says, with what to check; the
+        server's words quoted with ``key`` masked before they are cut."""
+        at, mask = f"{self.what} at {self.url}", (lambda text: redact(text, key))
         if failure.kind == "not_json":
-            line = (f"{at} answered {route} with something other than a JSON object ({failure.detail[:80]!r}); "
-                    f"check the URL ({self.where}.url)")
+            line = (f"{at} answered {route} with something other than a JSON object "
+                    f"({clip(failure.detail, 80, mask)!r}); check the URL ({self.where}.url)")
         elif failure.kind == "status":
             hint = (f"check {self.where}.api_key_env" if failure.status in (401, 403) else
                     f"check the URL ({self.where}.url) and that the server answers {route}" if failure.status == 404
                     else "see the server's log" if failure.retryable else "see the server's answer")
-            line = f"{at} answered {route} with HTTP {failure.status} ({failure.detail[:300] or failure.phrase}); {hint}"
+            line = (f"{at} answered {route} with HTTP {failure.status} "
+                    f"({clip(failure.detail, 300, mask) or failure.phrase}); {hint}")
+        elif failure.kind == "too_large":
+            line = (f"{at} answered {route} with more than max_answer_bytes={self.max_answer_bytes} bytes; check the "
+                    f"URL and what the server returns, or raise {self.where}.max_answer_bytes")
         else:
             line = (f"no answer from {at} to {route} within timeout_seconds={self.timeout_seconds:g} "
                     f"({failure.detail}); check that it runs and the URL ({self.where}.url)")

@@ -38,6 +38,9 @@ class Served(Interface):
         default_timeout: Seconds a batch (a worker) or a request (an endpoint) waits where the recipe sets none.
         worker_target: The child function of a ``Worker`` (``"package.module:function"``, which calls
             ``rllight.serving.worker.serve``); None where the model cannot run in a worker.
+
+    An owner may also set ``default_max_answer_bytes``, the longest answer an ``Endpoint`` reads for it where the
+    recipe sets no ``max_answer_bytes`` (``rllight.serving.endpoint.LARGEST_ANSWER`` without one).
     """
 
     what: str
@@ -85,7 +88,8 @@ class Placement(ABC):
         """Release what ``answer`` started (processes, threads); the next ``answer`` starts them again."""
 
     def redact(self, text: str) -> str:
-        """``text`` with any secret of this placement (an endpoint's key) replaced: for reasons that quote answers."""
+        """``text`` with any secret of this placement (an endpoint's key) masked: for reasons that quote answers.
+        Mask before cutting a text to length (``rllight.serving.http.clip``), so that a cut leaves no piece of it."""
         return text
 
     def __str__(self) -> str:  # where the model runs, in messages

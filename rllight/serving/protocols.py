@@ -54,6 +54,9 @@ class Protocol(ABC):
     """
 
     default_route = ""
+    probe_route: str | None = None
+    """A route that answers a ``GET`` and checks the API key (OpenAI-compatible servers' model list), asked once
+    before the run (``Endpoint.check``); None = the server is not asked before its first batch."""
 
     def __init__(self, route: str | None = None, model: str | None = None):
         self.route = self.default_route if route is None else route
@@ -103,6 +106,7 @@ class VLLMPooling(Protocol):
     """
 
     default_route = "/pooling"
+    probe_route = "/v1/models"
 
     def requests(self, inputs: Sequence[ScoredText]) -> list[Request]:
         out = []
@@ -146,6 +150,7 @@ class ChatCompletions(Protocol):
     holds ``choices[0].message.content``. ``model`` is set in each body that names none."""
 
     default_route = "/chat/completions"
+    probe_route = "/models"
 
     def requests(self, inputs: Sequence[dict]) -> list[Request]:
         return [Request([i], {"model": self.model, **body} if body.get("model") is None else body)
@@ -181,6 +186,7 @@ class PromptLogprobs(Protocol):
     """
 
     default_route = "/v1/completions"
+    probe_route = "/v1/models"
     temperature = 1.0
     """The temperature of the log-probs it returns (vLLM applies none to prompt tokens)."""
 
@@ -214,6 +220,9 @@ class PromptLogprobs(Protocol):
                 for ids, p, choice in zip(prompts, request.context, choices)]
 
 
+_VLLM_MINUS_INF = -9999.0  # how vLLM writes a log-prob of -inf in JSON
+
+
 def _prompt_logprobs(ids: list[int], entries) -> list[float]:
     """The log-prob of each token of ``ids`` after the first, read from vLLM's ``prompt_logprobs``."""
     if not isinstance(entries, list) or len(entries) != len(ids):
@@ -224,7 +233,8 @@ def _prompt_logprobs(ids: list[int], entries) -> list[float]:
         found = entry.get(str(token)) if isinstance(entry, dict) else None
         if not isinstance(found, dict) or not isinstance(found.get("logprob"), (int, float)):
             raise Malformed(f"the answer has no log-prob of prompt token {token}; check that it serves the teacher's folder")
-        values.append(float(found["logprob"]))
+        value = float(found["logprob"])
+        values.append(-math.inf if value <= _VLLM_MINUS_INF else value)  # the teacher's check then sees it
     return values
 
 

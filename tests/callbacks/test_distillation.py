@@ -1,10 +1,13 @@
 """On-policy distillation: ``OnPolicyDistillation``'s advantage is the teacher's minus the student's log-prob of each
 sampled token (by hand), ``TeacherLogprobs`` computes the teacher's log-probs as a plain forward pass does, a teacher
-of another tokenizer is refused in one line before its weights load, and a few steps bring the student's log-probs
-towards the teacher's on held-out responses."""
+of another tokenizer is refused in one line before its weights load, a few steps bring the student's log-probs
+towards the teacher's on held-out responses, and the teacher's log-probs are checked as the engine's are: a sample
+with bad ones leaves the loss, counted, and a step with no usable one ends the run in one line, saved."""
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 import shutil
 from types import SimpleNamespace
@@ -17,8 +20,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from conftest import RECIPES
 from helpers import build, tiny_overrides
 from rllight.callbacks import RolloutContext, TeacherLogprobs
-from rllight.callbacks.distillation import TEACHER_LOGPROBS, tokenizer_difference
+from rllight.callbacks.distillation import TEACHER_LOGPROBS, tokenizer_difference, unusable_logprobs
 from rllight.app.cli import main
+from rllight.stopping import clear_stop, ending
 from rllight.errors import RecipeError
 from rllight.models import HFModel
 from rllight.strategies import GroupRelative, OnPolicyDistillation
@@ -285,3 +289,126 @@ def test_the_teacher_student_gap_is_logged_per_response_token():
     out = gap_metrics(teacher, rollout)
     assert out["distill/teacher_logprob"] == pytest.approx((-0.5 - 1.0 - 1.5) / 3)
     assert out["distill/reverse_kl"] == pytest.approx(((-1.0 + 0.5) + (-2.0 + 1.0) + (-0.5 + 1.5)) / 3)
+
+
+# ------------------------------------------------------------------------------------------- bad teacher log-probs
+def test_unusable_logprobs_says_what_is_wrong_as_the_engine_check_does():
+    every = torch.ones(3, dtype=torch.bool)
+    assert unusable_logprobs([-0.5, -1.0, -2.0], every) is None
+    assert unusable_logprobs([-0.5, 5e-5, -2.0], every) is None  # float32 rounding above 0: under the slack, 1e-4
+    assert unusable_logprobs([-0.5, 5.0, -2.0], every) == ("log-probs above 0 (largest 5): a log-probability is "
+                                                           "at most 0")
+    assert unusable_logprobs([-0.5, math.nan, -math.inf], every) == ("2 log-probs that are not finite (NaN or "
+                                                                     "infinite)")
+    assert unusable_logprobs([-0.5, -1.0], every) == "2 log-probs for 3 response tokens"
+    assert unusable_logprobs([[-0.5], [-1.0], [-2.0]], every) == "3 log-probs for 3 response tokens"
+    assert unusable_logprobs([-0.5, None, -2.0], every).startswith("not a list of numbers")
+    # A token out of the response mask (a loss mask's) is not read, as the engine check does not read padding:
+    assert unusable_logprobs([-0.5, math.nan, 7.0], torch.tensor([True, False, False])) is None
+
+
+def _poisoned(forward, value: float | str, rows: set[int] | None = None):
+    """``forward`` (the teacher's ``forward``: its log-probs of each row) answering ``value`` at every token of
+    ``rows`` (None: of every row), or with ``value`` "short" one log-prob short."""
+    def answer(*args):
+        out = forward(*args)
+        return [(v[:-1] if value == "short" else [value] * len(v)) if rows is None or k in rows else v
+                for k, v in enumerate(out)]
+    return answer
+
+
+BAD = [(5.0, "log-probs above 0 (largest 5)"), (math.nan, "log-probs that are not finite (NaN or infinite)"),
+       (-math.inf, "log-probs that are not finite (NaN or infinite)"), ("short", "2 log-probs for 3 response tokens")]
+
+
+@pytest.mark.parametrize("value,says", BAD, ids=["plus5", "nan", "minus_inf", "short"])
+def test_a_sample_with_bad_teacher_logprobs_leaves_the_loss_counted_with_one_warning(tiny_model_dir, teacher_dir,
+                                                                                    value, says, caplog):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompts = [tokenizer("What is 3 + 4?")["input_ids"], tokenizer("1 + 2")["input_ids"],
+               tokenizer("What is 12 + 9?")["input_ids"]]
+    responses = [tokenizer(" 7")["input_ids"] + [tokenizer.eos_token_id], tokenizer("8 8")["input_ids"],
+                 tokenizer("21")["input_ids"]]
+    assert len(responses[1]) == 3  # the poisoned row: "3 log-probs" below
+    callback = TeacherLogprobs(HFModel(teacher_dir))
+    callback.setup(_TRAINER, _module(tiny_model_dir), "fit")
+    clean = callback.on_rollout(None, RolloutContext(), _rollout(prompts, responses, pad=tokenizer.pad_token_id))
+    callback.forward = _poisoned(callback.forward, value, rows={1})
+    try:
+        with caplog.at_level(logging.WARNING):
+            out = callback.on_rollout(None, RolloutContext(), _rollout(prompts, responses, pad=tokenizer.pad_token_id))
+        assert ending() is None  # two samples of three are usable: the run goes on
+    finally:
+        clear_stop()
+    assert out.response_mask[1].sum() == 0 and torch.equal(out.response_mask[[0, 2]], clean.response_mask[[0, 2]])
+    got = out.extras[TEACHER_LOGPROBS]
+    assert torch.all(got[1] == 0) and torch.equal(got[[0, 2]], clean.extras[TEACHER_LOGPROBS][[0, 2]])
+    assert out.extras["distill/bad_teacher_samples"] == 1.0 and clean.extras["distill/bad_teacher_samples"] == 0.0
+    # The gap is measured on the usable samples only (a NaN there would make it NaN)
+    assert math.isfinite(out.extras["distill/reverse_kl"]) and out.extras["distill/teacher_logprob"] <= 0
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "\n" not in warned[0], warned
+    assert warned[0].startswith(f"trainer.callbacks: TeacherLogprobs: the teacher {teacher_dir} gave log-probs that "
+                                "cannot be trained on for 1 of 3 samples (first: sample 1: "), warned[0]
+    assert says in warned[0] and "train/distill/bad_teacher_samples" in warned[0]
+
+
+def test_a_bad_value_out_of_the_response_mask_is_not_read_nor_kept():
+    """A token a loss mask took out of the response (not its last) is still sent and scored; what the teacher says of
+    it is not checked and not kept (a NaN there must not reach the advantage as NaN x 0)."""
+    rollout = _rollout([[5, 6], [5, 6]], [[7, 8, 9], [7, 8, 9]])
+    rollout.response_mask[0, 1] = 0
+    callback = TeacherLogprobs(HFModel("not/loaded"))
+    callback.forward = lambda rows: [[-1.0, math.nan, -2.0], [-1.0, -0.5, -2.0]]  # as a teacher's forward answers
+    out = callback.on_rollout(None, RolloutContext(), rollout)
+    assert torch.equal(out.extras[TEACHER_LOGPROBS], torch.tensor([[-1.0, 0.0, -2.0], [-1.0, -0.5, -2.0]]))
+    assert out.extras["distill/bad_teacher_samples"] == 0.0 and out.response_mask[0].tolist() == [1, 0, 1]
+
+
+def test_answers_for_fewer_samples_than_asked_leave_none_usable_and_end_the_run_after_the_step():
+    rollout = _rollout([[5, 6], [5, 6]], [[7, 8, 9], [7, 8]])
+    callback = TeacherLogprobs(HFModel("teachers/t1"))
+    callback.forward = lambda rows: [[-1.0, -0.5, -2.0]]  # one answer for two samples
+    try:
+        out = callback.on_rollout(None, RolloutContext(), rollout)
+        reason = ending()
+    finally:
+        clear_stop()
+    assert out.response_mask.sum() == 0 and out.extras["distill/bad_teacher_samples"] == 2.0
+    assert reason == ("trainer.callbacks: TeacherLogprobs: the teacher teachers/t1 gave no usable log-probs for any of "
+                      "the step's 2 samples (first: sample 0: 1 answer(s) for 2 samples); check the teacher's weights "
+                      "and, at a server, that it serves the teacher and answers log-probs (its placement's protocol)")
+
+
+def _fit(*configs: str, ckpt_path: str | None = None):
+    args = ["fit"] + [arg for config in configs for arg in ("--config", config)]
+    main(args + (["--ckpt_path", ckpt_path] if ckpt_path else []))
+
+
+@pytest.mark.parametrize("value,says", BAD[:3], ids=["plus5", "nan", "minus_inf"])
+def test_a_teacher_with_no_usable_logprob_ends_the_run_in_one_line_saved_and_resumable(
+        tiny_model_dir, teacher_dir, tmp_path, monkeypatch, capsys, value, says):
+    """Every sample's teacher log-probs bad (a broken teacher, not an unlucky sample): the step trains on nothing,
+    the run ends after it with one line naming the teacher, saved; the same command with the checkpoint resumes it
+    once the teacher is mended."""
+    monkeypatch.setattr(TeacherLogprobs, "forward", _poisoned(TeacherLogprobs.forward, value))
+    callbacks = tmp_path / "teacher.yaml"
+    callbacks.write_text(yaml.safe_dump({"trainer": {"enable_checkpointing": True, "callbacks": [
+        {"class_path": "rllight.callbacks.TeacherLogprobs", "init_args": {
+            "model": {"class_path": "rllight.models.HFModel", "init_args": {"path": teacher_dir}}}}]}}))
+    configs = (os.path.join(RECIPES, "distill-quickstart.yaml"), tiny_overrides(tmp_path, tiny_model_dir),
+               str(callbacks))
+    with pytest.raises(SystemExit) as exc:
+        _fit(*configs)
+    assert exc.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("rllight: error:")]
+    assert len(errors) == 1, errors
+    assert errors[0].startswith(f"rllight: error: trainer.callbacks: TeacherLogprobs: the teacher {teacher_dir} gave "
+                                "no usable log-probs for any of the step's 16 samples (first: sample 0: "), errors[0]
+    assert says in errors[0] and "; RL step 1 (0 optimizer updates) is saved: resume with: " in errors[0]
+    path = errors[0].rsplit("--ckpt_path ", 1)[1]
+    assert path == str(tmp_path / "checkpoints" / "stopped-step=1.ckpt")
+    monkeypatch.undo()  # the teacher mended: the run resumes from the checkpoint and trains
+    _fit(*configs, ckpt_path=path)
+    state = torch.load(str(tmp_path / "checkpoints" / "last.ckpt"), weights_only=True)
+    assert state["global_step"] == 2 and state["RLDataModule"] == {"batches_trained": 3}

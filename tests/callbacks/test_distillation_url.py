@@ -2,26 +2,34 @@
 in-process teacher's
 on the same rollout (a fake OpenAI-compatible server that computes them with the same tiny teacher, and a real vLLM
 server), a 5xx is retried, a server that stays down or refuses stops the step in one line naming the URL, no
-weights load in the trainer, and a temperature other than 1 is refused in one line."""
+weights load in the trainer, a temperature other than 1 is refused in one line, and log-probs it answers that cannot
+be trained on (above 0, NaN, -inf) cost their samples, counted, or end the run in one line naming the URL, saved."""
 
 from __future__ import annotations
 
 import http.server
 import json
+import logging
+import math
+import os
 import threading
 import time
 from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import free_port, vllm_server
+import yaml
+from conftest import RECIPES
+from helpers import free_port, tiny_overrides, vllm_server
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rllight.app.cli import main
 from rllight.callbacks import RolloutContext, TeacherLogprobs
 from rllight.callbacks.distillation import TEACHER_LOGPROBS
 from rllight.errors import ComponentError, RecipeError
 from rllight.models import HFModel
 from rllight.serving import Endpoint, PromptLogprobs
+from rllight.stopping import clear_stop, ending
 from rllight.testing import build_tiny_model
 from rllight.types import Rollout
 
@@ -74,10 +82,12 @@ def _in_process(teacher_dir: str, policy_dir: str, rollout: Rollout) -> torch.Te
 class FakeTeacherServer:
     """An OpenAI-compatible server on 127.0.0.1 that answers ``POST /v1/completions`` with ``prompt_logprobs`` in
     vLLM's form (``None`` first, then ``{"<id>": {"logprob", "rank", "decoded_token"}}``), computed by ``model``
-    one sequence at a time, and ``GET /v1/models``. ``fail`` = the HTTP statuses of the first answers (then OK).
+    one sequence at a time, and ``GET /v1/models``. ``fail`` = the HTTP statuses of the first answers (then OK);
+    ``poison`` = a log-prob answered instead of the model's at every token of each request's inputs of these
+    indices (``{index: value}``; NaN and infinities are sent as Python's ``json`` writes them).
     ``requests`` records each request's route, body and Authorization header."""
 
-    def __init__(self, model: torch.nn.Module, fail: tuple[int, ...] = ()):
+    def __init__(self, model: torch.nn.Module, fail: tuple[int, ...] = (), poison: dict[int, float] | None = None):
         failures, requests = list(fail), []
         self.requests = requests
 
@@ -107,8 +117,10 @@ class FakeTeacherServer:
                 for index, ids in enumerate(body["prompt"]):
                     with torch.no_grad():
                         logprobs = model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
-                    entries = [None] + [{str(token): {"logprob": float(logprobs[k - 1, token]), "rank": 1,
-                                                      "decoded_token": ""}} for k, token in enumerate(ids) if k]
+                    bad = (poison or {}).get(index)
+                    values = [float(logprobs[k - 1, token]) if bad is None else bad for k, token in enumerate(ids) if k]
+                    entries = [None] + [{str(token): {"logprob": value, "rank": 1, "decoded_token": ""}}
+                                        for token, value in zip(ids[1:], values)]
                     choices.append({"index": index, "text": "", "prompt_logprobs": entries, "finish_reason": "length"})
                 self._send(200, {"id": "cmpl-1", "object": "text_completion", "model": body["model"],
                                  "choices": choices})
@@ -125,8 +137,9 @@ class FakeTeacherServer:
 
 @pytest.fixture
 def fake(teacher_dir, request):
-    server = FakeTeacherServer(AutoModelForCausalLM.from_pretrained(teacher_dir).eval(),
-                               fail=getattr(request, "param", ()))
+    param = getattr(request, "param", ())
+    fail, poison = (param, None) if isinstance(param, tuple) else ((), param)  # statuses, or {index: log-prob}
+    server = FakeTeacherServer(AutoModelForCausalLM.from_pretrained(teacher_dir).eval(), fail=fail, poison=poison)
     yield server
     server.close()
 
@@ -149,9 +162,10 @@ def test_the_url_teachers_logprobs_are_the_in_process_teachers(tiny_model_dir, t
     assert torch.all(got[rollout.response_mask == 0] == 0) and got[0, 0] != 0
     # The served model is asked for once; 3 rows with a response token in the mask, 2 a request: 2 requests, each
     # row its unpadded prompt then its response up to its last masked-in token (row 3, wholly masked, is not sent).
+    # Before that, setup's check asks the model list once (the server answers and takes the key).
     routes = [route for route, _, _ in fake.requests]
-    assert routes == ["/v1/models", "/v1/completions", "/v1/completions"], routes
-    bodies = [body for _, body, _ in fake.requests[1:]]
+    assert routes == ["/v1/models", "/v1/models", "/v1/completions", "/v1/completions"], routes
+    bodies = [body for _, body, _ in fake.requests[2:]]
     assert all(b["prompt_logprobs"] == 0 and b["max_tokens"] == 1 and b["model"] == "teacher" for b in bodies)
     prompt_1 = rollout.prompt_ids[1][rollout.prompt_mask[1].bool()].tolist()
     assert bodies[0]["prompt"][1] == prompt_1 + rollout.response_ids[1, : int(rollout.response_mask[1].sum())].tolist()
@@ -206,7 +220,7 @@ def test_a_server_that_is_down_is_one_line_naming_the_url(tiny_model_dir, teache
     assert "\n" not in line and time.monotonic() - start < 10
 
 
-def test_a_temperature_other_than_1_is_refused_in_one_line(tiny_model_dir, teacher_dir):
+def test_a_temperature_other_than_1_is_refused_in_one_line(tiny_model_dir, teacher_dir, fake):
     url = "http://127.0.0.1:1"
     with pytest.raises(RecipeError, match=r"^trainer.callbacks: TeacherLogprobs.placement: the server's log-probs "
                                           r"are at temperature 1 \(PromptLogprobs .* not at the temperature 0.7; set"):
@@ -214,8 +228,9 @@ def test_a_temperature_other_than_1_is_refused_in_one_line(tiny_model_dir, teach
     callback = TeacherLogprobs(HFModel(teacher_dir), placement=Endpoint(url))
     with pytest.raises(RecipeError, match="not at the engine's sampling temperature 0.7; set TeacherLogprobs"):
         callback.setup(_TRAINER, _module(tiny_model_dir, temperature=0.7), "fit")
-    # Distilling at temperature 1 from an engine that samples at 0.7 is a choice the recipe states:
-    TeacherLogprobs(HFModel(teacher_dir), placement=Endpoint(url), temperature=1.0).setup(
+    # Distilling at temperature 1 from an engine that samples at 0.7 is a choice the recipe states (at a server that
+    # answers: setup asks it once):
+    TeacherLogprobs(HFModel(teacher_dir), placement=Endpoint(fake.url), temperature=1.0).setup(
         _TRAINER, _module(tiny_model_dir, 0.7), "fit")
 
 
@@ -232,6 +247,60 @@ def test_bad_url_settings_are_one_line_errors(teacher_dir):
     callback = TeacherLogprobs(HFModel(teacher_dir), placement=Endpoint("http://x", api_key_env="NO_SUCH_TEACHER_KEY"))
     with pytest.raises(RecipeError, match="environment variable NO_SUCH_TEACHER_KEY is not set"):
         callback.check_before_fit(_module_without_source())
+
+
+# ------------------------------------------------------------------------------------------- bad log-probs
+@pytest.mark.parametrize("fake,says", [({1: math.nan}, "log-probs that are not finite (NaN or infinite)"),
+                                       ({1: -math.inf}, "log-probs that are not finite (NaN or infinite)"),
+                                       ({1: -9999.0}, "log-probs that are not finite (NaN or infinite)"),
+                                       ({1: 5.0}, "log-probs above 0 (largest 5)")], indirect=["fake"],
+                         ids=["nan", "minus_inf", "vllm_minus_inf", "plus5"])
+def test_a_sample_the_server_scores_badly_leaves_the_loss_counted_with_one_warning(tiny_model_dir, teacher_dir, fake,
+                                                                                  says, caplog):
+    rollout = _rollout(tiny_model_dir)
+    expected = _in_process(teacher_dir, tiny_model_dir, rollout)
+    callback = TeacherLogprobs(HFModel(teacher_dir),
+                               placement=Endpoint(fake.url, protocol=PromptLogprobs(model="teacher")))
+    try:
+        with caplog.at_level(logging.WARNING):
+            out = callback.on_rollout(None, RolloutContext(), _rollout(tiny_model_dir))
+        assert ending() is None
+    finally:
+        clear_stop()
+    got = out.extras[TEACHER_LOGPROBS]
+    assert out.response_mask[1].sum() == 0 and torch.all(got[1] == 0)  # input 1 of the request: rollout row 1
+    torch.testing.assert_close(got[[0, 2]], expected[[0, 2]], atol=1e-5, rtol=1e-5)
+    assert out.extras["distill/bad_teacher_samples"] == 1.0
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and warned[0].startswith(
+        f"trainer.callbacks: TeacherLogprobs: the teacher {teacher_dir} at {fake.url} gave log-probs that cannot be "
+        "trained on for 1 of 3 samples (first: sample 1: "), warned
+    assert says in warned[0]
+
+
+@pytest.mark.parametrize("fake", [{i: 5.0 for i in range(64)}], indirect=True)
+def test_a_server_whose_every_logprob_is_bad_ends_the_run_in_one_line_naming_it_saved(tiny_model_dir, teacher_dir,
+                                                                                     fake, tmp_path, capsys):
+    """The server answers +5.0 for every token (a log-prob is at most 0): the run does not train on it but ends after
+    its first step with one line naming the teacher's URL, and the step is saved to resume from."""
+    callbacks = tmp_path / "teacher.yaml"
+    callbacks.write_text(yaml.safe_dump({"trainer": {"enable_checkpointing": True, "callbacks": [
+        {"class_path": "rllight.callbacks.TeacherLogprobs", "init_args": {
+            "model": {"class_path": "rllight.models.HFModel", "init_args": {"path": teacher_dir}},
+            "temperature": 1.0, "placement": {"class_path": "rllight.serving.Endpoint", "init_args": {
+                "url": fake.url}}}}]}}))
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", "--config", os.path.join(RECIPES, "distill-quickstart.yaml"), "--config",
+              tiny_overrides(tmp_path, tiny_model_dir), "--config", str(callbacks)])
+    assert exc.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("rllight: error:")]
+    assert len(errors) == 1, errors
+    assert errors[0].startswith(f"rllight: error: trainer.callbacks: TeacherLogprobs: the teacher {teacher_dir} at "
+                                f"{fake.url} gave no usable log-probs for any of the step's 16 samples (first: "
+                                "sample 0: log-probs above 0 (largest 5)"), errors[0]
+    path = errors[0].rsplit("--ckpt_path ", 1)[1]
+    assert path == str(tmp_path / "checkpoints" / "stopped-step=1.ckpt") and os.path.isfile(path)
+    assert torch.load(path, weights_only=True)["global_step"] == 0  # nothing trained on the bad log-probs
 
 
 # ------------------------------------------------------------------------------------------- a vLLM server

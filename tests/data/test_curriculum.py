@@ -25,7 +25,10 @@ class ScriptedProducer:
 
     def __init__(self, curriculum, rates):
         self.curriculum, self.rates, self.ranks = curriculum, rates, Ranks()
-        self.profiled = []
+        self.profiled, self.no_prompts = [], []
+
+    def note_no_prompts(self, reason):  # the data side's word on a step without prompts
+        self.no_prompts.append(reason)
 
     def sample(self, rows, n, training=True):  # the profiling pass: n responses per row, correct at its rate
         self.profiled.append([r["prompt"] for r in rows])
@@ -211,13 +214,83 @@ def test_bad_settings_and_a_changed_data_set_are_one_line():
     state = DifficultyPools().bind(_rows({"a": 5}), 0).state_dict()
     curriculum = DifficultyPools().bind(_rows({"a": 6}), 0)
     curriculum.load_state_dict(state)
-    with pytest.raises(RecipeError, match="drew from 5 training rows, this run has 6"):
+    with pytest.raises(RecipeError, match=r"^--ckpt_path: the training rows differ .* \(5 rows then, 6 now\); .*"
+                                          r"data\.curriculum\.init_args\.reset_on_changed_rows: true"):
         _step(curriculum, ScriptedProducer(curriculum, {}), [])
     # a checkpoint of a run without a curriculum (its extra-prompt stream's cursor): the curriculum starts fresh
     fresh = DifficultyPools().bind(_rows({"a": 6}), 0)
     fresh.load_state_dict({"cursor": 4})
     _step(fresh, ScriptedProducer(fresh, {r["prompt"]: 0.5 for r in fresh.rows}), fresh.rows[:2])
     assert fresh.steps == 1 and len(fresh.history) == 2
+
+
+def _learnt(rows, steps=2):
+    """A checkpoint's state of difficulty pools that learnt on ``rows`` for ``steps`` steps (every pass rate 1, so
+    the prompts drawn retire)."""
+    curriculum = DifficultyPools(retire_after=1, seed=0).bind(rows, 0)
+    producer = ScriptedProducer(curriculum, {r["prompt"]: 1.0 for r in rows})
+    for _ in range(steps):
+        _step(curriculum, producer, rows[:2])
+    assert curriculum.retired  # something learnt, by row index
+    return curriculum.state_dict()
+
+
+def _resume(rows, state, **settings):
+    """Difficulty pools resumed from ``state`` on ``rows``, after their first step (where the state is applied)."""
+    curriculum = DifficultyPools(retire_after=1, seed=0, **settings).bind(rows, 0)
+    curriculum.load_state_dict(state)
+    _step(curriculum, ScriptedProducer(curriculum, {r["prompt"]: 0.0 for r in rows}), rows[:2])
+    return curriculum
+
+
+@pytest.mark.parametrize("change", ["answer", "order", "prompt"])
+def test_a_resume_on_changed_training_rows_is_refused_in_one_line_whatever_the_count(change):
+    """The same file, the same row count, other rows: the pools' pass rates are kept by row index, so applying them
+    would credit one prompt with another's; refused in one line naming the source, where its rows come from, and
+    the option; with ``reset_on_changed_rows`` the pools start afresh (a warning says so)."""
+    rows = [{**row, "source": f"train.jsonl row {i + 1}"} for i, row in enumerate(_rows({"a": 6, "b": 4}))]
+    state = _learnt(rows)
+    assert set(state["fingerprint"]) == {"a", "b"}
+    changed = [dict(row) for row in rows]
+    if change == "answer":
+        changed[1]["answer"] = "41"
+    elif change == "order":
+        changed[0], changed[2] = changed[2], changed[0]
+    else:
+        changed[3]["prompt"] = "a 3 (edited)"
+    with pytest.raises(RecipeError) as err:
+        _resume(changed, state)
+    assert str(err.value) == (
+        "--ckpt_path: the training rows differ from those the checkpoint's data.curriculum learnt on by row index "
+        "(data source 'a' from train.jsonl: 6 rows then, 6 now, other text, answers or order); resume with the same "
+        "training rows, or set data.curriculum.init_args.reset_on_changed_rows: true to start the curriculum afresh "
+        "on these")
+    fresh = _resume(changed, state, reset_on_changed_rows=True)
+    assert fresh.steps == state["steps"] + 1 and not fresh.retired  # the draws' seed goes on; nothing learnt kept
+    assert _resume(rows, state).retired == set(state["retired"])  # the same rows: the state applies as saved
+
+
+def test_a_checkpoint_without_a_fingerprint_resumes_by_row_count_with_a_warning(caplog):
+    rows = _rows({"a": 6})
+    state = {k: v for k, v in _learnt(rows).items() if k != "fingerprint"}  # saved by an earlier version
+    resumed = _resume(rows, state)
+    assert resumed.retired == set(state["retired"])
+    assert any("holds no fingerprint of its training rows" in r.getMessage() for r in caplog.records)
+    with pytest.raises(RecipeError, match=r"\(6 rows then, 7 now\)"):
+        _resume(_rows({"a": 7}), state)
+
+
+def test_a_step_without_prompts_tells_the_producer_why():
+    """Every prompt retired: the step draws none and the producer hears the curriculum's reason (for the line that
+    ends a run without updates)."""
+    rows = _rows({"a": 4})
+    curriculum = DifficultyPools(retire_after=1, seed=0).bind(rows, 0)
+    producer = ScriptedProducer(curriculum, {r["prompt"]: 1.0 for r in rows})
+    seen, _ = _step(curriculum, producer, rows)  # all four drawn, all solved: all retired
+    assert len(seen) == 4 and producer.no_prompts == []
+    seen, _ = _step(curriculum, producer, rows[:2])
+    assert seen == [] and producer.no_prompts == [
+        "data.curriculum: no prompt of data source 'a' is left to draw in a pool with a positive weight (4 retired)"]
 
 
 def test_a_rule_of_ones_own_gets_the_cap_the_gate_and_the_replacements_of_the_base_and_its_state_back():
@@ -236,7 +309,8 @@ def test_a_rule_of_ones_own_gets_the_cap_the_gate_and_the_replacements_of_the_ba
     assert sorted(seen) == ["a 1", "a 3"]
     assert (metrics["curriculum/draws"], metrics["curriculum/cap_hit"]) == (5, 1)
     assert (metrics["curriculum/a/draws"], metrics["curriculum/b/draws"]) == (4, 1)
-    assert rule.state_dict() == {"steps": 1, "rows": 16, "profiled": False, "rates": {1: 0.5, 3: 0.5}}
+    assert rule.state_dict() == {"steps": 1, "rows": 16, "profiled": False, "fingerprint": rule.fingerprint(),
+                                 "rates": {1: 0.5, 3: 0.5}}
     # the next step: the rows not seen yet first (0, 2, 4 rejected, then 5; 6 rejected at the cap), and a rule
     # resumed from the state draws the same, where a fresh one would draw rows 1 and 3 again
     resumed = OddRowsOnly(max_draws=5, seed=0).bind(rows, 0)

@@ -4,6 +4,7 @@ ahead, and on 2 DDP processes a run resumed from a checkpoint draws exactly the 
 draws, ending in the same curriculum state: with difficulty pools, and with a rule written here (``HardestFirst``,
 named by ``class_path: test_curriculum_fit.HardestFirst`` as a user's own rule would be)."""
 
+import json
 import os
 
 import pytest
@@ -98,6 +99,37 @@ def test_a_curriculum_with_rollouts_generated_ahead_is_one_line(tmp_path, tiny_m
     assert "Traceback" not in err
     line = err.splitlines()[-1]
     assert "data.curriculum chooses each step's prompts" in line and "max_staleness to 0" in line
+
+
+def test_a_resume_after_the_training_file_changed_is_refused_or_resets_the_pools(tmp_path, tiny_model_dir, capsys,
+                                                                                caplog):
+    """The same path, the same row count, two answers swapped: the checkpoint's pass rates would apply to other rows
+    by index. The resume is one line naming the source, its file and the option (exit 2); with
+    ``reset_on_changed_rows: true`` it resumes, the pools start afresh, and a warning says so."""
+    import logging
+
+    data = tmp_path / "train.jsonl"
+    lines = [f'{{"prompt": "What is {i} + 1?", "answer": "{i + 1}"}}\n' for i in range(8)]
+    data.write_text("".join(lines))
+    pools = {"class_path": "rllight.data.DifficultyPools", "init_args": {"retire_after": 1}}
+    args = ["fit", "--config", os.path.join(RECIPES, "grpo.yaml"), "--config",
+            tiny_overrides(tmp_path, tiny_model_dir, reward=REWARD), "--data.train_files", f"[{data}]",
+            "--data.curriculum", json.dumps(pools), "--trainer.enable_checkpointing", "true"]
+    main([*args, "--trainer.max_steps", "2"])
+    lines[1], lines[2] = lines[1].replace('"2"', '"3"'), lines[2].replace('"3"', '"2"')
+    data.write_text("".join(lines))
+    with pytest.raises(SystemExit) as exit_info:
+        main([*args, "--trainer.max_steps", "3", "--ckpt_path", "last"])
+    assert exit_info.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == ("rllight: error: --ckpt_path: the training rows differ from those the checkpoint's data.curriculum "
+                    f"learnt on by row index (data source 'train' from {data}: 8 rows then, 8 now, other text, "
+                    "answers or order); resume with the same training rows, or set "
+                    "data.curriculum.init_args.reset_on_changed_rows: true to start the curriculum afresh on these")
+    with caplog.at_level(logging.WARNING):
+        main([*args, "--trainer.max_steps", "3", "--ckpt_path", "last",
+              "--data.curriculum.init_args.reset_on_changed_rows", "true"])
+    assert any("it starts afresh on them" in r.getMessage() for r in caplog.records)
 
 
 def _whole_and_resumed(tmp_path, tiny_model_dir, curriculum: dict, *more: str) -> tuple[list, list]:

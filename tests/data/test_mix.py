@@ -77,6 +77,21 @@ def test_a_schedule_moves_the_weights_linearly_over_steps():
     assert [c["a"] for c in counts[:11]] == sorted((c["a"] for c in counts[:11]), reverse=True)
 
 
+def test_weights_whose_sum_overflows_keep_their_shares_and_every_batch_full():
+    """Weights of any scale: 1.7e308 twice sums to infinity in floats, which made every share 0 and the batches
+    after the first empty (the run then ended blaming the prompt filter). The shares are those of the weights over
+    their largest: the same as 1, 1 and ~0, before and through a schedule."""
+    huge = 1.7e308
+    mix = SourceMix({"a": huge, "b": huge, "c": 0}, schedule=[{"step": 4, "weights": {"a": huge, "b": 0, "c": huge}}])
+    assert mix.weights_at(0) == {"a": 0.5, "b": 0.5, "c": 0.0}
+    assert mix.weights_at(2) == {"a": 0.5, "b": 0.25, "c": 0.25}
+    assert mix.weights_at(9) == {"a": 0.5, "b": 0.0, "c": 0.5}
+    counts = [_sources(b) for b in _data(mix).upcoming_batches(0, 12)]
+    assert counts[0] == {"a": 4, "b": 4} and counts[2] == {"a": 4, "b": 2, "c": 2} and counts[11] == {"a": 4, "c": 4}
+    assert all(sum(c.values()) == 8 for c in counts)
+    assert [len(b) for b in _data(mix).train_dataloader()] == [8] * 8
+
+
 def test_a_resumed_run_draws_the_batches_an_uninterrupted_run_draws():
     mix = SourceMix({"a": 3, "b": 1, "c": 0}, schedule=[{"step": 6, "weights": {"a": 1, "b": 1, "c": 2}}])
     whole = _data(mix).upcoming_batches(0, 24)  # 65 rows / 8 = 8 batches an epoch: three epochs

@@ -140,7 +140,9 @@ def test_the_pages_placement_answers_a_judges_repeats_from_memory(my_lab, server
     assert str(unset.value).startswith(f"{WHERE}.inner.init_args.api_key_env: the environment variable "
                                        "JUDGE_API_KEY is not set"), unset.value
     monkeypatch.setenv("JUDGE_API_KEY", KEY)
-    judge.check()
+    judge.check()  # asks the server's model list once
+    assert [path for path, _, _ in server.requests] == ["/models"]
+    server.requests.clear()
 
     assert judge.score(samples("5", "six", "5")).values == [0.7, 0.7, 0.7]
     assert len(server.requests) == 2  # "5" asked once

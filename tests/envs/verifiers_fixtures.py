@@ -6,7 +6,7 @@ is 1 when a reply holds the word. A reply holding "boom" and not the word makes 
 ``load_environment`` builds it (its taskset is this module, id ``verifiers_fixtures``); ``load_taskset`` gives the
 taskset alone (one answer per episode); ``load_tool_taskset`` a taskset whose tasks have a tool server (``spell``
 spells a word); ``load_textarena`` verifiers' own TextArena environment (its tasks are made by the test: the
-taskset's games need word lists downloaded)."""
+taskset's games need word lists downloaded). ``write_probe`` writes a file: a function no recipe may call."""
 
 from __future__ import annotations
 
@@ -104,10 +104,17 @@ def load_tool_taskset() -> SpellTaskset:
     return SpellTaskset(vf.TasksetConfig(id="verifiers_fixtures"))
 
 
-def load_textarena():
+def load_textarena() -> vf.Env:
     from verifiers.v1.tasksets.textarena import TextArenaConfig, TextArenaEnv, TextArenaEnvConfig
 
     return TextArenaEnv(TextArenaEnvConfig(taskset=TextArenaConfig(id="textarena", game="Wordle-v0")))
 
 
-__all__ = ["WordEnv", "WordTaskset", "load_environment", "load_taskset", "load_textarena", "load_tool_taskset"]
+def write_probe(path: str, text: str = "ran") -> None:
+    """Writes ``path``: a function that is no verifiers loader, which a recipe's ``load`` must not get to call."""
+    with open(path, "w") as f:
+        f.write(text)
+
+
+__all__ = ["WordEnv", "WordTaskset", "load_environment", "load_taskset", "load_textarena", "load_tool_taskset",
+           "write_probe"]

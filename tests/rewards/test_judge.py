@@ -1,6 +1,7 @@
 """The LLM judge against a fake OpenAI-compatible server on 127.0.0.1: verdicts parsed and scaled; a judge that
-hangs, errors, answers garbage or is slow costs counted failures within its time bound, never a hung run; the
-concurrency and rate limits hold; the API key travels in the Authorization header and nowhere else."""
+hangs, errors, answers garbage, too much, impossible log-probs or is slow (a byte a second) costs counted failures
+within its time bound, never a hung run or a reward it did not give; the concurrency and rate limits hold; the API key
+travels in the Authorization header and no 8 characters of it anywhere else, whatever the server echoes."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from conftest import RECIPES
 from rllight import stopping
 from rllight.errors import RecipeError
 from rllight.rewards import Reward, Sample, checked
-from rllight.rewards.judge import LLMJudge, default_template, parse_labels, parse_scores
+from rllight.rewards.judge import LLMJudge, default_template, parse_labels, parse_scores, yes_probability
+from rllight.rollout.scoring import score_samples
 from rllight.serving import Endpoint
 
 SECRET = "sk-test-J7x9-never-print-me"  # the key: asserted absent from every output
@@ -28,11 +30,13 @@ ENV = "RLLIGHT_TEST_JUDGE_KEY"
 
 class FakeJudge:
     """A chat-completions server whose behaviour the test switches: ``reply(body, n)`` returns ``(status, text,
-    headers)`` or None to hang (until the server stops); ``n`` counts requests from 1. It records each request's
-    arrival time, body and Authorization header, and the most requests in flight at once."""
+    headers)`` or None to hang (until the server stops); ``n`` counts requests from 1; ``drip(body)``, seconds
+    between the bytes of the answer's body (0: sent at once). It records each request's arrival time, body and
+    Authorization header, and the most requests in flight at once."""
 
     def __init__(self):
         self.reply = lambda body, n: (200, chat("Score: 7"), {})
+        self.drip = lambda body: 0.0
         self.delay = 0.0
         self.arrivals, self.bodies, self.auth = [], [], []
         self.in_flight = self.max_in_flight = 0
@@ -71,7 +75,12 @@ class FakeJudge:
                         self.send_header(k, v)
                     self.send_header("Content-Length", str(len(data)))
                     self.end_headers()
-                    self.wfile.write(data)
+                    pause = fake.drip(body)
+                    for i in range(0, len(data), 1 if pause else len(data) or 1):
+                        self.wfile.write(data[i:i + 1] if pause else data)
+                        self.wfile.flush()
+                        if pause and fake.stop.wait(pause):
+                            return
                 except (BrokenPipeError, ConnectionResetError):
                     pass
                 finally:
@@ -89,6 +98,11 @@ class FakeJudge:
         self.stop.set()
         self.server.shutdown()
         self.server.server_close()
+
+
+def leaks(text: str, secret: str = SECRET) -> list[str]:
+    """The runs of 8 consecutive characters of ``secret`` that ``text`` holds."""
+    return [secret[i:i + 8] for i in range(len(secret) - 7) if secret[i:i + 8] in text]
 
 
 def chat(content: str, logprobs: dict | None = None) -> str:
@@ -118,7 +132,7 @@ def key(monkeypatch):
 
 
 ENDPOINT = ("url", "api_key_env", "timeout_seconds", "retries", "backoff_seconds", "max_concurrency",
-            "requests_per_second")
+            "requests_per_second", "max_answer_bytes")
 """The settings of the judge's ``Endpoint``; the others are ``LLMJudge``'s."""
 
 
@@ -172,6 +186,37 @@ def test_a_hanging_judge_fails_its_samples_within_the_time_bound(fake, key):
     assert j.score(samples(2)).values == [0.9, 0.9]
 
 
+def test_a_judge_that_drips_its_answer_fails_within_the_bound_and_its_threads_end_after_close(fake, key,
+                                                                                                monkeypatch):
+    fake.drip = lambda body: 1.0  # one byte a second: every read is quick, a whole answer would take minutes
+    j = judge(fake, timeout_seconds=1.0, retries=0, max_concurrency=2)
+    start = time.monotonic()
+    out = j.score(samples(3))
+    assert time.monotonic() - start < 2 * 1.0 + 2.0  # two waves of one attempt each + room for a busy machine
+    assert out.values == [0.0] * 3 and sorted(out.failed) == [0, 1, 2]
+    assert "within timeout_seconds=1 (timed out)" in out.failed[2]
+    fake.drip, sent = (lambda body: 0.0), len(fake.bodies)
+    assert j.score(samples(2)).values == [0.7, 0.7] and len(fake.bodies) == sent + 2  # the next batch is sent
+    j.close()
+    # Stopped (Ctrl-C) while its requests drip: the batch gives up at once, and after close() no thread it started
+    # outlives the attempt's own deadline.
+    fake.drip = lambda body: 1.0
+    before = set(threading.enumerate())
+    monkeypatch.setitem(stopping._stop, "Ctrl-C", time.monotonic() - stopping.STOP_GRACE_SECONDS)
+    j = judge(fake, timeout_seconds=2.0, retries=0)
+    with pytest.raises(stopping.Interrupted):
+        j.score(samples(2))
+    stopping._stop.pop("Ctrl-C")
+    j.close()
+    closed = time.monotonic()
+    started = [t for t in set(threading.enumerate()) - before
+               if t.name.startswith("rllight-endpoint") or isinstance(t, threading.Timer)]
+    assert any(t.name.startswith("rllight-endpoint") for t in started)  # they were held by the dripping answers
+    for t in started:
+        t.join(timeout=10)
+    assert not [t for t in started if t.is_alive()] and time.monotonic() - closed < 2.0 + 1.0
+
+
 def test_a_stop_asked_while_the_judge_hangs_ends_the_wait_within_seconds(fake, key, monkeypatch):
     fake.reply = lambda body, n: None
     # Ctrl-C asked STOP_GRACE_SECONDS ago: the wait gives up at its next slice, not after timeout_seconds.
@@ -210,6 +255,8 @@ def test_429_waits_and_retries_but_another_4xx_does_not(fake, key):
     ("<html>Bad gateway</html>", "answered /chat/completions with something other than a JSON object"),
     ('{"choices": []}', "has no choices[0].message.content"),
     (chat("Score: 75"), "outside 0..10"),
+    (chat("Score: 1e308"), "score 1e+308 is outside 0..10"),
+    (chat("Score: -2"), "outside 0..10"),
 ])
 def test_garbage_is_a_counted_failure_with_a_reason(fake, key, text, reason):
     fake.reply = lambda body, n: (200, text, {})
@@ -286,8 +333,44 @@ def test_yes_logprob_scores_p_yes_over_yes_and_no(fake, key):
     assert "no log-probs" in judge(fake, verdict="yes_logprob").score(samples(1)).failed[0]
 
 
+def logprobs(top, first: dict | None = None) -> dict:
+    return {"content": [{"token": "Yes", "logprob": -0.1, **(first or {}),
+                         **({} if top is ... else {"top_logprobs": top})}]}
+
+
+@pytest.mark.parametrize(("answer", "reason"), [
+    (logprobs(...), "no list of top log-probs for its first token"),  # P(yes) = 1 from the sampled token alone
+    (logprobs([]), "no list of top log-probs"),
+    (logprobs("Yes: -0.1"), "no list of top log-probs"),
+    (logprobs([{"token": "Yes", "logprob": "-0.1"}]), "not a token with a log-prob <= 0"),
+    (logprobs([{"token": "No"}]), "not a token with a log-prob <= 0"),
+    (logprobs(["Yes", -0.1]), "not a token with a log-prob <= 0"),
+    (logprobs([{"token": "Yes", "logprob": 3.0}, {"token": "No", "logprob": 2.0}], {"logprob": 3.0}),
+     "not a token with a log-prob <= 0"),
+    (logprobs([{"token": "No", "logprob": -1.0}], {"logprob": float("nan")}), "not a token with a log-prob <= 0"),
+    (logprobs([{"token": "Yes", "logprob": -0.1}, {"token": " yes", "logprob": -0.5},
+               {"token": "No", "logprob": -0.7}]),  # e^-0.1 + e^-0.5 + e^-0.7 = 0.905 + 0.607 + 0.497
+     "yes and no a probability of 2.01 together, more than 1"),
+    (logprobs([{"token": "Maybe", "logprob": -0.1}], {"token": "Maybe"}), "neither yes nor no"),
+])
+def test_yes_logprob_without_the_log_probs_it_needs_or_with_impossible_ones_fails_the_sample(fake, key, answer,
+                                                                                              reason):
+    fake.reply = lambda body, n: (200, chat("Yes", answer), {})
+    j = judge(fake, verdict="yes_logprob")
+    out = j.score(samples(2))
+    assert out.values == [0.0, 0.0] and sorted(out.failed) == [0, 1] and reason in out.failed[0], out.failed
+    read = checked(j, samples(2), out)
+    assert read.solved == [False, False] and len(read.failed) == 2
+
+
+def test_yes_logprob_takes_a_probability_of_zero_and_the_rounding_of_log_probs():
+    top = [{"token": "Yes", "logprob": 0.0001}, {"token": "No", "logprob": float("-inf")}]  # 1.0001: rounding
+    assert yes_probability({"logprobs": {"content": [{**top[0], "top_logprobs": top}]}}) == 1.0
+
+
 def test_parsers():
     assert parse_scores("Score: 3\nOn reflection, Score = 4.5") == [4.5]
+    assert parse_scores("Score: 1e308") == [1e308] and parse_scores("Score: 7e-1") == [0.7]  # not 1 and 7
     assert parse_scores("[1, 2]", 2) == [1.0, 2.0]
     assert parse_scores("Response 2: 9\nResponse 1: 1", 2) == [1.0, 9.0]
     assert parse_labels("Verdict: **incorrect** (not correct)", ["correct", "incorrect"]) == ["incorrect"]
@@ -308,7 +391,7 @@ def test_the_key_appears_in_no_output(fake, key, caplog, capsys, tmp_path, monke
     assert sorted(out.failed) == [0, 1] and "HTTP 401" in out.failed[0] and "Bearer [ke" in out.failed[0]
     assert "LLM judge at" in caplog.text
     for text in [*out.failed.values(), caplog.text, repr(j), str(vars(j))]:
-        assert SECRET[:12] not in text
+        assert not leaks(text), text
     assert SECRET.encode() not in pickle.dumps(j)
     copy = pickle.loads(pickle.dumps(j))
     assert copy.placement.api_key_env == ENV and copy.placement._pool is None
@@ -327,6 +410,42 @@ def test_the_key_appears_in_no_output(fake, key, caplog, capsys, tmp_path, monke
     assert SECRET not in printed.out + printed.err
 
 
+def escaped(text: str) -> str:
+    return "".join(f"\\u{ord(c):04x}" for c in text)
+
+
+@pytest.mark.parametrize(("verdict", "reply"), [
+    # The key's first 13 characters inside the 80 a reason quotes: a cut before the mask would leave them.
+    ("number", lambda auth: chat("x" * 60 + auth)),  # the judge's own words
+    ("number", lambda auth: json.dumps({"choices": [], "error": "x" * 30 + auth})),  # a protocol's Malformed
+    ("number", lambda auth: "<html>" + "x" * 60 + auth),  # not JSON: the transport's reason
+    ("number", lambda auth: '{"choices": [], "error": "x' + escaped(auth) + '"}'),  # escaped, decoded by JSON
+    ("yes_logprob", lambda auth: chat("Yes", {"content": [{"token": auth, "logprob": -0.1,
+                                                           "top_logprobs": [{"token": auth, "logprob": -0.1}]}]})),
+])
+def test_a_200_answer_that_echoes_the_key_shows_no_8_characters_of_it(fake, key, caplog, verdict, reply):
+    fake.reply = lambda body, n: (200, reply(fake.auth[-1]), {})
+    j = judge(fake, verdict=verdict, retries=0)
+    with caplog.at_level(logging.DEBUG):
+        out = score_samples(j, samples(2))
+    assert out.values == [0.0, 0.0] and sorted(out.failed) == [0, 1]
+    assert "[key]" in out.failed[0] and "could not score 2 of 2 samples" in caplog.text
+    for text in [*out.failed.values(), caplog.text]:
+        assert not leaks(text), text
+
+
+def test_an_answer_longer_than_max_answer_bytes_fails_its_sample(fake, key):
+    answer = chat("Score: 7")
+    fake.reply = lambda body, n: (200, answer, {})
+    assert judge(fake).placement.max_answer_bytes == 8 * 2 ** 20  # the judge's default
+    assert judge(fake, max_answer_bytes=len(answer)).score(samples(1)).values == [0.7]
+    sent = len(fake.bodies)
+    out = judge(fake, max_answer_bytes=len(answer) - 1, retries=2).score(samples(2))
+    assert out.values == [0.0, 0.0] and sorted(out.failed) == [0, 1]
+    assert f"answered /chat/completions with more than max_answer_bytes={len(answer) - 1} bytes" in out.failed[0]
+    assert len(fake.bodies) == sent + 2  # not retried: the same answer would come again
+
+
 def test_a_missing_key_variable_is_one_line_naming_it(fake, monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
     j = judge(fake)  # the key is read at the first call, not when the recipe is parsed
@@ -340,6 +459,7 @@ def test_a_missing_key_variable_is_one_line_naming_it(fake, monkeypatch):
     ({"url": "127.0.0.1:8000/v1"}, "placement.init_args.url"),
     ({"url": "http://x/v1/chat/completions"}, "placement.init_args.url"),
     ({"api_key_env": "sk-abc key"}, "placement.init_args.api_key_env"),
+    ({"api_key_env": "hf_AbCdEfGhIjKlMnOpQrStUvWxYz012345"}, "placement.init_args.api_key_env"),
     ({"verdict": "stars"}, "verdict"),
     ({"mode": "group", "verdict": "yes_logprob"}, "verdict"),
     ({"labels": {"good": 1.0}}, "labels"),
@@ -356,6 +476,7 @@ def test_bad_settings_are_one_line_naming_the_field(kwargs, field):
     with pytest.raises(RecipeError, match=rf"model\.reward\.init_args\.{re.escape(field)}") as err:
         LLMJudge(model="m", placement=Endpoint(**endpoint), **{k: v for k, v in kwargs.items() if k not in ENDPOINT})
     assert "\n" not in str(err.value)
+    assert str(kwargs.get("api_key_env", "\n"))[:8] not in str(err.value)  # a key is not printed back
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

@@ -8,8 +8,10 @@ in a worker process, at a URL.
 - A worker killed mid-batch is restarted once and the batch still scored; killed again, the batch fails, counted
   (``score_samples``: every sample 0). A worker that hangs fails its batch within about its ``timeout_seconds``, and the
   next batch is scored by a new one. ``close`` stops the worker; a pickle carries the settings only.
-- A server that answers 500 is retried, then the batch fails, counted; a bad placement setting or URL is one
-  ``RecipeError`` line naming ``model.reward.init_args.placement.init_args.<field>``.
+- A server that answers 500 is retried, then the batch fails, counted; a 200 answer that echoes the API key, or
+  one longer than ``max_answer_bytes``, fails the batch, counted, and the trainer's warning shows no 8 characters of
+  the key; a bad placement setting or URL is one ``RecipeError`` line naming
+  ``model.reward.init_args.placement.init_args.<field>``.
 """
 
 import logging
@@ -59,15 +61,18 @@ class Misbehaving(RewardModel):
 # ------------------------------------------------------------------------------------------------- a fake server
 class FakeServer(JSONServer):
     """A reward-model server on 127.0.0.1 that scores with the tiny classifier in this process, at ``/pooling``
-    (vLLM) and ``/get_reward`` (OpenRLHF); ``fail`` makes it answer HTTP 500. It keeps every request."""
+    (vLLM) and ``/get_reward`` (OpenRLHF); ``fail`` makes it answer HTTP 500, ``echo(path, auth)`` (where set)
+    answers 200 with what it returns. It keeps every request."""
 
     def __init__(self, folder: str):
-        self.scorer, self.fail = RewardModel(folder), False
+        self.scorer, self.fail, self.echo = RewardModel(folder), False, None
         super().__init__()
 
     def answer(self, path: str, body: dict) -> tuple[int, dict]:
         if self.fail:
             return 500, {"error": "busy"}
+        if self.echo is not None:
+            return 200, self.echo(path, self.requests[-1][2])
         if path == "/get_reward":  # OpenRLHF: full texts in, {"rewards": [...]} out; these are templated texts
             return 200, {"rewards": self.scorer.forward([(q, True) for q in body["query"]])}
         scores = self.scorer.forward([(t, not body["add_special_tokens"]) for t in body["input"]])
@@ -162,6 +167,40 @@ def test_a_server_that_answers_500_is_retried_then_the_batch_fails(classifier_di
     assert f"the reward model at {server.url} answered /pooling with HTTP 500" in line, line
     assert line.endswith("(after 3 attempts)"), line
     assert reward.score(CHATS) == pytest.approx(RewardModel(classifier_dir).score(CHATS), abs=1e-5)  # back up
+
+
+SECRET = "sk-rm-Q4z8-never-print-me"
+
+
+@pytest.mark.parametrize("echo", [
+    lambda path, auth: {"data": "x" * 40 + auth},  # no list of scores: the answer is quoted
+    lambda path, auth: {"data": [{"index": i, "data": auth} for i in range(3)]},  # a score that is no number
+])
+def test_an_answer_that_echoes_the_key_fails_the_batch_and_its_warning_shows_none_of_it(classifier_dir, server,
+                                                                                       caplog, monkeypatch, echo):
+    monkeypatch.setenv("RLLIGHT_TEST_RM_KEY", SECRET)
+    reward = RewardModel(classifier_dir, placement=Endpoint(server.url, api_key_env="RLLIGHT_TEST_RM_KEY",
+                                                            retries=0, timeout_seconds=5))
+    server.echo = echo
+    try:
+        with caplog.at_level(logging.WARNING):
+            values, _, failures = counted(reward, CHATS)
+    finally:
+        server.echo = None
+    assert values == [0.0] * 3 and failures == 3 and server.requests[-1][2] == f"Bearer {SECRET}"
+    [line] = [r.getMessage() for r in caplog.records if "could not score 3 of 3 samples" in r.getMessage()]
+    assert "[key]" in line, line
+    assert not [SECRET[i:i + 8] for i in range(len(SECRET) - 7) if SECRET[i:i + 8] in caplog.text], line
+
+
+def test_an_answer_longer_than_max_answer_bytes_fails_the_batch(classifier_dir, server, caplog):
+    reward = RewardModel(classifier_dir, placement=Endpoint(server.url, max_answer_bytes=50, retries=2))
+    assert RewardModel(classifier_dir, placement=Endpoint(server.url)).placement.max_answer_bytes == 64 * 2 ** 20
+    server.requests.clear()
+    with caplog.at_level(logging.WARNING):
+        values, _, failures = counted(reward, CHATS)
+    assert values == [0.0] * 3 and failures == 3 and len(server.requests) == 1  # not retried
+    assert "answered /pooling with more than max_answer_bytes=50 bytes" in caplog.text
 
 
 @pytest.mark.parametrize(("placement", "field"), [

@@ -1,21 +1,41 @@
 """``rllight.serving.http``, the one client of judges, reward-model servers, a teacher's and a rollout's vLLM server:
 against a scripted server on 127.0.0.1, what is retried and what is not, the backoff and ``Retry-After``, the key
-sent as a bearer token and redacted from every quoted text, and the one-line key errors."""
+sent as a bearer token and no 8 characters of it in any quoted text, the answers' size limit (read no further than
+it), and the one-line key errors that never print a key given where a variable's name goes."""
 
 import json
 import threading
+import time
+import tracemalloc
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from helpers import free_port
 
 from rllight.errors import RecipeError
-from rllight.serving.http import Failure, JSONClient, check_key_env, read_key
+from rllight.serving import Endpoint
+from rllight.serving.http import Failure, JSONClient, check_key_env, clip, looks_like_key, read_key, redact
 
 KEY = "sk-test-0123456789"
 
 
-class Scripted:
+class _Served:
+    """A test server on 127.0.0.1 (``url``: its ``/route``) whose handler ``start`` is given; ``close`` ends a
+    request held on ``stop``, then the server."""
+
+    def start(self, handler) -> None:
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/route"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.stop.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class Scripted(_Served):
     """Answers each request with the next ``(status, text, headers)`` of ``script`` (the last one repeats); ``None``
     hangs until the test ends."""
 
@@ -46,15 +66,7 @@ class Scripted:
             def log_message(self, *args):
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/route"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.stop.set()
-        self.server.shutdown()
-        self.server.server_close()
+        self.start(Handler)
 
 
 @pytest.fixture
@@ -150,3 +162,107 @@ def test_key_settings_are_one_line_errors(monkeypatch):
     with pytest.raises(RecipeError, match="must be the NAME of an environment variable"):
         check_key_env(KEY, "model.reward.init_args")
     check_key_env("JUDGE_API_KEY", "x")
+
+
+def leaks(text: str, secret: str = KEY) -> list[str]:
+    """The runs of 8 consecutive characters of ``secret`` that ``text`` holds."""
+    return [secret[i:i + 8] for i in range(len(secret) - 7) if secret[i:i + 8] in text]
+
+
+def test_redact_masks_every_run_of_8_characters_of_the_key_and_clip_masks_before_it_cuts():
+    # KEY = "sk-test-0123456789": its 8-character runs masked wherever they stand; 7 characters are not a run.
+    assert redact(f"a {KEY} b", KEY) == "a [key] b"
+    assert redact(f"prefix {KEY[:9]}| suffix |{KEY[-8:]} middle |{KEY[4:13]}|", KEY) \
+        == "prefix [key]| suffix |[key] middle |[key]|"
+    assert redact(f"{KEY[:7]} {KEY[-7:]}", KEY) == f"{KEY[:7]} {KEY[-7:]}"
+    assert redact(KEY + KEY + "x", KEY) == "[key]x"  # touching runs are one
+    assert redact("abc abc", "abc") == "[key] [key]" and redact("text", None) == "text"
+    # A cut at 80 characters through the key: masked first, so neither the key nor a prefix of it shows.
+    text = "x" * 70 + " " + KEY + " and more words " * 20
+    assert clip(text, 80, lambda t: redact(t, KEY)) == "x" * 70 + " [key] and..."
+    assert not leaks(clip(text, 80, lambda t: redact(t, KEY)))
+
+
+@pytest.mark.parametrize("value", [
+    "sk-proj-ABCDEFGHabcdefgh12345678",  # not a name at all
+    "hf_AbCdEfGhIjKlMnOpQrStUvWxYz012345",  # a known prefix, then a random tail
+    "ghp_abcdefghijklmnopqrstuvwxyz0123456789",
+    "AKIAIOSFODNN7EXAMPLE",
+    "a1b2c3d4e5f6a7b8c9d0e1f2",  # 20 or more letters and digits, no underscore
+    "Abcdefghij_klmnopqrstuvwxyz_0123456789",  # 32 or more mixing lower, upper and digits
+])
+def test_a_key_given_where_a_variables_name_goes_is_refused_without_printing_it(value, monkeypatch):
+    assert looks_like_key(value)
+    with pytest.raises(RecipeError) as err:
+        check_key_env(value, "x.placement.init_args")
+    assert str(err.value).startswith("x.placement.init_args.api_key_env must be the NAME of an environment variable")
+    if value.isidentifier():  # set or not, the variable is not read: a message about it would name it
+        monkeypatch.setenv(value, "k")
+    with pytest.raises(RecipeError) as read:
+        read_key(value, "x.placement.init_args", "the judge's")
+    endpoint = Endpoint("http://127.0.0.1:1", api_key_env=value)
+    for text in (str(err.value), str(read.value), repr(endpoint)):
+        assert "\n" not in text and not leaks(text, value), text
+
+
+@pytest.mark.parametrize("name", ["JUDGE_API_KEY", "HF_TOKEN", "hf_token", "hf_token_for_the_judge", "OPENAI_API_KEY_2",
+                                  "MyJudgeKey", "RLLIGHT_TEST_JUDGE_KEY_NUMBER_2"])
+def test_variable_names_are_taken(name):
+    assert not looks_like_key(name)
+    check_key_env(name, "x")
+    assert f"api_key_env={name!r}" in repr(Endpoint("http://127.0.0.1:1", api_key_env=name))
+
+
+class Endless(_Served):
+    """A server whose 200 answer has no Content-Length: 16 MiB in 64 KiB pieces, then it holds the connection open
+    until the test ends (the body never ends)."""
+
+    def __init__(self):
+        self.stop = threading.Event()
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                self.send_response(200)
+                self.end_headers()
+                try:
+                    for _ in range(256):
+                        self.wfile.write(b" " * 65536)
+                    fake.stop.wait(30)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client gave up
+
+            def log_message(self, *args):
+                pass
+
+        self.start(Handler)
+
+
+def test_an_answer_over_max_answer_bytes_is_given_up_at_the_limit_and_not_retried(serve):
+    fake = serve((200, json.dumps({"text": "x" * 5000}), {}))  # it says its length: not read at all
+    with pytest.raises(Failure) as caught:
+        JSONClient(5, retries=2, max_answer_bytes=1000).call(fake.url, {}, wait=lambda s: None)
+    assert (caught.value.kind, caught.value.retryable, caught.value.attempts) == ("too_large", False, 1)
+    assert caught.value.detail == "longer than max_answer_bytes=1000" and len(fake.bodies) == 1
+    assert JSONClient(5, max_answer_bytes=5014).once(fake.url, {}) == {"text": "x" * 5000}  # exactly the limit
+    endless = Endless()  # no length said, and no end: reading stops at the limit, in memory and in time
+    try:
+        tracemalloc.start()
+        start = time.monotonic()
+        with pytest.raises(Failure) as caught:
+            JSONClient(10, max_answer_bytes=2 ** 20).once(endless.url, {})
+        elapsed, (_, peak) = time.monotonic() - start, tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        endless.close()
+    assert caught.value.kind == "too_large" and elapsed < 5.0 and peak < 8 * 2 ** 20, (elapsed, peak)
+
+
+def test_an_error_answer_is_quoted_from_its_start_with_the_key_masked_and_keeps_its_status(serve):
+    fake = serve((503, "x" * 990 + f" {KEY} " + "y" * 200_000, {}))
+    with pytest.raises(Failure) as caught:
+        JSONClient(5, retries=0, max_answer_bytes=100).once(fake.url, {}, KEY)
+    failure = caught.value
+    assert (failure.kind, failure.status, failure.retryable) == ("status", 503, True)  # the size limit is for 2xx
+    assert failure.detail == "x" * 990 + " [key] yyy..." and not leaks(str(failure))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+from types import SimpleNamespace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -196,6 +197,7 @@ def test_a_request_stuck_on_a_slow_server_does_not_hold_up_the_next_batch():
      "x.placement.init_args.timeout_seconds must be a finite number > 0 or null, got inf"),
     ({"requests_per_second": 0},
      "x.placement.init_args.requests_per_second must be a finite number > 0 or null, got 0"),
+    ({"max_answer_bytes": 0}, "x.placement.init_args.max_answer_bytes must be an integer >= 1 or null, got 0"),
     ({"protocol": PromptLogprobs(rows_per_request=0)},
      "x.placement.init_args.protocol.init_args.rows_per_request must be an integer >= 1, got 0"),
 ])
@@ -204,3 +206,104 @@ def test_an_endpoints_declared_bounds_are_checked_when_bound_naming_its_key(kwar
     with pytest.raises(RecipeError) as err:
         Endpoint("http://127.0.0.1:1", **kwargs).bind("x.placement.init_args", what="the server")
     assert str(err.value) == message
+
+
+class Echoing(Protocol):
+    """Each input is a request; reading an answer fails with a message that quotes the Authorization header the
+    server saw, across the 300th character, where a reason is cut (a protocol's bug that prints what it was given)."""
+
+    default_route = "/echo"
+
+    def requests(self, inputs):
+        return [Request([i], {"n": i}) for i, _ in enumerate(inputs)]
+
+    def parse(self, answer, request):
+        raise ValueError(f"{'x' * 200} {answer['auth']} {'y' * 100}")
+
+
+class Echo(JSONServer):
+    def answer(self, path: str, body: dict) -> tuple[int, dict]:
+        return 200, {"auth": self.requests[-1][2]}
+
+
+def test_every_failed_reason_has_the_key_masked_before_it_is_cut(monkeypatch):
+    secret = "sk-serve-8Hq2-never-print-me"
+    monkeypatch.setenv("RLLIGHT_TEST_SERVE_KEY", secret)
+    server = Echo()
+    try:
+        endpoint = Endpoint(server.url, protocol=Echoing(), api_key_env="RLLIGHT_TEST_SERVE_KEY", retries=0,
+                            timeout_seconds=5)
+        endpoint.bind("x.placement.init_args", what="the server")
+        failed = endpoint.answer(None, [1, 2])
+    finally:
+        server.close()
+    assert [len(str(f)) <= 303 and "ValueError: xxx" in str(f) and "[key]" in str(f) for f in failed] == [True] * 2
+    assert not [secret[i:i + 8] for i in range(len(secret) - 7) if any(secret[i:i + 8] in str(f) for f in failed)]
+
+
+def test_the_answer_limit_is_the_recipes_else_the_owners_else_1_gib():
+    assert Endpoint("http://127.0.0.1:1").bind("x", what="the server").max_answer_bytes == 2 ** 30
+    assert Endpoint("http://127.0.0.1:1", max_answer_bytes=10).bind("x", what="the server").max_answer_bytes == 10
+    owner = SimpleNamespace(what="the owner", default_timeout=5.0, default_protocol=Flagged, served_name=lambda: None)
+    assert Endpoint("http://127.0.0.1:1").bind("x", owner).max_answer_bytes == 2 ** 30  # it says none
+    owner.default_max_answer_bytes = 1000
+    assert Endpoint("http://127.0.0.1:1").bind("x", owner).max_answer_bytes == 1000
+
+
+# ------------------------------------------------------------------------------- asked once before the run
+class ModelList(JSONServer):
+    """An OpenAI-compatible server's model list, which takes only the key ``good``."""
+
+    def get(self, path, authorization):
+        if authorization != "Bearer good":
+            return 401, {"error": {"message": "Incorrect API key provided"}}
+        return 200, {"data": [{"id": "judge"}]}
+
+    def answer(self, path, body):
+        return 500, {"error": "not asked in these tests"}
+
+
+@pytest.mark.parametrize("key, refused", [("good", False), ("wrong", True)])
+def test_a_served_models_key_is_checked_before_the_run_in_one_request(key, refused, monkeypatch):
+    from rllight.rewards import LLMJudge
+
+    monkeypatch.setenv("JUDGE_KEY", key)
+    server = ModelList()
+    try:
+        judge = LLMJudge(model="judge", placement=Endpoint(server.url + "/v1", api_key_env="JUDGE_KEY"))
+        if refused:
+            with pytest.raises(RecipeError) as err:
+                judge.check()
+            line = str(err.value)
+            assert "\n" not in line and line.startswith(f"model.reward.init_args.placement.init_args: the judge at "
+                                                        f"{server.url}/v1 answered /models with HTTP 401"), line
+            assert "check model.reward.init_args.placement.init_args.api_key_env" in line, line
+        else:
+            judge.check()
+    finally:
+        server.close()
+    assert [(path, body) for path, body, _ in server.requests] == [("/v1/models", None)]  # one GET, no retry
+
+
+def test_a_served_model_nothing_answers_at_is_one_line_before_the_run():
+    from helpers import free_port
+    from rllight.rewards import RewardModel
+
+    url = f"http://127.0.0.1:{free_port()}"
+    model = RewardModel(model="rm", placement=Endpoint(url))
+    with pytest.raises(RecipeError, match=rf"^model\.reward\.init_args\.placement\.init_args: no answer from the reward "
+                                          rf"model at {url} to /v1/models .*check that it runs and the URL"):
+        model.placement.check(model)
+
+
+def test_a_server_without_the_model_list_passes_the_check_and_its_first_batch_speaks():
+    class NoList(JSONServer):  # answers POSTs only: GET /v1/models is a 404
+        def answer(self, path, body):
+            return 200, {"data": []}
+
+    server = NoList()
+    try:
+        Endpoint(server.url, protocol=PromptLogprobs(model="t")).bind("x", None, what="the teacher", timeout=5).check()
+    finally:
+        server.close()
+    assert [path for path, _, _ in server.requests] == ["/v1/models"]
