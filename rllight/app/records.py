@@ -7,8 +7,13 @@ from a record under ``docs/results/``; ``tools/results_pages.py`` renders both f
 A record is a JSON object with these keys:
 
 - ``id``: its anchor on the results page (``results/index.md#<id>``), also the file's name (``<id>.json``).
-- ``title``, ``section`` (the results page's heading it sits under) and ``note`` (what the numbers are; may be
-  empty): text.
+- ``title`` (what was measured and under which conditions: no commit or date, which the provenance line gives),
+  ``section`` (the results page's heading it sits under), ``question`` (the reader's question it answers, e.g. "How
+  much does the quickstart improve the model?": the page groups records by it) and ``note`` (what the numbers are;
+  may be empty): text.
+- ``superseded_by`` (optional): the id of the record, of the same question, that is now its answer; this one shows
+  as an earlier measurement under it. A record no other replaces is a current answer; a question may have several
+  (other precisions, other CPUs).
 - ``command``: the command that measured it, from the repository root, as a user would type it again.
 - ``commit`` (the code it ran, ``abc1234`` or ``abc1234+dirty``), ``date`` (``YYYY-MM-DD``), ``machine`` (the
   line of ``rllight.machine.machine_line``, or what is known of the machine) and ``shared`` (whether other work
@@ -39,10 +44,53 @@ RESULTS_DIR = os.path.join(ROOT, "docs", "results")
 SECTIONS = ("Quickstart", "Methods on the quickstart task", "reasoning-gym", "Environments", "Against TRL",
             "Speed and memory", "Asynchronous and stale rollouts")
 """The results page's headings, in order (``tools/results_pages.py``): a tool's ``--section`` is one of them."""
-REQUIRED = ("id", "title", "section", "command", "commit", "date", "machine", "shared", "source", "columns", "rows")
+REQUIRED = ("id", "title", "section", "question", "command", "commit", "date", "machine", "shared", "source",
+            "columns", "rows")
 SOURCES = ("tool", "transcribed")
 _ID = re.compile(r"^[a-z0-9][a-z0-9-]*$")
 _DATE = re.compile(r"^\d{4}-\d\d-\d\d$")
+
+_QS = "How much does the quickstart improve the model?"
+_METHODS = "How do GRPO, DAPO and VAPO compare on the quickstart task?"
+_MODEL_REWARD = "Can GRPO learn from a model's reward instead of the exact match?"
+_RG = "How much does GRPO improve the model on reasoning-gym tasks?"
+_TURNS = "Does the model learn to use feedback and tools over several turns?"
+_TRL_SPEED = "Does rllight train as fast as TRL?"
+_TRL_LEARNING = "Does rllight learn as much per step as TRL?"
+_MEMORY = "How much memory does a run need, phase by phase?"
+_STALE = "Which loss trains well on stale rollouts?"
+_ASYNC = "How much faster are asynchronous rollouts than synchronous ones?"
+QUESTIONS = {
+    "quickstart": _QS, "before-after": _QS, "quickstart-memory": _MEMORY, "phase-memory": _MEMORY,
+    "install": "How long does installing the quickstart take?",
+    "sanity-check": "Does the quickstart recipe pass a learning sanity check?",
+    "compare": _METHODS, "vapo-lambda-one": _METHODS,
+    "vapo-critic": "Which of VAPO's critic options predicts the return best?",
+    "distill": "Does on-policy distillation beat GRPO on the quickstart task?",
+    "reward-model": _MODEL_REWARD, "judge": _MODEL_REWARD,
+    "reasoning-gym": _RG, "curriculum": "Does a difficulty curriculum beat uniform sampling on reasoning-gym?",
+    "env-feedback": _TURNS, "env-reasoning-gym-feedback": _TURNS,
+    "env-textarena": "Can GRPO teach the model a text game?",
+    "bench-step": "How long does an RL step take, and where does the time go?",
+    "bench-step-trl": _TRL_SPEED, "bench-step-vs-trl": _TRL_SPEED, "bench-step-fixed-length": _TRL_SPEED,
+    "bench-step-precision": _TRL_SPEED,
+    "bench-step-learning": _TRL_LEARNING, "learning-vs-trl": _TRL_LEARNING, "reasoning-gym-vs-trl": _TRL_LEARNING,
+    "bench-gae": "How much faster is the blocked GAE scan than a loop over tokens?",
+    "bench-logprobs": "How much memory do chunked log-probs save, and at what cost in time?",
+    "bench-rollout": "Is vLLM faster than the HF engine on a CPU?",
+    "bench-env-concurrency": "How much does running a slow environment's episodes at once save?",
+    "async-staleness": _STALE, "staleness": _STALE, "bench-async": _ASYNC, "bench-step-async": _ASYNC,
+}
+"""The question a record answers, by the start of its id (the longest that matches, whole words between dashes):
+what a tool writes where ``--question`` gives none and its ``--record`` file holds no earlier record."""
+SECTION_QUESTIONS = {
+    "Quickstart": _QS, "Methods on the quickstart task": "How do the methods compare on the quickstart task?",
+    "reasoning-gym": _RG, "Environments": "What does the model learn in an environment?",
+    "Against TRL": "How does rllight compare with TRL?",
+    "Speed and memory": "How fast is rllight, and how much memory does it need?",
+    "Asynchronous and stale rollouts": "How do asynchronous and stale rollouts train?",
+}
+"""The question of a record whose id ``QUESTIONS`` does not know, by its section."""
 
 
 def git_commit(root: str = ROOT) -> str:
@@ -77,12 +125,25 @@ def shared_note(shared: bool | None) -> str:
     return f"not stated (1-minute load {load} on {os.cpu_count()} cores at the end)"
 
 
+def default_question(*ids: str, section: str) -> str | None:
+    """The question of a record with id ``ids[0]``: ``QUESTIONS``' for the longest start of the first id it knows
+    (``bench-gae-shared``: ``bench-gae``'s), else the section's (``SECTION_QUESTIONS``)."""
+    for id in ids:
+        parts = id.split("-")
+        for n in range(len(parts), 0, -1):
+            if "-".join(parts[:n]) in QUESTIONS:
+                return QUESTIONS["-".join(parts[:n])]
+    return SECTION_QUESTIONS.get(section)
+
+
 def make_record(*, id: str, title: str, section: str, columns: list, rows: list[dict], note: str = "",
                 summary: dict | None = None, headline: dict | None = None, shared: bool | None = None,
-                command: str | None = None) -> dict:
-    """A record of a measurement made now, by this process: its command, commit, date and machine filled in."""
+                command: str | None = None, question: str | None = None) -> dict:
+    """A record of a measurement made now, by this process: its command, commit, date and machine filled in, and
+    where ``question`` is None, ``default_question``'s."""
     record = {
-        "id": id, "title": title, "section": section, "note": note,
+        "id": id, "title": title, "section": section, "question": question or default_question(id, section=section),
+        "note": note,
         "command": command or tool_command(), "commit": git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
         "machine": machine_line().removeprefix("machine: "), "shared": shared_note(shared), "source": "tool",
@@ -115,8 +176,10 @@ def add_record_options(parser, *, id: str | None, section: str | None, headline:
     file named after the record's id, or a folder: ``<id>.json`` in it), ``--record-id`` (default: the file's name,
     else ``id``), ``--shared yes|no`` (whether other
     work shared the machine; not given, the record says so and gives the load), ``--section`` (default
-    ``section``), ``--title`` and ``--note`` (replacing the tool's own), and with ``headline`` ``--headline LABEL``
-    (a README row with the tool's template). ``id`` or ``section`` None: the tool chooses from its mode."""
+    ``section``), ``--question`` (the reader's question it answers; default: that of the record the file holds, else
+    ``default_question``), ``--title`` and ``--note`` (replacing the tool's own), and with ``headline``
+    ``--headline LABEL`` (a README row with the tool's template). ``id`` or ``section`` None: the tool chooses from
+    its mode."""
     group = parser.add_argument_group("record", "Write a record of this measurement for docs/results/ "
                                                "(rllight.app.records).")
     group.add_argument("--record", metavar="PATH",
@@ -132,6 +195,9 @@ def add_record_options(parser, *, id: str | None, section: str | None, headline:
     group.add_argument("--section", choices=SECTIONS, default=section,
                        help="The results page's heading the record sits under"
                             + (f" (default {section})." if section else " (default: one per mode of the tool)."))
+    group.add_argument("--question", help="The reader's question the record answers, which the results page groups "
+                                          "records by (default: that of the record --record's file holds, else "
+                                          "the one rllight.app.records.QUESTIONS gives the record's id).")
     group.add_argument("--title", help="The record's title (default: the tool's, naming its settings).")
     group.add_argument("--note", help="What the numbers are, in the record (default: the tool's).")
     if headline:
@@ -140,14 +206,14 @@ def add_record_options(parser, *, id: str | None, section: str | None, headline:
                                 "headline of the numbers.")
 
 
-def _is_record(path: str) -> bool:
-    """Whether ``path`` holds a record (JSON with a command): a file a rerun may replace."""
+def _read_record(path: str) -> dict | None:
+    """The record ``path`` holds (JSON with a command and rows: a file a rerun may replace), else None."""
     try:
         with open(path) as f:
             data = json.load(f)
     except (OSError, ValueError):
-        return False
-    return isinstance(data, dict) and "command" in data and "rows" in data
+        return None
+    return data if isinstance(data, dict) and "command" in data and "rows" in data else None
 
 
 def check_record_options(parser, args, argv: list[str] | None = None, script: str | None = None) -> None:
@@ -174,7 +240,7 @@ def check_record_options(parser, args, argv: list[str] | None = None, script: st
             parser.error(f"--record '{args.record}': a record's file is named after its id, which must be "
                          "lower-case letters, digits and dashes")
         args.record_id = stem
-        if os.path.exists(args.record) and not _is_record(args.record):
+        if os.path.exists(args.record) and _read_record(args.record) is None:
             parser.error(f"--record '{args.record}' exists and is not a record: it would be overwritten; name "
                          "another file")
     if args.record_id is not None and not _ID.match(args.record_id):
@@ -188,13 +254,20 @@ def check_record_options(parser, args, argv: list[str] | None = None, script: st
 def tool_record(args, *, id: str, title: str, section: str, columns: list, rows: list[dict], note: str = "",
                 summary: dict | None = None, headline: str | None = None, command: str | None = None) -> str | None:
     """Write the record of what a tool measured where ``args.record`` asks for one (else nothing; None): the
-    fields given, ``args``' options (``add_record_options``) in place of ``id``, ``title``, ``section`` and
-    ``note`` where given, and with ``args.headline`` a README row whose template is ``headline``. Returns its path."""
+    fields given, ``args``' options (``add_record_options``) in place of ``id``, ``title``, ``section``, ``question``
+    and ``note`` where given, and with ``args.headline`` a README row whose template is ``headline``. Without
+    ``--question``, the question of the record the file held (a rerun answers the question of the record it
+    replaces), else ``default_question`` of the record's id, else of the tool's ``id``. Returns its path."""
     if not getattr(args, "record", None):
         return None
     label = getattr(args, "headline", None)
+    record_id, section = args.record_id or id, args.section or section
+    is_folder = os.path.isdir(args.record) or args.record.endswith(("/", os.sep))
+    earlier = _read_record(os.path.join(args.record, f"{record_id}.json") if is_folder else args.record) or {}
     record = make_record(
-        id=args.record_id or id, title=args.title or title, section=args.section or section,
+        id=record_id, title=args.title or title, section=section,
+        question=(getattr(args, "question", None) or earlier.get("question")
+                  or default_question(record_id, id, section=section)),
         note=note if args.note is None else args.note, columns=columns, rows=rows, summary=summary,
         headline={"label": label, "template": headline} if label and headline else None,
         shared=None if args.shared is None else args.shared == "yes",
@@ -262,11 +335,17 @@ def check_record(record: dict, where: str) -> None:
     missing = [k for k in REQUIRED if k not in record]
     if missing:
         raise ValueError(f"{where}: missing {', '.join(missing)}")
-    for key in ("command", "commit", "machine", "shared", "title", "section"):
+    for key in ("command", "commit", "machine", "shared", "title", "section", "question"):
         if not isinstance(record[key], str) or not record[key].strip():
             raise ValueError(f"{where}: '{key}' must be non-empty text")
+    if not record["question"].rstrip().endswith("?"):
+        raise ValueError(f"{where}: question '{record['question']}' does not end with '?'")
     if not _ID.match(record["id"]):
         raise ValueError(f"{where}: id '{record['id']}' must be lower-case letters, digits and dashes")
+    if "superseded_by" in record and (not isinstance(record["superseded_by"], str)
+                                      or not _ID.match(record["superseded_by"])
+                                      or record["superseded_by"] == record["id"]):
+        raise ValueError(f"{where}: superseded_by {record['superseded_by']!r} is not another record's id")
     if not _DATE.match(record["date"]):
         raise ValueError(f"{where}: date '{record['date']}' is not YYYY-MM-DD")
     if record["source"] not in SOURCES:
@@ -306,7 +385,8 @@ def cell(value, fmt: str | None = None) -> str:
 
 
 def load_records(folder: str = RESULTS_DIR) -> list[dict]:
-    """Every ``*.json`` record in ``folder``, checked, sorted by id (a record before those whose ids extend it)."""
+    """Every ``*.json`` record in ``folder``, checked (alone, then against the others: ``check_records``), sorted by
+    id (a record before those whose ids extend it)."""
     records = []
     for name in sorted(os.listdir(folder)):
         if not name.endswith(".json"):
@@ -321,9 +401,34 @@ def load_records(folder: str = RESULTS_DIR) -> list[dict]:
         if name != f"{record['id']}.json":
             raise ValueError(f"{path}: a record's file is named after its id ({record['id']}.json)")
         records.append(record)
+    check_records(records, folder)
     return sorted(records, key=lambda r: r["id"])
 
 
-__all__ = ["RESULTS_DIR", "SECTIONS", "add_record_options", "check_record", "check_record_options", "git_commit",
-           "headline_value", "load_records", "make_record", "pairs_columns", "pairs_record", "parse_pairs",
-           "parse_value", "printed", "shared_note", "tool_command", "tool_record", "write_record"]
+def check_records(records: list[dict], folder: str) -> None:
+    """Raise ``ValueError`` naming the file where a record's ``superseded_by`` names no record of ``records``, one of
+    another question or one itself superseded, or where a question's records sit under different sections."""
+    by_id = {r["id"]: r for r in records}
+    sections = {}
+    for record in records:
+        path = os.path.join(folder, f"{record['id']}.json")
+        later = record.get("superseded_by")
+        if later is not None:
+            if later not in by_id:
+                raise ValueError(f"{path}: superseded_by '{later}' names no record in {folder}")
+            if by_id[later]["question"] != record["question"]:
+                raise ValueError(f"{path}: superseded_by '{later}', a record of another question "
+                                 f"('{by_id[later]['question']}')")
+            if "superseded_by" in by_id[later]:
+                raise ValueError(f"{path}: superseded_by '{later}', which is itself superseded by "
+                                 f"'{by_id[later]['superseded_by']}': name the current record")
+        first = sections.setdefault(record["question"], record)
+        if first["section"] != record["section"]:
+            raise ValueError(f"{path}: question '{record['question']}' sits under section '{first['section']}' in "
+                             f"{first['id']}.json, not '{record['section']}'")
+
+
+__all__ = ["QUESTIONS", "RESULTS_DIR", "SECTIONS", "SECTION_QUESTIONS", "add_record_options", "check_record",
+           "check_record_options", "check_records", "default_question", "git_commit", "headline_value", "load_records",
+           "make_record", "pairs_columns", "pairs_record", "parse_pairs", "parse_value", "printed", "shared_note",
+           "tool_command", "tool_record", "write_record"]

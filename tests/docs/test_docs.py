@@ -177,3 +177,14 @@ def test_site_builds_strict(tmp_path):
     assert done.returncode == 0 and not warnings, "\n".join(warnings) or done.stderr[-3000:]
     for page in ("index.html", "algorithms/grpo/index.html", "reference/api/strategies/index.html"):
         assert os.path.getsize(tmp_path / "site" / page) > 1000, page
+    # The maths renders offline: every formula is MathML written at build time, and no page loads a script or a
+    # style sheet from another host.
+    formulas = 0
+    for page in glob.glob(str(tmp_path / "site" / "**" / "*.html"), recursive=True):
+        with open(page) as f:
+            text = f.read()
+        where = os.path.relpath(page, tmp_path / "site")
+        assert not re.search(r'class="arithmatex">\\[(\[]', text), f"{where}: a formula left as TeX"
+        assert not re.search(r'<(script|link)[^>]*(src|href)="(https?:)?//', text), f"{where}: loads from the network"
+        formulas += text.count('class="arithmatex"><math')
+    assert formulas > 100, formulas  # the algorithm pages' formulas were found and converted

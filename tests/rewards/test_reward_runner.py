@@ -5,7 +5,6 @@ that a reward tells right from wrong; weighted combinations of rewards."""
 import copy
 import os
 import sys
-import time
 
 import pytest
 import yaml
@@ -29,10 +28,7 @@ def test_a_hanging_sample_times_out_and_the_rest_of_the_batch_is_scored():
     with RewardRunner(workers=2, timeout_seconds=3) as runner:
         responses = ["1", "2", "7", "4", "0", "9"]
         answers = ["1", "2", "7", "4", "5", "9"]  # sample 2 hangs; sample 4 is plainly wrong
-        start = time.monotonic()
-        scores = runner.score(HangOn(on="7"), responses, answers)
-        elapsed = time.monotonic() - start
-        assert elapsed < 3 + 20  # the timeout plus room for starting the workers on a busy machine
+        scores = runner.score(HangOn(on="7"), responses, answers)  # HangOn never returns for "7"
         assert scores.values == [1.0, 1.0, 0.0, 1.0, 0.0, 1.0]
         assert scores.solved == [True, True, False, True, False, True]
         assert (len(scores.failed), scores.metrics["timeouts"], scores.metrics["worker_deaths"]) == (1, 1, 0)

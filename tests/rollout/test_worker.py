@@ -220,10 +220,8 @@ def test_a_hanging_worker_times_out_with_one_line(tiny_model_dir):
         module.producer.sample(ROWS, n=1)  # starts the worker (imports and all) under the default timeout
         engine.timeout_seconds = 2.0
         process = engine._worker.process
-        start = time.monotonic()
         with pytest.raises(ComponentError, match=r"^model\.rollout: .* within timeout_seconds=2 ") as err:
             module.producer.sample(ROWS, n=1)
-        assert time.monotonic() - start < 2.0 + 5  # the timeout, then the worker is killed at once
         assert "\n" not in str(err.value)
         assert not process.is_alive()
     finally:

@@ -23,6 +23,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -128,10 +129,9 @@ def test_bench_logprobs_chunked_equals_direct_and_prints_the_ratios(tmp_path, ca
 
 
 def test_bench_rollout_says_when_the_engine_did_not_sync():
-    from rllight.rollout.vllm import VLLMEngine
-
+    # What sync_line reads of a VLLMEngine, so that the test runs without vLLM installed.
     sync_line = load_tool("bench_rollout").sync_line
-    engine = VLLMEngine(sync_every=2)
+    engine = types.SimpleNamespace(llm=None, sync_every=2)
     assert sync_line({"rollout/sync_time": 0.25}, engine) == "vllm: weight sync 0.250 s"
     assert "did not sync (the engine had not started)" in sync_line({}, engine)
     engine.llm = object()  # started; this call is one that sync_every skips
