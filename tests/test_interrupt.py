@@ -175,9 +175,8 @@ def test_sigterm_is_honoured_within_seconds_while_an_environment_hangs(tmp_path,
     overlay = tiny_overrides(tmp_path, tiny_model_dir, environment=env)
     child = start_fit("grpo.yaml", "--config", overlay, "--trainer.max_steps", "3")
     wait_for_file(marker, child)
-    elapsed, out, err = stop_with_sigterm(child)
+    _, out, err = stop_with_sigterm(child)  # fails the test where the process outlives 30 s of the 300
     assert child.returncode == 143, err[-3000:]
-    assert elapsed < 20, elapsed
     assert "rllight: SIGTERM: stopped while waiting for the environment Faulty.step, 5 s after the signal\n" \
            "rllight: SIGTERM: nothing saved (trainer.enable_checkpointing: false)" in out, out
 

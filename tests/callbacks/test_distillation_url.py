@@ -13,7 +13,6 @@ import logging
 import math
 import os
 import threading
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -209,7 +208,6 @@ def test_a_server_that_is_down_is_one_line_naming_the_url(tiny_model_dir, teache
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     callback = TeacherLogprobs(HFModel(teacher_dir), placement=Endpoint(
         url, protocol=PromptLogprobs(model="teacher"), retries=1, backoff_seconds=0.01, timeout_seconds=5))
-    start = time.monotonic()
     with pytest.raises(ComponentError) as err:
         callback.on_rollout(None, RolloutContext(), _rollout(tiny_model_dir))
     line = str(err.value)
@@ -217,7 +215,7 @@ def test_a_server_that_is_down_is_one_line_naming_the_url(tiny_model_dir, teache
                            "to /v1/completions within timeout_seconds=5 ("), line
     assert line.endswith("check that it runs and the URL (trainer.callbacks: TeacherLogprobs.placement.init_args.url) "
                          "(after 2 attempts)"), line
-    assert "\n" not in line and time.monotonic() - start < 10
+    assert "\n" not in line
 
 
 def test_a_temperature_other_than_1_is_refused_in_one_line(tiny_model_dir, teacher_dir, fake):

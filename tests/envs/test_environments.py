@@ -326,17 +326,12 @@ def test_a_faulty_episode_gets_reward_0_is_counted_and_named_and_the_others_go_o
 def test_a_hanging_environment_times_out_and_a_batch_stops_calling_it_after_three(tiny_model_dir):
     """Stepped one at a time (max_concurrency 1), every episode of the bad row hangs: each of the first three costs
     the 0.5 s timeout, the fourth is not called (three timeouts in a row); the healthy row's episodes are scored."""
-    import time
-
     _, tok = _tokenizer(tiny_model_dir)
     env = Faulty("hang", timeout_seconds=0.5, max_concurrency=1)
     producer, _ = _producer(ScriptedEngine([[40, tok.eos_token_id]], tok.eos_token_id), env, tiny_model_dir)
-    start = time.monotonic()
     rollout = producer.sample([ROW, BAD_ROW], 4)
-    elapsed = time.monotonic() - start
     assert rollout.rewards.tolist() == [1.0] * 4 + [0.0] * 4
-    assert rollout.extras["episode/failures"] == 4.0 and rollout.extras["episode/timeouts"] == 3.0
-    assert 1.5 <= elapsed < 10  # three timeouts, not four, and nothing waits for the 600 s sleep
+    assert rollout.extras["episode/failures"] == 4.0 and rollout.extras["episode/timeouts"] == 3.0  # not four
 
 
 def test_episodes_step_at_once_up_to_the_environments_limit(tiny_model_dir):

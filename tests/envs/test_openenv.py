@@ -186,33 +186,33 @@ def _warning(caplog):
 @pytest.mark.parametrize("timeout", [5, None])  # None: calls in the trainer's thread
 def test_a_refused_connection_costs_the_episodes_at_once(timeout, tiny, caplog):
     url = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
-    rollout, elapsed, *_ = _sample(OpenEnv(url=url, timeout_seconds=timeout), ["7"], tiny, [SECRET_7], 4)
+    rollout, *_ = _sample(OpenEnv(url=url, timeout_seconds=timeout), ["7"], tiny, [SECRET_7], 4)
     assert rollout.rewards.tolist() == [0.0] * 4 and rollout.extras["episode/failures"] == 4.0
-    assert rollout.extras["episode/timeouts"] == 0.0 and elapsed < 5
+    assert rollout.extras["episode/timeouts"] == 0.0  # failed at once, not at a timeout
     line = _warning(caplog)
     assert f"the OpenEnv server at {url}: reset failed: cannot open a session: ConnectionRefusedError" in line
 
 
 def test_a_server_that_never_answers_costs_its_episodes_in_about_one_timeout(tiny):
-    """A socket that accepts connections and never answers: the batch's four resets, made at once, time out
-    together (0.5 s each), counted."""
+    """A socket that accepts connections and never answers: the batch's four resets time out (0.5 s each),
+    counted. (That the guard calls them at once is tests/envs/test_environments.py's
+    test_episodes_step_at_once_up_to_the_environments_limit.)"""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         sock.listen(16)
         env = OpenEnv(url=f"http://127.0.0.1:{sock.getsockname()[1]}", timeout_seconds=0.5)
-        rollout, elapsed, *_ = _sample(env, ["7"], tiny, [SECRET_7], 4)
+        rollout, *_ = _sample(env, ["7"], tiny, [SECRET_7], 4)
     assert rollout.rewards.tolist() == [0.0] * 4 and rollout.extras["episode/failures"] == 4.0
-    assert rollout.extras["episode/timeouts"] == 4.0 and elapsed < 3
+    assert rollout.extras["episode/timeouts"] == 4.0
 
 
 def test_steps_that_hang_time_out_together(game_url, tiny):
-    """Four episodes whose steps hang on the server (it sleeps a minute), four at once: they time out in about one
-    timeout, not four, and the next batch on the same server plays."""
+    """Four episodes whose steps hang on the server (it sleeps a minute), four at once: each times out, counted,
+    and the next batch on the same server plays."""
     env = OpenEnv(url=game_url, reset_from_row={"seed": "seed"}, timeout_seconds=1.0, max_concurrency=4)
-    rollout, elapsed, *_ = _sample(env, ["sleep"], tiny, [SECRET_7], 4)
+    rollout, *_ = _sample(env, ["sleep"], tiny, [SECRET_7], 4)
     assert rollout.rewards.tolist() == [0.0] * 4
     assert rollout.extras["episode/failures"] == 4.0 and rollout.extras["episode/timeouts"] == 4.0
-    assert elapsed < 3.5
     rollout, *_ = _sample(env, ["7"], tiny, [SECRET_7], 2)
     assert rollout.rewards.tolist() == [1.0, 1.0]
     env.close()
@@ -228,9 +228,9 @@ def test_a_served_server_that_dies_between_turns_costs_its_episodes_and_starts_a
         assert served._runtime.box["process"].exit_code(wait_seconds=10) == -signal.SIGKILL
 
     kill = {1: kill}
-    rollout, elapsed, *_ = _sample(served, ["5", "7"], tiny, [SECRET_7], 2, before=kill)
+    rollout, *_ = _sample(served, ["5", "7"], tiny, [SECRET_7], 2, before=kill)
     assert rollout.rewards.tolist() == [0.0, 0.0] and rollout.extras["episode/failures"] == 2.0
-    assert rollout.extras["episode/timeouts"] == 0.0 and elapsed < 5 + (old is None) * 30  # (a first start)
+    assert rollout.extras["episode/timeouts"] == 0.0  # the closed connection failed them at once
     assert "step failed: the connection closed" in _warning(caplog)
     rollout, *_ = _sample(served, ["5", "7"], tiny, [SECRET_7], 2)
     assert rollout.rewards.tolist() == [1.0, 1.0]
@@ -267,10 +267,10 @@ def test_a_server_that_answers_garbage_costs_the_episodes(garbage, message, tiny
         else:  # a WebSocket server
             url = f"{stack.enter_context(_serving_here(openenv_fixtures.garbage_app))}/{garbage}"
         env = OpenEnv(url=url, timeout_seconds=5)
-        rollout, elapsed, *_ = _sample(env, ["7"], tiny, [SECRET_7], 2)
+        rollout, *_ = _sample(env, ["7"], tiny, [SECRET_7], 2)
         env.close()
     assert rollout.rewards.tolist() == [0.0, 0.0] and rollout.extras["episode/failures"] == 2.0
-    assert message in _warning(caplog) and elapsed < 5
+    assert message in _warning(caplog) and rollout.extras["episode/timeouts"] == 0.0  # not a 5 s timeout
 
 
 @pytest.mark.parametrize("app, reason", [
@@ -279,13 +279,13 @@ def test_a_server_that_answers_garbage_costs_the_episodes(garbage, message, tiny
     ("openenv_fixtures:hanging_app", "it did not accept connections within 2 s"),
 ])
 def test_a_server_that_cannot_start_is_one_line_naming_it(app, reason):
-    env = OpenEnv(server=app, startup_timeout_seconds=2)
-    start = time.monotonic()
+    # 2 s for the app that never listens; the others fail by themselves, however long a busy machine takes to start
+    env = OpenEnv(server=app, startup_timeout_seconds=2 if "hanging" in app else 120)
     with pytest.raises(RecipeError) as err:
         env.spawn()
     line = str(err.value)
     assert line.startswith(f"model.environment.init_args.server={app!r}: the OpenEnv server did not start")
-    assert reason in line and "\n" not in line and time.monotonic() - start < 30
+    assert reason in line and "\n" not in line
     assert "process" not in env._runtime.box
     log_path = line.rsplit("(its output: ", 1)[1].rstrip(")")
     os.remove(log_path)  # kept for the user to read

@@ -6,7 +6,6 @@ loads."""
 
 import math
 import os
-import time
 
 import pytest
 import torch
@@ -140,9 +139,8 @@ def test_a_judge_worker_that_hangs_costs_its_batch_and_the_next_is_judged(judge_
     judge = Hanging(model=judge_dir, placement=Worker(timeout_seconds=3), verdict="yes_logprob", dtype="float32")
     try:
         judge.score(SAMPLES[:1])  # started and loaded: the timeout is the batch's alone
-        started = time.monotonic()
         scores = score_samples(judge, [sample("HANG", "x")] + SAMPLES[1:])
-        assert time.monotonic() - started < 3 + 10 and len(scores.failed) == 4 and scores.values == [0.0] * 4
+        assert len(scores.failed) == 4 and scores.values == [0.0] * 4
         assert "the judge's worker process did not answer a batch of 4 within 3 s" in scores.failed[0]
         assert judge.placement.child is None  # killed
         out = judge.score(SAMPLES)

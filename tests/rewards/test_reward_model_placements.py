@@ -16,7 +16,6 @@ in a worker process, at a URL.
 
 import logging
 import pickle
-import time
 
 import pytest
 from json_server import JSONServer
@@ -139,10 +138,9 @@ def test_a_worker_that_hangs_fails_its_batch_within_the_timeout(classifier_dir, 
     reward = Misbehaving(classifier_dir, placement=Worker(timeout_seconds=3))
     try:
         reward.score(CHATS[:1])  # started and loaded: the timeout is the batch's alone
-        started = time.monotonic()
         with caplog.at_level(logging.WARNING):
             values, _, failures = counted(reward, [sample("HANG", QUESTIONS[0])] + CHATS[1:])
-        assert time.monotonic() - started < 3 + 10 and failures == 3 and values == [0.0] * 3
+        assert failures == 3 and values == [0.0] * 3
         assert any("the reward model's worker process did not answer a batch of 3 within 3 s" in r.getMessage()
                    for r in caplog.records)
         assert reward.placement.child is None  # killed

@@ -5,7 +5,6 @@ it), and the one-line key errors that never print a key given where a variable's
 
 import json
 import threading
-import time
 import tracemalloc
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -249,14 +248,13 @@ def test_an_answer_over_max_answer_bytes_is_given_up_at_the_limit_and_not_retrie
     endless = Endless()  # no length said, and no end: reading stops at the limit, in memory and in time
     try:
         tracemalloc.start()
-        start = time.monotonic()
         with pytest.raises(Failure) as caught:
             JSONClient(10, max_answer_bytes=2 ** 20).once(endless.url, {})
-        elapsed, (_, peak) = time.monotonic() - start, tracemalloc.get_traced_memory()
+        _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
         endless.close()
-    assert caught.value.kind == "too_large" and elapsed < 5.0 and peak < 8 * 2 ** 20, (elapsed, peak)
+    assert caught.value.kind == "too_large" and peak < 8 * 2 ** 20, peak  # not the 16 MiB it sends
 
 
 def test_an_error_answer_is_quoted_from_its_start_with_the_key_masked_and_keeps_its_status(serve):
