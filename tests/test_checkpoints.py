@@ -255,6 +255,7 @@ def test_a_finished_run_says_where_its_model_and_checkpoint_are_and_the_commands
     assert tables[0] == tables[1] and tables[0]["all"]["prompts"] == 4
     further = _command(lines[5])
     assert further[-4:] == ["--ckpt_path", str(last), "--trainer.max_steps", "4"]
+    assert further.count("--trainer.max_steps") == 1  # the run's own "--trainer.max_steps 2" replaced, not repeated
     cli = rllight.app.cli.RLLightCLI(args=further)
     assert cli.trainer.global_step == 4 and _last(tmp_path) == 4  # two more steps, from step 2
 

@@ -316,6 +316,14 @@ class RLLightCLI(LightningCLI):
         words = shlex.split(self._resume_command())[1:]
         if self.subcommand in words:
             words[words.index(self.subcommand)] = subcommand
+        for option in (e for e in extra if e.startswith("--")):  # extra's value replaces the command's, not repeats
+            kept = []
+            for word in words:
+                if kept and kept[-1] == option:
+                    kept.pop()  # "--option value": the value goes with it
+                elif not word.startswith(option + "="):
+                    kept.append(word)
+            words = kept
         return "rllight " + shlex.join([*words, *extra])
 
     def _outputs(self) -> list[str]:
