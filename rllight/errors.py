@@ -23,3 +23,11 @@ class RunStopped(RecipeError):
     """A guard ended the run after a completed RL step, saved where checkpoints are on: training could not usefully
     go on (RL steps without an update, updates without a gradient). The message says why, which option sets the
     guard, and the checkpoint that resumes the run."""
+
+
+def install_hint(extra: str, package: str | None = None) -> str:
+    """How to install the optional ``extra``: ``tools/install.sh`` in a clone (which installs torch first and
+    keeps the venv), the editable pip form beside it, and the bare ``package`` where one is enough."""
+    also = f"; or pip install {package}" if package else ""
+    return f"bash tools/install.sh {extra} (in the rllight clone; or pip install -e '.[{extra}]'{also})"
+

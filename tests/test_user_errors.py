@@ -100,7 +100,7 @@ def test_missing_vllm_is_reported_before_the_model_loads(capsys, monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
     line = _error(capsys, "fit", "--config", GRPO, "--config", os.path.join(RECIPES, "overlays", "vllm.yaml"))
-    assert "model.rollout: vLLM is not installed" in line and "pip install 'rllight[vllm]'" in line
+    assert "model.rollout: vLLM is not installed" in line and "bash tools/install.sh vllm " in line
 
 
 def test_unwritable_outputs_are_refused_before_the_model_loads(tmp_path, capsys, monkeypatch, tiny_model_dir):
@@ -280,7 +280,7 @@ def test_an_adapter_without_its_extra_is_one_line_before_the_model_loads(module,
     recipe = os.path.join(RECIPES, "env-textarena-guess.yaml")
     args = ["fit", "--config", recipe] + ([] if environment is None else ["--model.environment", environment])
     line = _error(capsys, *args)
-    assert f"pip install 'rllight[{extra}]'" in line and "model.environment" in line
+    assert f"bash tools/install.sh {extra} (in the rllight clone" in line and "model.environment" in line
 
 
 def test_a_refused_setting_of_an_optional_component_is_one_line(capsys):

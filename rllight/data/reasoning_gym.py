@@ -1,4 +1,4 @@
-"""reasoning-gym's procedural tasks as training and validation rows (``pip install 'rllight[reasoning-gym]'``).
+"""reasoning-gym's procedural tasks as training and validation rows (``bash tools/install.sh reasoning-gym``).
 
 In a recipe (with ``model.reward: rllight.rewards.ReasoningGymScore``, which scores each row with its task's own
 verifier)::

@@ -1,4 +1,4 @@
-"""A verifiers environment's tasks as training and validation rows (``pip install 'rllight[verifiers]'``).
+"""A verifiers environment's tasks as training and validation rows (``bash tools/install.sh verifiers``).
 
 In a recipe, with the same environment in ``model.environment`` (``rllight.envs.verifiers_env.Verifiers``), which
 plays each row's task::

@@ -1,4 +1,4 @@
-"""OpenEnv environments as rllight environments (``pip install 'rllight[openenv]'``).
+"""OpenEnv environments as rllight environments (``bash tools/install.sh openenv``).
 
 An OpenEnv server (https://github.com/meta-pytorch/OpenEnv) holds environments behind HTTP and WebSocket: each
 connection to its ``/ws`` is a session with an environment instance of its own, driven by ``reset`` and ``step``
@@ -24,9 +24,9 @@ from rllight.bounds import AtLeastTwo, PositiveFiniteFloat, PositiveFloat, Posit
 from rllight.envs.base import Environment, StepResult
 from rllight.envs.factory import refuse_system
 from rllight.envs.openenv_sessions import LATE_SECONDS, BadAnswer, Runtime, close_soon, explain, open_session
-from rllight.errors import ComponentError, RecipeError
+from rllight.errors import ComponentError, RecipeError, install_hint
 
-INSTALL = "pip install 'rllight[openenv]' (or pip install openenv-core)"
+INSTALL = install_hint("openenv", "openenv-core")
 KEY = "model.environment.init_args"
 
 OBSERVATION_FIELDS = ("prompt", "text", "message", "content", "observation", "feedback", "output")

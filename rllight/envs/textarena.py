@@ -1,4 +1,4 @@
-"""textarena's single-player games as an environment (``pip install 'rllight[textarena]'``).
+"""textarena's single-player games as an environment (``bash tools/install.sh textarena``).
 
 textarena (``textarena.make(env_id, **kwargs)``) ships text games with their own rules, move formats and rewards:
 Guess The Number, Wordle, Mastermind, Sudoku, Tower of Hanoi, ... In a recipe, with rows that carry a seed
@@ -32,9 +32,9 @@ from collections.abc import Callable
 
 from rllight.bounds import AtLeastTwo, PositiveFiniteFloat, PositiveInt
 from rllight.envs.base import Environment, StepResult
-from rllight.errors import RecipeError, one_line
+from rllight.errors import RecipeError, install_hint, one_line
 
-INSTALL = "pip install 'rllight[textarena]' (or pip install textarena==0.7.4)"
+INSTALL = install_hint("textarena", "textarena==0.7.4")
 GAME_KEY = "model.environment.init_args.game"
 
 _RANDOM_LOCK = threading.Lock()

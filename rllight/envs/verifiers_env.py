@@ -1,5 +1,5 @@
 """verifiers' environments (Prime Intellect's ``verifiers`` 0.4, ``verifiers.v1``), played in process by rllight's
-policy (``pip install 'rllight[verifiers]'``).
+policy (``bash tools/install.sh verifiers``).
 
 A verifiers environment is a ``vf.Env`` whose ``run(task, agents)`` drives the conversation: it opens an exchange
 with a seat (``agents.<seat>.interaction(task)``), asks for the model's reply (``await exchange.turn(message)``),
@@ -39,9 +39,9 @@ from rllight.envs.base import Environment, StepResult
 from rllight.envs.factory import refuse_system, system_module
 from rllight.envs.tool_calls import parse_tool_calls
 from rllight.envs.verifiers_play import STOP, Play
-from rllight.errors import RecipeError
+from rllight.errors import RecipeError, install_hint
 
-INSTALL = "pip install 'rllight[verifiers]'"
+INSTALL = install_hint("verifiers")
 
 TASK_FIELD = "verifiers_task"
 """The field of a row holding its verifiers task data (``TaskData`` as JSON); the rows of

@@ -1,4 +1,4 @@
-"""reasoning-gym's own verifiers as a reward (``pip install 'rllight[reasoning-gym]'``).
+"""reasoning-gym's own verifiers as a reward (``bash tools/install.sh reasoning-gym``).
 
 reasoning-gym generates tasks procedurally, offline, each with a ``score_answer(answer, entry)`` that returns a
 score in [0, 1] (1 = solved). Its ``entry`` (question, answer and the generator's metadata) is what the score
@@ -13,10 +13,10 @@ from __future__ import annotations
 import json
 import re
 
-from rllight.errors import RecipeError
+from rllight.errors import RecipeError, install_hint
 from rllight.rewards.base import NUMBER, Verifier, last_number
 
-INSTALL = "pip install 'rllight[reasoning-gym]' (or pip install reasoning-gym)"
+INSTALL = install_hint("reasoning-gym", "reasoning-gym")
 
 _BOXED = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}")
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)

@@ -311,7 +311,7 @@ def test_a_missing_package_is_one_line_with_the_install_command(monkeypatch):
     with pytest.raises(RecipeError) as err:
         OpenEnv(url="http://127.0.0.1:8000")
     assert str(err.value) == f"model.environment.init_args needs OpenEnv, which is not installed: {INSTALL}"
-    assert "pip install 'rllight[openenv]'" in str(err.value)
+    assert "bash tools/install.sh openenv (in the rllight clone" in str(err.value)
 
 
 @pytest.mark.parametrize("kwargs, key", [

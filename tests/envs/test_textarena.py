@@ -166,7 +166,7 @@ def test_a_missing_textarena_is_one_line_with_the_install_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "textarena", None)
     with pytest.raises(RecipeError) as err:
         TextArena()
-    assert "pip install 'rllight[textarena]'" in str(err.value) and "\n" not in str(err.value)
+    assert "bash tools/install.sh textarena (in the rllight clone" in str(err.value) and "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize(("game", "args", "key"), [

