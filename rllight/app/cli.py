@@ -16,7 +16,8 @@ from rllight._compat import RunCheckpoint, resolve_last_checkpoint
 from rllight.bounds import PositiveFloat
 from rllight.checkpoint import AtomicCheckpointIO, CheckpointSettings, disk_size, human_size
 from rllight.app.command_line import (FIT_DESCRIPTION, NOT_OFFERED, SPECIAL_CKPT, RecipeParser, check_class_paths,
-                                  ckpt_path_given, one_line_parse_error, relocate)
+                                  ckpt_path_given, one_line_parse_error, relocate,
+                                  without_options)
 from rllight.app.recipe_files import check_config_files
 from rllight.data import RLDataModule
 from rllight.errors import ComponentError, RecipeError
@@ -316,15 +317,7 @@ class RLLightCLI(LightningCLI):
         words = shlex.split(self._resume_command())[1:]
         if self.subcommand in words:
             words[words.index(self.subcommand)] = subcommand
-        for option in (e for e in extra if e.startswith("--")):  # extra's value replaces the command's, not repeats
-            kept = []
-            for word in words:
-                if kept and kept[-1] == option:
-                    kept.pop()  # "--option value": the value goes with it
-                elif not word.startswith(option + "="):
-                    kept.append(word)
-            words = kept
-        return "rllight " + shlex.join([*words, *extra])
+        return "rllight " + shlex.join([*without_options(words, extra), *extra])
 
     def _outputs(self) -> list[str]:
         """What a fit that ended normally leaves (the export, the last checkpoint, their sizes) and the commands

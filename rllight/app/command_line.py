@@ -74,6 +74,20 @@ def ckpt_path_given(argv: list[str]) -> str | None:
     return found
 
 
+def without_options(words: list[str], extra) -> list[str]:
+    """``words`` (a command line) without the options that ``extra`` sets (``--option value`` or ``--option=value``),
+    so that a printed command's own value replaces the run's rather than repeating it."""
+    for option in (e for e in extra if e.startswith("--")):
+        kept = []
+        for word in words:
+            if kept and kept[-1] == option:
+                kept.pop()  # "--option value": the value goes with it
+            elif not word.startswith(option + "="):
+                kept.append(word)
+        words = kept
+    return words
+
+
 _DETAIL_HINTS = ("is not accepted", "not expected", "Unrecognized", "Expected a", "does not exist", "No module",
                  "not a subclass", "Import path", "Not a valid", "missing")
 _KEY_LINE = re.compile(r'Parser key "([^"]+)":$')
