@@ -51,7 +51,8 @@ def _no_progress_bars():
             hf_logging.enable_progress_bar()
 
 
-def build_tiny_model(path: str, hidden_size: int = 32, num_layers: int = 2, seed: int = 0) -> str:
+def build_tiny_model(path: str, hidden_size: int = 32, num_layers: int = 2, seed: int = 0,
+                     max_positions: int = 512) -> str:
     """Write a randomly initialised Llama-style model and a byte-level BPE tokenizer with a chat
     template to ``path`` (a Hugging Face folder) and return ``path``."""
     import torch
@@ -74,7 +75,8 @@ def build_tiny_model(path: str, hidden_size: int = 32, num_layers: int = 2, seed
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(fast), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers, num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512,
+        num_hidden_layers=num_layers, num_attention_heads=2, num_key_value_heads=2,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=True, pad_token_id=fast.pad_token_id, eos_token_id=fast.eos_token_id,
         bos_token_id=fast.bos_token_id,
     )
@@ -151,19 +153,29 @@ class TinyModel(HFModel):
         warm_up_steps: Supervised steps on arithmetic answers (0 = the random model, whose responses rarely end
             before the token cap and are almost never right).
         dtype: Parameter dtype.
+        max_positions: Positions of the model (``max_position_embeddings``). The tiny tokenizer spends about a token
+            per character, several times a real model's, so a recipe's prompts are longer here: 4096 holds the
+            longest prompt of a shipped recipe (the model's rotary positions cost no weights).
+        chat_template: A chat template instead of the tiny model's (see ``rllight.models.HFModel``; a smoke run keeps
+            the recipe model's). None: ChatML with tools in the Hermes format (``TOOLS_CHAT_TEMPLATE``), so that an
+            environment that offers tools runs as on a model whose template renders them.
     """
 
     def __init__(self, cache_dir: str | None = None, hidden_size: int = 64, num_layers: int = 2, seed: int = 0,
-                 warm_up_steps: int = 150, dtype: str = "float32"):
-        super().__init__(path="", dtype=dtype)
-        if hidden_size < 2 or hidden_size % 2 or num_layers < 1 or warm_up_steps < 0:
-            raise RecipeError(f"rllight.testing.TinyModel: hidden_size must be even and >= 2, num_layers >= 1 and "
-                              f"warm_up_steps >= 0, got {hidden_size}, {num_layers}, {warm_up_steps}")
+                 warm_up_steps: int = 150, dtype: str = "float32", max_positions: int = 4096,
+                 chat_template: str | None = None):
+        super().__init__(path="", dtype=dtype, chat_template=chat_template or TOOLS_CHAT_TEMPLATE)
+        if hidden_size < 2 or hidden_size % 2 or num_layers < 1 or warm_up_steps < 0 or max_positions < 16:
+            raise RecipeError(f"rllight.testing.TinyModel: hidden_size must be even and >= 2, num_layers >= 1, "
+                              f"warm_up_steps >= 0 and max_positions >= 16, got {hidden_size}, {num_layers}, "
+                              f"{warm_up_steps}, {max_positions}")
         self.cache_dir = cache_dir
         self.hidden_size, self.num_layers, self.seed, self.warm_up_steps = hidden_size, num_layers, seed, warm_up_steps
+        self.max_positions = max_positions
 
     def resolve(self) -> str:
-        name = f"tiny-h{self.hidden_size}-l{self.num_layers}-seed{self.seed}-warm{self.warm_up_steps}"
+        name = (f"tiny-h{self.hidden_size}-l{self.num_layers}-seed{self.seed}-warm{self.warm_up_steps}"
+                f"-p{self.max_positions}")
         target = os.path.expanduser(self.cache_dir or os.path.join(_cache_home(), "rllight", name))
         if os.path.isfile(os.path.join(target, "config.json")):
             return target
@@ -172,7 +184,8 @@ class TinyModel(HFModel):
 
         tmp = f"{target}.build{os.getpid()}"
         with torch.random.fork_rng(devices=[]):  # the run's random stream is the same whether it built the model
-            build_tiny_model(tmp, hidden_size=self.hidden_size, num_layers=self.num_layers, seed=self.seed)
+            build_tiny_model(tmp, hidden_size=self.hidden_size, num_layers=self.num_layers, seed=self.seed,
+                             max_positions=self.max_positions)
             if self.warm_up_steps:
                 warm_up(tmp, self.warm_up_steps, seed=self.seed)
         try:
@@ -184,12 +197,81 @@ class TinyModel(HFModel):
         return target
 
 
+def tiny_classifier(model_dir: str) -> str:
+    """A one-label sequence classifier (``LlamaForSequenceClassification``, ``num_labels: 1``) with the tiny model's
+    body and tokenizer and a seeded score head, in ``<model_dir>-classifier`` (built once): a smoke run's reward
+    model (``rllight.app.smoke_mode``)."""
+    target = f"{model_dir.rstrip(os.sep)}-classifier"
+    if os.path.isfile(os.path.join(target, "config.json")):
+        return target
+    import torch
+    from transformers import AutoTokenizer, LlamaForSequenceClassification
+    from transformers.utils import logging as hf_logging
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the head is new on purpose: no load report of its weights
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = LlamaForSequenceClassification.from_pretrained(model_dir, num_labels=1,
+                                                                   pad_token_id=tokenizer.pad_token_id)
+            with torch.no_grad():  # a head whose scores spread over a few units
+                model.score.weight.copy_(torch.randn_like(model.score.weight))
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    return _save(model, tokenizer, target)
+
+
+def tiny_judge(model_dir: str) -> str:
+    """The tiny model with ``yes`` and ``no`` as tokens of their own (its 300-token BPE has neither), in
+    ``<model_dir>-judge`` (built once): a smoke run's judge (``rllight.app.smoke_mode``). Their output rows are
+    1.5 times those of two digits, the tokens the warmed-up model answers with, plus a little noise: yes and no
+    then hold most of the first token's probability (above ``LLMJudge.min_mass``), so a ``yes_logprob`` verdict
+    reads a P(yes) (one that barely depends on the response: the check is of the wiring)."""
+    target = f"{model_dir.rstrip(os.sep)}-judge"
+    if os.path.isfile(os.path.join(target, "config.json")):
+        return target
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.add_tokens(["yes", "no"])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+        out = model.get_output_embeddings().weight
+        with torch.no_grad():
+            for token, digit in (("yes", "1"), ("no", "2")):
+                row, like = tokenizer.convert_tokens_to_ids(token), tokenizer.convert_tokens_to_ids(digit)
+                noise = 0.1 * out[like].norm() / out.shape[1] ** 0.5 * torch.randn_like(out[like])
+                out[row].copy_(1.5 * out[like] + noise)
+    return _save(model, tokenizer, target)
+
+
+def _save(model, tokenizer, target: str) -> str:
+    """Write ``model`` and ``tokenizer`` to ``target`` atomically (another process may have written it first)."""
+    tmp = f"{target}.build{os.getpid()}"
+    with _no_progress_bars():
+        model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        os.replace(tmp, target)
+    except OSError:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
 SMOKE_MODEL = "rllight.testing.TinyModel"
 """What ``smoke: true`` (``recipes/overlays/smoke.yaml``) puts in place of every model source of a recipe."""
 
 
-def _model_class(class_path) -> type | None:
-    """The class ``class_path`` names when it is an ``rllight.models.HFModel`` (or a subclass), else None."""
+def class_of(class_path) -> type | None:
+    """The class a recipe's ``class_path`` names, or None (not a dotted name, or not a class that imports: the
+    parser has already said whether it imports)."""
     if not isinstance(class_path, str) or "." not in class_path:
         return None
     import importlib
@@ -198,8 +280,14 @@ def _model_class(class_path) -> type | None:
     try:
         cls = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError):
-        return None  # the parser has already said whether it imports
-    return cls if isinstance(cls, type) and issubclass(cls, HFModel) else None
+        return None
+    return cls if isinstance(cls, type) else None
+
+
+def _model_class(class_path) -> type | None:
+    """The class ``class_path`` names when it is an ``rllight.models.HFModel`` (or a subclass), else None."""
+    cls = class_of(class_path)
+    return cls if cls is not None and issubclass(cls, HFModel) else None
 
 
 def smoke_models(config) -> list[tuple[str, str]]:
@@ -216,31 +304,50 @@ def smoke_models(config) -> list[tuple[str, str]]:
     if not (isinstance(policy, Namespace) and _is_tiny(policy.get("class_path"))):
         policy = Config(class_path=SMOKE_MODEL, init_args=Config())
     replaced: list[tuple[str, str]] = []
-
-    def visit(node, prefix: str) -> None:
-        items = list(node.items()) if isinstance(node, dict) else list(vars(node).items())
-        for name, value in items:
-            key = f"{prefix}{name}"
-            if isinstance(value, list):
-                for i, item in enumerate(value):
-                    if isinstance(item, (dict, Namespace)):
-                        visit(item, f"{key}.{i}.")
-                continue
-            if not isinstance(value, (dict, Namespace)):
-                continue
-            class_path = value.get("class_path")
-            if _model_class(class_path) is not None and not _is_tiny(class_path):
-                copy = policy.clone()  # each source its own copy: a later change to one leaves the others
-                if isinstance(node, dict):
-                    node[name] = copy
-                else:
-                    setattr(node, name, copy)
-                replaced.append((key, class_path))
-                continue
-            visit(value, f"{key}.")
-
-    visit(config, "")
+    for key, parent, name, value in class_nodes(config):
+        class_path = value.get("class_path")
+        if _model_class(class_path) is None or _is_tiny(class_path):
+            continue
+        copy = policy.clone()  # each source its own copy: a later change to one leaves the others
+        template = (value.get("init_args") or {}).get("chat_template")
+        if template is not None:  # the recipe's template (one that renders tools) stays
+            if copy.get("init_args") is None:
+                copy.init_args = type(copy)()
+            copy.init_args.chat_template = template
+        set_value(parent, name, copy)
+        replaced.append((key, class_path))
     return replaced
+
+
+def class_nodes(node, prefix: str = ""):
+    """``(key, parent, name, value)`` of every ``{class_path: ...}`` node under a parsed recipe ``node`` (a
+    ``Namespace`` or a dict; lists walked), depth first; a node the caller replaces (``set_value(parent, name,
+    ...)``) is not walked into."""
+    from argparse import Namespace
+
+    items = list(node.items()) if isinstance(node, dict) else list(vars(node).items())
+    for name, value in items:
+        key = f"{prefix}{name}"
+        if isinstance(value, list):
+            for i, item in enumerate(value):
+                if isinstance(item, (dict, Namespace)):
+                    yield from class_nodes(item, f"{key}.{i}.")
+            continue
+        if not isinstance(value, (dict, Namespace)):
+            continue
+        if isinstance(value.get("class_path"), str):
+            yield key, node, name, value
+            if (node.get(name) if isinstance(node, dict) else getattr(node, name, None)) is not value:
+                continue  # replaced
+        yield from class_nodes(value, f"{key}.")
+
+
+def set_value(node, name: str, value) -> None:
+    """Set ``name`` of a parsed recipe's ``node`` (a ``Namespace`` or a dict) to ``value``."""
+    if isinstance(node, dict):
+        node[name] = value
+    else:
+        setattr(node, name, value)
 
 
 def _is_tiny(class_path) -> bool:

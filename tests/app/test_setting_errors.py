@@ -130,8 +130,9 @@ def test_of_two_judges_the_one_with_the_bad_setting_is_named(capsys, tmp_path):
 
 
 def test_a_judge_model_folder_that_does_not_exist_names_the_judge_inside_weighted(capsys, tmp_path):
-    """Refused when the run starts (not by the constructor): the key still says where the judge sits."""
-    line = _line(capsys, tmp_path, JUDGE, None, f"--{J}.model", str(tmp_path / "no-such-judge"))
+    """Refused when the run starts (not by the constructor): the key still says where the judge sits. (``--smoke
+    false``: the overlay's tiny policy, but the recipe's judge folder, which smoke mode would replace.)"""
+    line = _line(capsys, tmp_path, JUDGE, None, f"--{J}.model", str(tmp_path / "no-such-judge"), "--smoke", "false")
     assert line.startswith(f"{J}.model: "), line
 
 
