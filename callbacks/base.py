@@ -65,6 +65,12 @@ class RolloutCallback(L.Callback):
         """Checks that need no model: ``rllight fit`` calls this before any model loads (before the evaluation that
         opens a run), so that a wrong setting costs a line, not minutes. Raise ``RecipeError`` with one line."""
 
+    def rollouts_to_take(self) -> int:
+        """The coming rollouts this callback will use itself at most (``on_rollout`` returning None: no policy update),
+        counted in the total of RL steps the progress lines show (``rllight.app.rollout_count.RolloutCount``), which is
+        then a bound: ``ValuePretraining``'s ``max_steps`` left, which it may end sooner. 0 by default."""
+        return 0
+
     def on_rollout(self, trainer: L.Trainer, context: RolloutContext, rollout: Rollout) -> Rollout | None:
         """Return the rollout to train on (the same object, changed, or a new one), or None when the
         callback has used it itself and this step makes no policy update (e.g. value pretraining).

@@ -96,6 +96,10 @@ class ValuePretraining(RolloutCallback):
         self.finished = reason is not None
         return reason
 
+    def rollouts_to_take(self) -> int:
+        """The pretraining rollouts left at most (``max_steps`` less those done; none once finished)."""
+        return 0 if self.finished else max(self.max_steps - self.steps_done, 0)
+
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self.minibatch_size is not None:  # a total that must divide among the processes: refused at the start
             share(self.minibatch_size, trainer.world_size, "trainer.callbacks: ValuePretraining.minibatch_size")

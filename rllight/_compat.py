@@ -197,8 +197,9 @@ def newest_last_checkpoint(root: str) -> str | None:
     still empty) never looks."""
     import glob
 
+    # A file, or under FSDP's save_distributed_checkpoint a folder of shards with its meta.pt (rllight.safety).
     found = [p for p in glob.glob(os.path.join(glob.escape(root), "**", "last.ckpt"), recursive=True)
-             if os.path.isfile(p)]
+             if os.path.isfile(p) or os.path.isfile(os.path.join(p, "meta.pt"))]
     return max(found, key=os.path.getmtime) if found else None
 
 

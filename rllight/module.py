@@ -127,6 +127,9 @@ class RLModule(L.LightningModule):
         check_recipe(advantage, critic, kl, sampler, critic_first)
         rollout, reward_runner = plain_instance(rollout), plain_instance(reward_runner)
         reward = IntegerMatch() if reward is None and environment is None else plain_instance(reward)
+        if reward is not None and environment is not None:  # e.g. a recipe's reward under an environment's overlay
+            log.warning("model.reward (%s) is not used: model.environment (%s) scores every episode; set "
+                        "model.reward: null", type(reward).__name__, type(environment).__name__)
         self.automatic_optimization = False
         self.source, self.lora, self.gradient_checkpointing = model, lora, gradient_checkpointing
         self.rollout, self.sampler, self.reward, self.environment = rollout, sampler, reward, environment
@@ -141,7 +144,8 @@ class RLModule(L.LightningModule):
         self.policy = self.ref_policy = self.tokenizer = None  # loaded in configure_model
         self.prompt_stream, self._prompt_state = None, {}  # extra training prompts (set up with the data), its state
         self.prefetched_through = -1  # the last training batch whose rollout the engine was asked for ahead
-        self._consumed_steps, self._epoch_start, self._preflight_done = 0, (0, 0), False
+        self._consumed_steps, self._batches_drawn, self._preflight_done = 0, 0, False
+        self._epoch_start = (0, 0, 0)  # (updates, consumed steps, batches drawn) as the epoch began
 
     def _layers(self, max_prompt_tokens: int | None) -> tuple[RolloutProducer, Scoring, Updater]:
         """The layers of a step, wired from the stored settings: the rollout producer (the step's prompts, generation,
@@ -199,8 +203,11 @@ class RLModule(L.LightningModule):
 
     @property
     def answer_checker(self) -> Reward | None:
-        """The reward that checks the rows' reference answers: ``model.reward``, else the environment's verifier."""
-        return self.reward if self.reward is not None else getattr(self.environment, "verifier", None)
+        """The reward that checks the rows' reference answers: the environment's verifier where an environment
+        scores the episodes (None: it has none, nothing is checked), else ``model.reward``."""
+        if self.environment is not None:
+            return getattr(self.environment, "verifier", None)
+        return self.reward
 
     def teardown(self, stage: str) -> None:
         self.producer.close()  # the reward workers, a batch reward's model: they start again at the next score
@@ -391,6 +398,7 @@ class RLModule(L.LightningModule):
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         forget_step_metrics(self.trainer)  # a metric of some steps only must not repeat on later steps
+        self._batches_drawn += 1
 
     def on_train_start(self) -> None:
         # The engine's own weights (vLLM, a lower-precision copy) may have been made before a checkpoint
@@ -402,11 +410,14 @@ class RLModule(L.LightningModule):
                 log.warning("resumed with the recipe's learning rates: %s", ", ".join(changes))
 
     def on_train_epoch_start(self) -> None:
-        self._epoch_start = (self.global_step, self._consumed_steps)
+        self._epoch_start = (self.global_step, self._consumed_steps, self._batches_drawn)
 
     def on_train_epoch_end(self) -> None:
-        # Progress is an update, or a step a callback used (value pretraining makes no policy update).
-        if (self.global_step, self._consumed_steps) == self._epoch_start:
+        # Progress is an update, or a step a callback used (value pretraining makes no policy update). An epoch that
+        # drew no batch made none by design: a resume from a checkpoint saved at an epoch's end (validation on)
+        # first ends the epoch Lightning restores, with no batch left in it.
+        updates, consumed, drawn = self._epoch_start
+        if self._batches_drawn > drawn and (self.global_step, self._consumed_steps) == (updates, consumed):
             # Otherwise a run whose every batch is filtered out would loop over epochs forever.
             raise RecipeError(f"epoch {self.current_epoch} made no update: {self.producer.why_empty()}; fix that or "
                               "relax the filters")

@@ -103,8 +103,8 @@ class ProfileStep(L.Callback):
         seconds = time.perf_counter() - self._start
         self._prof.__exit__(None, None, None)
         self.summary = summarize(self._prof.key_averages(), seconds, self.row_limit)
+        folder = self.out or trainer.log_dir or trainer.default_root_dir  # every rank: a collective under DDP
         if trainer.is_global_zero:
-            folder = self.out or trainer.log_dir or trainer.default_root_dir
             os.makedirs(folder, exist_ok=True)
             with open(os.path.join(folder, "profile.json"), "w") as f:
                 json.dump(self.summary, f, indent=2)

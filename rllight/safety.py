@@ -69,7 +69,8 @@ size or sampler changes every later rollout. Refused unless ``--resume_allow_cha
 # Critic settings that are hyper-parameters, not weights: a change is reported, not refused.
 _CRITIC_HYPER = ("loss_coef", "clip", "lr")
 # Keys that say how long or where a run goes, not what it is.
-_IGNORED = ("ckpt_path", "config", "print_config", "resume_allow_changes", "distributed_timeout_minutes",
+_IGNORED = ("ckpt_path", "config", "print_config", "resume_allow_changes", "evaluate_before_again",
+            "distributed_timeout_minutes",
             "trainer.max_steps", "trainer.max_epochs", "trainer.default_root_dir", "trainer.logger", "trainer.callbacks",
             "trainer.enable_progress_bar", "trainer.enable_checkpointing", "model.export_dir", "checkpoint")
 

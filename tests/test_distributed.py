@@ -252,3 +252,18 @@ def test_ddp_dapo_with_uneven_retention_makes_the_updates_of_one_process_on_the_
         assert [r[2] for r in rows_two] == pytest.approx([r[2] for r in rows_one], abs=1e-5)  # ...and advantages
         for parts, n in step_two:  # each update takes its rows from both ranks, at most one group (4) apart
             assert abs(len(parts[0]) - len(parts[1])) <= 4, [len(p) for p in parts]
+
+
+@pytest.mark.slow
+def test_ddp_two_cpu_processes_evaluate_before_and_after(tmp_path, tiny_model_dir):
+    """Validation under DDP: every rank asks for the log folder (a collective), so the evaluation before training
+    and after it end instead of rank 0 waiting alone (it once did, until the gloo timeout)."""
+    overlay = tiny_overrides(tmp_path, tiny_model_dir)
+    run = fit_in_child("grpo.yaml", "--config", overlay, "--trainer.strategy", "ddp", "--trainer.devices", "2",
+                       "--trainer.accelerator", "cpu", "--trainer.max_steps", "2", "--trainer.limit_val_batches", "1.0",
+                       "--data.val_size", "4", "--evaluate_before_after", "true",
+                       "--trainer.default_root_dir", str(tmp_path / "run"), timeout=300)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    assert "rllight: accuracy_before=" in run.stdout + run.stderr
+    written = list((tmp_path / "run").rglob("evaluation/val_step*"))
+    assert written, list((tmp_path / "run").rglob("*"))

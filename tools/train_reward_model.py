@@ -24,6 +24,7 @@ The folder ``--out`` (default ``runs/reward-model/model``) holds the classifier 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import sys
@@ -92,8 +93,32 @@ def auc(scores: list[float], labels: list[float]) -> float | None:
     return wins / (len(pos) * len(neg))
 
 
+@contextlib.contextmanager
+def quiet_transformers():
+    """transformers' messages off for the block, as they were after: its load report (the classifier's score head is
+    missing from the base model's weights, as it must be: this tool trains it) and its bars (loading and saving
+    weights, every frame on one line in a log file). The tool's own lines say what it did."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    with quiet_transformers():
+        return train(args)
+
+
+def train(args: argparse.Namespace) -> int:
+    """Sample, label, train and check (the module's docstring); prints the result line last."""
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 

@@ -15,20 +15,21 @@ from lightning.pytorch.cli import LightningCLI
 from rllight._compat import RunCheckpoint, resolve_last_checkpoint
 from rllight.bounds import PositiveFloat
 from rllight.checkpoint import AtomicCheckpointIO, CheckpointSettings, disk_size, human_size
-from rllight.app.command_line import (FIT_DESCRIPTION, NOT_OFFERED, SPECIAL_CKPT, RecipeParser, check_class_paths,
-                                  ckpt_path_given, one_line_parse_error, relocate,
-                                  without_options)
+from rllight.app.command_line import (FIT_DESCRIPTION, NOT_OFFERED, SPECIAL_CKPT, TRAINING_ONLY, RecipeParser,
+                                      check_class_paths, ckpt_path_given, one_line_parse_error, relocate,
+                                      without_options)
 from rllight.app.recipe_files import check_config_files
 from rllight.data import RLDataModule
 from rllight.errors import ComponentError, RecipeError
-from rllight.evaluation import before_after, column_notes, evaluation_table
+from rllight.evaluation import column_notes, evaluation_table
 from rllight.export import check_export_dir, overlaps
 from rllight.app.hardware import check_hardware
 from rllight.app.launch import TIMEOUT_MINUTES, launch_settings, prepare, rank_failures
 from rllight.module import RLModule
 from rllight.paths import add_user_import_paths, expand_config_paths, expand_path, model_path_args
 from rllight.precision import bound_onednn_cache, check_float32_lm_head, resolve_config
-from rllight.app.progress import StepLog, progress_callbacks, quiet_lightning
+from rllight.app.before_after import BeforeTraining, compare_before_after, evaluate_before
+from rllight.app.progress import progress_callbacks, quiet_lightning
 from rllight.safety import (RECIPE_KEY, Interrupts, RecipeRecord, check_resume, check_writable, read_checkpoint,
                             tolerate_closed_output)
 from rllight.app.usage import DESCRIPTION, top_help
@@ -61,7 +62,8 @@ class RLLightCLI(LightningCLI):
     Extra top-level options:
         ``evaluate_before_after``: run the validation loop before ``fit`` and again after it, print a
         table of both (accuracy, avg@k / pass@k / maj@k with standard errors, length, turns) and write it
-        to ``<log_dir>/eval_summary.json``.
+        to ``<log_dir>/eval_summary.json``. A resume compares with the evaluation its checkpoint keeps
+        (``rllight.app.before_after``) unless ``evaluate_before_again``.
         ``resume_allow_changes``: resume although the data batch size, the sampler or its group size changed.
         ``checkpoint``: how often rllight's own checkpoints are saved, how many are kept, and whether the last
         one holds the weights only (``rllight.checkpoint.CheckpointSettings``).
@@ -98,6 +100,9 @@ class RLLightCLI(LightningCLI):
         kwargs.setdefault("trainer_defaults", {"log_every_n_steps": 1, "num_sanity_val_steps": 0,
                                                "inference_mode": False})
         kwargs.setdefault("auto_configure_optimizers", False)
+        # A recipe without seed_everything (rllight validate or generate with --model.path alone) is seeded 0, as
+        # Lightning would, without its warning that names its own file ("No seed found, seed set to 0").
+        kwargs.setdefault("seed_everything_default", 0)
         kwargs.setdefault("parser_class", RecipeParser)  # trainer.precision: auto (rllight.precision)
         # A misspelt option must fail, not match a longer one by prefix; errors raise so that main()
         # can print them on one line.
@@ -127,11 +132,10 @@ class RLLightCLI(LightningCLI):
         config = self.config[self.subcommand] if self.subcommand else self.config
         check_class_paths(self._recipe())  # nothing of the standard library is constructed (docs/guides/security.md)
         expand_config_paths(config)
-        if config.get("smoke"):  # recipes/overlays/smoke.yaml: every model source becomes the tiny model
-            from rllight.testing import smoke_models
+        if config.get("smoke"):  # recipes/overlays/smoke.yaml (rllight.app.smoke_mode)
+            from rllight.app.smoke_mode import apply_smoke
 
-            for key, class_path in smoke_models(config):
-                log.info("smoke: %s (%s) is the tiny model", key, class_path)
+            apply_smoke(config)
         # The engine's dtype: auto where it came from the engine's default (the parser resolved the written ones).
         resolve_config(config)
         check_float32_lm_head(config)
@@ -139,6 +143,11 @@ class RLLightCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_argument("--evaluate_before_after", type=bool, default=False,
                             help="Validate before and after fit and report both accuracies.")
+        parser.add_argument("--evaluate_before_again", type=bool, default=False,
+                            help="With evaluate_before_after and --ckpt_path: evaluate the untrained model again "
+                                 "rather than compare with the evaluation before training that the checkpoint keeps "
+                                 "(which is reused where its model, engine, reward, model.evaluation and held-out "
+                                 "prompts are this recipe's).")
         parser.add_argument("--resume_allow_changes", type=bool, default=False,
                             help="With --ckpt_path: continue although data.batch_size, the sampler or its "
                                  "group_size differ from the checkpoint's recipe.")
@@ -182,7 +191,7 @@ class RLLightCLI(LightningCLI):
         shown, settings = progress_callbacks(trainer_config, callbacks)  # a line per step in a log file, or a bar
         callbacks += shown  # before Interrupts: a step's line comes before the message that the run stops there
         kwargs.update(settings)
-        callbacks += [Interrupts(self._resume_command()), RecipeRecord(self._recipe())]
+        callbacks += [Interrupts(self._resume_command()), RecipeRecord(self._recipe()), BeforeTraining()]
         saving = config.get("checkpoint") or CheckpointSettings()
         if trainer_config.get("enable_checkpointing") is not False and not any(
             isinstance(cb, ModelCheckpoint) for cb in callbacks
@@ -257,8 +266,7 @@ class RLLightCLI(LightningCLI):
                 raise RecipeError(f"--ckpt_path last: no last.ckpt of an earlier run where this run keeps its "
                                   f"checkpoints (under '{self.trainer.default_root_dir}'); give the checkpoint's "
                                   "path, or leave --ckpt_path out to start afresh")
-            self.config.fit.ckpt_path = self.config_init.fit.ckpt_path = ckpt_path = found
-            log.info("--ckpt_path last: resuming from %s", ckpt_path)
+            self.config.fit.ckpt_path = self.config_init.fit.ckpt_path = ckpt_path = found  # named when restored
         if not ckpt_path or ckpt_path in SPECIAL_CKPT:
             return
         saved = self._saved_recipe
@@ -276,11 +284,6 @@ class RLLightCLI(LightningCLI):
                               f"(checkpoint.final_weights_only): it cannot resume training; evaluate it with: "
                               f"{self._command('validate', '--ckpt_path', path)}")
 
-    def _evaluate(self) -> dict[str, float]:
-        results = self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False)
-        # The evaluation's own numbers: Lightning returns the logged copies, rounded to float32.
-        return {**results[0], **self.model.evaluator.last_metrics} if results else {}
-
     def _no_validation(self) -> str | None:
         """Why ``evaluate_before_after`` has nothing to evaluate (validation is off), or None."""
         return "trainer.limit_val_batches is 0" if not self.trainer.limit_val_batches else None
@@ -295,35 +298,32 @@ class RLLightCLI(LightningCLI):
         if evaluate and isinstance(self.datamodule, RLDataModule):  # not after an evaluation's minutes
             self.datamodule.setup("fit")
             self.model.preflight_rewards(self.datamodule.train_rows)
-        step_logs = [cb for cb in self.trainer.callbacks if isinstance(cb, StepLog)]
-        for step_log in step_logs:
-            step_log.before_fit = True
-        try:
-            self._before = self._evaluate() if evaluate else None
-        finally:
-            for step_log in step_logs:
-                step_log.before_fit = False
-        self._before_per_prompt = dict(self.model.evaluator.last_per_prompt)
+        if evaluate:  # a resume's is the checkpoint's, where it measured what this recipe would
+            evaluate_before(self.trainer, self.model, self.datamodule, self._recipe(), self.config.fit.ckpt_path,
+                            again=self.config.fit.evaluate_before_again)
 
     def after_fit(self) -> None:
         if self.config.fit.evaluate_before_after:
-            self._compare_before_after()
+            compare_before_after(self.trainer, self.model, self.datamodule, self._no_validation())
         if self.trainer.is_global_zero:
             for line in self._outputs():
                 print(line, flush=True)
 
     def _command(self, subcommand: str, *extra: str) -> str:
-        """This command line as ``rllight <subcommand>``, without ``--ckpt_path``, then ``extra``."""
+        """This command line as ``rllight <subcommand>``, without ``--ckpt_path``, then ``extra``; a ``validate`` also
+        without the options that act on a fit alone (``TRAINING_ONLY``)."""
         words = shlex.split(self._resume_command())[1:]
         if self.subcommand in words:
             words[words.index(self.subcommand)] = subcommand
+        if subcommand == "validate":
+            words = without_options(words, TRAINING_ONLY)
         return "rllight " + shlex.join([*without_options(words, extra), *extra])
 
     def _outputs(self) -> list[str]:
         """What a fit that ended normally leaves (the export, the last checkpoint, their sizes) and the commands
         that evaluate each and resume the run."""
         rollouts = getattr(self.datamodule, "batches_trained", None)  # the steps the per-step lines count
-        done = f"{rollouts} RL steps, " if rollouts is not None else ""
+        done = f"{rollouts} RL step{'' if rollouts == 1 else 's'}, " if rollouts is not None else ""
         lines = [f"rllight: finished: {done}{self.trainer.global_step} optimizer updates (trainer.max_steps counts "
                  "updates)."]
         export = self.model.export_dir
@@ -352,21 +352,21 @@ class RLLightCLI(LightningCLI):
         """``rllight validate``: Lightning's validation, reported as rllight's compact table (printed, and saved as
         ``validate_summary.json`` in the log folder) in place of Lightning's table of every logged key."""
         results = self.trainer.validate(model, datamodule=datamodule, **{**kwargs, "verbose": False})
-        if self.trainer.is_global_zero:  # the evaluation's own numbers, as in _evaluate
+        folder = self.trainer.log_dir or self.trainer.default_root_dir  # every rank: a collective under DDP
+        if self.trainer.is_global_zero:  # the evaluation's own numbers, as in rllight.app.before_after.evaluate
             metrics = {**results[0], **model.evaluator.last_metrics} if results else {}
-            self._report(metrics, "validate_summary.json", kwargs.get("ckpt_path"))
+            self._report(metrics, folder, "validate_summary.json", kwargs.get("ckpt_path"))
         return results
 
-    def _report(self, metrics: dict[str, float], name: str, ckpt_path: str | None) -> None:
+    def _report(self, metrics: dict[str, float], folder: str, name: str, ckpt_path: str | None) -> None:
         """Print one evaluation's table and what its rows measure, and save the table as ``name`` in the log
-        folder."""
+        ``folder``."""
         settings = self.model.evaluation
         table, lines = evaluation_table(metrics)
         if not table:
             print(f"rllight: {self.subcommand}: nothing was evaluated ({self._no_validation() or 'no prompts'}); "
                   "set trainer.limit_val_batches above 0 and data.val_size above 0", flush=True)
             return
-        folder = self.trainer.log_dir or self.trainer.default_root_dir
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, name)
         with open(path, "w") as f:
@@ -378,46 +378,6 @@ class RLLightCLI(LightningCLI):
         for line in lines + column_notes(list(table["all"]), settings):
             print("  " + line, flush=True)
         print(f"rllight: saved to {path}", flush=True)
-
-    def _compare_before_after(self) -> None:
-        reason = self._no_validation()
-        after = self._evaluate() if reason is None else {}
-        before = self._before or {}
-        acc_before, acc_after = before.get("val/accuracy"), after.get("val/accuracy")
-        if acc_before is None or acc_after is None:
-            if self.trainer.is_global_zero:
-                print(f"rllight: evaluate_before_after: no validation ran ({reason or 'no val/accuracy was logged'}), "
-                      "so there is nothing to compare; set trainer.limit_val_batches above 0 and data.val_size above 0",
-                      flush=True)
-            return
-        n = len(self.datamodule.val_rows)
-        summary = {"accuracy_before": acc_before, "accuracy_after": acc_after, "num_val": n}
-        table, lines = before_after(before, after, self._before_per_prompt,
-                                    self.model.evaluator.last_per_prompt)
-        if acc_before is not None and acc_after is not None and n:
-            # val/accuracy is the greedy accuracy where there is one, else avg@n: its row's standard error of
-            # the difference (paired where the per-prompt values are known); else the binomial one of two
-            # independent accuracies on the same n problems (an upper bound).
-            label = "greedy accuracy" if "val/greedy/avg@1" in after else f"avg@{self.model.evaluation.n}"
-            se = table.get(label, {}).get("difference_se")
-            if se is None:
-                se = ((acc_before * (1 - acc_before) + acc_after * (1 - acc_after)) / n) ** 0.5
-            summary["difference"] = acc_after - acc_before
-            summary["stderr_of_difference"] = se
-        if self.trainer.is_global_zero:
-            log_dir = self.trainer.log_dir or "."
-            os.makedirs(log_dir, exist_ok=True)
-            with open(os.path.join(log_dir, "eval_summary.json"), "w") as f:
-                json.dump({**summary, "metrics": table}, f, indent=2)
-            paired = all(row.get("paired", True) for row in table.values())
-            kind = ("paired over the same prompts" if paired
-                    else "as if the two evaluations were independent, an upper bound")
-            print(f"rllight: before and after training, {n} held-out prompts (± standard error; the difference's "
-                  f"{kind}):", flush=True)
-            for line in lines + column_notes(list(table), self.model.evaluation):
-                print("  " + line, flush=True)
-            print("rllight: " + " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
-                                         for k, v in summary.items()), flush=True)
 
 
 def main(args: list[str] | None = None) -> None:

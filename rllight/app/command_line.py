@@ -74,6 +74,12 @@ def ckpt_path_given(argv: list[str]) -> str | None:
     return found
 
 
+TRAINING_ONLY = ("--trainer.max_steps", "--evaluate_before_after", "--evaluate_before_again", "--resume_allow_changes",
+                 "--trainer.limit_val_batches")
+"""Options that act on a fit alone: a printed ``rllight validate`` command leaves them out (a fit's
+``limit_val_batches 0``, no validation during training, would make the evaluation evaluate nothing)."""
+
+
 def without_options(words: list[str], extra) -> list[str]:
     """``words`` (a command line) without the options that ``extra`` sets (``--option value`` or ``--option=value``),
     so that a printed command's own value replaces the run's rather than repeating it."""

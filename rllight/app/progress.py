@@ -1,14 +1,17 @@
 """What a run prints while it trains.
 
 - In a log file (output not a terminal), or without a progress bar: one line per RL step
-  (``StepLog``: step / total in rollouts, reward, accuracy, entropy, response length, seconds per step, ETA),
-  and during an evaluation one line per batch and at least one every 30 seconds.
+  (``StepLog``: step / total in rollouts, updates / total, both fixed from the first line, reward, accuracy, entropy,
+  response length, seconds per step, ETA), and during an evaluation one line per batch and at least one every 30
+  seconds.
 - In a terminal: a progress bar that counts rollouts (``rollout_bar``), also after a resume.
+- A run from a checkpoint (``--ckpt_path``) says so in one line, with the RL steps and updates it starts from
+  (``StepLog``), in place of Lightning's lines on restoring it.
 - Lightning's messages that a recipe cannot act on are filtered where they arise (``quiet_lightning``), each
   with the reason; its model summary is printed without the FLOPs column (``ModelSize``).
 
 ``trainer.max_steps`` counts optimizer updates, and a rollout makes ``ppo_epochs x ceil(responses /
-minibatch_size)`` of them: ``RolloutCount`` turns one into the other.
+minibatch_size)`` of them: ``rllight.app.rollout_count.RolloutCount`` turns one into the other.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ from lightning.pytorch.callbacks import ModelSummary, ProgressBar, RichProgressB
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 
 from rllight._compat import rl_steps_done, step_metrics
+from rllight.app.rollout_count import RolloutCount
+from rllight.errors import RecipeError
+from rllight.safety import read_checkpoint
 from rllight.stopping import say
 
 STEP_FIELDS = (
@@ -37,6 +43,11 @@ STEP_FIELDS = (
 
 HEARTBEAT_SECONDS = 30.0
 """During an evaluation, the longest a log goes without a line."""
+
+
+def counted(n: int, noun: str) -> str:
+    """``1 RL step``, ``4 RL steps``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def duration(seconds: float) -> str:
@@ -53,77 +64,6 @@ def duration(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
-def planned_updates_per_rollout(module, datamodule) -> int:
-    """Optimizer updates one rollout makes as the recipe plans them: ``ppo_epochs x ceil(data.batch_size x
-    group_size / minibatch_size)`` (one per epoch without a minibatch size), as ``RLModule.rl_step`` counts them."""
-    batching = getattr(module, "batching", None)
-    epochs = max(int(getattr(batching, "ppo_epochs", 1) or 1), 1)
-    minibatch = getattr(batching, "minibatch_size", None)
-    batch = getattr(datamodule, "batch_size", None)
-    if not minibatch or not batch:
-        return epochs
-    group = getattr(getattr(module, "sampler", None), "group_size", 1) or 1
-    return epochs * max(math.ceil(batch * group / minibatch), 1)
-
-
-class RolloutCount:
-    """Rollouts (RL steps: one training batch each) done and in all, for a run that may be a resume.
-
-    Done: ``datamodule.batches_trained`` (restored by a resume). In all: the rollouts done plus the optimizer
-    updates left to ``trainer.max_steps`` divided by the updates per rollout, and no more than ``max_epochs``
-    epochs of batches. The updates per rollout are planned from the recipe until this run has made some, then
-    measured (a critic's own updates, dynamic sampling or value pretraining change it) over the rollouts that
-    trained and those that were empty after filtering: a run whose rollouts are often empty takes that many more
-    of them, and its ETA says so; one that has made no update yet has no total. A rollout that a callback used
-    instead (value pretraining) is not counted: it is not part of what the updates left will cost.
-    """
-
-    def __init__(self):
-        self.updates = 0  # optimizer updates made by this run's counted rollouts
-        self.rollouts = 0  # ... and how many rollouts those were (empty ones included)
-        self._step_at_start = 0
-
-    def batch_start(self, trainer) -> None:
-        self._step_at_start = trainer.global_step
-
-    def batch_end(self, trainer) -> None:
-        made = trainer.global_step - self._step_at_start
-        if made > 0 or step_metrics(trainer).get("train/guard/empty_rollouts", 0) > 0:
-            self.updates += made
-            self.rollouts += 1
-
-    def done(self, trainer) -> int:
-        return rl_steps_done(trainer)
-
-    def per_rollout(self, trainer) -> float:
-        """Optimizer updates per rollout: measured (0 while every counted rollout was empty), else planned."""
-        if self.rollouts:
-            return self.updates / self.rollouts
-        return planned_updates_per_rollout(trainer.lightning_module, trainer.datamodule)
-
-    def total(self, trainer) -> int | None:
-        """The run's rollouts in all (None when neither ``max_steps`` nor ``max_epochs`` bounds them, or only
-        ``max_steps`` does and no rollout has made an update yet)."""
-        totals = []
-        done = self.done(trainer)
-        per_rollout = self.per_rollout(trainer)
-        if trainer.max_steps is not None and trainer.max_steps > 0 and per_rollout > 0:
-            left = max(trainer.max_steps - trainer.global_step, 0)
-            totals.append(done + math.ceil(round(left / per_rollout, 6)))
-        per_epoch = trainer.num_training_batches
-        if trainer.max_epochs is not None and trainer.max_epochs > 0 and math.isfinite(per_epoch):
-            totals.append(int(trainer.max_epochs * per_epoch))
-        return min(totals) if totals else None
-
-    def total_updates(self, trainer) -> int | None:
-        """The optimizer updates the run will have made at its end: a rollout's updates all run, so ``max_steps``
-        rounded up to whole rollouts (4 for ``max_steps`` 1 with 4 updates a rollout); None where unknown."""
-        total = self.total(trainer)
-        if total is None:
-            return trainer.max_steps if trainer.max_steps is not None and trainer.max_steps > 0 else None
-        return trainer.global_step + round(max(total - self.done(trainer), 0) * self.per_rollout(trainer))
-
-
 class StepLog(L.Callback):
     """One line per RL step, and evaluation progress, for a log file.
 
@@ -134,7 +74,12 @@ class StepLog(L.Callback):
         rllight: evaluation before training: 2 batches (200 prompts)
         rllight: evaluation: 1/2 batches in 1m45s, ETA 1m45s
 
-    and during an evaluation a line at least every ``heartbeat`` seconds (one batch can take minutes).
+    and during an evaluation a line at least every ``heartbeat`` seconds (one batch can take minutes). Whatever the
+    output, a run from a checkpoint says which, once its state is restored (Lightning's own lines on it are
+    dropped: ``quiet_lightning``)::
+
+        rllight: resuming from runs/x/checkpoints/last.ckpt after 4 RL steps (8 optimizer updates)
+        rllight: evaluating runs/x/checkpoints/last.ckpt (4 RL steps, 8 optimizer updates)      (rllight validate)
 
     Args:
         heartbeat: Longest silence during an evaluation, in seconds.
@@ -166,6 +111,12 @@ class StepLog(L.Callback):
                 self._eval["said"] = time.monotonic()
 
     # ------------------------------------------------------------------------------------ training
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.count.start(trainer)
+        if trainer.ckpt_path and trainer.is_global_zero:  # restored by now: the loops, the data's trained batches
+            say(f"rllight: resuming from {trainer.ckpt_path} after {counted(rl_steps_done(trainer), 'RL step')} "
+                f"({counted(trainer.global_step, 'optimizer update')})")
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         self.count.batch_start(trainer)
         self._step_start = time.monotonic()
@@ -177,10 +128,10 @@ class StepLog(L.Callback):
             self.say(self.step_line(trainer, step_metrics(trainer)))
 
     def step_line(self, trainer, metrics: dict[str, float]) -> str:
-        """The line of the step just done, from the metrics it logged."""
-        done, total = self.count.done(trainer), self.count.total(trainer)
-        parts = [f"step {done}/{total if total is not None else '?'}"]
-        updates = self.count.total_updates(trainer)
+        """The line of the step just done, from the metrics it logged; its totals are fixed (``RolloutCount``)."""
+        total, updates = self.count.total(trainer), self.count.total_updates(trainer)
+        parts = [f"step {self.count.done(trainer)}"
+                 + (f"/{'≤' if self.count.bound else ''}{total}" if total is not None else "")]
         parts.append(f"updates {trainer.global_step}" + (f"/{updates}" if updates is not None else ""))
         parts += [f"{label} {fmt.format(metrics[key])}" for label, key, fmt in STEP_FIELDS if key in metrics]
         if metrics.get("train/sampling/cap_hit", 0) > 0:  # dynamic sampling trained on fewer groups than its target
@@ -189,11 +140,14 @@ class StepLog(L.Callback):
             parts.append(f"partial batch ({short:.0f} groups short: {why})")
         per_step = sum(self.durations) / len(self.durations)
         parts.append(f"{per_step:.1f}s/step")
-        parts.append(f"ETA {duration(max(total - done, 0) * per_step)}" if total is not None else "ETA ?")
+        left = self.count.left(trainer)
+        parts.append(f"ETA {duration(left * per_step)}" if left is not None else "ETA ?")
         return " | ".join(parts)
 
     # ---------------------------------------------------------------------------------- evaluation
     def on_validation_start(self, trainer, pl_module) -> None:
+        if trainer.state.fn == "validate" and trainer.ckpt_path and trainer.is_global_zero:
+            say(f"rllight: evaluating {trainer.ckpt_path}{_trained(trainer)}")
         if not self.active or trainer.sanity_checking:
             return
         batches = sum(b for b in trainer.num_val_batches if math.isfinite(b))
@@ -257,9 +211,27 @@ class StepLog(L.Callback):
                          f"{duration(elapsed)} so far")
 
 
+def _trained(trainer) -> str:
+    """`` (N RL steps, M optimizer updates)``: what the weights ``rllight validate`` loaded from ``trainer.ckpt_path``
+    were trained for (the data's trained batches are restored; the updates are read from the checkpoint, as
+    Lightning restores its loops for a fit only); without the updates where the file says none."""
+    try:
+        updates = read_checkpoint(str(trainer.ckpt_path)).get("global_step")
+    except RecipeError:
+        updates = None
+    return f" ({counted(rl_steps_done(trainer), 'RL step')}" + (
+        f", {counted(updates, 'optimizer update')})" if updates is not None else ")")
+
+
 class _RolloutBarMixin:
     """A progress bar whose training bar counts rollouts of the whole run (``RolloutCount``), titled
-    ``rollouts``, instead of this epoch's batches against a total in optimizer updates."""
+    ``rollouts``, instead of this epoch's batches against a total in optimizer updates, and shows the metrics the
+    run puts on the bar without the logger's version number (Lightning's ``v_num``, the log folder's suffix)."""
+
+    def get_metrics(self, trainer, pl_module) -> dict:
+        items = super().get_metrics(trainer, pl_module)
+        items.pop("v_num", None)
+        return items
 
     def _setup_count(self) -> None:
         self.count = RolloutCount()
@@ -270,6 +242,7 @@ class _RolloutBarMixin:
         return float("inf") if total is None else total
 
     def on_train_start(self, trainer, *args) -> None:
+        self.count.start(trainer)
         super().on_train_start(trainer, *args)
         # A resume from the middle of an epoch skips on_train_epoch_start: show the rollouts done from the start.
         self._open()
@@ -382,17 +355,38 @@ def progress_callbacks(trainer_config: dict, callbacks: list) -> tuple[list, dic
     return added, overrides
 
 
-class _DropTips(logging.Filter):
-    """Drops Lightning's lines that repeat what rllight says or that a recipe has nothing to do with: its "Tip"
-    lines (advertisements for its cloud services), its report of accelerators (rllight's first lines say the
-    device and precision it chose), ``Seed set to`` (the seed is the recipe's ``seed_everything``) and
-    ``Trainer.fit stopped: max_steps reached`` (rllight's ``finished:`` line says how the run ended)."""
+class _LightningLines(logging.Filter):
+    """Drops Lightning's information lines that repeat what rllight says or that a recipe has nothing to do with
+    (``DROPPED``: a text the line holds, and why it goes)."""
 
-    DROPPED = ("Tip:", "TPU available:", "HPU available:", "GPU available:", "Seed set to", "`Trainer.fit` stopped:")
+    DROPPED = {
+        "Tip:": "advertisements for Lightning's cloud services",
+        "TPU available:": "its report of accelerators: the recipe's trainer.accelerator chose the device",
+        "HPU available:": "(the same)",
+        "GPU available:": "(the same)",
+        "Automatic Mixed Precision (AMP)": "the recipe's trainer.precision, or rllight's line on what auto chose",
+        "Seed set to": "the seed is the recipe's seed_everything",
+        "`Trainer.fit` stopped:": "rllight's finished: line says how the run ended",
+        "was configured so": "`Trainer(limit_val_batches=1.0)` was configured so 100% of the batches will be used: "
+                             "the recipe's own setting, read back",
+        "Restoring states from the checkpoint": "a run from --ckpt_path says so in one line of rllight's (StepLog)",
+        "Restored all states from the checkpoint": "(the same)",
+        "Loaded model weights from the checkpoint": "(the same, for rllight validate)",
+        "Initializing distributed:": "under DDP or FSDP, every process joining torch.distributed, and then its "
+                                     "block of dashes saying the backend and the processes registered",
+        "All distributed processes registered": "(the same)",
+    }
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = str(record.msg)
         return not any(d in text for d in self.DROPPED)
+
+
+LIGHTNING_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
+                     "lightning.fabric.utilities.seed", "lightning.fabric.utilities.distributed")
+"""Where Lightning's lines in ``_LightningLines.DROPPED`` are logged: its ``rank_zero_info`` (the logger of whichever
+of its two rank_zero modules was imported last), its seeding, and its start of torch.distributed. A filter acts on
+the logger it is added to, not on those of the modules below it."""
 
 
 def quiet_lightning() -> None:
@@ -418,16 +412,28 @@ def quiet_lightning() -> None:
     # A resumed run writes its checkpoints in a version folder of its own, by design (rllight.app.cli: --ckpt_path last
     # finds the earlier run's); only Lightning's best-model bookkeeping, which rllight does not use, is not carried.
     warnings.filterwarnings("ignore", message="The dirpath has changed from", category=UserWarning)
+    # seed_everything: true asks Lightning for a seed, and it gives 0 (or $PL_GLOBAL_SEED) with a warning that names its
+    # own file; the run's config.yaml records the seed. (A recipe without seed_everything is seeded 0: rllight.app.cli.)
+    warnings.filterwarnings("ignore", message="No seed found, seed set to")
     # generate and chat build the recipe's CLI from their own parsed arguments: the args parameter is the point.
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended", category=UserWarning)
     # Under torch.distributed (DDP, FSDP, or vLLM in this process, which starts a world of one) Lightning advises, for
     # each evaluation metric, to log it with sync_dist=True; rllight's evaluation has gathered every rank's rows
     # before it logs (rllight.evaluation.Evaluator.finish), so the numbers are already the run's.
     warnings.filterwarnings("ignore", message=r"It is recommended to use `self\.log\(.*sync_dist=True\)`")
-    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.seed"):
+    # Under DDP Lightning deals the held-out rows out with a DistributedSampler, which repeats rows to give every rank
+    # as many, and advises one device for validate; the evaluation counts a repeated prompt once
+    # (rllight.evaluation.accumulate: records keyed by their row's source).
+    warnings.filterwarnings("ignore", message=r"Using `DistributedSampler` with the dataloaders\. During "
+                                              r"`trainer\.validate")
+    # Under FSDP a sharded checkpoint (a folder) is written over the one of the same name, as rllight's checkpoints
+    # are replaced (last.ckpt); torch's checkpoint writer warns each time that it overwrites, and of a default to come.
+    warnings.filterwarnings("ignore", message=r"Detected an existing checkpoint in .*, overwriting since",
+                            category=UserWarning)
+    for name in LIGHTNING_LOGGERS:
         logger = logging.getLogger(name)
-        if not any(isinstance(f, _DropTips) for f in logger.filters):
-            logger.addFilter(_DropTips())
+        if not any(isinstance(f, _LightningLines) for f in logger.filters):
+            logger.addFilter(_LightningLines())
     if not sys.stderr.isatty():
         # transformers' "Loading weights" bar redraws in place: a log file gets every frame on one line.
         from transformers.utils import logging as hf_logging

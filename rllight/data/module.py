@@ -253,8 +253,9 @@ class RLDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         self.fit_context("train")
         sampler = self._sampler()
-        # Whole batches: resuming after k trained batches skips k batches of this process's stream.
-        sampler.start_at(self.batches_trained * self.local_batch_size)
+        # Whole batches: each iterator (one an epoch, and the first after a resume) skips the k batches of this
+        # process's stream trained so far.
+        sampler.start_at(lambda: self.batches_trained * self.local_batch_size)
         # The loader's own generator keeps iterator creation from drawing on the global RNG, which the
         # rollouts use: a resumed run must see the same random stream as an uninterrupted one.
         return DataLoader(

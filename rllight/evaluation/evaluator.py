@@ -85,13 +85,15 @@ class Evaluator:
         ev = self.settings
         metrics = {}
         self.last_per_prompt = {}
+        # Every rank asks: under DDP the log folder is a collective (rank 0's, broadcast), so a question asked on rank 0
+        # alone would wait for ranks that have gone on to the next gather.
+        folder = os.path.join(trainer.log_dir or trainer.default_root_dir, "evaluation")
         for results, _, _, ks, suffix in self.passes():
             if trainer.world_size > 1:  # every rank evaluated its share of the rows
                 results.merge(Ranks(trainer).gather_objects(results.state()))
             metrics.update(results.compute(ks, ev.bootstrap, ev.confidence, ev.seed))
             self.last_per_prompt.update(results.per_prompt(ks))
             if trainer.is_global_zero and results.records and not trainer.sanity_checking:
-                folder = os.path.join(trainer.log_dir or trainer.default_root_dir, "evaluation")
                 results.write(folder, ks, name=f"val_step{rl_step}{suffix}", bootstrap=ev.bootstrap,
                               confidence=ev.confidence, seed=ev.seed,
                               extra={"settings": vars(ev), "rl_step": int(rl_step),

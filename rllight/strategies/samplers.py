@@ -35,6 +35,12 @@ class Sampler:
     draws further training rows (the datamodule's stream) when a step needs more than its batch.
     """
 
+    fixed_size: bool = False
+    """Whether every rollout holds ``group_size`` responses for each prompt of its batch, so that it makes the
+    optimizer updates the recipe plans (``rllight.app.rollout_count.planned_updates_per_rollout``) and the progress
+    lines can show the run's RL steps in all. False where a rollout may hold fewer (``DynamicSampling`` keeps only
+    the groups with mixed rewards), and for a sampler that does not say."""
+
     def __call__(self, producer: RolloutProducer, rows: list[dict]) -> Rollout:
         raise NotImplementedError
 
@@ -55,6 +61,8 @@ class GroupSampler(Sampler):
         group_size: Responses per prompt (1 for PPO / SPPO-style single samples).
     """
 
+    fixed_size = True
+
     @bounded
     def __init__(self, group_size: PositiveInt = 4):
         self.group_size = group_size
@@ -71,6 +79,8 @@ class ReMaxSampler(Sampler):
     Args:
         group_size: Sampled responses per prompt (ReMax uses 1).
     """
+
+    fixed_size = True  # the greedy responses only score the baseline: they are not trained on
 
     @bounded
     def __init__(self, group_size: PositiveInt = 1):

@@ -14,8 +14,8 @@ import yaml
 
 from conftest import RECIPES
 from helpers import build, fit_in_child, tiny_overrides
-from rllight.app.progress import RolloutCount, StepLog, duration, planned_updates_per_rollout
-from rllight.settings import Batching
+from rllight.app.progress import StepLog, duration
+from test_rollout_count import fake_trainer
 
 STEP_LINE = re.compile(
     r"^rllight: step (\d+)/(\d+) \| updates (\d+)/(\d+) \| reward [\d.]+ \| accuracy [\d.]+ \| entropy [\d.]+ "
@@ -146,78 +146,6 @@ def test_the_terminal_bar_counts_rollouts_also_after_a_resume(bar, tmp_path, tin
     assert seen == [(2, 4, "rollouts"), (3, 4, "rollouts"), (4, 4, "rollouts")]
 
 
-def _trainer(**kw):
-    defaults = dict(max_steps=80, global_step=0, max_epochs=-1, num_training_batches=float("inf"),
-                    datamodule=SimpleNamespace(batches_trained=0, batch_size=4),
-                    lightning_module=SimpleNamespace(batching=Batching(minibatch_size=16),
-                                                     sampler=SimpleNamespace(group_size=8)))
-    return SimpleNamespace(**{**defaults, **kw})
-
-
-def test_rollouts_are_counted_from_updates_planned_then_measured():
-    # Planned: 4 prompts x 8 responses / minibatch 16 = 2 updates a rollout, 80 updates = 40 rollouts.
-    trainer = _trainer()
-    count = RolloutCount()
-    assert planned_updates_per_rollout(trainer.lightning_module, trainer.datamodule) == 2
-    assert count.total(trainer) == 40
-    # A resume after 3 rollouts and 6 updates: 3 done + 74 updates left / 2 = 40 again.
-    trainer = _trainer(global_step=6, datamodule=SimpleNamespace(batches_trained=3, batch_size=4))
-    assert (count.done(trainer), count.total(trainer)) == (3, 40)
-    # Measured: a rollout that made 4 updates (a critic's own, say): 3 done + ceil(70 / 4) = 21.
-    count.batch_start(trainer)
-    trainer.global_step, trainer.datamodule.batches_trained = 10, 4
-    count.batch_end(trainer)
-    assert count.total(trainer) == 4 + 18
-    # A step with no update (value pretraining) leaves the measured rate alone.
-    count.batch_start(trainer)
-    trainer.datamodule.batches_trained = 5
-    count.batch_end(trainer)
-    assert count.per_rollout(trainer) == 4
-    # max_epochs bounds it too: 2 epochs of 7 batches.
-    assert count.total(_trainer(max_steps=-1, max_epochs=2, num_training_batches=7)) == 14
-    assert count.total(_trainer(max_steps=-1, max_epochs=-1)) is None
-
-
-def test_steps_that_trained_nothing_count_in_the_eta_and_the_updates_total_is_whole_rollouts(monkeypatch):
-    """A rollout empty after filtering makes no update and costs a step all the same: the updates per rollout are
-    measured over those too, so a run that trains every other step shows twice the steps left (not the 1 step its
-    max_steps would take at full rate); with no update made yet there is no total and the ETA says so. The updates
-    shown against their total are what the run will make: whole rollouts (max_steps 1 at 4 a rollout: 4/4)."""
-    import rllight.app.progress
-
-    empty = {"train/guard/empty_rollouts": 1.0}
-    metrics = {}
-    monkeypatch.setattr(rllight.app.progress, "step_metrics", lambda trainer: metrics)
-    trainer = _trainer()  # planned: 2 updates a rollout, 80 updates = 40 rollouts
-    count = RolloutCount()
-    count.batch_start(trainer)
-    metrics.update(empty)
-    trainer.datamodule.batches_trained = 1
-    count.batch_end(trainer)
-    assert count.total(trainer) is None  # one rollout, no update: no rate to count on
-    log = StepLog()
-    log.count, log.durations = count, [12.0]
-    line = log.step_line(trainer, {})
-    assert line.startswith("step 1/? | updates 0/80 |") and line.endswith("| 12.0s/step | ETA ?"), line
-    metrics.clear()
-    count.batch_start(trainer)
-    trainer.global_step, trainer.datamodule.batches_trained = 2, 2
-    count.batch_end(trainer)
-    assert count.per_rollout(trainer) == 1.0 and count.total(trainer) == 2 + 78  # not 2 + 39
-    assert log.step_line(trainer, {}).endswith("| ETA 15m36s")  # 78 steps left x 12 s
-    # A value-pretraining step (no update, not empty: a callback used the rollout) leaves the rate alone.
-    count.batch_start(trainer)
-    trainer.datamodule.batches_trained = 3
-    count.batch_end(trainer)
-    assert count.per_rollout(trainer) == 1.0
-    small = _trainer(max_steps=1, global_step=4, datamodule=SimpleNamespace(batches_trained=1, batch_size=16),
-                     lightning_module=SimpleNamespace(batching=Batching(minibatch_size=16), sampler=SimpleNamespace(
-                         group_size=4)))
-    log = StepLog()
-    log.durations = [1.0]
-    assert log.step_line(small, {}).startswith("step 1/1 | updates 4/4 |")
-
-
 def test_a_long_evaluation_prints_at_least_every_heartbeat():
     trainer = SimpleNamespace(sanity_checking=False, num_val_batches=[2], datamodule=SimpleNamespace(val_rows=[{}] * 8),
                               state=SimpleNamespace(fn="validate"), global_step=0, ckpt_path=None,
@@ -263,7 +191,7 @@ def test_durations_read_at_a_glance():
 def test_a_step_that_trained_on_a_partial_batch_says_so():
     log = StepLog()
     log.durations = [2.0]
-    trainer = _trainer(global_step=2, datamodule=SimpleNamespace(batches_trained=1, batch_size=4))
+    trainer = fake_trainer(global_step=2, datamodule=SimpleNamespace(batches_trained=1, batch_size=4))
     full = log.step_line(trainer, {"train/reward/mean": 0.5, "train/sampling/cap_hit": 0.0})
     assert "partial batch" not in full
     partial = log.step_line(trainer, {"train/reward/mean": 0.5, "train/sampling/cap_hit": 1.0,
@@ -280,11 +208,13 @@ def test_a_step_that_trained_on_a_partial_batch_says_so():
     "LightningCLI's args parameter is intended to run from within Python like if it were from the command line.",
     "It is recommended to use `self.log('val/avg@1', ..., sync_dist=True)` when logging on epoch level in distributed "
     "setting to accumulate the metric across devices.",
+    "No seed found, seed set to 0",
 ])
 def test_lightnings_warnings_a_user_cannot_act_on_are_filtered(message):
     """The frozen reference policy in eval mode, a resume's new version folder, generate's and chat's own args, the
-    evaluation's metrics logged without sync_dist (gathered already): each is by design, so its warning never reaches
-    the log (quiet_lightning, which every command installs)."""
+    evaluation's metrics logged without sync_dist (gathered already), the seed Lightning picks for seed_everything:
+    true (the run's config.yaml records it): each is by design, so its warning never reaches the log (quiet_lightning,
+    which every command installs)."""
     import warnings
 
     from lightning.fabric.utilities.warnings import PossibleUserWarning
