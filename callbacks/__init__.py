@@ -7,9 +7,11 @@ from rllight.callbacks.base import RolloutCallback, RolloutContext
 
 __all__ = ["RolloutCallback", "RolloutContext"]
 
-from rllight.callbacks.distillation import TeacherLogprobs  # noqa: E402
+from rllight.callbacks.distillation import Teacher, TeacherLogprobs  # noqa: E402
 from rllight.callbacks.overlong import OverlongFilter, SoftOverlongPunishment  # noqa: E402
 from rllight.callbacks.replay import SelfImitation  # noqa: E402
+from rllight.callbacks.reward_guard import RewardHackingGuard  # noqa: E402
 from rllight.callbacks.value_pretraining import ValuePretraining  # noqa: E402
 
-__all__ += ["OverlongFilter", "SelfImitation", "SoftOverlongPunishment", "TeacherLogprobs", "ValuePretraining"]
+__all__ += ["OverlongFilter", "RewardHackingGuard", "SelfImitation", "SoftOverlongPunishment", "Teacher",
+            "TeacherLogprobs", "ValuePretraining"]

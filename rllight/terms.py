@@ -21,10 +21,14 @@ import torch
 from torch import Tensor
 
 from rllight.algorithms import masked_mean
+from rllight.algorithms.distillation import chunked_teacher_divergence
+from rllight.bounds import ClosedUnitInterval, NonNegativeFloat, PositiveInt, bounded
+from rllight.errors import RecipeError
 from rllight.models import response_hidden_states
 from rllight.rollout.metrics import logprob_mismatch
 from rllight.scoring import Outputs
 from rllight.strategies import Aggregation, KLPenalty, PolicyLoss
+from rllight.strategies.advantages import TEACHER_TOP_IDS, TEACHER_TOP_LOGPROBS
 from rllight.types import Rollout
 
 Aggregate = Callable[[Tensor, Tensor], Tensor]
@@ -151,3 +155,78 @@ class ResponseNLL(LossTerm):
     def __call__(self, batch: Rollout, out: Outputs, aggregate: Aggregate) -> tuple[Tensor, dict[str, Tensor]]:
         nll = aggregate(-out.logprobs, batch.response_mask.float())
         return self.coef * nll, {"nll/loss": nll}
+
+
+class TeacherDivergence(LossTerm):
+    """Logit-level distillation: ``coef`` times the divergence between the teacher's and the student's next-token
+    distributions at each response token, aggregated like the policy loss (``model.aggregation``) over the
+    response mask. GKD's loss (Agarwal et al., arXiv:2306.13649, eq. 1) on the student's own samples, in TRL's
+    ``beta`` convention (``rllight.algorithms.generalized_jsd``): beta 0 is the forward KL(teacher || student),
+    1 the reverse KL(student || teacher), and between them the generalised JSD with the mixture
+    M = beta teacher + (1 - beta) student.
+
+    The teacher's distribution is what ``rllight.callbacks.TeacherLogprobs(top_k=k)`` stores: its k most likely
+    tokens and their log-probs at each response position, or (``top_k: 0``) every token's. Over the top k, both
+    distributions are proper over k + 1 outcomes: the k tokens (the student's log-softmax over the full
+    vocabulary, gathered at the teacher's ids) and a "rest" bucket with the mass of every other token
+    (``rllight.algorithms.with_rest``; NeMo-RL's distillation loss renormalises over the k tokens instead). Both
+    are at the rollout engine's temperature, as the log-probs of the sampled tokens are.
+
+    The student's distribution comes from a forward pass of its own, with gradients, through the policy (the
+    update's forward pass computes the sampled tokens' log-probs only): the update's forward and backward cost
+    about twice as much. Its output layer runs ``chunk_size`` positions at a time, each chunk's logits recomputed in
+    the backward pass (``rllight.algorithms.chunked_teacher_divergence``). ``TeacherLogprobs`` hands this term the
+    policy's scoring when fit starts (``bind``). Logs ``distill/divergence``, the mean divergence per response token.
+
+    Args:
+        coef: Weight of the term.
+        beta: The divergence (TRL's GKD ``beta``): 0 forward KL, 1 reverse KL, between: generalised JSD.
+        chunk_size: Response positions per chunk of the output layer.
+    """
+
+    @bounded
+    def __init__(self, coef: NonNegativeFloat = 1.0, beta: ClosedUnitInterval = 0.5, chunk_size: PositiveInt = 1024):
+        self.coef = coef
+        self.beta = beta
+        self.chunk_size = chunk_size
+        self.scoring = None  # the policy's forward passes (``rllight.scoring.Scoring``), given by ``bind``
+
+    def bind(self, scoring) -> None:
+        """Compute the student's distribution with ``scoring``'s policy, at its engine's temperature, inside its
+        ``run`` (FSDP's root unit)."""
+        self.scoring = scoring
+
+    def __call__(self, batch: Rollout, out: Outputs, aggregate: Aggregate) -> tuple[Tensor, dict[str, Tensor]]:
+        values = batch.extras.get(TEACHER_TOP_LOGPROBS)
+        if values is None:
+            raise RecipeError("model.loss_terms: TeacherDivergence needs the teacher's distribution at each response "
+                              "token; add rllight.callbacks.TeacherLogprobs with top_k (e.g. top_k: 64) to "
+                              "trainer.callbacks")
+        if self.scoring is None:
+            raise RecipeError("model.loss_terms: TeacherDivergence has no policy to compare with the teacher; "
+                              "rllight.callbacks.TeacherLogprobs gives it the policy when fit starts")
+        ids = batch.extras.get(TEACHER_TOP_IDS)
+        mask = batch.response_mask.bool()
+        t = mask.shape[1]  # a padding row (FSDP) has one response column, its extras the rollout's
+        values, ids = values[:, :t], None if ids is None else ids[:, :t]
+        scoring = self.scoring
+
+        def divergence() -> Tensor:  # at the response tokens only: shape (N,)
+            policy = scoring.policy
+            head = policy.get_output_embeddings()
+            vocab = getattr(getattr(head, "weight", None), "shape", (None,))[0]
+            if ids is None and vocab is not None and values.shape[-1] != vocab:
+                raise RecipeError(f"model.loss_terms: TeacherDivergence: the teacher's full distribution has "
+                                  f"{values.shape[-1]} tokens and the policy's {vocab}; set TeacherLogprobs.top_k "
+                                  "(its top k tokens) instead of 0")
+            hidden = response_hidden_states(policy.get_decoder(), batch)
+            return chunked_teacher_divergence(hidden[mask], head, values[mask],
+                                              None if ids is None else ids[mask], self.beta,
+                                              scoring.engine.temperature, self.chunk_size)
+
+        per_position = scoring.run(divergence)
+        per_token = torch.zeros(mask.shape, dtype=per_position.dtype, device=mask.device).masked_scatter(
+            mask, per_position)
+        weights = mask.float()
+        return self.coef * aggregate(per_token, weights), {"distill/divergence": masked_mean(per_token.detach(),
+                                                                                             weights)}

@@ -41,3 +41,13 @@ def pytest_collection_modifyitems(config, items):
 def tiny_model_dir(tmp_path_factory) -> str:
     """A tiny random Llama and BPE tokenizer with a chat template, built in-process."""
     return build_tiny_model(str(tmp_path_factory.mktemp("tiny") / "model"))
+
+
+@pytest.fixture(autouse=True)
+def no_stop_carried_over():
+    """A run that ended on a guard (``rllight.stopping.end_after_step``) or a signal leaves its reason in the process,
+    as a real run leaves it for its exit: each test starts without one."""
+    from rllight.stopping import clear_stop
+
+    clear_stop()
+    yield

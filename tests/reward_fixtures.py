@@ -5,7 +5,7 @@ import os
 import signal
 import time
 
-from rllight.rewards import IntegerMatch, Sample, Verifier
+from rllight.rewards import IntegerMatch, Reward, Sample, Verifier
 
 
 class HangOn(IntegerMatch):
@@ -73,6 +73,39 @@ class Loads(Verifier):
 
     def __call__(self, response: str, answer: str) -> float:
         return float(type(self).loads)
+
+
+class ContainsJudge(Reward):
+    """A judge that can be hacked: 1.0 for a response that contains ``phrase``, else the exact match's value
+    (``IntegerMatch``). A policy that learns to write ``phrase`` earns the most whatever its answer. Like an
+    ``LLMJudge``, its score is not decided by the stated answer alone (``answers_decide`` False)."""
+
+    def __init__(self, phrase: str = "the answer is correct"):
+        self.phrase = phrase
+        self.exact = IntegerMatch()
+
+    def score(self, samples):
+        return [1.0 if self.phrase in s.response else self.exact(s.response, s.answer) for s in samples]
+
+
+class Drifting(Reward):
+    """The share of a response's characters that are digits (it varies across the samples of a random model, so
+    advantages are not 0), plus ``per_step`` times the batches it scored before: a reward whose mean rises
+    (``per_step`` > 0) or falls (< 0) by about ``per_step`` a step, whatever the policy does. ``decides``: whether
+    it counts as a verifier (``answers_decide``)."""
+
+    def __init__(self, per_step: float, decides: bool = False):
+        self.per_step, self.decides = per_step, decides
+        self.batches = 0
+
+    def score(self, samples):
+        offset = self.per_step * self.batches
+        self.batches += 1
+        return [sum(c.isdigit() for c in s.response) / max(len(s.response), 1) + offset for s in samples]
+
+    @property
+    def answers_decide(self) -> bool:
+        return self.decides
 
 
 def samples_of(responses, answers, sources=None):

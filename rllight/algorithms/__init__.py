@@ -68,3 +68,15 @@ from rllight.algorithms.evaluation import (  # noqa: E402
 
 __all__ += ["Estimate", "avg_at_k", "bootstrap_interval", "maj_at_k", "majority_vote", "mean_and_se", "pass_at_k",
             "pass_at_k_over_prompts"]
+
+from rllight.algorithms.distillation import (  # noqa: E402
+    chunked_teacher_divergence,
+    forward_kl,
+    generalized_jsd,
+    reverse_kl,
+    teacher_divergence,
+    with_rest,
+)
+
+__all__ += ["chunked_teacher_divergence", "forward_kl", "generalized_jsd", "reverse_kl", "teacher_divergence",
+            "with_rest"]

@@ -20,6 +20,7 @@ import re
 from collections.abc import Sequence
 
 from rllight.errors import RecipeError, one_line
+from rllight.rewards.agreement import pair_metrics
 from rllight.rewards.base import Reward, Verifier
 from rllight.rewards.scores import Sample, Scores, checked
 
@@ -58,6 +59,12 @@ class Weighted(Reward):
     counted in ``train/reward/failures``; a component whose ``score`` raises fails every sample of the batch. Its
     token scores, weighted, add up like the values.
 
+    Where a model-served component (one the stated answer does not decide: ``LLMJudge``, ``RewardModel``) trains
+    beside a verifier (one it does: ``IntegerMatch``, ``MathVerify``), each step logs how far they agree
+    (``agreement_pairs``, ``rllight.rewards.agreement.pair_metrics``), over the samples both scored:
+    ``train/reward/agreement/<model>_vs_<verifier>/rank_corr`` and ``.../verifier_at_top``, whatever the weights (a
+    verifier of weight 0 is scored too). ``rllight.callbacks.RewardHackingGuard`` acts on the two means.
+
     Args:
         rewards: The components by name, e.g. ``{correctness: MathVerify, format: FormatReward}``. Each name
             is logged as ``train/reward/<name>`` (its unweighted mean, 0 on a failed sample).
@@ -74,6 +81,14 @@ class Weighted(Reward):
     def parts(self) -> list[Reward]:
         return list(self.rewards.values())
 
+    def agreement_pairs(self) -> list[tuple[str, str]]:
+        """``(model reward, verifier)`` name pairs whose agreement ``score`` logs: each component whose score the stated
+        answer alone does not decide (``answers_decide`` False: a judge, a reward model) with each that it decides (a
+        verifier), in the order of ``rewards``."""
+        models = [name for name, reward in self.rewards.items() if not reward.answers_decide]
+        verifiers = [name for name, reward in self.rewards.items() if reward.answers_decide]
+        return [(model, verifier) for model in models for verifier in verifiers]
+
     def guarded(self, runner) -> Reward:
         guarded = copy.copy(self)
         guarded.rewards = {name: reward.guarded(runner) for name, reward in self.rewards.items()}
@@ -83,10 +98,11 @@ class Weighted(Reward):
         count = len(samples)
         total, solved, failed, metrics = [0.0] * count, [False] * count, {}, {}
         components: dict[str, list[float | None]] = {}
+        failed_by: dict[str, set[int]] = {}
         tokens: list[list[float] | None] = [None] * count
         for name, reward in self.rewards.items():
             part = scored(reward, samples)
-            components[name] = list(part.values)
+            components[name], failed_by[name] = list(part.values), set(part.failed)
             weight = self.weights[name]
             for i, dense in enumerate(part.token_scores or ()):  # the weighted sum of the components' token scores
                 if dense is not None:
@@ -99,6 +115,10 @@ class Weighted(Reward):
                 metrics[key] = metrics.get(key, 0.0) + value
             if name == self.correct_from:
                 solved = list(part.solved)
+        for model, verifier in self.agreement_pairs():
+            both = [i for i in range(count) if i not in failed_by[model] and i not in failed_by[verifier]]
+            metrics.update(pair_metrics(model, verifier, [components[model][i] for i in both],
+                                        [components[verifier][i] for i in both], [samples[i].group for i in both]))
         return Scores(values=total, solved=solved, failed=failed, components=components,
                       token_scores=tokens if any(t is not None for t in tokens) else None, metrics=metrics)
 

@@ -24,10 +24,17 @@ How it runs:
   is the number of responses.
 - **The verdict** is parsed from the judge's answer: ``number`` (the last ``Score: N``, or an answer that is only
   a number; divided by ``scale``), ``label`` (the label after the last ``Verdict:``, else the last one named,
-  mapped through ``labels``) or ``yes_logprob`` (P(yes) from the first token's top log-probs, normalised over the
-  yes and no variants: ``yes``, `` Yes``, ``YES``...). A verdict that cannot be is a failure, never a reward: a score
-  outside 0..``scale`` (``Score: 1e308`` included), an answer without the top log-probs P(yes) needs, or log-probs no
-  distribution has (one above 0, yes and no more likely than 1 together: ``rllight.rewards.judge_verdicts``).
+  mapped through ``labels``) or ``yes_logprob`` (P(yes) from the first token's top ``top_logprobs`` log-probs,
+  normalised over the yes and no variants: ``yes``, `` Yes``, ``YES``...). A verdict that cannot be is a failure,
+  never a reward: a score outside 0..``scale`` (``Score: 1e308`` included), an answer without the top log-probs
+  P(yes) needs, or log-probs no distribution has (one above 0, yes and no more likely than 1 together:
+  ``rllight.rewards.judge_verdicts``).
+- **How much a P(yes) knows**: the share of the first token's probability that its yes and no variants hold (the
+  *mass*) is logged each step, as ``train/reward/judge/mass_sum`` over the step's ``yes_logprob`` verdicts and
+  ``train/reward/judge/mass_count`` of them (mean mass = sum / count; both add up over combined rewards); a verdict
+  whose mass is below ``min_mass`` fails, counted in ``train/reward/judge/low_mass``. Where a server's top log-probs
+  list only one of yes and no, the other is read at the most it can hold (``yes_no``), never at 0, counted in
+  ``train/reward/judge/bounded``.
 - **Faults cost a counted failure, never a hung run**: at an ``Endpoint`` each request is bounded, retried and
   rate-limited as its settings say, and the whole batch has a time bound the trainer waits for in short slices
   (``rllight.serving.endpoint``), and an answer longer than its ``max_answer_bytes`` (8 MiB unless set) fails its
@@ -48,18 +55,23 @@ import math
 from collections.abc import Sequence
 from typing import Literal
 
-from rllight.bounds import NonNegativeFloat, PositiveFiniteFloat, PositiveInt, bounded
+from rllight.bounds import ClosedUnitInterval, NonNegativeFloat, PositiveFiniteFloat, PositiveInt, bounded
 from rllight.errors import RecipeError, one_line
 from rllight.rewards.base import Reward
 from rllight.rewards.scores import Sample, Scores
 from rllight.rewards.judge_local import LocalChat
-from rllight.rewards.judge_verdicts import JudgeFailed, parse_labels, parse_scores, yes_probability
+from rllight.rewards.judge_verdicts import JudgeFailed, parse_labels, parse_scores, yes_no, yes_probability
 from rllight.serving import ChatCompletions, Failed, Placement, Protocol, placed
 from rllight.serving.http import clip, snippet
 
 log = logging.getLogger(__name__)
 
 KEY = "model.reward.init_args"
+
+MASS_METRICS = ("judge/mass_sum", "judge/mass_count", "judge/low_mass", "judge/bounded")
+"""A ``yes_logprob`` judge's ``Scores.metrics`` (logged as ``train/reward/<key>``), sums and counts over the batch so
+that they add up where rewards are combined: the yes/no mass of the verdicts read, how many were read, how many failed
+below ``min_mass``, how many had one of yes and no bounded."""
 
 _HEAD = "Grade {what} to a question, using the reference answer.\n\nQuestion:\n{{question}}\n\nReference answer:\n{{answer}}\n\n"
 _ASK = {
@@ -100,6 +112,17 @@ class LLMJudge(Reward):
             token's top log-probs; pointwise only, a server must return ``logprobs`` with ``top_logprobs``, and one
             token is asked for whatever ``max_tokens`` says; log-probs above 0, or yes and no more likely than 1
             together, fail).
+        top_logprobs: ``yes_logprob``: the top log-probs asked for (the request's ``top_logprobs``). 20 is OpenAI's
+            maximum and vLLM's default ``--max-logprobs`` (a vLLM server started with a larger one takes more). The
+            more are listed, the rarer a yes or a no falls outside them, and the tighter the bound it is read at
+            when it does (``rllight.rewards.judge_verdicts.yes_no``). A local judge lists these plus every yes and
+            no token of its vocabulary.
+        min_mass: ``yes_logprob``: a verdict fails (counted) where yes and no hold less than this share of the first
+            token's probability (listed yes and no, an absent one's bound left out). 0.5: the judge answers yes or
+            no more often than not, so that P(yes), which is P(yes | the answer starts with yes or no), speaks for
+            most of what it would answer; below it the judge mostly starts with something else (a chat template's
+            opening, markdown, a sentence), and a P(yes) read from a sliver of its answers says little of its
+            verdict. 0 fails only a verdict with neither yes nor no (a judge of the wiring, not of the answers).
         labels: Label mode: each label's reward (case-insensitive). None = ``{correct: 1.0, incorrect: 0.0}``.
         scale: Number mode: the judge's top score, which becomes reward 1.
         mode: ``pointwise`` (one request per response) or ``group`` (one request per prompt, listing its responses;
@@ -125,7 +148,8 @@ class LLMJudge(Reward):
                  verdict: Literal["number", "label", "yes_logprob"] = "number", labels: dict[str, float] | None = None,
                  scale: PositiveFiniteFloat = 10.0, mode: Literal["pointwise", "group"] = "pointwise",
                  temperature: NonNegativeFloat = 0.0, max_tokens: PositiveInt = 512, solved_at: float = 0.5,
-                 batch_size: PositiveInt = 8, dtype: str = "auto", device: str = "auto"):
+                 batch_size: PositiveInt = 8, dtype: str = "auto", device: str = "auto",
+                 top_logprobs: PositiveInt = 20, min_mass: ClosedUnitInterval = 0.5):
         self.solved_at = solved_at
         _check_model(model, dtype)
         if verdict not in ("number", "label", "yes_logprob"):
@@ -139,6 +163,7 @@ class LLMJudge(Reward):
         self.model, self.batch_size, self.dtype, self.device = model, batch_size, dtype, device
         self.verdict, self.scale, self.mode = verdict, float(scale), mode
         self.temperature, self.max_tokens = temperature, max_tokens
+        self.top_logprobs, self.min_mass = top_logprobs, float(min_mass)
         self._local: LocalChat | None = None
         self.placement = placed(placement, f"{KEY}.placement", self)
 
@@ -182,7 +207,7 @@ class LLMJudge(Reward):
     # ------------------------------------------------------------------------------ scoring
     def score(self, samples: Sequence[Sample]) -> Scores:
         """One reward per sample, in order; a sample whose request failed or whose verdict could not be read gets
-        0 and its reason in ``failed``."""
+        0 and its reason in ``failed``; ``metrics``: ``MASS_METRICS`` (``yes_logprob``)."""
         if self.mode == "pointwise":
             jobs = [([i], self._prompt(s, s.response, 1)) for i, s in enumerate(samples)]  # (indices, prompt)
         else:
@@ -193,11 +218,12 @@ class LLMJudge(Reward):
                 f"Response {k + 1}:\n{samples[i].response}" for k, i in enumerate(index)), len(index)))
                 for index in groups.values()]
         scores, failed = [0.0] * len(samples), {}
+        metrics = dict.fromkeys(MASS_METRICS, 0.0) if self.verdict == "yes_logprob" else {}
         for (index, _), outcome in zip(jobs, self._answers([self._body(prompt) for _, prompt in jobs])):
             try:
                 if isinstance(outcome, Failed):
                     raise outcome
-                values = self._verdicts(outcome, len(index))
+                values = self._verdicts(outcome, len(index), metrics)
             except (Failed, JudgeFailed) as err:
                 failed.update({i: self.placement.redact(str(err)) for i in index})
                 continue
@@ -206,7 +232,7 @@ class LLMJudge(Reward):
         if failed:  # the trainer warns once per batch (``score_samples``); the details for a debug log
             log.debug("LLM judge at %s: %d of %d samples failed (first: %s)", self.placement, len(failed),
                       len(samples), failed[min(failed)])
-        return Scores(values=scores, failed=failed)
+        return Scores(values=scores, failed=failed, metrics=metrics)
 
     def _answers(self, bodies: list[dict]) -> list:
         """The placement's answer to each body; where the whole batch failed (a local judge's pass, a worker that
@@ -227,11 +253,12 @@ class LLMJudge(Reward):
         body = {"model": self.model, "messages": [{"role": "user", "content": prompt}],
                 "temperature": self.temperature, "max_tokens": self.max_tokens}
         if self.verdict == "yes_logprob":
-            body.update(logprobs=True, top_logprobs=5, max_tokens=1)
+            body.update(logprobs=True, top_logprobs=self.top_logprobs, max_tokens=1)
         return body
 
-    def _verdicts(self, answer: dict, count: int) -> list[float]:
-        """The rewards an OpenAI chat completion ``answer`` gives its ``count`` responses; ``JudgeFailed`` with why."""
+    def _verdicts(self, answer: dict, count: int, metrics: dict[str, float]) -> list[float]:
+        """The rewards an OpenAI chat completion ``answer`` gives its ``count`` responses; ``JudgeFailed`` with why.
+        A ``yes_logprob`` verdict whose log-probs are read adds to ``metrics`` (``MASS_METRICS``), failed or not."""
         quote = functools.partial(snippet, mask=self.placement.redact)  # the key masked before the cut
         try:
             choice = answer["choices"][0]
@@ -242,7 +269,12 @@ class LLMJudge(Reward):
         if not isinstance(text, str):
             raise JudgeFailed(f"the judge's answer's content is {quote(json.dumps(text, default=str))}, not text")
         if self.verdict == "yes_logprob":
-            return [yes_probability(choice, quote)]
+            read = yes_no(choice, quote)
+            metrics["judge/mass_sum"] += read.mass
+            metrics["judge/mass_count"] += 1
+            metrics["judge/bounded"] += read.bounded
+            metrics["judge/low_mass"] += read.mass < self.min_mass
+            return [read.p_yes(self.min_mass, quote)]
         if self.verdict == "number":
             values = parse_scores(text, count, quote)
             for v in values:
@@ -289,4 +321,4 @@ def _check_model(model, dtype) -> None:
         raise RecipeError(f"{KEY}.dtype: {dtype!r} is not one of auto, float32, bfloat16, float16")
 
 
-__all__ = ["LLMJudge", "default_template", "parse_labels", "parse_scores", "yes_probability"]
+__all__ = ["MASS_METRICS", "LLMJudge", "default_template", "parse_labels", "parse_scores", "yes_no", "yes_probability"]

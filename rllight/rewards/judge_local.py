@@ -6,9 +6,10 @@ local judge and a judge behind a URL share every verdict parser.
   the message as plain text; batches of ``batch_size`` are left-padded and generated together.
 - **Decoding**: greedy at ``temperature: 0`` (the same verdict for the same prompt), else sampled at that
   temperature from a forked random state, so that the judge never moves the training run's random streams.
-- **``yes_logprob``**: the first answer token's log-probs from the raw logits (temperature 1), the top 5 plus every
-  token of the vocabulary that reads ``yes`` or ``no`` (stripped, any case): P(yes) is exact over the whole
-  vocabulary, where a server's top log-probs may miss a variant.
+- **``yes_logprob``**: the first answer token's log-probs from the raw logits (temperature 1), the request's
+  ``top_logprobs`` plus every token of the vocabulary that reads ``yes`` or ``no`` (stripped, any case): P(yes) and
+  the share of the first token's probability that yes and no hold (the mass ``LLMJudge.min_mass`` is checked
+  against) are exact over the whole vocabulary, where a server's top log-probs may miss a variant or a side.
 - **Placement** ``InProcess``: in the trainer's process, under ``torch.no_grad()``; on a GPU the judge comes onto the
   device for each batch and goes back to the CPU after it. ``Worker``: in a supervised child process
   (``rllight.serving.worker``: a batch waits at most ``timeout_seconds``, a child that dies is restarted once, a
@@ -25,10 +26,6 @@ if TYPE_CHECKING:
     from multiprocessing.connection import Connection
 
     import torch
-
-TOP = 5
-"""Top log-probs per answer, as the URL judge asks a server for (``top_logprobs: 5``)."""
-
 
 class LocalChat:
     """A causal LM that answers chat-completion request bodies (see ``rllight.rewards.judge_local``).
@@ -112,7 +109,7 @@ class LocalChat:
 
     def complete(self, bodies: list[dict]) -> list[dict]:
         """An OpenAI chat completion (``{"choices": [{"message": {"content": ...}, "logprobs": ...}]}``) for each
-        request body (``messages``, ``max_tokens``, ``temperature``, ``logprobs``), in order."""
+        request body (``messages``, ``max_tokens``, ``temperature``, ``logprobs``, ``top_logprobs``), in order."""
         import torch
 
         self.load()
@@ -148,16 +145,17 @@ class LocalChat:
             choice = {"index": 0, "message": {"role": "assistant",
                                               "content": tokenizer.decode(new[row], skip_special_tokens=True)}}
             if first.get("logprobs"):
-                first_token = self._first_token(generated.logits[0][row].float(), int(new[row, 0]))
+                first_token = self._first_token(generated.logits[0][row].float(), int(new[row, 0]),
+                                                int(first.get("top_logprobs") or 0))
                 choice["logprobs"] = {"content": [first_token]}
             answers.append({"choices": [choice]})
         return answers
 
-    def _first_token(self, logits: torch.Tensor, chosen: int) -> dict:
-        """OpenAI's ``logprobs.content[0]`` for the first answer token: its own log-prob and the top ones, with
-        every yes / no token of the vocabulary among them."""
+    def _first_token(self, logits: torch.Tensor, chosen: int, top: int) -> dict:
+        """OpenAI's ``logprobs.content[0]`` for the first answer token: its own log-prob and the ``top`` likeliest
+        (``logits``: shape (vocab,)), with every yes / no token of the vocabulary among them."""
         logprobs = logits.log_softmax(-1)
-        ids = dict.fromkeys([*logprobs.topk(TOP).indices.tolist(), *self._verdict_ids])
+        ids = dict.fromkeys([*logprobs.topk(min(top, logprobs.numel())).indices.tolist(), *self._verdict_ids])
         entry = lambda i: {"token": self._tokenizer.decode([i]), "logprob": float(logprobs[i])}  # noqa: E731
         return {**entry(chosen), "top_logprobs": [entry(i) for i in ids]}
 

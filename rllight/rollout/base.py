@@ -46,18 +46,33 @@ def malformed(gen: Generation, rows: int, max_new_tokens: int | None) -> str | N
         return f"{rows} responses expected, got response ids of shape {tuple(ids.shape)}, mask {tuple(mask.shape)}"
     if gen.prompt_ids.shape[0] != rows:
         return f"{rows} prompts expected, got prompt ids of shape {tuple(gen.prompt_ids.shape)}"
-    if not torch.is_tensor(logprobs) or not logprobs.is_floating_point() or logprobs.shape != ids.shape:
-        shape = tuple(logprobs.shape) if torch.is_tensor(logprobs) else type(logprobs).__name__
-        return f"one log-prob per response token expected (shape {tuple(ids.shape)}), got {shape}"
+    if not torch.is_tensor(logprobs) or not logprobs.is_floating_point():
+        return f"one log-prob per response token expected (shape {tuple(ids.shape)}), got {type(logprobs).__name__}"
     lengths = mask.sum(-1)
-    if max_new_tokens is not None and rows and int(lengths.max()) > max_new_tokens:
+    if logprobs.shape == ids.shape and max_new_tokens is not None and rows and int(lengths.max()) > max_new_tokens:
         return f"a response of {int(lengths.max())} tokens, over max_new_tokens={max_new_tokens}"
-    on = mask.bool()
+    return logprob_fault(logprobs, mask.bool())
+
+
+def logprob_fault(logprobs: Tensor, on: Tensor, above: str = "positive log-probs") -> str | None:
+    """Why ``logprobs`` cannot be trained on, or None: one per position of ``on`` (the same shape), and at the
+    positions ``on`` marks (the response mask: padding is never read) each finite and at most 0, ``LOGPROB_SLACK``
+    above it allowed for float32 rounding. A NaN would make every later loss NaN, and a log-prob above 0 is a model
+    surer than certain. The one check of the engine's sampled log-probs (``malformed``) and of a distillation
+    teacher's (``rllight.callbacks.distillation.unusable_logprobs``); ``above`` names the last fault in the
+    caller's words.
+
+    Shapes: logprobs and on alike, e.g. (B, T) or (n,); ``on`` bool.
+    """
+    if logprobs.shape != on.shape:
+        if on.dim() == 1:
+            return f"{logprobs.numel()} log-probs for {on.numel()} response tokens"
+        return f"one log-prob per response token expected (shape {tuple(on.shape)}), got {tuple(logprobs.shape)}"
     values = logprobs[on]
     if not torch.isfinite(values).all():
         return f"{int((~torch.isfinite(values)).sum())} log-probs that are not finite (NaN or infinite)"
     if values.numel() and float(values.max()) > LOGPROB_SLACK:
-        return f"positive log-probs (largest {float(values.max()):.3g}): a log-probability is at most 0"
+        return f"{above} (largest {float(values.max()):.3g}): a log-probability is at most 0"
     return None
 
 

@@ -37,6 +37,9 @@ from rllight.types import Rollout
 
 log = logging.getLogger(__name__)
 
+DATA_SOURCE = "data_source"
+"""``rollout.extras`` key: each response's prompt row's ``data_source`` (a list, per response)."""
+
 SAMPLE_STALENESS = "rollout/sample_staleness"
 """Rollout extra, one value per response: how many optimizer updates the trainer's policy has had since the
 weights that generated the response (0 when sampling is on-policy; asynchronous rollouts make it larger)."""
@@ -183,6 +186,7 @@ class RolloutProducer:
                 **reward_metrics(scores),
                 "data/dropped_long_prompts": float(dropped),
                 "kept_rows": tuple(keep),  # a tuple: per prompt row, not per response (select leaves it)
+                DATA_SOURCE: sources,  # per response, its prompt row's: routes it (TeacherLogprobs.teachers)
                 **source_metrics(sources, rewards, correct),  # several data sources: each one's share and reward
                 **engine_metrics,
                 # Per response: policy versions between the weights that generated it and the trainer's now.
@@ -328,6 +332,7 @@ class RolloutProducer:
                 "episode/timeouts": float(guard.timeouts),
                 "data/dropped_long_prompts": float(dropped),
                 "kept_rows": tuple(keep),
+                DATA_SOURCE: [r.get("data_source") for r in rows for _ in range(n)],  # per episode, its row's
                 **source_metrics([r.get("data_source") for r in rows for _ in range(n)], rewards,
                                  [t.correct for t in trajs]),
                 "episode/turns_mean": turns.mean().item(),

@@ -23,13 +23,22 @@ from rllight.strategies.lambdas import AdaptiveLambda, LambdaSchedule
 from rllight.strategies.samplers import GREEDY_REWARDS
 from rllight.types import Rollout
 
-__all__ = ["GAE", "RLOO", "TEACHER_LOGPROBS", "AdvantageEstimator", "DecoupledGAE", "GroupRelative",
-           "OnPolicyDistillation", "PromptBaseline", "ReMax", "ReinforcePP", "episode_advantages"]
+__all__ = ["GAE", "RLOO", "TEACHER_LOGPROBS", "TEACHER_TOP_IDS", "TEACHER_TOP_LOGPROBS", "AdvantageEstimator",
+           "DecoupledGAE", "GroupRelative", "OnPolicyDistillation", "PromptBaseline", "ReMax", "ReinforcePP",
+           "episode_advantages"]
 
 _NORMALIZE = ("none", "batch_std", "bernoulli")  # PromptBaseline's sigma
 TEACHER_LOGPROBS = "teacher_logprobs"
 """``rollout.extras`` key of the teacher's log-probs of the sampled tokens, shape (B, T), zero outside the response
 mask: ``rllight.callbacks.TeacherLogprobs`` puts them there, ``OnPolicyDistillation`` reads them."""
+TEACHER_TOP_LOGPROBS = "teacher_top_logprobs"
+"""``rollout.extras`` key of the teacher's log-probs of its k most likely tokens at each response position, shape
+(B, T, k), float32, zero outside the response mask; with ``TeacherLogprobs.top_k`` 0, of every token in id order,
+shape (B, T, V). ``rllight.callbacks.TeacherLogprobs`` puts them there, ``rllight.terms.TeacherDivergence`` reads
+them."""
+TEACHER_TOP_IDS = "teacher_top_ids"
+"""``rollout.extras`` key of the token ids of ``TEACHER_TOP_LOGPROBS``, shape (B, T, k), int32; absent where those
+cover the whole vocabulary in id order (``top_k`` 0)."""
 
 
 class AdvantageEstimator:
@@ -287,8 +296,10 @@ class ReinforcePP(AdvantageEstimator):
 
 class OnPolicyDistillation(AdvantageEstimator):
     """On-policy distillation: the student samples, a teacher scores the sampled tokens, and each token's advantage
-    is the teacher's minus the student's log-prob of it (GKD, Agarwal et al., arXiv:2306.13649, in the per-token
-    form of NeMo-RL's and TRL's on-policy distillation):
+    is the teacher's minus the student's log-prob of it (GKD's fully on-policy setting, Agarwal et al.,
+    arXiv:2306.13649, with the sampled-token reverse KL as the per-token advantage of Thinking Machines' "On-Policy
+    Distillation", 2025; NeMo-RL's distillation loss and TRL's GKD compare whole distributions instead, the logit
+    level of ``rllight.terms.TeacherDivergence``):
 
         A_t = coef * (log pi_T(y_t) - log pi_S(y_t)) + task_weight * A_task_t
 
@@ -303,6 +314,11 @@ class OnPolicyDistillation(AdvantageEstimator):
     reward: the trainer's log-probs under the policy that sampled, the ratio's base), else ``rollout.sample_logprobs``
     (the engine's log-probs of the same policy at the same temperature; a step with a single update skips the old
     pass, as these are the same numbers up to rounding). The teacher's are computed at the same temperature.
+
+    This is the sampled-token estimator. The logit-level alternative compares whole distributions at each position:
+    the loss term ``rllight.terms.TeacherDivergence`` on the teacher's top-k (or full) distribution, which
+    ``TeacherLogprobs(top_k=...)`` stores; with it, ``coef: 0.0`` here leaves the term alone to distil (the
+    teacher's sampled-token log-probs are still required and logged).
 
     Args:
         coef: Weight of the distillation term.

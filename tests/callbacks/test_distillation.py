@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import RECIPES
 from helpers import build, tiny_overrides
+from distillation_fixtures import held_out
 from rllight.callbacks import RolloutContext, TeacherLogprobs
 from rllight.callbacks.distillation import TEACHER_LOGPROBS, tokenizer_difference, unusable_logprobs
 from rllight.app.cli import main
@@ -207,23 +208,6 @@ def test_the_constructor_is_cheap_and_checks_its_settings():
 
 
 # ------------------------------------------------------------------------------------------- a few steps
-def _held_out(student_dir: str, n: int = 6) -> list[tuple[list[int], list[int]]]:
-    """Responses the untrained student samples to prompts it never trains on (fixed seed), as token ids."""
-    tokenizer = AutoTokenizer.from_pretrained(student_dir)
-    model = AutoModelForCausalLM.from_pretrained(student_dir)
-    torch.manual_seed(1234)
-    rows = []
-    for a, b in [(41, 17), (58, 33), (76, 29)]:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": f"What is {a} + {b}?"}],
-                                            add_generation_prompt=True, return_dict=True)["input_ids"]
-        out = model.generate(torch.tensor([ids]), do_sample=True, max_new_tokens=6, num_return_sequences=n // 3,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-        for seq in out[:, len(ids):].tolist():
-            end = seq.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in seq else len(seq)
-            rows.append((ids, seq[:end]))
-    return rows
-
-
 @torch.no_grad()
 def _logprobs(model: torch.nn.Module, rows: list[tuple[list[int], list[int]]]) -> torch.Tensor:
     """The log-probs of every response token of ``rows``, concatenated: one forward pass per row, no padding."""
@@ -235,7 +219,7 @@ def _logprobs(model: torch.nn.Module, rows: list[tuple[list[int], list[int]]]) -
 
 
 def test_a_few_steps_bring_the_students_logprobs_towards_the_teachers(tiny_model_dir, teacher_dir, tmp_path):
-    rows = _held_out(tiny_model_dir)
+    rows = held_out(tiny_model_dir)
     teacher = _logprobs(AutoModelForCausalLM.from_pretrained(teacher_dir), rows)
     gap_before = (teacher - _logprobs(AutoModelForCausalLM.from_pretrained(tiny_model_dir), rows)).abs().mean()
     # The recipe on the tiny models: 2 prompts x 8 responses a step, one update each (so the student's log-probs are

@@ -321,7 +321,7 @@ def test_yes_logprob_scores_p_yes_over_yes_and_no(fake, key):
     out = judge(fake, verdict="yes_logprob").score(samples(1))
     assert out.values == [pytest.approx((0.6 + 0.1) / (0.6 + 0.1 + 0.2))]
     body = fake.bodies[0]
-    assert body["logprobs"] is True and body["top_logprobs"] == 5 and body["max_tokens"] == 1
+    assert body["logprobs"] is True and body["top_logprobs"] == 20 and body["max_tokens"] == 1
     fake.reply = lambda body, n: (200, chat("Yes"), {})  # a server without log-probs
     assert "no log-probs" in judge(fake, verdict="yes_logprob").score(samples(1)).failed[0]
 
@@ -344,6 +344,8 @@ def logprobs(top, first: dict | None = None) -> dict:
     (logprobs([{"token": "Yes", "logprob": -0.1}, {"token": " yes", "logprob": -0.5},
                {"token": "No", "logprob": -0.7}]),  # e^-0.1 + e^-0.5 + e^-0.7 = 0.905 + 0.607 + 0.497
      "yes and no a probability of 2.01 together, more than 1"),
+    (logprobs([{"token": "Yes", "logprob": math.log(0.6)}, {"token": "Maybe", "logprob": math.log(0.5)}]),
+     "its listed tokens a probability of 1.1 together, more than 1"),  # the bound of an absent no would be < 0
     (logprobs([{"token": "Maybe", "logprob": -0.1}], {"token": "Maybe"}), "neither yes nor no"),
 ])
 def test_yes_logprob_without_the_log_probs_it_needs_or_with_impossible_ones_fails_the_sample(fake, key, answer,
@@ -478,6 +480,8 @@ def test_bad_settings_are_one_line_naming_the_field(kwargs, field):
     ({"temperature": -0.5}, "LLMJudge.temperature must be a number >= 0, got -0.5"),
     ({"max_tokens": 0}, "LLMJudge.max_tokens must be an integer >= 1, got 0"),
     ({"batch_size": True}, "LLMJudge.batch_size must be an integer >= 1, got True"),
+    ({"top_logprobs": 0}, "LLMJudge.top_logprobs must be an integer >= 1, got 0"),
+    ({"min_mass": 1.5}, "LLMJudge.min_mass must be a number in [0, 1], got 1.5"),
 ])
 def test_settings_out_of_their_declared_bounds_are_one_line_naming_them(kwargs, message):
     with pytest.raises(RecipeError) as err:

@@ -1,8 +1,9 @@
 """``LLMJudge`` with a local judge model (placed ``InProcess`` and in a ``Worker``, ``rllight.rewards.judge_local``) on
-tiny models built here: P(yes) equals the one computed by hand from the judge's logits, both placements give the same
-rewards and the same failure reasons, a judge trained to answer ``Score: 7`` gives 0.7 by the number verdict, a worker
-that hangs costs its batch (counted) and the next batch is judged, and wrong settings are one line before anything
-loads."""
+tiny models built here: P(yes), and the share of the first token's probability its yes and no hold (the mass), equal
+the ones computed by hand from the judge's logits over the whole vocabulary, a mass below ``min_mass`` fails each
+sample (counted), the request's ``top_logprobs`` are listed, both placements give the same rewards and the same failure
+reasons, a judge trained to answer ``Score: 7`` gives 0.7 by the number verdict, a worker that hangs costs its batch
+(counted) and the next batch is judged, and wrong settings are one line before anything loads."""
 
 import math
 import os
@@ -19,7 +20,7 @@ from rllight.app.cli import main
 from rllight.errors import RecipeError
 from rllight.rewards import LLMJudge, Sample
 from rllight.rollout.producer import encode_chat
-from rllight.rollout.scoring import score_samples
+from rllight.rollout.scoring import reward_metrics, score_samples
 from rllight.serving import Endpoint, InProcess, Worker
 from rllight.testing import build_tiny_model
 
@@ -77,9 +78,9 @@ def score7_dir(tmp_path_factory) -> str:
     return path
 
 
-def hand_yes_probability(judge_dir: str, judge: LLMJudge, s: Sample) -> float:
-    """P(yes) / (P(yes) + P(no)) over every token that reads yes or no, from one forward pass of the judge's
-    templated prompt."""
+def hand_yes_no(judge_dir: str, judge: LLMJudge, s: Sample) -> tuple[float, float]:
+    """``(P(yes) / (P(yes) + P(no)), P(yes) + P(no))`` over every token that reads yes or no, from one forward pass of
+    the judge's templated prompt."""
     tokenizer = AutoTokenizer.from_pretrained(judge_dir)
     model = AutoModelForCausalLM.from_pretrained(judge_dir, dtype=torch.float32).eval()
     text = tokenizer.apply_chat_template([{"role": "user", "content": judge._prompt(s, s.response, 1)}],
@@ -90,21 +91,46 @@ def hand_yes_probability(judge_dir: str, judge: LLMJudge, s: Sample) -> float:
     words = {i: tokenizer.decode([i]).strip().lower() for i in range(len(tokenizer))}
     yes = sum(float(probs[i]) for i, w in words.items() if w == "yes")
     no = sum(float(probs[i]) for i, w in words.items() if w == "no")
-    return yes / (yes + no)
+    return yes / (yes + no), yes + no
 
 
-def test_p_yes_is_the_judges_own_over_every_yes_and_no_token_in_both_placements(judge_dir):
-    process = LLMJudge(model=judge_dir, placement=InProcess(), verdict="yes_logprob", batch_size=3, dtype="float32")
+def test_p_yes_and_its_mass_are_the_judges_own_over_every_yes_and_no_token_in_both_placements(judge_dir):
+    # min_mass 0: this random judge's yes and no hold about a third of its first token (below the default 0.5).
+    process = LLMJudge(model=judge_dir, placement=InProcess(), verdict="yes_logprob", batch_size=3, dtype="float32",
+                       min_mass=0.0)
     out = process.score(SAMPLES)
     assert not out.failed
-    expected = [hand_yes_probability(judge_dir, process, s) for s in SAMPLES]
+    expected, masses = zip(*[hand_yes_no(judge_dir, process, s) for s in SAMPLES])
     assert out.values == pytest.approx(expected, abs=1e-5)
     assert max(expected) - min(expected) > 1e-4  # the reward depends on the response (a judge blind to it: 1e-15)
-    worker = LLMJudge(model=judge_dir, placement=Worker(), verdict="yes_logprob", batch_size=2, dtype="float32")
+    assert out.metrics["judge/mass_sum"] == pytest.approx(sum(masses), abs=1e-5)
+    assert out.metrics["judge/mass_count"] == 4.0 and out.metrics["judge/bounded"] == 0.0  # the vocabulary: exact
+    worker = LLMJudge(model=judge_dir, placement=Worker(), verdict="yes_logprob", batch_size=2, dtype="float32",
+                      min_mass=0.0)
     try:
-        assert worker.score(SAMPLES).values == pytest.approx(expected, abs=1e-5)
+        in_worker = worker.score(SAMPLES)
     finally:
         worker.close()
+    assert in_worker.values == pytest.approx(expected, abs=1e-5)
+    assert in_worker.metrics["judge/mass_sum"] == pytest.approx(sum(masses), abs=1e-5)
+    # Under the default min_mass (0.5) each verdict fails, counted, with the hand-computed mass in its reason.
+    assert max(masses) < 0.5
+    scores = score_samples(LLMJudge(model=judge_dir, placement=InProcess(), verdict="yes_logprob", dtype="float32"),
+                           SAMPLES)
+    assert scores.values == [0.0] * 4 and sorted(scores.failed) == [0, 1, 2, 3]
+    assert scores.failed[0].startswith(f"yes and no hold {masses[0]:.3g} of the judge's first-token probability, "
+                                       "below min_mass=0.5")
+    assert reward_metrics(scores)["reward/judge/low_mass"] == 4.0
+
+
+def test_a_local_judge_lists_the_requests_top_logprobs_and_every_yes_and_no_token(judge_dir):
+    chat = LLMJudge(model=judge_dir, placement=InProcess(), dtype="float32")._chat()
+    body = {"messages": [{"role": "user", "content": "Is 2 + 3 = 5?"}], "max_tokens": 1, "temperature": 0.0,
+            "logprobs": True}
+    for top in (2, 12):
+        first = chat.complete([{**body, "top_logprobs": top}])[0]["choices"][0]["logprobs"]["content"][0]
+        listed = [t["token"] for t in first["top_logprobs"]]  # by id: several byte tokens decode to the same text
+        assert {"yes", "no", " Yes"} <= set(listed) and top <= len(listed) <= top + 3  # the judge's 3 yes/no tokens
 
 
 def test_generated_verdicts_and_their_failures_are_the_same_in_both_placements(judge_dir, score7_dir):
@@ -136,7 +162,8 @@ class Hanging(LLMJudge):
 
 
 def test_a_judge_worker_that_hangs_costs_its_batch_and_the_next_is_judged(judge_dir):
-    judge = Hanging(model=judge_dir, placement=Worker(timeout_seconds=3), verdict="yes_logprob", dtype="float32")
+    judge = Hanging(model=judge_dir, placement=Worker(timeout_seconds=3), verdict="yes_logprob", dtype="float32",
+                    min_mass=0.0)
     try:
         judge.score(SAMPLES[:1])  # started and loaded: the timeout is the batch's alone
         scores = score_samples(judge, [sample("HANG", "x")] + SAMPLES[1:])
@@ -193,7 +220,8 @@ def test_the_judge_recipe_trains_on_the_judges_reward_and_counts_the_exact_match
     the judge's P(yes) (weight 1) and whose accuracy is the exact match's (weight 0, correct_from)."""
     recipe = yaml.safe_load(open(os.path.join(RECIPES, "judge-quickstart.yaml")))
     reward = recipe["model"]["reward"]
-    reward["init_args"]["rewards"]["judge"]["init_args"].update(model=judge_dir, dtype="float32")
+    # min_mass 0: the tiny judge's yes and no hold about a third of its first token (below the default 0.5)
+    reward["init_args"]["rewards"]["judge"]["init_args"].update(model=judge_dir, dtype="float32", min_mass=0.0)
     overlay = tmp_path / "judge.yaml"
     overlay.write_text(yaml.safe_dump({"model": {"reward": reward}}))
     cli = build(os.path.join(RECIPES, "judge-quickstart.yaml"), tiny_overrides(tmp_path, tiny_model_dir), str(overlay))
@@ -203,3 +231,6 @@ def test_the_judge_recipe_trains_on_the_judges_reward_and_counts_the_exact_match
     assert 0.0 < logged["train/reward/judge"] < 1.0
     assert logged["train/reward/mean"] == pytest.approx(logged["train/reward/judge"], abs=1e-5)
     assert logged["train/reward/accuracy"] == pytest.approx(logged["train/reward/exact"], abs=1e-5)
+    # The judge's mass reaches the log through Weighted: one verdict per response.
+    assert logged["train/reward/judge/mass_count"] >= 1
+    assert 0 < logged["train/reward/judge/mass_sum"] / logged["train/reward/judge/mass_count"] < 1
