@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rllight.algorithms import masked_mean, value_loss
-from rllight.bounds import PositiveFloat, bounded
+from rllight.bounds import NonNegativeFloat, PositiveFloat, bounded
 from rllight.errors import RecipeError
 from rllight.models import HFModel, response_hidden_states
 from rllight.rollout.base import distinct_prompts, pad_left, position_ids
@@ -33,6 +33,7 @@ class Critic(nn.Module):
     Args:
         loss_coef: Weight of the critic's loss in the joint loss.
         lr: Learning rate of the critic's parameters (None = the policy optimizer's).
+        weight_decay: The optimizer's weight decay for the critic's parameters (None = the policy optimizer's).
     """
 
     shared = True
@@ -40,10 +41,11 @@ class Critic(nn.Module):
     per_prompt = False
     """One value per response (shape (B,)) rather than one per token (B, T)."""
 
-    def __init__(self, loss_coef: float = 0.5, lr: float | None = None):
+    def __init__(self, loss_coef: float = 0.5, lr: float | None = None, weight_decay: float | None = None):
         super().__init__()
         self.loss_coef = loss_coef
         self.lr = lr
+        self.weight_decay = weight_decay
 
     def setup(self, policy: nn.Module, tokenizer, source: HFModel) -> None:
         """Build parameters once the policy is loaded: ``policy`` (the causal LM being trained), its
@@ -74,7 +76,13 @@ class Critic(nn.Module):
         group = {"name": "critic", "params": [p for p in self.parameters() if p.requires_grad]}
         if self.lr is not None:
             group["lr"] = self.lr
-        return [group]
+        return [self._decayed(group)]
+
+    def _decayed(self, group: dict) -> dict:
+        """``group`` with the critic's own ``weight_decay`` where it has one."""
+        if getattr(self, "weight_decay", None) is not None:  # a critic pickled before the setting had none
+            group["weight_decay"] = self.weight_decay
+        return group
 
 
 class _TokenValueLoss:
@@ -112,6 +120,7 @@ class ValueHead(_TokenValueLoss, Critic):
             into verl (``cliprange_value``). Engstrom et al. (arXiv:2005.12729) found no evidence that it helps,
             Andrychowicz et al. (arXiv:2006.05990, decision C13) that it hurts; 0.2 is ppo2's default.
         lr: Learning rate of the head (None = the policy's).
+        weight_decay: The optimizer's weight decay for the head (None = the policy optimizer's).
         critic_first_trains_backbone: Let the critic-only updates of ``model.critic_first.steps`` (or
             ``critic_first.epochs``) train the shared backbone too (note 000's figure 5; False = the head alone there).
     """
@@ -120,8 +129,8 @@ class ValueHead(_TokenValueLoss, Critic):
 
     @bounded
     def __init__(self, loss_coef: float = 0.5, clip: PositiveFloat | None = 0.2, lr: PositiveFloat | None = None,
-                 critic_first_trains_backbone: bool = False):
-        super().__init__(loss_coef=loss_coef, lr=lr)
+                 critic_first_trains_backbone: bool = False, weight_decay: NonNegativeFloat | None = None):
+        super().__init__(loss_coef=loss_coef, lr=lr, weight_decay=weight_decay)
         self.clip = clip
         self.critic_first_trains_backbone = critic_first_trains_backbone
         self.head: nn.Linear | None = None
@@ -152,14 +161,16 @@ class SeparateCritic(_TokenValueLoss, Critic):
         head_lr: Learning rate of the value head (None = ``lr``). A zero-initialised head passes no gradient to
             the backbone until it has grown, so a head that learns faster than the backbone lets the whole
             critic start learning within a few rollouts.
+        weight_decay: The optimizer's weight decay for the backbone and the head (None = the policy optimizer's).
     """
 
     shared = False
 
     @bounded
     def __init__(self, model: HFModel | None = None, loss_coef: float = 0.5, clip: PositiveFloat | None = 0.2,
-                 lr: PositiveFloat | None = None, head_lr: PositiveFloat | None = None):
-        super().__init__(loss_coef=loss_coef, lr=lr)
+                 lr: PositiveFloat | None = None, head_lr: PositiveFloat | None = None,
+                 weight_decay: NonNegativeFloat | None = None):
+        super().__init__(loss_coef=loss_coef, lr=lr, weight_decay=weight_decay)
         self.head_lr = head_lr
         self.source = model
         self.clip = clip
@@ -186,7 +197,8 @@ class SeparateCritic(_TokenValueLoss, Critic):
         backbone = {"name": "critic", "params": [p for p in self.backbone.parameters() if p.requires_grad]}
         if self.lr is not None:
             backbone["lr"] = self.lr
-        return [backbone, {"name": "critic_head", "params": list(self.head.parameters()), "lr": self.head_lr}]
+        head = {"name": "critic_head", "params": list(self.head.parameters()), "lr": self.head_lr}
+        return [self._decayed(backbone), self._decayed(head)]
 
 
 def _zero_linear(hidden_size: int) -> nn.Linear:
@@ -226,13 +238,15 @@ class PromptCritic(Critic):
         model: The critic's own backbone (None = a head on the policy's backbone).
         loss_coef: Weight of the BCE in the joint loss (above 0: the critic must learn).
         lr: Learning rate of the critic's parameters (None = the policy optimizer's).
+        weight_decay: The optimizer's weight decay for the critic's parameters (None = the policy optimizer's).
     """
 
     per_prompt = True
 
     @bounded
-    def __init__(self, model: HFModel | None = None, loss_coef: PositiveFloat = 1.0, lr: PositiveFloat | None = None):
-        super().__init__(loss_coef=loss_coef, lr=lr)
+    def __init__(self, model: HFModel | None = None, loss_coef: PositiveFloat = 1.0, lr: PositiveFloat | None = None,
+                 weight_decay: NonNegativeFloat | None = None):
+        super().__init__(loss_coef=loss_coef, lr=lr, weight_decay=weight_decay)
         self.source = model
         self.shared = model is None  # instance attribute: read by the module like the class flag of other critics
         self.backbone: nn.Module | None = None

@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 
 class ZeroGradientGuard:
     """RL steps in a row whose every policy update had a gradient of exactly zero: nothing was learned from them
-    (every advantage 0, as when each group's responses all earn one reward, or every token masked or clipped). A
+    (every advantage 0, as when each group's responses all earn one reward, or every token masked or clipped), and
+    the weights did not move (``Updater.clip_gradients`` removes such a gradient before the optimizer steps). A
     warning after ``warn_after`` of them, and after ``stop_after`` the run ends after the step, saved
     (``rllight.stopping.end_after_step``): the policy no longer changes, so neither do its rollouts. The norms are of
     the gradient summed over ranks, so every rank counts alike. A step with no policy update is not counted
@@ -358,7 +359,8 @@ class Updater:
         """Clip the policy's and the critic's gradients each to its own norm (``max_grad_norm``,
         ``critic_max_grad_norm``: ``model.grad_clip``; the critic's groups, e.g. backbone and head, together) and
         return the norms before clipping, as ``<name>/grad_norm`` and ``value/grad_norm`` (parts without gradients
-        are left out)."""
+        are left out). A part whose gradient is exactly zero has it removed (``None``): the optimizer step that
+        follows does not move those weights."""
         families: dict[bool, list[Tensor]] = {False: [], True: []}
         for group in optimizer.param_groups:
             critic = str(group.get("name", "policy")).startswith("critic")
@@ -371,4 +373,10 @@ class Updater:
                 norm = full_tensor(torch.nn.utils.get_total_norm([p.grad for p in params]))
                 torch.nn.utils.clip_grads_with_norm_(params, limit if limit else float("inf"), norm)
                 norms["value/grad_norm" if critic else f"{name}/grad_norm"] = norm.detach()
+                if float(norm) == 0.0:
+                    # Nothing to learn (every advantage 0, every token masked): no gradient at all, so that the
+                    # optimizer leaves these weights as they are. AdamW would otherwise still move them, by its
+                    # momentum and its weight decay. The norm is the gathered total: every rank decides alike.
+                    for p in params:
+                        p.grad = None
         return norms

@@ -404,3 +404,22 @@ def test_zero_gradient_guard_settings_are_checked_at_parse_time(tmp_path, tiny_m
                                                                  guards={"max_zero_gradient_steps": 0}))
     assert one_line_parse_error(str(err.value)) == ("model.guards.max_zero_gradient_steps must be an integer >= 1, "
                                                      "got 0 (see: rllight fit --help)")
+
+
+def test_an_update_whose_gradient_is_exactly_zero_leaves_the_weights_as_they_were(tmp_path, tiny_model_dir):
+    """One reward for every response: every gradient is exactly 0. AdamW with weight decay (and momentum, after a
+    step that learned) would still move the weights on a zero gradient; the update removes such a gradient, so the
+    weights stay exactly as they were, while the updates still count."""
+    cli = build(os.path.join(RECIPES, "grpo.yaml"), tiny_overrides(
+        tmp_path, tiny_model_dir, reward={"class_path": "user_strategies.ConstantReward"}),
+        "--trainer.max_steps", "4", "--model.optimizer.init_args.weight_decay", "0.1")
+    module = cli.model
+    cli.trainer.fit(module, datamodule=cli.datamodule)
+    from safetensors.torch import load_file
+
+    start = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
+    trained = {k: v for k, v in module.policy.state_dict().items()}
+    assert cli.trainer.global_step == 4
+    assert start.keys() <= trained.keys()
+    changed = [k for k in start if not torch.equal(start[k], trained[k].to(start[k].dtype))]
+    assert changed == []

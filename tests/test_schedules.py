@@ -143,3 +143,18 @@ def test_a_separate_critic_head_learns_at_its_own_rate(tmp_path, tiny_model_dir)
     head = {id(p) for p in module.critic.head.parameters()}
     assert {id(p) for p in groups["critic_head"]["params"]} == head
     assert not head & {id(p) for p in groups["critic"]["params"]}
+
+
+def test_a_critic_decays_its_weights_at_its_own_rate(tmp_path, tiny_model_dir):
+    """SPPO's script decays the critic's weights by 0.01 and the actor's by 0.1 (recipes/paper/sppo.yaml): the critic's
+    weight_decay sets its optimizer groups', the policy's stays the optimizer's."""
+    overlay = tiny_overrides(tmp_path, tiny_model_dir)
+    cli = build(f"{RECIPES}/vapo.yaml", overlay, "--model.optimizer.init_args.weight_decay", "0.1",
+                "--model.critic.init_args.head_lr", "1e-3", "--model.critic.init_args.weight_decay", "0.01")
+    module = cli.model
+    module.configure_model()
+    module._trainer = cli.trainer
+    optimizer = module.configure_optimizers()
+    optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
+    decay = {g["name"]: g["weight_decay"] for g in optimizer.param_groups}
+    assert decay == {"policy": 0.1, "critic": 0.01, "critic_head": 0.01}

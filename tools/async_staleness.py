@@ -26,8 +26,11 @@ t - k (0 = synchronous, on-policy). Only the policy loss and k differ between ru
   ratios leaves [0.5, 2]; IcePop's weight (the ratio inside [0.5, 5], 0 outside). Not in the default
   ``--algos``: name them.
 
-Every run starts from the same weights with the same seed and prompt order, and is evaluated before and after
-training on the same 200 held-out problems (the quickstart's evaluation: a greedy answer and 4 samples each).
+Every run starts from the same weights with the same seed and prompt order, and its first rollout is the same
+batch of samples at every k (the worker's stream starts as a copy of the trainer's; at k = 0 the worker draws from
+the trainer's own). After that the arms draw different samples (their policies and streams differ), so a
+comparison needs several seeds (``--seed``). Each run is evaluated before and after training on the same 200
+held-out problems (the quickstart's evaluation: a greedy answer and 4 samples each).
 The table: greedy accuracy before and after (± standard error of the difference), the mean training reward
 over the first and the last third of the steps, the measured staleness (mean over steps), and stability: the
 largest gap between the trainer's and the sampler's log-probs of the sampled tokens (a step's mean of

@@ -41,7 +41,8 @@ How it runs:
   old. Replies come in the order sent; the trainer reads them as it needs them. Weights go with the next request
   after an update (a "sync" queued before it; the buffers are rewritten only once the worker has read the last
   ones), so requests already queued keep the version they were sent with, and each reply names it. The worker
-  samples from its own RNG stream, seeded from the trainer's; ``state_dict`` (saved in checkpoints) waits for the
+  samples from its own RNG stream, which starts as a copy of the trainer's (so its first batch is a synchronous
+  run's first batch, at the same seed); ``state_dict`` (saved in checkpoints) waits for the
   requests in flight and keeps their results and the worker's RNG state, so a resumed run continues exactly. A
   worker that dies loses the requests in flight: they are generated again when asked for.
 - **Tensor parallelism** (the inner ``VLLMEngine``'s ``tensor_parallel_size`` n > 1, with several training
@@ -222,8 +223,11 @@ class ProcessEngine(RolloutEngine):
         self._base = None if self._policy["lora"] is None else SharedWeights(base_state_dict(model))
         self._weights = SharedWeights(self._sync_weights(model))
         self._version = self._updates
-        if self.asynchronous and self._worker_rng is None:  # a stream of its own, seeded from the trainer's
-            self._worker_rng = int(torch.randint(2**62, ()).item())
+        if self.asynchronous and self._worker_rng is None:
+            # A stream of its own that starts where the trainer's is now, without drawing from it: the first batch
+            # is then the one a synchronous run of the same seed draws (its request carries this state), so that
+            # a staleness comparison's arms share their first, on-policy batch.
+            self._worker_rng = rng_states(next(model.parameters()).device)
         if self.tensor_parallel_size > 1 and self._group is None:
             self._group = TensorParallelGroup(self.tensor_parallel_size)
 

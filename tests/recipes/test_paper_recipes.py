@@ -8,6 +8,7 @@ trainer's hardware keys are overridden; every model and data key is the recipe's
 
 import glob
 import importlib.util
+import json
 import os
 import re
 import sys
@@ -215,3 +216,61 @@ def test_vapo_overlay_evaluates_as_note_000_reports():
     settings = EvalSettings(**{**base, **raw(overlay)["model"]["evaluation"]})
     assert (settings.n, settings.temperature, settings.top_p, settings.ks) == (16, 1.0, 0.7, [1, 16])
     assert "average@16" in header(os.path.join(PAPER, "vapo.yaml")) and "avg@32" in header(overlay)
+
+
+# Samples of the benchmarks' reference answers as their files write them (tests/assets/benchmarks/<data_source>.jsonl):
+# MATH-500's first 21 (PRM800K's 500-problem test split), AMC 23's first 20, Minerva Math's first 5. AIME's answers are
+# integers from 0 to 999 by the contest's rules, DAPO-Math-17K's integers by its construction (arXiv:2503.14476 §3).
+BENCHMARK_SAMPLES = os.path.join(os.path.dirname(RECIPES), "tests", "assets", "benchmarks")
+INTEGER_SOURCES = {"aime-2024", "aime-2025", "dapo-math-17k", "dapo-math-17k_dedup"}
+# The MATH test set (DeepSeekMath's validation) holds MATH-500; DeepSeekMath's RL data is GSM8K's integers and
+# MATH's training answers, of MATH-500's forms.
+SAMPLE_OF = {"math-test": ["math-500"], "deepseekmath-rl-gsm8k-math": ["math-500", "aime-2024"]}
+
+
+def _reward_of(recipe: str):
+    """The recipe's ``model.reward``, constructed on its own."""
+    from jsonargparse import ArgumentParser
+
+    from rllight.rewards import Reward
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--reward", type=Reward)
+    return parser.instantiate_classes(parser.parse_object({"reward": raw(recipe)["model"]["reward"]})).reward
+
+
+def _answers(source: str) -> list[str]:
+    if source in SAMPLE_OF:
+        return [a for sample in SAMPLE_OF[source] for a in _answers(sample)]
+    if source in INTEGER_SOURCES:
+        return ["0", "7", "33", "204", "999"]
+    path = os.path.join(BENCHMARK_SAMPLES, f"{source}.jsonl")
+    assert os.path.exists(path), f"no sample of {source}'s answers in tests/assets/benchmarks/"
+    with open(path) as f:
+        return [json.loads(line)["answer"] for line in f]
+
+
+def _sample_rows(source: str) -> list[dict]:
+    answers = _answers(source)
+    return [{"prompt": f"{source} {i}", "answer": a, "data_source": source, "source": f"{source} row {i + 1}"}
+            for i, a in enumerate(answers)]
+
+
+@pytest.mark.parametrize("recipe", PAPER_RECIPES, ids=os.path.basename)
+def test_paper_recipe_reward_matches_every_benchmarks_reference_answers(recipe):
+    """Every file a paper recipe trains or validates on: the recipe's reward gives each sampled reference answer,
+    written as the model would (``\\boxed{...}``), its full reward, and a wrong one less (the reward pre-flight's
+    check, on every sampled row): setup checks every answer of these files, so a recipe whose reward cannot read
+    one of them stops at start."""
+    from rllight.rewards.base import check_answers
+    from rllight.rewards.preflight import check_part
+
+    settings = raw(recipe)["data"]
+    sources = [os.path.splitext(os.path.basename(f))[0] for f in settings["train_files"] + settings["val_files"]]
+    reward = _reward_of(recipe)
+    for source in sources:
+        rows = _sample_rows(source)
+        for part, index in reward.split(rows):
+            picked = [rows[i] for i in index]
+            check_answers(part, picked)
+            check_part(part, picked, k=len(picked), field="answer")

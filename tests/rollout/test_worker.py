@@ -348,6 +348,29 @@ def test_a_rollout_generated_ahead_is_the_old_policys_tagged_and_never_older_tha
         engine.close()
 
 
+def test_the_asynchronous_workers_first_batch_is_the_synchronous_runs_at_the_same_seed(tiny_model_dir):
+    """Paired arms of a staleness comparison: the asynchronous worker's stream starts where the trainer's is, so its
+    first, on-policy batch is the one the synchronous worker and the in-process engine draw at the same seed; and
+    starting it draws nothing from the trainer's stream."""
+    responses = {}
+    for name, engine in (("in-process", HFEngine(max_new_tokens=8, temperature=1.0)),
+                         ("synchronous", ProcessEngine(HFEngine(max_new_tokens=8, temperature=1.0))),
+                         ("asynchronous", ProcessEngine(HFEngine(max_new_tokens=8, temperature=1.0), max_staleness=1))):
+        module = _module(tiny_model_dir, engine)
+        try:
+            torch.manual_seed(0)
+            responses[name] = module.producer.sample(ROWS, n=4).response_ids.tolist()
+            if name == "asynchronous":  # the trainer's stream is where seed 0 left it: nothing was drawn from it
+                after = torch.rand(3)
+                torch.manual_seed(0)
+                assert torch.equal(after, torch.rand(3))
+        finally:
+            if isinstance(engine, ProcessEngine):
+                engine.close()
+    assert len({str(r) for r in responses.values()}) == 1, responses
+    assert len({str(r) for r in responses["in-process"]}) > 1  # sampled: the responses differ among themselves
+
+
 def test_asynchronous_settings_are_checked():
     with pytest.raises(RecipeError, match=r"model\.rollout\.init_args\.max_staleness must be an integer >= 0"):
         ProcessEngine(HFEngine(), max_staleness=-1)
