@@ -212,6 +212,11 @@ def test_a_smoke_run_trains_to_the_end_through_the_command(recipe, extra, tmp_pa
         assert any(not torch.equal(start[k], trained[k]) for k in start if k in trained)
 
 
+# What docs/smoke-test.md adds for a paper recipe on a CPU: the HF engine, the arithmetic task in place of the
+# paper's data files (not in the repository), and a small batch (tests/app/test_hardware.py checks the hint).
+PAPER_ON_CPU = [*HF_ENGINE, "--data.train_files", "null", "--data.val_files", "null", "--data.batch_size", "8"]
+
+
 # ------------------------------------------------------------------ docs/guides/own-data-and-reward.md
 GUIDE = os.path.join(ROOT, "docs", "guides", "own-data-and-reward.md")
 TITLED = re.compile(r'^```(\w+)[ \t]+title="([^"]+)"[ \t]*\n(.*?)^```[ \t]*$', re.MULTILINE | re.DOTALL)

@@ -74,10 +74,8 @@ def ckpt_path_given(argv: list[str]) -> str | None:
     return found
 
 
-TRAINING_ONLY = ("--trainer.max_steps", "--evaluate_before_after", "--evaluate_before_again", "--resume_allow_changes",
-                 "--trainer.limit_val_batches")
-"""Options that act on a fit alone: a printed ``rllight validate`` command leaves them out (a fit's
-``limit_val_batches 0``, no validation during training, would make the evaluation evaluate nothing)."""
+TRAINING_ONLY = ("--trainer.max_steps", "--evaluate_before_after", "--evaluate_before_again", "--resume_allow_changes")
+"""Options that act on a fit alone: a printed ``rllight validate`` command leaves them out."""
 
 
 def without_options(words: list[str], extra) -> list[str]:

@@ -113,8 +113,9 @@ class StepLog(L.Callback):
     # ------------------------------------------------------------------------------------ training
     def on_train_start(self, trainer, pl_module) -> None:
         self.count.start(trainer)
-        if trainer.ckpt_path and trainer.is_global_zero:  # restored by now: the loops, the data's trained batches
-            say(f"rllight: resuming from {trainer.ckpt_path} after {counted(rl_steps_done(trainer), 'RL step')} "
+        restored = getattr(trainer, "ckpt_path", None)
+        if restored and trainer.is_global_zero:  # restored by now: the loops, the data's trained batches
+            say(f"rllight: resuming from {restored} after {counted(rl_steps_done(trainer), 'RL step')} "
                 f"({counted(trainer.global_step, 'optimizer update')})")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
@@ -146,7 +147,7 @@ class StepLog(L.Callback):
 
     # ---------------------------------------------------------------------------------- evaluation
     def on_validation_start(self, trainer, pl_module) -> None:
-        if trainer.state.fn == "validate" and trainer.ckpt_path and trainer.is_global_zero:
+        if trainer.state.fn == "validate" and getattr(trainer, "ckpt_path", None) and trainer.is_global_zero:
             say(f"rllight: evaluating {trainer.ckpt_path}{_trained(trainer)}")
         if not self.active or trainer.sanity_checking:
             return

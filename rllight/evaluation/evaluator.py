@@ -87,7 +87,8 @@ class Evaluator:
         self.last_per_prompt = {}
         # Every rank asks: under DDP the log folder is a collective (rank 0's, broadcast), so a question asked on rank 0
         # alone would wait for ranks that have gone on to the next gather.
-        folder = os.path.join(trainer.log_dir or trainer.default_root_dir, "evaluation")
+        log_dir = getattr(trainer, "log_dir", None) or getattr(trainer, "default_root_dir", ".")
+        folder = os.path.join(log_dir, "evaluation")
         for results, _, _, ks, suffix in self.passes():
             if trainer.world_size > 1:  # every rank evaluated its share of the rows
                 results.merge(Ranks(trainer).gather_objects(results.state()))

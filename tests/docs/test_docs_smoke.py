@@ -181,13 +181,17 @@ def test_a_guides_yaml_block_runs_in_smoke_mode(page, index, block, tmp_path, sm
     monkeypatch.setenv("HOME", folder)
     monkeypatch.setenv("XDG_CACHE_HOME", smoke_cache)
     monkeypatch.setattr(sys, "path", [folder, *sys.path])
-    before = set(sys.modules)
+    before, environment = set(sys.modules), dict(os.environ)
     try:
         main(["fit", *configs, "--trainer.max_steps", "2", "--trainer.default_root_dir", os.path.join(folder, "run")])
         code = 0
     except SystemExit as exit_info:
         code = exit_info.code or 0
     finally:
+        # A run in this process sets variables of its own (an FSDP run's MASTER_PORT, RANK...): a later test's
+        # children would inherit them, and every distributed child would ask for the same port.
+        os.environ.clear()
+        os.environ.update(environment)
         for name in set(sys.modules) - before:  # the page's modules (and packages): a later page's may share names
             spec = getattr(sys.modules[name], "__spec__", None)
             where = [getattr(spec, "origin", None), *(getattr(spec, "submodule_search_locations", None) or [])]
