@@ -34,7 +34,7 @@ METRICS = {
     "extending/curriculum.md": "train/curriculum/unseen",
 }
 # The methods through which a class of each kind takes part in a run; each one a class defines itself must run.
-HOOKS = ("__call__", "on_rollout", "step", "generate", "is_correct", "choose")
+HOOKS = ("__call__", "on_rollout", "step", "generate", "is_correct", "choose", "score", "splits")
 # Pages whose classes are parts a run's owner uses (a placement, a wire protocol that needs a server), not a 2-step run
 # of their own: the test file named runs each one's my_lab.py as written instead.
 OWN_TESTS = {"extending/serving.md": "test_docs_serving.py"}
@@ -145,7 +145,8 @@ def test_a_docs_example_trains_two_steps_as_written(page, tmp_path, tiny_model_d
         my_lab = sys.modules["my_lab"]
         calls: dict[str, int] = {}
         hooks = {name: _count_hooks(getattr(my_lab, name), calls, monkeypatch) for name in names}
-        parts = [*vars(cli.model).values(), *cli.model.loss_terms, *cli.trainer.callbacks, cli.datamodule.curriculum]
+        parts = [*vars(cli.model).values(), *cli.model.loss_terms, *cli.trainer.callbacks, cli.datamodule.curriculum,
+                 cli.datamodule.task]
         for name in names:  # the recipe built the page's class, not a built-in one
             assert any(type(p).__module__ == "my_lab" and type(p).__name__ == name for p in parts), name
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
