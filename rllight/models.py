@@ -6,6 +6,7 @@ Sources are cheap to construct: nothing loads until ``load()``, which the module
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
@@ -303,3 +304,23 @@ def disable_dropout(model: torch.nn.Module) -> None:
             module.p = 0.0
         if hasattr(module, "attention_dropout") and isinstance(module.attention_dropout, float):
             module.attention_dropout = 0.0
+
+
+@contextlib.contextmanager
+def quiet_transformers(messages: bool = True, bars: bool = True):
+    """transformers quiet for the block, and as it was after: with ``messages`` its warnings and load reports off (a
+    head that is new on purpose is reported as missing from the weights), with ``bars`` its progress bars off (a log
+    file gets every frame of a bar on one line)."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, shown = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    if messages:
+        hf_logging.set_verbosity_error()
+    if bars:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if shown:
+            hf_logging.enable_progress_bar()

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 from rllight.errors import RecipeError
-from rllight.models import HFModel
+from rllight.models import HFModel, quiet_transformers
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
@@ -35,20 +34,6 @@ HISTORY_REWRITING_TEMPLATE = (
 )
 """``CHAT_TEMPLATE`` that rewrites history as Qwen3's does: an assistant turn before the last user turn loses its
 ``<think>...</think>`` reasoning."""
-
-
-@contextlib.contextmanager
-def _no_progress_bars():
-    """transformers' progress bars off for a moment (a saved shard's bar is noise in a log), as they were after."""
-    from transformers.utils import logging as hf_logging
-
-    was = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was:
-            hf_logging.enable_progress_bar()
 
 
 def build_tiny_model(path: str, hidden_size: int = 32, num_layers: int = 2, seed: int = 0,
@@ -84,7 +69,7 @@ def build_tiny_model(path: str, hidden_size: int = 32, num_layers: int = 2, seed
     model.generation_config.eos_token_id = fast.eos_token_id
     model.generation_config.pad_token_id = fast.pad_token_id
     tmp = f"{path}.tmp{os.getpid()}"
-    with _no_progress_bars():
+    with quiet_transformers(messages=False):  # a saved shard's bar is noise in a log
         model.save_pretrained(tmp)
     fast.save_pretrained(tmp)
     os.replace(tmp, path)
@@ -206,20 +191,15 @@ def tiny_classifier(model_dir: str) -> str:
         return target
     import torch
     from transformers import AutoTokenizer, LlamaForSequenceClassification
-    from transformers.utils import logging as hf_logging
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # the head is new on purpose: no load report of its weights
-    try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            model = LlamaForSequenceClassification.from_pretrained(model_dir, num_labels=1,
-                                                                   pad_token_id=tokenizer.pad_token_id)
-            with torch.no_grad():  # a head whose scores spread over a few units
-                model.score.weight.copy_(torch.randn_like(model.score.weight))
-    finally:
-        hf_logging.set_verbosity(verbosity)
+    # The head is new on purpose: no load report of its weights.
+    with quiet_transformers(bars=False), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = LlamaForSequenceClassification.from_pretrained(model_dir, num_labels=1,
+                                                               pad_token_id=tokenizer.pad_token_id)
+        with torch.no_grad():  # a head whose scores spread over a few units
+            model.score.weight.copy_(torch.randn_like(model.score.weight))
     return _save(model, tokenizer, target)
 
 
@@ -253,7 +233,7 @@ def tiny_judge(model_dir: str) -> str:
 def _save(model, tokenizer, target: str) -> str:
     """Write ``model`` and ``tokenizer`` to ``target`` atomically (another process may have written it first)."""
     tmp = f"{target}.build{os.getpid()}"
-    with _no_progress_bars():
+    with quiet_transformers(messages=False):  # a saved shard's bar is noise in a log
         model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     try:

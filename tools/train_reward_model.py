@@ -24,7 +24,6 @@ The folder ``--out`` (default ``runs/reward-model/model``) holds the classifier 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import random
 import sys
@@ -34,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rllight.machine import machine_line  # noqa: E402
 from rllight.app.records import add_record_options, check_record_options, pairs_record  # noqa: E402
+from rllight.models import quiet_transformers  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -91,24 +91,6 @@ def auc(scores: list[float], labels: list[float]) -> float | None:
         return None
     wins = sum((p > q) + 0.5 * (p == q) for p in pos for q in neg)
     return wins / (len(pos) * len(neg))
-
-
-@contextlib.contextmanager
-def quiet_transformers():
-    """transformers' messages off for the block, as they were after: its load report (the classifier's score head is
-    missing from the base model's weights, as it must be: this tool trains it) and its bars (loading and saving
-    weights, every frame on one line in a log file). The tool's own lines say what it did."""
-    from transformers.utils import logging as hf_logging
-
-    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if bars:
-            hf_logging.enable_progress_bar()
 
 
 def main(argv: list[str] | None = None) -> int:
