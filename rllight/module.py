@@ -83,7 +83,8 @@ class RLModule(L.LightningModule):
         grad_clip: Gradient-norm clipping, the policy's and the critic's parameters each to its own norm so that a
             jointly trained critic does not scale the policy's step (``rllight.settings.GradClip``: ``policy``,
             ``critic``; None = off).
-        max_prompt_tokens: Drop (and count) prompts longer than this many tokens (None = no limit).
+        max_prompt_tokens: Prompts over this many tokens are dropped or cut, as ``prompt_truncation`` says (None: none).
+        prompt_truncation: ``drop`` (counted) or ``left`` (keep the last ``max_prompt_tokens`` tokens, counted).
         guards: When a run warns or ends by itself (``rllight.settings.Guards``: non-finite updates, failing rewards,
             steps without an update or with a zero gradient).
         optimizer: Optimizer over the trainable parameters: one group for the policy (``name: policy``) and, with
@@ -117,6 +118,7 @@ class RLModule(L.LightningModule):
         batching: Batching = Batching(),
         grad_clip: GradClip = GradClip(),
         max_prompt_tokens: int | None = None,
+        prompt_truncation: str = "drop",
         guards: Guards = Guards(),
         optimizer: OptimizerCallable = _adamw,
         lr_scheduler: LRSchedulerCallable | None = None,
@@ -139,7 +141,7 @@ class RLModule(L.LightningModule):
         self.critic_first, self.batching, self.grad_clip, self.guards = critic_first, batching, grad_clip, guards
         self.optimizer_fn, self.lr_scheduler_fn = optimizer, lr_scheduler
         self.evaluation, self.export_dir = evaluation, export_dir
-        self.producer, self.scoring, self.updater = self._layers(max_prompt_tokens)
+        self.producer, self.scoring, self.updater = self._layers(max_prompt_tokens, prompt_truncation)
         self.evaluator = Evaluator(evaluation)
         self.policy = self.ref_policy = self.tokenizer = None  # loaded in configure_model
         self.prompt_stream, self._prompt_state = None, {}  # extra training prompts (set up with the data), its state
@@ -147,14 +149,14 @@ class RLModule(L.LightningModule):
         self._consumed_steps, self._batches_drawn, self._preflight_done = 0, 0, False
         self._epoch_start = (0, 0, 0)  # (updates, consumed steps, batches drawn) as the epoch began
 
-    def _layers(self, max_prompt_tokens: int | None) -> tuple[RolloutProducer, Scoring, Updater]:
+    def _layers(self, max_prompt_tokens: int | None, truncation: str) -> tuple[RolloutProducer, Scoring, Updater]:
         """The layers of a step, wired from the stored settings: the rollout producer (the step's prompts, generation,
         the reward or the environment's episodes), the scoring (old log-probs, values, the reference's log-probs) and
         the updater (minibatch updates, gradient clipping, the guards on non-finite or zero gradients), which reads
         Lightning's optimizer, schedule, backward pass and step count at each update."""
         batching, guards = self.batching, self.guards
         producer = RolloutProducer(self.rollout, self.reward, max_prompt_tokens, guards.max_failed_reward_steps,
-                                   self.reward_runner, environment=self.environment,
+                                   self.reward_runner, environment=self.environment, prompt_truncation=truncation,
                                    max_steps_without_update=guards.max_steps_without_update)
         scoring = Scoring(self.rollout, self.critic, self.kl is not None, batching.micro_batch_size,
                           batching.micro_batch_tokens, batching.logprob_chunk_size)

@@ -1,4 +1,5 @@
-"""Guards: non-finite updates are skipped then stop the run; long prompts are dropped and counted;
+"""Guards: non-finite updates are skipped then stop the run; long prompts are dropped (or, with
+``model.prompt_truncation: left``, cut to their last ``max_prompt_tokens`` ids) and counted;
 an empty batch after filtering is a no-op step; steps without an update or without a gradient end the run, saved;
 token-budget micro-batches leave the update unchanged."""
 
@@ -18,7 +19,9 @@ from rllight.app.command_line import one_line_parse_error
 from rllight.callbacks import RolloutCallback
 from rllight.envs import Environment, StepResult
 from rllight.models import HFModel
-from rllight.rewards import Verifier
+from rllight.rewards import IntegerMatch, Verifier
+from rllight.rollout.base import Generation, RolloutEngine, pad_left
+from rllight.rollout.producer import RolloutProducer
 
 
 def test_non_finite_loss_skips_update_then_stops(tmp_path, tiny_model_dir):
@@ -58,6 +61,76 @@ def test_remax_counts_a_dropped_prompt_once_though_it_samples_twice(tmp_path, ti
     rollout = module.sampler(module.producer, [short, long])  # sampled responses, then the greedy baseline
     assert len(rollout) == module.sampler.group_size
     assert module.producer.dropped_prompts == 1
+
+
+class RecordingEngine(RolloutEngine):
+    """Answers every prompt with ``answer`` (token ids, log-prob -0.5 each); records the prompts of each ``generate``
+    and ``prefetch`` call."""
+
+    def __init__(self, answer: list[int]):
+        super().__init__(max_new_tokens=len(answer))
+        self.answer, self.calls, self.prefetched = answer, [], []
+
+    def prefetch(self, model, tokenizer, prompts, sampling):
+        self.prefetched.append([list(p) for p in prompts])
+
+    def generate(self, model, tokenizer, prompts, sampling):
+        self.calls.append([list(p) for p in prompts])
+        b, t = len(prompts), len(self.answer)
+        prompt_ids, prompt_mask = pad_left(prompts, tokenizer.pad_token_id)
+        return Generation(prompt_ids, prompt_mask, torch.tensor([self.answer] * b), torch.ones(b, t, dtype=torch.long),
+                          torch.full((b, t), -0.5), torch.zeros(b, dtype=torch.bool))
+
+
+def _template_ids(tok, row) -> list[int]:
+    """The row's prompt as the chat template renders it, generation prompt included, tokenized here."""
+    text = tok.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=False)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def _long_prompt_producer(model_dir, prompt_truncation):
+    """A producer with a ``RecordingEngine`` whose ``max_prompt_tokens`` is 5 more than the short row's prompt."""
+    policy, tok = _tokenizer(model_dir)
+    short = {"messages": [{"role": "user", "content": "What is 1 + 1?"}], "answer": "2"}
+    long = {"messages": [{"role": "user", "content": "Count: " + " ".join(map(str, range(60))) + ". What is 1 + 1?"}],
+            "answer": "2"}
+    limit = len(_template_ids(tok, short)) + 5
+    engine = RecordingEngine(tok.encode("2", add_special_tokens=False) + [tok.eos_token_id])
+    producer = RolloutProducer(engine, IntegerMatch(), max_prompt_tokens=limit, prompt_truncation=prompt_truncation)
+    producer.bind(policy, tok)
+    return producer, engine, tok, short, long, limit
+
+
+def test_left_keeps_a_long_prompt_as_its_last_max_prompt_tokens_ids_and_counts_it(tiny_model_dir, caplog):
+    producer, engine, tok, short, long, limit = _long_prompt_producer(tiny_model_dir, "left")
+    whole = _template_ids(tok, long)
+    assert len(whole) > limit + 20  # cut by many tokens
+    cut = whole[-limit:]  # verl's left truncation: the last max_prompt_tokens ids, the template's end included
+    rollout = producer.sample([short, long, short], n=2)
+    assert engine.calls == [[_template_ids(tok, short)] * 2 + [cut] * 2 + [_template_ids(tok, short)] * 2]
+    assert len(rollout) == 6 and rollout.extras["kept_rows"] == (0, 1, 2)
+    assert rollout.rewards.tolist() == [1.0] * 6  # every row answered and scored, the cut one too
+    assert rollout.extras["data/truncated_long_prompts"] == 1.0 and rollout.extras["data/dropped_long_prompts"] == 0.0
+    assert (producer.truncated_prompts, producer.dropped_prompts) == (1, 0)
+    producer.prefetch([long], 1)  # what is sent ahead is cut alike, so that the later sample finds it
+    assert engine.prefetched == [[cut]]
+    producer.sample([long], 1)
+    producer.sample([long, long], 1, training=False)  # an evaluation: cut alike, not counted in the run's counters
+    assert engine.calls[-1] == [cut, cut] and producer.truncated_prompts == 2
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and r.getMessage().startswith("cut")]
+    assert warnings == [f"cut 1 prompt(s) longer than max_prompt_tokens={limit} to their last {limit} tokens "
+                        "(model.prompt_truncation: left); later ones are counted in "
+                        "train/data/truncated_long_prompts and not logged again"]
+    assert producer.state_dict()["truncated_prompts"] == 2
+
+
+def test_drop_leaves_a_long_prompt_out_and_counts_it(tiny_model_dir):
+    producer, engine, tok, short, long, _ = _long_prompt_producer(tiny_model_dir, "drop")
+    rollout = producer.sample([short, long, short], n=2)
+    assert engine.calls == [[_template_ids(tok, short)] * 4]
+    assert len(rollout) == 4 and rollout.extras["kept_rows"] == (0, 2)
+    assert rollout.extras["data/dropped_long_prompts"] == 1.0 and "data/truncated_long_prompts" not in rollout.extras
+    assert (producer.truncated_prompts, producer.dropped_prompts) == (0, 1)
 
 
 def test_empty_batches_after_filtering_are_no_op_steps_then_a_clear_stop(tmp_path, tiny_model_dir):

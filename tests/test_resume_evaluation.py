@@ -11,7 +11,7 @@ import pytest
 
 from conftest import RECIPES
 from helpers import tiny_overrides
-from rllight.app.before_after import BeforeTraining
+from rllight.app.before_after import BeforeTraining, measured
 from rllight.app.cli import main
 
 EVALUATED_BEFORE = "rllight: evaluation before training: 1 batch (4 prompts)"
@@ -109,3 +109,12 @@ def test_the_callback_keeps_what_this_run_measured_when_lightning_restores_the_c
     assert empty.state_dict() == {}  # nothing in a checkpoint of a run without evaluate_before_after
     empty.load_state_dict({"metrics": {"val/accuracy": 0.25}, "per_prompt": {}, "measured": "old"})
     assert empty.metrics == {"val/accuracy": 0.25} and empty.measured == "old"
+
+
+def test_what_an_evaluation_measures_includes_how_long_prompts_are_treated():
+    """A cut prompt is another question: ``model.prompt_truncation`` changes the digest, as ``max_prompt_tokens`` does."""
+    rows = [{"prompt": "What is 1 + 1?", "answer": "2"}]
+    recipe = {"model": {"max_prompt_tokens": 8, "prompt_truncation": "drop"}}
+    assert measured(recipe, rows) == measured({"model": dict(recipe["model"])}, rows)
+    assert measured(recipe, rows) != measured({"model": {**recipe["model"], "prompt_truncation": "left"}}, rows)
+    assert measured(recipe, rows) != measured({"model": {**recipe["model"], "max_prompt_tokens": 9}}, rows)

@@ -41,7 +41,7 @@ SAVED = {"extra_prompt_cursor": 4, "consecutive_skips": 0, "prefetched_through":
          "reward_failures": 24, "dropped_prompts": 2, "failed_reward_steps": 0}
 """``checkpoint["rllight"]`` of the stored checkpoint, as that code wrote it."""
 RESUMED = {"global_step": 3, "batches_trained": 3, "cursor": 6,
-           "producer": {"reward_failures": 36, "dropped_prompts": 3, "failed_reward_steps": 0}}
+           "producer": {"reward_failures": 36, "dropped_prompts": 3, "truncated_prompts": 0, "failed_reward_steps": 0}}
 
 
 @pytest.fixture(scope="module")
@@ -85,15 +85,16 @@ def test_a_checkpoint_of_the_flat_layout_restores_every_counter(tmp_path, small_
     module.producer.load_state_dict({"reward_failures": 99, "dropped_prompts": 99, "failed_reward_steps": 1})
     module.on_load_checkpoint(checkpoint)
     assert module.updater.consecutive_skips == 0 and module.prefetched_through == -1
-    assert module.producer.state_dict() == {"reward_failures": 24, "dropped_prompts": 2, "failed_reward_steps": 0}
+    assert module.producer.state_dict() == {"reward_failures": 24, "dropped_prompts": 2, "truncated_prompts": 0,
+                                            "failed_reward_steps": 0}
     assert torch.equal(torch.get_rng_state(), checkpoint["rng"]["torch"])
     # The prompt stream is built by setup: its cursor waits until then, and a save before then keeps it.
     saved = {}
     module.on_save_checkpoint(saved)
     assert saved["rllight"] == {"format": 2, "parts": {
         "updater": {"consecutive_skips": 0}, "prompt_stream": {"cursor": 4},
-        "producer": {"reward_failures": 24, "dropped_prompts": 2, "failed_reward_steps": 0}, "rollout_engine": {},
-        "prefetched_through": -1}}
+        "producer": {"reward_failures": 24, "dropped_prompts": 2, "truncated_prompts": 0, "failed_reward_steps": 0},
+        "rollout_engine": {}, "prefetched_through": -1}}
 
 
 def test_a_run_resumes_from_a_checkpoint_of_the_flat_layout(tmp_path, small_model):
@@ -112,7 +113,8 @@ def test_each_part_saves_its_own_state_and_a_resume_restores_it(tmp_path, small_
     cli.model.on_save_checkpoint(saved)
     parts = saved["rllight"]["parts"]
     assert saved["rllight"]["format"] == 2 and parts["prompt_stream"] == {"cursor": 2}
-    assert parts["producer"] == {"reward_failures": 12, "dropped_prompts": 1, "failed_reward_steps": 0}
+    assert parts["producer"] == {"reward_failures": 12, "dropped_prompts": 1, "truncated_prompts": 0,
+                                 "failed_reward_steps": 0}
     fresh = _dapo(tmp_path, small_model).model
     fresh.on_load_checkpoint(saved)
     again = {}

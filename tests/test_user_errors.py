@@ -40,6 +40,7 @@ GRPO = os.path.join(RECIPES, "grpo.yaml")
         ("data.decode_errors", "ignore", "data.decode_errors is 'ignore'; use replace (bad characters become U+FFFD)"),
         ("data.max_row_bytes", "0", "data.max_row_bytes must be an integer >= 1, got 0 (see: rllight fit --help)"),
         ("data.long_prompts", "cut", "data.long_prompts is 'cut'; use refuse (stop with one line), truncate"),
+        ("model.prompt_truncation", "truncate", "model.prompt_truncation must be one of drop, left, got 'truncate'"),
         # an inverted clip range: [1.5, 1.2]
         ("model.policy_loss.init_args.clip_low", "-0.5",
          "model.policy_loss.init_args.clip_low must be a number in (0, 1), got -0.5 (see: rllight fit --help)"),
@@ -281,6 +282,20 @@ def test_an_adapter_without_its_extra_is_one_line_before_the_model_loads(module,
     args = ["fit", "--config", recipe] + ([] if environment is None else ["--model.environment", environment])
     line = _error(capsys, *args)
     assert f"bash tools/install.sh {extra} (in the rllight clone" in line and "model.environment" in line
+
+
+def test_left_truncation_with_an_environment_is_one_line_before_the_model_loads(capsys, monkeypatch):
+    """A cut conversation would break the environment's turns: ``model.prompt_truncation: left`` with an
+    environment is refused in one line when the module is built."""
+
+    def no_load(self):
+        raise AssertionError("the model loaded before model.prompt_truncation was checked")
+
+    monkeypatch.setattr(HFModel, "load", no_load)
+    line = _error(capsys, "fit", "--config", os.path.join(RECIPES, "env-calculator.yaml"), "--model.prompt_truncation",
+                  "left")
+    assert line == ("rllight: error: model.prompt_truncation left cannot be used with model.environment (a cut "
+                    "conversation breaks the environment's turns); set model.prompt_truncation: drop")
 
 
 def test_a_refused_setting_of_an_optional_component_is_one_line(capsys):

@@ -19,7 +19,8 @@ from rllight.app.progress import StepLog
 from rllight.evaluation import before_after, column_notes
 from rllight.safety import read_checkpoint
 
-MEASURED_KEYS = ("model", "lora", "rollout", "reward", "environment", "max_prompt_tokens", "evaluation")
+MEASURED_KEYS = ("model", "lora", "rollout", "reward", "environment", "max_prompt_tokens", "prompt_truncation",
+                 "evaluation")
 """The recipe's ``model.*`` settings an evaluation of the untrained model depends on (with ``data.system_prompt`` and
 the held-out rows): where a resume's differ from its checkpoint's, the evaluation before training is done again."""
 

@@ -1,6 +1,6 @@
 """Rollout production: prompt rows in, scored rollouts out.
 
-``RolloutProducer`` encodes chat prompts, drops over-long ones, generates with the engine and scores the
+``RolloutProducer`` encodes chat prompts, drops (or cuts) over-long ones, generates with the engine and scores the
 responses with the reward (``Reward.score``, once per batch of ``Sample``s; its verifiers in the reward workers).
 Samplers compose it (``producer.sample(rows, n)``, ``producer.more_prompts(n)``); it knows nothing of the
 trainer, so a new kind of rollout is a new sampler or producer, not a trainer subclass. The trainer hands it the
@@ -44,13 +44,19 @@ SAMPLE_STALENESS = "rollout/sample_staleness"
 """Rollout extra, one value per response: how many optimizer updates the trainer's policy has had since the
 weights that generated the response (0 when sampling is on-policy; asynchronous rollouts make it larger)."""
 
+PROMPT_TRUNCATIONS = ("drop", "left")
+"""What ``RolloutProducer`` does with a prompt longer than ``max_prompt_tokens`` (``model.prompt_truncation``)."""
+
 
 class RolloutProducer:
     """Samples responses to prompt rows with a ``RolloutEngine`` and scores them with a ``Reward``.
 
-    Prompts longer than ``max_prompt_tokens`` are dropped and counted (``data/dropped_long_prompts``), never
-    truncated: a cut prompt is a different question. A training batch on which the reward failed for every
-    sample is a warning; ``max_failed_reward_steps`` of them in a row stop the run with one line.
+    Prompts longer than ``max_prompt_tokens`` are dropped and counted (``data/dropped_long_prompts``): a cut prompt
+    is a different question. ``prompt_truncation="left"`` keeps such a prompt's last ``max_prompt_tokens``
+    token ids instead (the chat template's included, as verl's ``data.truncation='left'``), counted in
+    ``data/truncated_long_prompts``; not with an ``environment``, whose turns a cut conversation breaks. A training
+    batch on which the reward failed for every sample is a warning; ``max_failed_reward_steps`` of them in a row
+    stop the run with one line.
 
     The reward's verifiers are scored by ``runner`` (``Reward.guarded``: worker processes with a per-sample timeout:
     a verifier that hangs, raises or kills its process costs that sample 0, counted, never the run); None = in this
@@ -63,16 +69,24 @@ class RolloutProducer:
     or returns an unusable result costs its episode (reward 0, counted in ``reward/failures``,
     ``episode/failures`` and ``episode/timeouts``; one warning per batch), see ``rllight.envs.guard``.
 
-    Counters (``reward_failures``, ``dropped_prompts``, ``failed_reward_steps``) are part of the state saved in
-    checkpoints (``state_dict``). ``empty`` counts why the training steps had nothing to train on (``EmptySteps``:
-    prompts dropped, episodes failed before their first turn, a step without prompts, ...), from ``begin_step``
-    on; the lines that end a run without updates name those causes. ``ranks`` are the training processes'
-    collectives, for a sampler whose choice spans them (dynamic sampling fills one global target).
+    Counters (``reward_failures``, ``dropped_prompts``, ``truncated_prompts``, ``failed_reward_steps``) are part of
+    the state saved in checkpoints (``state_dict``). ``empty`` counts why the training steps had nothing to train on
+    (``EmptySteps``: prompts dropped, episodes failed before their first turn, a step without prompts, ...), from
+    ``begin_step`` on; the lines that end a run without updates name those causes. ``ranks`` are the training
+    processes' collectives, for a sampler whose choice spans them (dynamic sampling fills one global target).
     """
 
     def __init__(self, engine: RolloutEngine, reward: Reward | None, max_prompt_tokens: int | None = None,
                  max_failed_reward_steps: int = 3, runner: RewardRunner | None = None,
-                 environment: Environment | None = None, max_steps_without_update: int | None = None):
+                 environment: Environment | None = None, max_steps_without_update: int | None = None,
+                 prompt_truncation: str = "drop"):
+        if prompt_truncation not in PROMPT_TRUNCATIONS:
+            raise RecipeError(f"model.prompt_truncation must be one of {', '.join(PROMPT_TRUNCATIONS)}, "
+                              f"got {prompt_truncation!r}")
+        if prompt_truncation == "left" and environment is not None:
+            raise RecipeError("model.prompt_truncation left cannot be used with model.environment (a cut "
+                              "conversation breaks the environment's turns); set model.prompt_truncation: drop")
+        self.prompt_truncation = prompt_truncation
         self.max_steps_without_update = max_steps_without_update
         self._no_update = (None, 0)  # (the update count of the current run of steps without an update, its length)
         self.engine = engine
@@ -90,11 +104,11 @@ class RolloutProducer:
         self._draw: Callable[[int], list[dict]] | None = None
         self._observe: Callable[[list[dict], list[float]], None] | None = None
         self.reward_failures = 0
-        self.dropped_prompts = 0
+        self.dropped_prompts = self.truncated_prompts = 0
         self.failed_reward_steps = 0
         self.malformed_steps = 0
         self.empty = EmptySteps()
-        self._warned_dropped = self._warned_empty = False
+        self._warned_dropped = self._warned_truncated = self._warned_empty = False
         self.ranks = Ranks()
 
     def bind(self, policy: torch.nn.Module, tokenizer, draw: Callable[[int], list[dict]] | None = None,
@@ -129,19 +143,16 @@ class RolloutProducer:
                sampling: Sampling | None = None) -> Rollout:
         """``n`` responses for each prompt row, scored, sampled as ``sampling`` says (None: the engine's own;
         ``greedy``: at temperature 0). ``training`` False (a second pass over the same rows, or validation) leaves
-        the run's counters of dropped prompts and failed reward batches alone."""
+        the run's counters of dropped (or cut) prompts and failed reward batches alone."""
         sampling = sampling or self.engine.sampling
         sampling = sampling.as_greedy() if greedy else sampling
         if self.environment is not None:
             return self.sample_episodes(rows, n, sampling, training=training)
-        keep, prompts = self._fitting_prompts(rows)
-        dropped = len(rows) - len(keep)
-        if dropped:
-            self._note_dropped(dropped, f"max_prompt_tokens={self.max_prompt_tokens}", training)
+        keep, prompts, counts = self._fit(rows, training)  # the step's prompts dropped (or cut) as too long
         rows = [rows[i] for i in keep]
         # "kept_rows": which of the given rows the rollout answers (its groups, in order).
         if not prompts:
-            return Rollout.empty(extras={"data/dropped_long_prompts": float(dropped), "kept_rows": tuple(keep)})
+            return Rollout.empty(extras={**counts, "kept_rows": tuple(keep)})
         t0 = time.perf_counter()
         gen = self.engine.generate(self.policy, self.tokenizer, [p for p in prompts for _ in range(n)], sampling)
         t1 = time.perf_counter()
@@ -149,8 +160,7 @@ class RolloutProducer:
         self.count_malformed_batch(problem)
         if problem:  # dropped: the step trains on nothing rather than on what the engine got wrong
             self.empty.add(MALFORMED, 1, problem)
-            return Rollout.empty(extras={"rollout/malformed_batches": 1.0, "data/dropped_long_prompts": float(dropped),
-                                         "kept_rows": ()})
+            return Rollout.empty(extras={"rollout/malformed_batches": 1.0, **counts, "kept_rows": ()})
         engine_metrics = dict(self.engine.last_metrics)
         staleness = engine_metrics.get("rollout/staleness")
         texts = self.tokenizer.batch_decode(gen.response_ids, skip_special_tokens=True)
@@ -184,7 +194,7 @@ class RolloutProducer:
                 "time/rollout": t1 - t0,
                 "time/reward": t2 - t1,
                 **reward_metrics(scores),
-                "data/dropped_long_prompts": float(dropped),
+                **counts,
                 "kept_rows": tuple(keep),  # a tuple: per prompt row, not per response (select leaves it)
                 DATA_SOURCE: sources,  # per response, its prompt row's: routes it (TeacherLogprobs.teachers)
                 **source_metrics(sources, rewards, correct),  # several data sources: each one's share and reward
@@ -234,6 +244,18 @@ class RolloutProducer:
         log.warning("dropped %d prompt(s) longer than %s (raise it to train on them); later drops are counted in "
                     "train/data/dropped_long_prompts and not logged again", dropped, limit)
 
+    def _note_truncated(self, cut: int, training: bool) -> None:
+        """Count prompts cut to their last ``max_prompt_tokens`` tokens (in a training step) and warn of them the
+        first time only, as ``_note_dropped`` does."""
+        if training:
+            self.truncated_prompts += cut
+        if self._warned_truncated:
+            return
+        self._warned_truncated = True
+        log.warning("cut %d prompt(s) longer than max_prompt_tokens=%d to their last %d tokens "
+                    "(model.prompt_truncation: left); later ones are counted in train/data/truncated_long_prompts and not logged again",
+                    cut, self.max_prompt_tokens, self.max_prompt_tokens)
+
     def note_empty_step(self, step: int, emptied_by: str | None = None) -> None:
         """Warn of a step with no update (its rollout was empty after filtering; ``emptied_by``: the rollout
         callback that emptied it, if one did) the first time only, naming why; later ones are counted in
@@ -255,11 +277,30 @@ class RolloutProducer:
         log.warning("step %d: empty rollout after filtering (%s); no update (later empty steps are counted in "
                     "train/guard/empty_rollouts and not logged again)", step, self.why_empty())
 
-    def _fitting_prompts(self, rows: list[dict]) -> tuple[list[int], list[list[int]]]:
-        """``(keep, prompts)``: the indices of the rows whose prompt fits ``max_prompt_tokens`` and their ids."""
-        prompts = self.encode(rows)
-        keep = [i for i, p in enumerate(prompts) if self.max_prompt_tokens is None or len(p) <= self.max_prompt_tokens]
-        return keep, [prompts[i] for i in keep]
+    def _fitting_prompts(self, rows: list[dict]) -> tuple[list[int], list[list[int]], int]:
+        """``(keep, prompts, cut)``: the indices of the rows whose prompt fits ``max_prompt_tokens`` (under
+        ``left`` every row), their ids (a longer one's last ``max_prompt_tokens``), how many were cut."""
+        prompts, limit = self.encode(rows), self.max_prompt_tokens
+        long = {i for i, p in enumerate(prompts) if limit is not None and len(p) > limit}
+        if self.prompt_truncation == "left":  # verl's left truncation: the end, where the question is, stays
+            cut = [p[len(p) - limit:] if i in long else p for i, p in enumerate(prompts)]
+            return list(range(len(rows))), cut, len(long)
+        keep = [i for i in range(len(rows)) if i not in long]
+        return keep, [prompts[i] for i in keep], 0
+
+    def _fit(self, rows: list[dict], training: bool) -> tuple[list[int], list[list[int]], dict[str, float]]:
+        """``_fitting_prompts`` with its drops and cuts noted (counted in a training step) and as the step's metrics
+        (``data/dropped_long_prompts``; under ``left`` also ``data/truncated_long_prompts``)."""
+        keep, prompts, cut = self._fitting_prompts(rows)
+        dropped = len(rows) - len(keep)
+        if dropped:
+            self._note_dropped(dropped, f"max_prompt_tokens={self.max_prompt_tokens}", training)
+        if cut:
+            self._note_truncated(cut, training)
+        counts = {"data/dropped_long_prompts": float(dropped)}
+        if self.prompt_truncation == "left":
+            counts["data/truncated_long_prompts"] = float(cut)
+        return keep, prompts, counts
 
     def prefetch(self, rows: list[dict], n: int) -> None:
         """Have the engine start on ``n`` responses per row now (see ``RolloutEngine.prefetch``); a later
@@ -267,7 +308,7 @@ class RolloutProducer:
         environment)."""
         if self.environment is not None:
             return
-        _, prompts = self._fitting_prompts(rows)
+        _, prompts, _ = self._fitting_prompts(rows)
         if prompts:
             self.engine.prefetch(self.policy, self.tokenizer, [p for p in prompts for _ in range(n)],
                                  self.engine.sampling)
@@ -413,11 +454,12 @@ class RolloutProducer:
 
     def state_dict(self) -> dict[str, Any]:
         return {"reward_failures": self.reward_failures, "dropped_prompts": self.dropped_prompts,
-                "failed_reward_steps": self.failed_reward_steps}
+                "truncated_prompts": self.truncated_prompts, "failed_reward_steps": self.failed_reward_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.reward_failures = state.get("reward_failures", 0)
         self.dropped_prompts = state.get("dropped_prompts", 0)
+        self.truncated_prompts = state.get("truncated_prompts", 0)
         self.failed_reward_steps = state.get("failed_reward_steps", 0)
 
 
