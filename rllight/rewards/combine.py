@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from rllight.errors import RecipeError, one_line
 from rllight.rewards.agreement import pair_metrics
 from rllight.rewards.base import Reward, Verifier
-from rllight.rewards.scores import Sample, Scores, checked
+from rllight.rewards.scores import Sample, Scores, checked, combine_metrics
 
 
 class FormatReward(Verifier):
@@ -96,7 +96,7 @@ class Weighted(Reward):
 
     def score(self, samples: Sequence[Sample]) -> Scores:
         count = len(samples)
-        total, solved, failed, metrics = [0.0] * count, [False] * count, {}, {}
+        total, solved, failed, part_metrics = [0.0] * count, [False] * count, {}, []
         components: dict[str, list[float | None]] = {}
         failed_by: dict[str, set[int]] = {}
         tokens: list[list[float] | None] = [None] * count
@@ -111,10 +111,10 @@ class Weighted(Reward):
             for i, why in part.failed.items():
                 failed.setdefault(i, f"{name}: {why}")
             total = [t + weight * v for t, v in zip(total, part.values)]
-            for key, value in part.metrics.items():
-                metrics[key] = metrics.get(key, 0.0) + value
+            part_metrics.append((part.metrics, count))
             if name == self.correct_from:
                 solved = list(part.solved)
+        metrics = combine_metrics(part_metrics)
         for model, verifier in self.agreement_pairs():
             both = [i for i in range(count) if i not in failed_by[model] and i not in failed_by[verifier]]
             metrics.update(pair_metrics(model, verifier, [components[model][i] for i in both],

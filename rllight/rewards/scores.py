@@ -47,6 +47,27 @@ class Sample:
         return str(self.row.get("data_source"))
 
 
+MEAN_METRICS = ("rank_corr", "verifier_at_top")
+"""The last parts of ``Scores.metrics`` keys that are means over a batch rather than counts."""
+
+
+def combine_metrics(parts: Sequence[tuple[dict[str, float], int]]) -> dict[str, float]:
+    """The metrics of a batch from its parts' ``(metrics, samples)``: counts add up; a mean (its key's last part in
+    ``MEAN_METRICS``) is the parts' means weighted by their samples, over the parts that have it."""
+    out: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    for metrics, samples in parts:
+        for name, value in metrics.items():
+            if name.rsplit("/", 1)[-1] in MEAN_METRICS:
+                out[name] = out.get(name, 0.0) + value * samples
+                weights[name] = weights.get(name, 0.0) + samples
+            else:
+                out[name] = out.get(name, 0.0) + value
+    for name, weight in weights.items():
+        out[name] = out[name] / weight if weight else 0.0
+    return out
+
+
 @dataclass
 class Scores:
     """A batch's scores, one entry per sample in the order given.
@@ -56,7 +77,9 @@ class Scores:
     could not be scored to why: it gets reward 0, is not solved, and counts in ``reward/failures``. ``components``
     (e.g. ``Weighted``'s) maps a name to one value per sample (None for a sample the component did not score), each
     logged as ``reward/<name>``, the mean over the samples it scored. ``metrics`` are counts over the batch (e.g. the
-    reward workers' ``timeouts``), logged as ``reward/<name>`` and summed when scores are combined.
+    reward workers' ``timeouts``), logged as ``reward/<name>`` and summed when scores are combined; a metric whose
+    last part is one of ``MEAN_METRICS`` (e.g. ``agreement/judge_vs_exact/rank_corr``) is a mean over the batch, and
+    scores combined from parts of a batch average it, each part weighted by its samples (``combine_metrics``).
 
     ``token_scores`` (optional) gives rewards per response token: for sample i None, or one number per token of
     its ``response_ids`` (the policy's own tokens, so a reward with another tokenizer maps its scores onto them). They
@@ -96,8 +119,7 @@ class Scores:
                 placed = out.components.setdefault(name, [None] * count)
                 for j, i in enumerate(index):
                     placed[i] = values[j]
-            for name, value in scores.metrics.items():
-                out.metrics[name] = out.metrics.get(name, 0.0) + value
+        out.metrics = combine_metrics([(scores.metrics, len(index)) for scores, index in parts])
         out.token_scores = tokens if any(t is not None for t in tokens) else None
         return out
 
@@ -184,4 +206,4 @@ def _checked_tokens(name: str, samples: Sequence[Sample], tokens, failed: dict[i
     return out
 
 
-__all__ = ["Sample", "Scores", "checked", "finite_in_float32"]
+__all__ = ["MEAN_METRICS", "Sample", "Scores", "checked", "combine_metrics", "finite_in_float32"]

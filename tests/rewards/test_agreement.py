@@ -7,7 +7,7 @@ import random
 import pytest
 
 from reward_fixtures import ContainsJudge
-from rllight.rewards import IntegerMatch, Reward, Sample, Scores, Weighted
+from rllight.rewards import IntegerMatch, PerSource, Reward, Sample, Scores, Weighted
 from rllight.rewards.agreement import average_ranks, fitted_change, pair_metrics, rank_correlation, verifier_at_top
 from rllight.rollout.scoring import reward_metrics
 
@@ -139,3 +139,17 @@ def test_a_sample_either_reward_failed_is_left_out_and_a_constant_verifier_logs_
     wrong = [("5", "4", 0), ("3", "4", 0), ("7", "6", 1), ("8 the answer is correct", "6", 1)]
     scores = _judge_and_exact(ContainsJudge()).score(_samples(wrong))
     assert scores.metrics == {"agreement/judge_vs_exact/verifier_at_top": 0.0}  # exact all 0: no order to compare
+
+
+def test_agreement_under_per_source_is_the_mean_over_the_sources_weighted_by_samples():
+    # Source "a": the 6 samples of ROWS with the hacked judge (rank_corr 0.5, verifier_at_top 0.5, worked out above).
+    # Source "b": its first 3 samples (one prompt) with the honest judge, which says yes to the right answer only:
+    # judge [1, 0, 0] = exact, rank_corr 1 and verifier_at_top 1. Over the 9 samples, each source weighted by its
+    # samples: (6 * 0.5 + 3 * 1) / 9 = 2/3 for both (summed, as they were, they would read 1.5).
+    samples = [Sample(prompt="", messages=None, response=r, response_ids=[], answer=a,
+                      row={"answer": a, "data_source": source}, group=g)
+               for (r, a, g), source in [*[(row, "a") for row in ROWS], *[((r, a, 2), "b") for r, a, _ in ROWS[:3]]]]
+    reward = PerSource({"a": _judge_and_exact(ContainsJudge("the answer is correct")),
+                        "b": _judge_and_exact(ContainsJudge("a phrase no response writes"))})
+    assert reward.score(samples).metrics == {"agreement/judge_vs_exact/rank_corr": pytest.approx(2 / 3),
+                                             "agreement/judge_vs_exact/verifier_at_top": pytest.approx(2 / 3)}
