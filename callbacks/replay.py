@@ -13,6 +13,7 @@ from rllight.callbacks.base import RolloutCallback, RolloutContext
 from rllight.distributed import share
 from rllight.errors import RecipeError
 from rllight.rollout.base import pad_left
+from rllight.strategies import Aggregation
 from rllight.types import Rollout
 
 POLICIES = ("fifo", "highest_reward", "reservoir")
@@ -83,6 +84,9 @@ class SelfImitation(RolloutCallback):
         min_reward: Success threshold on the reward (None = use ``rollout.correct``).
         unique: Skip a response already in the buffer for the same prompt.
         seed: Seed of the buffer's own generator (reservoir slots, replay samples).
+        aggregation: How the replayed tokens' NLL becomes one number (None = like the policy loss,
+            ``model.aggregation``). Note 000's eq. 11 sums over each response's tokens and averages over responses:
+            ``rllight.strategies.SeqMeanTokenSum``; a token mean keeps the term's scale apart from response length.
     """
 
     rollout_order = 40
@@ -90,7 +94,7 @@ class SelfImitation(RolloutCallback):
     @bounded
     def __init__(self, capacity: PositiveInt = 256, every_n_steps: PositiveInt = 1, batch_size: PositiveInt = 8,
                  coef: NonNegativeFloat = 0.1, policy: str = "fifo", min_reward: float | None = None,
-                 unique: bool = True, seed: int = 0):
+                 unique: bool = True, seed: int = 0, aggregation: Aggregation | None = None):
         if policy not in POLICIES:
             raise RecipeError(f"trainer.callbacks: SelfImitation.policy must be one of {', '.join(POLICIES)}, "
                               f"got {policy!r}")
@@ -102,6 +106,7 @@ class SelfImitation(RolloutCallback):
         self.min_reward = min_reward
         self.unique = unique
         self.seed = seed
+        self.aggregation = aggregation
         self.entries: list[dict] = []
         self.offered = 0  # successes offered to the buffer (duplicates excluded): reservoir's n
         self.insertions = 0  # a clock for "oldest"
@@ -199,7 +204,7 @@ class SelfImitation(RolloutCallback):
             replayed = build_rollout(self.sample(size), context.tokenizer.pad_token_id, context.device)
         else:
             replayed = Rollout.empty().to(context.device)
-        stats = context.updater.nll_update(replayed, self.coef)
+        stats = context.updater.nll_update(replayed, self.coef, aggregation=self.aggregation)
         metrics = {"train/sil/replayed": float(len(replayed))}
         if "nll/loss" in stats:
             metrics["train/sil/nll"] = float(stats["nll/loss"])

@@ -9,6 +9,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from torch import Tensor
 
 from rllight.algorithms import explained_variance, gae, masked_mean, value_loss
 from rllight.bounds import NonNegativeFloat, NonNegativeInt, PositiveInt, bounded
@@ -36,14 +37,27 @@ class ValuePretraining(RolloutCallback):
     fresh rollout before the critic trains on it, so they are held-out numbers, not the fit of the data
     just trained on. A rollout whose returns do not vary (every response wrong, or every one right) has
     no explained variance and improves only through its loss. At the latest it ends after ``max_steps``
-    rollouts. Then every later rollout passes through untouched. The counters, the finished flag and
-    both best values are in ``state_dict`` so a resumed run neither repeats nor skips the phase.
+    rollouts. Then every later rollout passes through untouched. The counters, the finished flag, both best
+    values and the window's held-out numbers are in ``state_dict`` so a resumed run neither repeats nor skips
+    the phase.
+
+    Two settings for rollouts of a few prompts, where one rollout's explained variance mostly measures which of
+    its few responses happened to be right:
+
+    - ``window``: the criterion reads the loss and the explained variance of the last ``window`` fresh rollouts
+      pooled (each token's value as the critic gave it before training on its rollout), rather than of the
+      latest alone.
+    - ``replay``: each fit also takes the ``replay`` pretraining rollouts before this one (their values scored
+      again by the critic as it is, the clip's reference). While it pretrains the policy does not move, so they
+      are samples of the same distribution as the fresh one: more data, not staler data. They are kept in
+      memory only; a resumed run starts with none.
 
     Put it first in ``trainer.callbacks`` (before callbacks that train, such as ``SelfImitation``).
 
-    Metrics: ``train/value_pretraining/{loss,explained_variance}`` (held-out, on the fresh rollout; the
+    Metrics: ``train/value_pretraining/{loss,explained_variance}`` (held-out, on the fresh rollout),
+    ``train/value_pretraining/{window_loss,window_explained_variance}`` (held-out, pooled over the window: the
     stopping criterion), ``train/value_pretraining/fit_loss`` (mean loss of the updates on it) and
-    ``train/value_pretraining/{steps_done,finished}``.
+    ``train/value_pretraining/{steps_done,finished,replayed}``.
 
     Args:
         max_steps: Rollouts to pretrain on at most (0 = no pretraining).
@@ -59,6 +73,9 @@ class ValuePretraining(RolloutCallback):
             its figure 5: "in value pretraining the backbone is frozen, only the value head trains"; True moves the
             policy before RL starts). A ``SeparateCritic`` trains whole either way. Figure 5's backbone training
             comes in RL: ``ValueHead.critic_first_trains_backbone``.
+        window: Fresh rollouts whose held-out loss and explained variance the stopping criterion pools (1 = the
+            latest alone).
+        replay: Earlier pretraining rollouts fitted again beside each fresh one (0 = none).
     """
 
     rollout_order = 30  # before SelfImitation: no replay while it consumes the rollouts
@@ -66,7 +83,8 @@ class ValuePretraining(RolloutCallback):
     @bounded
     def __init__(self, max_steps: NonNegativeInt = 50, patience: PositiveInt | None = 5,
                  min_delta: NonNegativeFloat = 1e-4, min_delta_explained_variance: NonNegativeFloat = 1e-2,
-                 epochs: PositiveInt = 1, minibatch_size: PositiveInt | None = None, train_backbone: bool = False):
+                 epochs: PositiveInt = 1, minibatch_size: PositiveInt | None = None, train_backbone: bool = False,
+                 window: PositiveInt = 1, replay: NonNegativeInt = 0):
         self.max_steps = max_steps
         self.patience = patience
         self.min_delta = min_delta
@@ -74,6 +92,10 @@ class ValuePretraining(RolloutCallback):
         self.epochs = epochs
         self.minibatch_size = minibatch_size
         self.train_backbone = train_backbone
+        self.window = window
+        self.replay = replay
+        self.held_out: list[tuple[Tensor, Tensor]] = []  # (values, returns) of the window's rollouts, response tokens
+        self._replayed: list[Rollout] = []  # the latest pretraining rollouts, on the CPU
         self.steps_done = 0
         self.finished = max_steps == 0
         self.best_loss = math.inf
@@ -116,33 +138,52 @@ class ValuePretraining(RolloutCallback):
         empty = len(rollout) == 0 or rollout.response_mask.sum() == 0
         if not context.ranks.any(not empty):
             return None  # nothing to fit anywhere; the step is still not a policy step
-        local = torch.zeros(3)  # loss, explained variance, weight
+        local = torch.zeros(5)  # loss, explained variance, window loss, window explained variance, weight
         if empty:
             rollout = rollout.select([])
         else:
             self._monte_carlo_targets(context, rollout)
             # Held out: the critic has not trained on this rollout yet. The clipped loss equals the plain one
             # here (the values are the rollout's own), so the number is on the scale of the critic's loss.
-            mask = rollout.response_mask
-            local[0] = masked_mean(value_loss(rollout.values, rollout.values, rollout.returns), mask).detach().cpu()
-            local[1] = explained_variance(rollout.values, rollout.returns, mask).detach().cpu()
-            local[2] = 1.0
-        stats = context.updater.critic_update(rollout, epochs=self.epochs, minibatch_size=self.minibatch_size,
+            mask = rollout.response_mask.bool()
+            fresh = (rollout.values[mask].detach().float().cpu(), rollout.returns[mask].detach().float().cpu())
+            self.held_out = [*self.held_out, fresh][-self.window:]
+            local[0:2] = torch.tensor(held_out_numbers([fresh]))
+            local[2:4] = torch.tensor(held_out_numbers(self.held_out))
+            local[4] = 1.0
+        fit = self._with_replay(context, rollout, empty)
+        stats = context.updater.critic_update(fit, epochs=self.epochs, minibatch_size=self.minibatch_size,
                                               train_backbone=self.train_backbone)
         total = context.ranks.sum(local)
-        loss, ev = float(total[0] / total[2]), float(total[1] / total[2])
-        reason = self.observe(loss, ev)
+        loss, ev, window_loss, window_ev = (float(x) for x in total[:4] / total[4])
+        reason = self.observe(window_loss, window_ev)
         if reason:
             log.info("value pretraining finished after %d rollouts (%s); best held-out value loss %.5f, "
                      "explained variance %.3f; RL starts", self.steps_done, reason, self.best_loss,
                      self.best_explained_variance)
         metrics = {"train/value_pretraining/loss": loss, "train/value_pretraining/explained_variance": ev,
+                   "train/value_pretraining/window_loss": window_loss,
+                   "train/value_pretraining/window_explained_variance": window_ev,
+                   "train/value_pretraining/replayed": float(len(fit) - len(rollout)),
                    "train/value_pretraining/steps_done": float(self.steps_done),
                    "train/value_pretraining/finished": float(self.finished)}
         if "critic_only/loss" in stats:
             metrics["train/value_pretraining/fit_loss"] = float(stats["critic_only/loss"])
         context.log(metrics)
         return None
+
+    def _with_replay(self, context: RolloutContext, rollout: Rollout, empty: bool) -> Rollout:
+        """``rollout`` and the ``replay`` pretraining rollouts before it, their values scored again by the critic as
+        it is now (the value clip's reference); keeps ``rollout`` for the next ones."""
+        if not self.replay:
+            return rollout
+        earlier = [r.to(context.device) for r in self._replayed]
+        for r in earlier:
+            context.scoring.score(r, need_old=False, need_values=True, need_ref=False)
+        if not empty:
+            self._replayed = [*self._replayed, rollout.to("cpu")][-self.replay:]
+        parts = ([] if empty else [rollout]) + earlier
+        return Rollout.cat(parts, context.tokenizer.pad_token_id) if parts else rollout
 
     def _monte_carlo_targets(self, context: RolloutContext, rollout: Rollout) -> None:
         """Fill ``values`` (the critic's, without gradients), ``token_rewards`` and ``returns`` (B, T)."""
@@ -157,7 +198,8 @@ class ValuePretraining(RolloutCallback):
 
     def state_dict(self) -> dict[str, Any]:
         return {"steps_done": self.steps_done, "finished": self.finished, "best_loss": self.best_loss,
-                "best_explained_variance": self.best_explained_variance, "bad_steps": self.bad_steps}
+                "best_explained_variance": self.best_explained_variance, "bad_steps": self.bad_steps,
+                "held_out": [(v.tolist(), r.tolist()) for v, r in self.held_out]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.steps_done = int(state_dict["steps_done"])
@@ -166,3 +208,14 @@ class ValuePretraining(RolloutCallback):
         # Checkpoints written before the explained variance joined the criterion lack it: no best yet.
         self.best_explained_variance = float(state_dict.get("best_explained_variance", -math.inf))
         self.bad_steps = int(state_dict["bad_steps"])
+        held_out = state_dict.get("held_out", [])  # none in checkpoints made before the window
+        self.held_out = [(torch.tensor(v), torch.tensor(r)) for v, r in held_out][-self.window:]
+
+
+def held_out_numbers(parts: list[tuple[Tensor, Tensor]]) -> tuple[float, float]:
+    """The value loss (``0.5 (V - R)^2`` averaged over the tokens) and the explained variance of ``parts``, pairs of
+    values and returns of response tokens, pooled; the explained variance is NaN where the returns do not vary."""
+    values, returns = torch.cat([v for v, _ in parts]), torch.cat([r for _, r in parts])
+    ones = torch.ones_like(values)
+    loss = masked_mean(value_loss(values, values, returns), ones)
+    return float(loss), float(explained_variance(values, returns, ones))

@@ -31,9 +31,10 @@ from rllight.strategies import Aggregation, KLPenalty, PolicyLoss
 from rllight.strategies.advantages import TEACHER_TOP_IDS, TEACHER_TOP_LOGPROBS
 from rllight.types import Rollout
 
-Aggregate = Callable[[Tensor, Tensor], Tensor]
+Aggregate = Callable[..., Tensor]
 """``aggregate(loss, response_mask)``: a per-token (B, T) or per-sequence (B,) loss averaged as the recipe's
-``model.aggregation`` says, with the update's global token and sequence counts (all micro-batches, all ranks)."""
+``model.aggregation`` says, with the update's global token and sequence counts (all micro-batches, all ranks);
+``aggregate(loss, response_mask, how)`` averages as the aggregation ``how`` says instead."""
 
 
 class LossTerm:
@@ -146,14 +147,19 @@ class HeadOnlyCriticFit(CriticLoss):
 
 
 class ResponseNLL(LossTerm):
-    """``coef * -log pi(response)``, aggregated like the policy loss: supervised learning on given responses
-    (VAPO's self-imitation on replayed successes, note 000 eq. 11). Logs the NLL itself as ``nll/loss``."""
+    """``coef * -log pi(response)``: supervised learning on given responses (VAPO's self-imitation on replayed
+    successes, note 000 eq. 11), aggregated as ``aggregation`` says (an ``rllight.strategies`` aggregation, e.g.
+    ``SeqMeanTokenSum`` for eq. 11's sum over each response's tokens; None = like the policy loss). Logs the NLL
+    itself as ``nll/loss``."""
 
-    def __init__(self, coef: float = 1.0):
+    def __init__(self, coef: float = 1.0, aggregation=None):
         self.coef = coef
+        self.aggregation = aggregation
 
     def __call__(self, batch: Rollout, out: Outputs, aggregate: Aggregate) -> tuple[Tensor, dict[str, Tensor]]:
-        nll = aggregate(-out.logprobs, batch.response_mask.float())
+        mask = batch.response_mask.float()
+        nll = aggregate(-out.logprobs, mask) if self.aggregation is None else aggregate(-out.logprobs, mask,
+                                                                                         self.aggregation)
         return self.coef * nll, {"nll/loss": nll}
 
 

@@ -210,12 +210,13 @@ class Updater:
         estimate(rollout)
         return metrics
 
-    def nll_update(self, rollout: Rollout, coef: float = 1.0, minibatch_size: int | None = None) -> dict[str, Tensor]:
-        """Supervised updates on the responses of ``rollout`` (``ResponseNLL``); like ``critic_update`` they do
-        not advance ``trainer.global_step``."""
+    def nll_update(self, rollout: Rollout, coef: float = 1.0, minibatch_size: int | None = None,
+                   aggregation: Aggregation | None = None) -> dict[str, Tensor]:
+        """Supervised updates on the responses of ``rollout`` (``ResponseNLL``, aggregated as ``aggregation`` says,
+        None = as the policy loss); like ``critic_update`` they do not advance ``trainer.global_step``."""
         stats: dict[str, list[Tensor]] = {}
         for index in self.minibatches(len(rollout), self.local_size(minibatch_size or self.minibatch_size)):
-            for k, v in self._update(rollout.select(index), [ResponseNLL(coef)], "nll").items():
+            for k, v in self._update(rollout.select(index), [ResponseNLL(coef, aggregation)], "nll").items():
                 stats.setdefault(k, []).append(v)
         return {k: torch.stack(v).float().mean() for k, v in stats.items()}
 
@@ -260,8 +261,8 @@ class Updater:
             # filter): nothing to learn from, and a token mean would divide by zero. No update, not a failure.
             return {"guard/empty_updates": torch.tensor(1.0)}, False
 
-        def aggregate(per_token: Tensor, mask: Tensor) -> Tensor:
-            return self.aggregation(per_token, mask, num_tokens=num_tokens, num_seqs=num_seqs)
+        def aggregate(per_token: Tensor, mask: Tensor, how: Aggregation | None = None) -> Tensor:
+            return (how or self.aggregation)(per_token, mask, num_tokens=num_tokens, num_seqs=num_seqs)
 
         optimizer = self.optimizer()
         optimizer.zero_grad(set_to_none=True)

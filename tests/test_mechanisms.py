@@ -342,7 +342,7 @@ def test_self_imitation_replays_only_correct_responses_and_raises_their_likeliho
     replays = []
     real_nll_update = module.updater.nll_update
 
-    def nll_update(rollout, coef=1.0, minibatch_size=None):
+    def nll_update(rollout, coef=1.0, minibatch_size=None, aggregation=None):
         def mean_logprob() -> float:
             scored = rollout.select(torch.arange(len(rollout)))
             module.scoring.score(scored, need_old=True, need_values=False, need_ref=False)
@@ -350,7 +350,7 @@ def test_self_imitation_replays_only_correct_responses_and_raises_their_likeliho
             return float((scored.old_logprobs * mask).sum() / mask.sum())
 
         before = mean_logprob()
-        out = real_nll_update(rollout, coef, minibatch_size)
+        out = real_nll_update(rollout, coef, minibatch_size, aggregation)
         replays.append({"rollout": rollout, "before": before, "after": mean_logprob()})
         return out
 

@@ -18,12 +18,14 @@ from rllight.callbacks import RolloutContext, SelfImitation, ValuePretraining
 from rllight.callbacks.replay import build_rollout
 from rllight.critics import SeparateCritic, ValueHead
 from rllight.errors import RecipeError
+from rllight.terms import ResponseNLL
 from rllight.strategies import (
     AdaptiveLambda,
     ClippedSurrogate,
     DecoupledGAE,
     FixedLambda,
     PositiveExampleNLL,
+    SeqMeanTokenSum,
     TokenMean,
     VAPOLambda,
 )
@@ -260,6 +262,53 @@ def _observe_all(cb, sequence):
     return [cb.observe(loss, ev) for loss, ev in sequence]
 
 
+class ScriptedValues(FakeCriticContext):
+    """FakeCriticContext whose critic gives each scored row the next value of a script (one per row, on every token);
+    with a tokenizer and a device, for the replayed rollouts."""
+
+    def __init__(self, values):
+        super().__init__(losses=[0.1] * 10)
+        self.script = list(values)
+        self.tokenizer, self.device = SimpleNamespace(pad_token_id=0), torch.device("cpu")
+
+    def score(self, rollout, need_old, need_values=None, need_ref=None):
+        rows = torch.tensor([self.script.pop(0) for _ in range(len(rollout))])
+        rollout.values = rows[:, None] * rollout.response_mask.float()
+
+
+def test_value_pretraining_pools_its_window_for_the_stopping_criterion():
+    # Two rollouts of one-token responses, rewards (1, 0) each. The critic says (0.5, 0.5) on the first, a constant:
+    # explained variance 0; (1, 0) on the second, exact: 1. Pooled over the window of 2: V = (0.5, 0.5, 1, 0),
+    # R = (1, 0, 1, 0), R - V = (0.5, -0.5, 0, 0): Var(R - V) = 0.125, Var(R) = 0.25, explained variance 0.5;
+    # loss 0.5 * mean((R - V)^2) = 0.5 * 0.125 = 0.0625.
+    module = ScriptedValues([0.5, 0.5, 1.0, 0.0])
+    cb = ValuePretraining(max_steps=5, patience=None, window=2)
+    for _ in range(2):
+        cb.on_rollout(None, module, make_rollout([1.0, 0.0], [1, 1]))
+    logged = module.logged[-1]
+    assert logged["train/value_pretraining/explained_variance"] == pytest.approx(1.0)
+    assert logged["train/value_pretraining/window_explained_variance"] == pytest.approx(0.5)
+    assert logged["train/value_pretraining/window_loss"] == pytest.approx(0.0625)
+    assert cb.best_explained_variance == pytest.approx(0.5)  # the criterion read the window, not the latest
+
+
+def test_value_pretraining_replays_its_latest_rollouts_with_values_scored_again():
+    # replay 1: the 2nd fit takes the 2nd rollout (rewards 1, 0) and the 1st (rewards 0, 1), the 1st's values
+    # scored again (0.7, 0.8: the critic as it is, not the 0.1, 0.2 it gave before its fit); the 3rd fit replays
+    # the 2nd rollout only.
+    module = ScriptedValues([0.1, 0.2, 0.3, 0.4, 0.7, 0.8, 0.5, 0.6, 0.9, 0.9])
+    cb = ValuePretraining(max_steps=5, patience=None, replay=1)
+    cb.on_rollout(None, module, make_rollout([0.0, 1.0], [1, 1]))
+    assert len(module.updates[0]["rollout"]) == 2 and module.logged[0]["train/value_pretraining/replayed"] == 0.0
+    cb.on_rollout(None, module, make_rollout([1.0, 0.0], [1, 1]))
+    fitted = module.updates[1]["rollout"]
+    assert fitted.rewards.tolist() == [1.0, 0.0, 0.0, 1.0] and module.logged[1]["train/value_pretraining/replayed"] == 2
+    assert_close(fitted.values[:, 0], torch.tensor([0.3, 0.4, 0.7, 0.8]))
+    assert_close(fitted.returns[:, 0], torch.tensor([1.0, 0.0, 0.0, 1.0]))
+    cb.on_rollout(None, module, make_rollout([1.0, 1.0], [1, 1]))
+    assert module.updates[2]["rollout"].rewards.tolist() == [1.0, 1.0, 1.0, 0.0]
+
+
 def test_value_pretraining_stops_when_loss_and_explained_variance_have_both_settled():
     # patience 2, tolerances 1e-3 (loss) and 1e-2 (explained variance):
     # (1.0, 0.10): both best. (0.5, 0.30): both improve. (0.4995, 0.305): 0.4995 is not below 0.5 - 0.001 and
@@ -332,8 +381,12 @@ def test_value_pretraining_state_dict_round_trip_resumes_the_count():
     restored.load_state_dict(cb.state_dict())
     # V = 0.3 against returns 1 and 0: loss 0.5 * (0.49 + 0.09) / 2 = 0.145, explained variance 0 (constant V);
     # the 2nd, identical rollout improved neither.
-    assert restored.state_dict() == {"steps_done": 2, "finished": False, "best_loss": pytest.approx(0.145),
-                                     "best_explained_variance": pytest.approx(0.0, abs=1e-6), "bad_steps": 1}
+    state = restored.state_dict()
+    held_out = state.pop("held_out")
+    assert state == {"steps_done": 2, "finished": False, "best_loss": pytest.approx(0.145),
+                     "best_explained_variance": pytest.approx(0.0, abs=1e-6), "bad_steps": 1}
+    # The window (1 rollout) keeps the latest rollout's held-out values and returns.
+    assert len(held_out) == 1 and held_out[0][0] == pytest.approx([0.3, 0.3]) and held_out[0][1] == [1.0, 0.0]
     assert restored.on_rollout(None, module, make_rollout([1.0], [1])) is None
     assert restored.finished and restored.steps_done == 3
 
@@ -368,8 +421,9 @@ class FakeNLLContext(RolloutContext):
                          ranks=SimpleNamespace(any=lambda flag: flag, world_size=1),
                          tokenizer=SimpleNamespace(pad_token_id=0), device=torch.device("cpu"), log=self.logged.append)
 
-    def nll_update(self, rollout, coef=1.0, minibatch_size=None):
+    def nll_update(self, rollout, coef=1.0, minibatch_size=None, aggregation=None):
         self.replayed.append((rollout, coef))
+        self.aggregations = getattr(self, "aggregations", []) + [aggregation]
         return {"nll/loss": torch.tensor(1.5)}
 
 
@@ -406,6 +460,27 @@ def test_self_imitation_stores_unpadded_successes_and_replays_them_after_the_upd
     # No rollout reached the callback this step (e.g. value pretraining consumed it): no replay.
     cb.on_train_batch_end(None, None, None, None, 2)
     assert len(module.replayed) == 1
+
+
+def test_self_imitation_nll_sums_over_tokens_as_eq_11_when_asked():
+    # Two replayed responses of 2 and 4 tokens, every token at log-prob ln 0.5 (NLL 0.6931471806 each).
+    # Eq. 11 (SeqMeanTokenSum): the mean over responses of each response's sum, (2 + 4) / 2 * 0.6931471806 =
+    # 2.0794415417; the policy's token mean: 0.6931471806. coef 0.1 scales both.
+    batch = make_rollout([1.0, 1.0], lengths=[2, 4])
+    out = SimpleNamespace(logprobs=torch.full((2, 4), math.log(0.5)) * batch.response_mask)
+
+    def aggregate(per_token, mask, how=None):  # as the updater's: the step's global counts, 6 tokens, 2 responses
+        return (how or TokenMean())(per_token, mask, num_tokens=torch.tensor(6.0), num_seqs=torch.tensor(2.0))
+
+    summed, stats = ResponseNLL(0.1, SeqMeanTokenSum())(batch, out, aggregate)
+    assert summed.item() == pytest.approx(0.1 * 3 * 0.6931471806) and stats["nll/loss"].item() == pytest.approx(
+        3 * 0.6931471806)
+    assert ResponseNLL(0.1)(batch, out, aggregate)[0].item() == pytest.approx(0.1 * 0.6931471806)
+    # The callback hands its aggregation to the replay update.
+    module, cb = FakeNLLContext(), SelfImitation(every_n_steps=1, aggregation=SeqMeanTokenSum())
+    cb.on_rollout(None, module, make_rollout([1.0], lengths=[2]))
+    cb.on_train_batch_end(None, None, None, None, 0)
+    assert isinstance(module.aggregations[0], SeqMeanTokenSum)
 
 
 def test_self_imitation_min_reward_and_duplicates():
