@@ -1,0 +1,69 @@
+"""tools/critic_fit.py: rollouts sampled once with the policy frozen, critic options fitted on the same ones and
+their held-out explained variance pooled; a rerun samples and fits nothing again."""
+
+import json
+import os
+
+import pytest
+import torch
+from helpers import TESTS, load_tool, tiny_overrides
+
+from rllight.app.records import load_records
+
+
+def test_pooled_numbers_by_hand():
+    tool = load_tool("critic_fit")
+    # V = (0.5, 0.5, 1, 0), R = (1, 0, 1, 0): R - V = (0.5, -0.5, 0, 0), Var(R - V) = 0.125, Var(R) = 0.25;
+    # explained variance 1 - 0.125 / 0.25 = 0.5, loss 0.5 * mean((R - V)^2) = 0.5 * 0.125 = 0.0625.
+    ev, loss = tool.pooled([(torch.tensor([0.5, 0.5]), torch.tensor([1.0, 0.0])),
+                            (torch.tensor([1.0, 0.0]), torch.tensor([1.0, 0.0]))])
+    assert ev == pytest.approx(0.5) and loss == pytest.approx(0.0625)
+    ev, loss = tool.pooled([(torch.tensor([0.2]), torch.tensor([1.0]))])
+    assert ev != ev and loss == pytest.approx(0.5 * 0.8 ** 2)  # returns that do not vary: no explained variance
+
+
+@pytest.mark.slow  # a `rllight fit` child samples the rollouts, two children fit
+def test_options_fit_the_same_rollouts_and_a_rerun_does_nothing_again(tmp_path, tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", TESTS)  # the tiny overlay's reward lives beside the tests
+    overlay = tiny_overrides(tmp_path, tiny_model_dir)
+    out, record = tmp_path / "fit", tmp_path / "records" / "critic-fit.json"
+    os.makedirs(record.parent)
+    argv = ["--recipe", "recipes/vapo.yaml", "--config", overlay, "--set", "data.batch_size=2", "--rollouts", "3",
+            "--window", "2", "--option", "still", "epochs=0", "--option", "fits", "lr=1e-2", "head_lr=1e-1",
+            "clip=0", "epochs=2", "minibatch=4", "replay=1", "--out", str(out), "--record", str(record)]
+    tool = load_tool("critic_fit")
+    assert tool.main(argv) == 0
+    saved = [out / "rollouts" / f"r00{k}.pt" for k in range(3)]
+    rollouts = [torch.load(p, weights_only=False) for p in saved]
+    still, fits = (json.loads((out / f"{name}.json").read_text()) for name in ("still", "fits"))
+    # Both options saw the same responses: the same returns, token by token, on every rollout.
+    assert [r for _, r in still["held_out"]] == [r for _, r in fits["held_out"]]
+    assert [len(r) for _, r in still["held_out"]] == [int(x.response_mask.sum()) for x in rollouts]
+    assert all(v == 0.0 for values, _ in still["held_out"] for v in values)  # never trained: the zero head
+    assert any(v != 0.0 for values, _ in fits["held_out"][1:] for v in values)  # trained: it moved
+    (written,) = load_records(str(record.parent))
+    rows = {row["option"]: row for row in written["rows"]}
+    assert rows["still"]["ev"] == 0.0  # a constant critic explains none of the variance
+    # The between-prompts share, worked out here from the rewards: each prompt's mean reward on its tokens.
+    values, returns = [], []
+    for rollout in rollouts[:2]:
+        for i in range(len(rollout)):
+            same = rollout.group_ids == rollout.group_ids[i]
+            n = int(rollout.response_mask[i].sum())
+            values += [float(rollout.rewards[same].mean())] * n
+            returns += [float(rollout.rewards[i])] * n
+    values, returns = torch.tensor(values, dtype=torch.float64), torch.tensor(returns, dtype=torch.float64)
+    share = 1 - float((returns - values).var(unbiased=False) / returns.var(unbiased=False))
+    assert rows["(between prompts, in sample)"]["ev_1_2"] == pytest.approx(round(share, 3), abs=1e-3)
+
+    stamps = {p: os.path.getmtime(p) for p in [*saved, out / "still.json", out / "fits.json"]}
+    monkeypatch.setattr(tool.subprocess, "call", lambda *a, **k: pytest.fail("sampled again"))
+    real_popen = tool.subprocess.Popen
+
+    def popen(cmd, *a, **k):  # the record asks git for its commit; a fit would start this tool again
+        assert "--fit-one" not in cmd, "fitted again"
+        return real_popen(cmd, *a, **k)
+
+    monkeypatch.setattr(tool.subprocess, "Popen", popen)
+    assert tool.main(argv) == 0
+    assert {p: os.path.getmtime(p) for p in stamps} == stamps
