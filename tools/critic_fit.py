@@ -123,7 +123,8 @@ def make_rollouts(args: argparse.Namespace) -> None:
                        "folder": os.path.join(os.path.abspath(args.out), "rollouts"), "start": start,
                        "count": args.rollouts - start}}],
                        "default_root_dir": os.path.join(args.out, "sampling"), "enable_checkpointing": False,
-                       "val_check_interval": 10**9, "check_val_every_n_epoch": None, "max_steps": 10**6},
+                       "val_check_interval": 10**9, "check_val_every_n_epoch": None, "max_steps": 10**6,
+                       "limit_val_batches": 0},
                    "model": {"guards": {"max_steps_without_update": None}}}, f)
     cmd = [sys.executable, "-m", "rllight", "fit", "--config", args.recipe, *sum((["--config", c] for c in
                                                                                   args.config), []),

@@ -34,7 +34,8 @@ DAPO         2503.14476   dapo           GroupRelative + ClippedSurrogate(clip_h
                                          + callbacks.SoftOverlongPunishment + callbacks.OverlongFilter
 VAPO         2504.05118   vapo           DecoupledGAE(policy_lambda=AdaptiveLambda, value_lam=1.0)
                                          + ClippedSurrogate(clip_high=0.28) + TokenMean + GroupSampler
-                                         + critics.SeparateCritic + callbacks.ValuePretraining + callbacks.SelfImitation
+                                         + critics.SeparateCritic + callbacks.ValuePretraining
+                                         + callbacks.SelfImitation + SeqMeanTokenSum (its eq. 11 aggregation)
 SPPO         2604.08865   sppo           PromptBaseline + SequenceClippedSurrogate + TokenMean (unused: one loss a
                                          response) + GroupSampler(group_size=1) + critics.PromptCritic
 VESPO        2602.10693   vespo          GroupRelative + VESPO + TokenMean + GroupSampler

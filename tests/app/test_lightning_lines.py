@@ -51,15 +51,18 @@ def test_lightnings_lines_on_restoring_and_on_starting_torch_distributed_are_dro
     assert rank_zero.log.name in LIGHTNING_LOGGERS  # where Lightning's rank_zero_info logs, whichever module set it
     seen = _Lines()
     loggers = {name: logging.getLogger(name) for name in {name for name, _ in DROPPED}}
+    levels = {name: logger.level for name, logger in loggers.items()}
     for logger in loggers.values():
         logger.addHandler(seen)
+        logger.setLevel(logging.INFO)  # whatever an earlier test in this process left (a tool run in-process)
     try:
         for name, message in DROPPED:
             loggers[name].info(message)
         loggers["lightning.pytorch.utilities.rank_zero"].info("A line of Lightning's that a user acts on")
     finally:
-        for logger in loggers.values():
+        for name, logger in loggers.items():
             logger.removeHandler(seen)
+            logger.setLevel(levels[name])
     assert seen.lines == ["A line of Lightning's that a user acts on"]
 
 
