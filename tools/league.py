@@ -8,10 +8,15 @@ ppo; 0 for the baselines rloo, dr_grpo, reinforce_pp, remax, gspo and cispo (``-
 The overlay gives every run the quickstart's budget, read from ``recipes/quickstart.yaml`` (``--quickstart``; a flat,
 complete recipe, read as written): its rollouts with a policy update (``trainer.max_steps`` over its updates per
 rollout), prompts per rollout (``data.batch_size``), responses per prompt (the sampler's ``group_size``),
-``max_new_tokens``, held-out problems (``data.val_size``, ``val_batch_size``) and precision. ``--steps``,
-``--batch-size``, ``--group-size``, ``--max-new-tokens``, ``--val-size`` and ``--precision`` replace them (smoke
-runs). What stays each recipe's own, and is stated in each row: the learning rates (the policy's, and a critic's
-where it has its own), the rollout temperature, the minibatching and every mechanism.
+``max_new_tokens``, the rollouts' sampling temperature, held-out problems (``data.val_size``, ``val_batch_size``) and
+precision. ``--steps``, ``--batch-size``, ``--group-size``, ``--max-new-tokens``, ``--temperature``, ``--val-size``
+and ``--precision`` replace them (smoke runs). What stays each recipe's own, and is stated in each row: the learning
+rates (the policy's, and a critic's where it has its own), the minibatching and every mechanism.
+
+The temperature is the quickstart's for every method, though several recipes sample at 1.0 as their papers do: it
+belongs to the model and the task more than to a method. At 1.0 SmolLM2-135M's answers to the arithmetic task are
+mostly noise, few of them right, and every method, a critic above all, would learn from a far sparser signal than at
+the quickstart's temperature; a method's own temperature would be a second difference between two rows.
 
 - **Budget.** Every run makes the same rollouts of the same number of responses: prompts x responses per prompt.
   A recipe that samples one response per prompt (sampler ``group_size: 1``: ppo, sppo, reinforce_pp, remax; its
@@ -119,6 +124,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, help="Prompts per rollout (default: the quickstart's).")
     p.add_argument("--group-size", type=int, help="Responses per prompt (default: the quickstart's).")
     p.add_argument("--max-new-tokens", type=int, help="Longest response (default: the quickstart's).")
+    p.add_argument("--temperature", type=float, help="The rollouts' sampling temperature (default: the quickstart's).")
     p.add_argument("--val-size", type=int, help="Held-out problems (default: the quickstart's).")
     p.add_argument("--precision", help="trainer.precision of every run (default: the quickstart's, auto resolved).")
     p.add_argument("--config", action="append", default=[],
@@ -150,6 +156,8 @@ def budget(args: argparse.Namespace) -> dict:
         "prompts": args.batch_size or int(data["batch_size"]),
         "responses": args.group_size or int(model["sampler"]["init_args"]["group_size"]),
         "max_new_tokens": args.max_new_tokens or int(model["rollout"]["init_args"]["max_new_tokens"]),
+        "temperature": (args.temperature if args.temperature is not None
+                        else float(model["rollout"]["init_args"]["temperature"])),
         "val_size": args.val_size or int(data["val_size"]),
         "val_batch_size": data.get("val_batch_size"),
         "precision": str(precision),
@@ -193,7 +201,8 @@ def overlay(run: dict, spent: dict, prompts: int | None = None, group: int | Non
                     "enable_checkpointing": False, "check_val_every_n_epoch": None,
                     "val_check_interval": 10**9,  # no mid-run validation: before and after only
                     "limit_val_batches": None, "precision": spent["precision"]},
-        "model": {"rollout": {"init_args": {"max_new_tokens": spent["max_new_tokens"]}},
+        "model": {"rollout": {"init_args": {"max_new_tokens": spent["max_new_tokens"],
+                                            "temperature": spent["temperature"]}},
                   "evaluation": {**spent["evaluation"], "sampling_seed": run["seed"]}, "export_dir": None},
         "data": {"val_size": spent["val_size"], "seed": run["seed"]},
     }

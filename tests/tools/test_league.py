@@ -50,6 +50,7 @@ def test_a_smoke_league_records_every_run_and_a_rerun_launches_only_what_did_not
         run = json.loads(path.read_text())
         assert run["complete"] and run["seed"] == seed and run["returncode"] == 0
         assert run["lr"] == {"grpo": 1e-5, "rloo": 2e-6}[method]  # each recipe's own
+        assert run["temperature"] == 0.7  # the quickstart's for every method (recipes/grpo.yaml samples at 1.0)
         assert run["settings"]["rollouts"] == 1 and run["settings"]["precision"] == "32-true"
         assert set(run["metrics"]) == set(run["per_problem"]) == {"greedy", "avg4", "pass4"}
         for metric in run["per_problem"].values():
