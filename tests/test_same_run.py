@@ -78,9 +78,10 @@ RUNS: dict[str, dict] = {
     },
     "vapo": {
         "model": {**_SMALL_BATCHES,
-                  "critic": {"class_path": "rllight.critics.SeparateCritic", "init_args": {"lr": 1e-2}}},
+                  "critic": {"class_path": "rllight.critics.SeparateCritic",
+                             "init_args": {"lr": 1e-2, "head_lr": 1e-2}}},
         "callbacks": {
-            "ValuePretraining": {"max_steps": 2},  # at most 2 pretraining rollouts (the recipe: 10)
+            "ValuePretraining": {"max_steps": 2},  # at most 2 pretraining rollouts (the recipe: 30); the 2nd replays
             # A random model's responses are almost never correct: every scored response counts as a success.
             "SelfImitation": {"min_reward": 0.0},
         },
