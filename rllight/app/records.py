@@ -66,6 +66,7 @@ QUESTIONS = {
     "sanity-check": "Does the quickstart recipe pass a learning sanity check?",
     "compare": _METHODS, "vapo-lambda-one": _METHODS,
     "vapo-critic": "Which of VAPO's critic options predicts the return best?",
+    "critic-fit": "Which of VAPO's critic options predicts the return best?",
     "distill": "Does on-policy distillation beat GRPO on the quickstart task?",
     "reward-model": _MODEL_REWARD, "judge": _MODEL_REWARD,
     "reasoning-gym": _RG, "curriculum": "Does a difficulty curriculum beat uniform sampling on reasoning-gym?",

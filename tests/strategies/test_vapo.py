@@ -612,7 +612,7 @@ def test_vapo_critic_starts_as_a_separate_copy_of_the_initial_policy(tmp_path, t
     assert all(torch.equal(critic_state[k], policy_state[k]) for k in policy_state)  # same initial weights ...
     policy_ids = {id(p) for p in module.policy.parameters()}
     assert not policy_ids & {id(p) for p in critic.parameters()}  # ... in parameters of its own
-    assert critic.lr == 1e-4
+    assert critic.lr == 1e-5 and critic.head_lr == 1e-4  # the backbone at the policy's rate, the zero head faster
 
 
 def test_vapo_with_the_critic_on_the_shared_backbone(tmp_path, tiny_model_dir):
