@@ -169,14 +169,14 @@ def build(spec: dict):
 
 
 def pooled(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
-    """Explained variance and value loss (``0.5 (V - R)^2``, mean) of ``(values, returns)`` pairs pooled; NaN for
-    none or returns that do not vary."""
+    """Explained variance and value loss of ``(values, returns)`` pairs pooled, in float64, as value pretraining's
+    criterion reads them (``held_out_numbers``); NaN for none or returns that do not vary."""
+    from callbacks.value_pretraining import held_out_numbers
+
     if not parts:
         return float("nan"), float("nan")
-    values, returns = torch.cat([v for v, _ in parts]).double(), torch.cat([r for _, r in parts]).double()
-    var = returns.var(unbiased=False)
-    ev = float(1 - (returns - values).var(unbiased=False) / var) if var > 1e-12 else float("nan")
-    return ev, float(0.5 * ((values - returns) ** 2).mean())
+    loss, ev = held_out_numbers([(v.double(), r.double()) for v, r in parts])
+    return ev, loss
 
 
 def between_prompts(rollout) -> tuple[torch.Tensor, torch.Tensor]:
