@@ -98,7 +98,8 @@ def card(record: dict, title: str) -> list[str]:
     out = [f'<a id="{record["id"]}"></a>', "", title, ""]
     if record.get("note"):
         out += [record["note"], ""]
-    return out + table(record["columns"], record["rows"]) + provenance(record)
+    figure = [""] + [f"![{record['title']}]({record['figure']})"] if record.get("figure") else []
+    return out + table(record["columns"], record["rows"]) + figure + provenance(record)
 
 
 def render_page(records: list[dict]) -> str:

@@ -49,6 +49,7 @@ REQUIRED = ("id", "title", "section", "question", "command", "commit", "date", "
 SOURCES = ("tool", "transcribed")
 _ID = re.compile(r"^[a-z0-9][a-z0-9-]*$")
 _DATE = re.compile(r"^\d{4}-\d\d-\d\d$")
+_FIGURE = re.compile(r"^[a-z0-9][a-z0-9-]*\.png$")
 
 _QS = "How much does the quickstart improve the model?"
 _METHODS = "How do GRPO, DAPO and VAPO compare on the quickstart task?"
@@ -139,9 +140,10 @@ def default_question(*ids: str, section: str) -> str | None:
 
 def make_record(*, id: str, title: str, section: str, columns: list, rows: list[dict], note: str = "",
                 summary: dict | None = None, headline: dict | None = None, shared: bool | None = None,
-                command: str | None = None, question: str | None = None) -> dict:
+                command: str | None = None, question: str | None = None, figure: str | None = None) -> dict:
     """A record of a measurement made now, by this process: its command, commit, date and machine filled in, and
-    where ``question`` is None, ``default_question``'s."""
+    where ``question`` is None, ``default_question``'s. ``figure``: the name of a PNG the tool drew from the same
+    numbers, beside the record in its folder, which the results page shows under the table."""
     record = {
         "id": id, "title": title, "section": section, "question": question or default_question(id, section=section),
         "note": note,
@@ -154,6 +156,8 @@ def make_record(*, id: str, title: str, section: str, columns: list, rows: list[
         record["summary"] = summary
     if headline:
         record["headline"] = headline
+    if figure:
+        record["figure"] = figure
     check_record(record, f"record {id}")
     return record
 
@@ -253,7 +257,8 @@ def check_record_options(parser, args, argv: list[str] | None = None, script: st
 
 
 def tool_record(args, *, id: str, title: str, section: str, columns: list, rows: list[dict], note: str = "",
-                summary: dict | None = None, headline: str | None = None, command: str | None = None) -> str | None:
+                summary: dict | None = None, headline: str | None = None, command: str | None = None,
+                figure: str | None = None) -> str | None:
     """Write the record of what a tool measured where ``args.record`` asks for one (else nothing; None): the
     fields given, ``args``' options (``add_record_options``) in place of ``id``, ``title``, ``section``, ``question``
     and ``note`` where given, and with ``args.headline`` a README row whose template is ``headline``. Without
@@ -272,7 +277,7 @@ def tool_record(args, *, id: str, title: str, section: str, columns: list, rows:
         note=note if args.note is None else args.note, columns=columns, rows=rows, summary=summary,
         headline={"label": label, "template": headline} if label and headline else None,
         shared=None if args.shared is None else args.shared == "yes",
-        command=command or getattr(args, "record_command", None))
+        command=command or getattr(args, "record_command", None), figure=figure)
     if args.record.endswith(("/", os.sep)):  # a folder, made where it is not yet
         os.makedirs(args.record, exist_ok=True)
     return write_record(args.record, record)
@@ -347,6 +352,8 @@ def check_record(record: dict, where: str) -> None:
                                       or not _ID.match(record["superseded_by"])
                                       or record["superseded_by"] == record["id"]):
         raise ValueError(f"{where}: superseded_by {record['superseded_by']!r} is not another record's id")
+    if "figure" in record and not (isinstance(record["figure"], str) and _FIGURE.match(record["figure"])):
+        raise ValueError(f"{where}: figure {record['figure']!r} is not the name of a .png file beside the record")
     if not _DATE.match(record["date"]):
         raise ValueError(f"{where}: date '{record['date']}' is not YYYY-MM-DD")
     if record["source"] not in SOURCES:
@@ -401,6 +408,9 @@ def load_records(folder: str = RESULTS_DIR) -> list[dict]:
         check_record(record, path)
         if name != f"{record['id']}.json":
             raise ValueError(f"{path}: a record's file is named after its id ({record['id']}.json)")
+        if "figure" in record and not os.path.isfile(os.path.join(folder, record["figure"])):
+            raise ValueError(f"{path}: its figure {record['figure']} is not in {folder}: draw it again with the "
+                             "record's command")
         records.append(record)
     check_records(records, folder)
     return sorted(records, key=lambda r: r["id"])

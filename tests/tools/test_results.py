@@ -220,3 +220,23 @@ def test_a_rerun_into_a_records_file_keeps_its_question_unless_told(tmp_path):
         check_record_options(parser, args, argv, "tools/bench_gae.py")
         tool_record(args, id="bench-gae", title="t", section="Speed and memory", columns=[["a", "a"]], rows=[{"a": 1}])
         assert json.loads(path.read_text())["question"] == question
+
+
+def test_a_records_figure_is_shown_under_its_table_and_must_lie_beside_it(tmp_path):
+    folder = tmp_path / "results"
+    shutil.copytree(RESULTS, folder)
+    name = sorted(p for p in os.listdir(folder) if p.endswith(".json"))[0]
+    data = json.loads((folder / name).read_text())
+    data["figure"] = "curves.png"
+    (folder / name).write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=rf"{name}: its figure curves.png is not in .*draw it again"):
+        load_records(str(folder))
+    (folder / "curves.png").write_bytes(b"\x89PNG")
+    (record,) = [r for r in load_records(str(folder)) if r["id"] == data["id"]]
+    card = load_tool("results_pages").card(record, "**t**")
+    last_row = max(i for i, line in enumerate(card) if line.startswith("| "))
+    assert card[last_row + 1:last_row + 3] == ["", f"![{record['title']}](curves.png)"]
+    data["figure"] = "../elsewhere.png"
+    (folder / name).write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"figure '../elsewhere.png' is not the name of a .png file beside"):
+        load_records(str(folder))

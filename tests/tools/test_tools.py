@@ -453,7 +453,7 @@ def test_distill_measure_distils_the_first_grpo_model_and_records_each_run(tmp_p
     overlay = tmp_path / "tiny.yaml"
     model = build_tiny_model(str(tmp_path / "model"))
     overlay.write_text(yaml.safe_dump({
-        "trainer": {"max_steps": 1},
+        "trainer": {"max_steps": 2},
         "model": {"model": {"class_path": "rllight.models.HFModel", "init_args": {"path": model}},
                   "reward": {"class_path": "user_strategies.DigitReward"}, "reward_preflight": 0,
                   "reward_runner": None, "batching": {"minibatch_size": None},
@@ -461,10 +461,10 @@ def test_distill_measure_distils_the_first_grpo_model_and_records_each_run(tmp_p
                   "evaluation": {"n": 2, "ks": [1, 2]}},
         "data": {"batch_size": 1, "val_size": 2}}))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
-    out = tmp_path / "distill"
-    code = load_tool("distill_measure").main(["--seeds", "3", "4", "--config", str(overlay), "--out", str(out),
-                                              "--record", str(tmp_path / "records" / "d.json")])
-    assert code == 0
+    out, tool = tmp_path / "distill", load_tool("distill_measure")
+    argv = ["--seeds", "3", "4", "--config", str(overlay), "--out", str(out), "--every", "1",
+            "--record", str(tmp_path / "records" / "d.json"), "--figure", str(tmp_path / "records" / "d.png")]
+    assert tool.main(argv) == 0
     printout = capsys.readouterr().out
     machine, last = printout.strip().splitlines()[-2:]
     assert machine.startswith("machine: ")
@@ -483,6 +483,29 @@ def test_distill_measure_distils_the_first_grpo_model_and_records_each_run(tmp_p
     agrees(written["summary"], last)
     grpo_after = [r["accuracy_after"] for r in written["rows"][:2]]
     assert parse_pairs(last)["grpo_accuracy_after"] == pytest.approx(sum(grpo_after) / 2, abs=1e-3)
+    # --every 1: each run's curve holds its evaluation before training (0) and at each of its 2 rollouts, the last
+    # the evaluation after training; the figure the record names lies beside it.
+    for r in written["rows"]:
+        assert (r["at0"], r["at2"]) == (r["accuracy_before"], r["accuracy_after"]) and r["at1"] is not None
+    assert written["figure"] == "d.png" and (tmp_path / "records" / "d.png").stat().st_size > 0
+    # A rerun with the same options reads every run back; other options are refused, naming the file.
+    monkeypatch.setattr(tool, "subprocess", types.SimpleNamespace(run=None))  # a launched fit would fail
+    assert tool.main(argv) == 0
+    with pytest.raises(SystemExit, match=r"grpo-s3/result.json was measured with .*'every': 1.*give another --out"):
+        tool.main([a if a != "1" else "2" for a in argv])
+
+
+def test_distill_measure_counts_the_rollouts_to_80_percent_of_the_teachers_gain():
+    tool = load_tool("distill_measure")
+    run = {"accuracy_before": 0.25, "curve": [[0, 0.25], [5, 0.4], [10, 0.44], [15, 0.45], [20, 0.5]]}
+    target = tool.target_of(run, 0.5)  # 0.25 + 0.8 * (0.5 - 0.25)
+    assert target == pytest.approx(0.45)
+    assert tool.rollouts_to(run["curve"], target) == 15  # not 10: 0.44 is short of it
+    assert tool.rollouts_to(run["curve"], 0.51) is None
+    rows = [{"run": "grpo", "seed": 0}]
+    columns = tool.speed(rows, [run], 0.5)
+    assert rows[0]["to_80"] == 15 and rows[0]["at10"] == 0.44
+    assert [c[0] for c in columns] == ["at0", "at5", "at10", "at15", "at20", "to_80"]
 
 
 def test_train_reward_model_writes_a_classifier_the_reward_model_reads_and_records_its_check(tmp_path, tiny_model_dir,
