@@ -157,10 +157,12 @@ class ValuePretraining(RolloutCallback):
         total = context.ranks.sum(local)
         loss, ev, window_loss, window_ev = (float(x) for x in total[:4] / total[4])
         reason = self.observe(window_loss, window_ev)
-        if reason:
-            log.info("value pretraining finished after %d rollouts (%s); best held-out value loss %.5f, "
-                     "explained variance %.3f; RL starts", self.steps_done, reason, self.best_loss,
-                     self.best_explained_variance)
+        if reason and context.ranks.rank == 0:  # every rank decides alike; one line says so
+            ev_text = (f"explained variance {self.best_explained_variance:.3f}"
+                       if math.isfinite(self.best_explained_variance)
+                       else "explained variance undefined (the returns never varied within a window)")
+            log.info("value pretraining finished after %d rollouts (%s); best held-out value loss %.5f, %s; RL "
+                     "starts", self.steps_done, reason, self.best_loss, ev_text)
         metrics = {"train/value_pretraining/loss": loss, "train/value_pretraining/explained_variance": ev,
                    "train/value_pretraining/window_loss": window_loss,
                    "train/value_pretraining/window_explained_variance": window_ev,

@@ -9,6 +9,12 @@ import torch
 from torch import Tensor
 
 
+MEAN_EXTRAS = "mean_extras"
+"""``Rollout.extras`` key: the names of the batch's scalar extras that are means or rates over its responses, not
+counts or times (``rllight.rollout.scoring.mean_metric_keys``, the engine's metrics, an episode's means): a sampler
+that joins several batches weights these by responses (``rllight.strategies.samplers.RoundTotals``)."""
+
+
 @dataclass
 class Rollout:
     """Sampled responses with everything the update needs. B rows (one per response), P prompt

@@ -30,10 +30,10 @@ from rllight.rollout.empty_steps import (EMPTY_RESPONSES, FAILED_BEFORE_FIRST_TU
 from rllight.rollout.episodes import (  # noqa: F401 (encode_chat, with_first_observation: re-exported)
     ChatTurns, encode_chat, episodes_to_rollout, run_episodes, start_episodes, trajectory_rewards,
     with_first_observation)
-from rllight.rollout.scoring import reward_metrics, score_samples, token_tensor
+from rllight.rollout.scoring import mean_metric_keys, reward_metrics, score_samples, token_tensor
 from rllight.rollout.source_metrics import source_metrics
 from rllight.stopping import end_after_step
-from rllight.types import Rollout
+from rllight.types import MEAN_EXTRAS, Rollout
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +177,7 @@ class RolloutProducer:
             self.count_sampled(gen.response_mask.sum(-1).tolist())
         device = gen.response_ids.device
         dense = None if scores.token_scores is None else token_tensor(scores.token_scores, gen.response_mask)
+        metrics = {**reward_metrics(scores), **source_metrics(sources, rewards, correct)}  # several data sources
         return Rollout(
             prompt_ids=gen.prompt_ids,
             prompt_mask=gen.prompt_mask,
@@ -193,12 +194,12 @@ class RolloutProducer:
             extras={
                 "time/rollout": t1 - t0,
                 "time/reward": t2 - t1,
-                **reward_metrics(scores),
+                **metrics,
                 **counts,
                 "kept_rows": tuple(keep),  # a tuple: per prompt row, not per response (select leaves it)
                 DATA_SOURCE: sources,  # per response, its prompt row's: routes it (TeacherLogprobs.teachers)
-                **source_metrics(sources, rewards, correct),  # several data sources: each one's share and reward
                 **engine_metrics,
+                MEAN_EXTRAS: (*mean_metric_keys(metrics, scores), *engine_metrics),
                 # Per response: policy versions between the weights that generated it and the trainer's now.
                 **({SAMPLE_STALENESS: torch.full((len(texts),), float(staleness), device=device)}
                    if staleness is not None else {}),
@@ -374,13 +375,15 @@ class RolloutProducer:
                 "data/dropped_long_prompts": float(dropped),
                 "kept_rows": tuple(keep),
                 DATA_SOURCE: [r.get("data_source") for r in rows for _ in range(n)],  # per episode, its row's
-                **source_metrics([r.get("data_source") for r in rows for _ in range(n)], rewards,
-                                 [t.correct for t in trajs]),
+                **(per_source := source_metrics([r.get("data_source") for r in rows for _ in range(n)], rewards,
+                                                [t.correct for t in trajs])),
                 "episode/turns_mean": turns.mean().item(),
                 "episode/restarted_ratio": sum(bool(t.earlier) for t in trajs) / len(trajs),
                 "episode/turns_max": turns.max().item(),
                 "episode/truncated_ratio": sum(t.truncated for t in trajs) / len(trajs),
                 **self.engine.last_metrics,
+                MEAN_EXTRAS: ("episode/turns_mean", "episode/restarted_ratio", "episode/truncated_ratio",
+                              *self.engine.last_metrics, *per_source),  # each source's share and means
             },
         )
 

@@ -13,6 +13,7 @@ import logging
 import torch
 
 from rllight.rewards import Reward, Sample, Scores, scored
+from rllight.rewards.scores import MEAN_METRICS
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,19 @@ def reward_metrics(scores: Scores) -> dict[str, float]:
     return metrics
 
 
+def mean_metric_keys(metrics: dict[str, float], scores: Scores) -> tuple[str, ...]:
+    """The keys of ``metrics`` (``reward_metrics(scores)``, with ``source_metrics``') that are means over the batch's
+    responses, not counts: each component's mean, an agreement's mean (``MEAN_METRICS``), the token scores' mean sum,
+    and the per data source shares and means. A sampler that joins several batches weights these by responses and
+    adds up the rest (``rllight.strategies.DynamicSampling``)."""
+    means = {f"reward/{name}" for name in scores.component_means()}
+    means |= {f"reward/{name}" for name in scores.metrics if name.rsplit("/", 1)[-1] in MEAN_METRICS}
+    means.add("reward/token_scores_sum")
+    sources = {k for k in metrics if k.startswith("data/") and k.endswith("/share")}
+    sources |= {k for k in metrics if k.startswith("reward/") and k.endswith(("/mean", "/accuracy"))}
+    return tuple(sorted(k for k in metrics if k in means | sources))
+
+
 def token_tensor(token_scores: list[list[float] | None], response_mask: torch.Tensor) -> torch.Tensor:
     """Shape (B, T), float32, on ``response_mask``'s device: row i holds response i's token scores from its first
     token (zeros for a response without, and past its end), zero outside ``response_mask``."""
@@ -50,4 +64,4 @@ def token_tensor(token_scores: list[list[float] | None], response_mask: torch.Te
     return out.to(response_mask.device) * response_mask.float()
 
 
-__all__ = ["reward_metrics", "score_samples", "token_tensor"]
+__all__ = ["mean_metric_keys", "reward_metrics", "score_samples", "token_tensor"]

@@ -5,6 +5,7 @@ the groups with mixed outcomes)."""
 from __future__ import annotations
 
 import logging
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,7 +15,7 @@ from rllight.algorithms.shaping import mixed_groups
 from rllight.bounds import AtLeastTwo, PositiveInt, bounded
 from rllight.distributed import share
 from rllight.errors import RecipeError
-from rllight.types import Rollout
+from rllight.types import MEAN_EXTRAS, Rollout
 
 if TYPE_CHECKING:
     from rllight.rollout.producer import RolloutProducer
@@ -104,6 +105,34 @@ class ReMaxSampler(Sampler):
 _METRICS = ("reward", "correct")
 
 
+class RoundTotals:
+    """The scalar extras of several rounds' rollouts as one batch's: a mean or rate the producer names in
+    ``MEAN_EXTRAS`` (a component's mean reward, an agreement, a data source's share) weighted by each round's
+    responses, a ``*_max`` the largest, anything else (counts, times) summed."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = {}
+        self.weights: dict[str, float] = {}
+        self.maxima: dict[str, float] = {}
+
+    def add(self, part: Rollout) -> None:
+        means = set(part.extras.get(MEAN_EXTRAS, ()))
+        for key, value in part.extras.items():
+            if not (isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.dim() == 0)):
+                continue
+            if key.endswith("_max"):
+                self.maxima[key] = max(self.maxima.get(key, -math.inf), float(value))
+            elif key in means:
+                self.sums[key] = self.sums.get(key, 0.0) + float(value) * len(part)
+                self.weights[key] = self.weights.get(key, 0.0) + len(part)
+            else:
+                self.sums[key] = self.sums.get(key, 0.0) + float(value)
+
+    def values(self) -> dict[str, float]:
+        out = {k: v / self.weights[k] if self.weights.get(k) else v for k, v in self.sums.items()}
+        return {**out, **self.maxima}
+
+
 class DynamicSampling(Sampler):
     """Over-sample and keep only groups with mixed outcomes (DAPO, arXiv:2503.14476, section 3.2).
 
@@ -160,7 +189,7 @@ class DynamicSampling(Sampler):
         mixed_parts: list[tuple[Rollout, list[int]]] = []  # each round's rollout and its mixed groups
         n_kept = n_drawn = n_mixed = responses = 0
         tokens = 0.0
-        totals: dict[str, float] = {}  # the engine's per-call scalars (timings, failures): summed over rounds
+        totals = RoundTotals()  # the rounds' scalar extras: counts and times summed, means weighted by responses
         rounds, out_of_prompts = 0, False
         batch = rows
         while not rounds or (rounds < self.max_rounds and n_kept < target):  # n_kept: over all processes
@@ -171,9 +200,7 @@ class DynamicSampling(Sampler):
                     break
             part = producer.sample(batch, self.group_size)
             rounds += 1
-            for key, value in part.extras.items():
-                if isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.dim() == 0):
-                    totals[key] = totals.get(key, 0.0) + float(value)
+            totals.add(part)
             # producer.sample numbers groups 0..n-1 in every call: shift them so that groups of
             # different rounds never share an id.
             part.group_ids = part.group_ids + n_drawn
@@ -200,7 +227,7 @@ class DynamicSampling(Sampler):
                         "training on the %d kept (if it recurs, raise max_rounds or the group size)", n_kept, target,
                         self.max_rounds, n_drawn, n_kept)
         rollout = Rollout.cat(kept, pad_id=producer.pad_id)
-        rollout.extras.update(totals)
+        rollout.extras.update(totals.values())
         rollout.extras.update({
             "sampling/groups_drawn": float(n_drawn),
             "sampling/groups_kept": float(quota),

@@ -17,7 +17,7 @@ from rllight.callbacks.base import in_rollout_order
 from rllight.distributed import Ranks
 from rllight.errors import RecipeError
 from rllight.strategies import DynamicSampling, SeqMeanTokenMean, TokenMean
-from rllight.types import Rollout
+from rllight.types import MEAN_EXTRAS, Rollout
 
 from conftest import RECIPES
 from helpers import build, tiny_overrides, unchanged_parameters
@@ -177,6 +177,49 @@ def test_dynamic_sampling_resamples_until_the_target_of_mixed_groups():
     assert e["sampling/generated_tokens"] == 18.0
     assert rollout.response_lengths.sum() == 1 + 2 + 2 + 2  # kept: p0 (1, 2), extra1 (2, 2)
     assert e["time/rollout"] == pytest.approx(1.0)  # 0.5 per round, summed
+
+
+def test_dynamic_sampling_weights_the_rounds_means_by_responses_and_adds_their_counts():
+    # Round 1: 2 prompts x 2 responses (4), round 2: 1 prompt x 2 (2). A component's mean reward and an agreement's
+    # mean (named in MEAN_EXTRAS) are the rounds' means weighted by responses: judge (0.9 * 4 + 0.3 * 2) / 6 = 0.7;
+    # the count of failures and the times add up; a maximum is the largest.
+    module = FakeSamplerModule(rewards=[[1, 0, 0, 0], [0, 1]])
+    scripted = iter([{"reward/judge": 0.9, "reward/agreement/judge_vs_exact/rank_corr": 0.5, "reward/failures": 1.0,
+                      "response/turns_max": 3.0},
+                     {"reward/judge": 0.3, "reward/agreement/judge_vs_exact/rank_corr": -0.1, "reward/failures": 2.0,
+                      "response/turns_max": 2.0}])
+    sample = module.sample
+
+    def with_metrics(rows, n):
+        rollout = sample(rows, n)
+        metrics = next(scripted)
+        rollout.extras.update(metrics)
+        rollout.extras[MEAN_EXTRAS] = ("reward/agreement/judge_vs_exact/rank_corr", "reward/judge")
+        return rollout
+
+    module.sample = with_metrics
+    rollout = DynamicSampling(group_size=2, max_rounds=5, prompts_per_round=1)(module, [{"answer": "a"},
+                                                                                        {"answer": "b"}])
+    e = rollout.extras
+    assert e["sampling/rounds"] == 2.0
+    assert e["reward/judge"] == pytest.approx(0.7)
+    assert e["reward/agreement/judge_vs_exact/rank_corr"] == pytest.approx((0.5 * 4 - 0.1 * 2) / 6)
+    assert e["reward/failures"] == 3.0 and e["response/turns_max"] == 3.0
+    assert e["time/rollout"] == pytest.approx(1.0)
+
+
+def test_the_producer_names_its_means_for_a_sampler_that_joins_rounds():
+    from rllight.rewards import Scores
+    from rllight.rollout.scoring import mean_metric_keys, reward_metrics
+    from rllight.rollout.source_metrics import source_metrics
+
+    scores = Scores([1.0, 0.0], metrics={"judge/mass_sum": 1.5, "agreement/judge_vs_exact/verifier_at_top": 1.0},
+                    components={"judge": [1.0, 0.0], "exact": [1.0, 1.0]})
+    metrics = {**reward_metrics(scores), **source_metrics(["gsm8k", "math"], [1.0, 0.0], [True, False])}
+    assert mean_metric_keys(metrics, scores) == (
+        "data/gsm8k/share", "data/math/share", "reward/agreement/judge_vs_exact/verifier_at_top",
+        "reward/exact", "reward/gsm8k/accuracy", "reward/gsm8k/mean", "reward/judge", "reward/math/accuracy",
+        "reward/math/mean")  # not reward/failures, nor reward/judge/mass_sum: counts
 
 
 def test_dynamic_sampling_keeps_exactly_the_target_and_stops_after_one_round():

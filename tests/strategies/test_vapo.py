@@ -4,6 +4,7 @@ rollout contexts, the critic-first update order and two-step runs of the VAPO re
 resume from a Lightning checkpoint."""
 
 import copy
+import logging
 import math
 import os
 from types import SimpleNamespace
@@ -197,7 +198,8 @@ class FakeCriticContext(RolloutContext):
         self.logged = []
         super().__init__(updater=SimpleNamespace(critic_update=self.critic_update),
                          scoring=SimpleNamespace(score=self.score),
-                         ranks=SimpleNamespace(any=lambda flag: flag, sum=lambda value: value), critic=object(),
+                         ranks=SimpleNamespace(any=lambda flag: flag, sum=lambda value: value, rank=0),
+                         critic=object(),
                          log=self.logged.append, gamma=gamma)
 
     def score(self, rollout, need_old, need_values=None, need_ref=None):
@@ -255,6 +257,20 @@ def test_value_pretraining_reads_an_estimators_declared_discount_or_none(tmp_pat
     context = FakeCriticContext(losses=[0.4], gamma=module.rollout_context().gamma)
     ValuePretraining().on_rollout(None, context, make_rollout([1.0], lengths=[3]))
     assert_close(context.updates[0]["rollout"].returns, torch.tensor([[1.0, 1.0, 1.0]]))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_value_pretraining_says_once_that_it_finished_and_when_its_explained_variance_is_undefined(rank, caplog):
+    # Every reward 1: the returns never vary, so no explained variance is defined; the line says so instead of
+    # "-inf", on the first process only (every process decides alike).
+    module = FakeCriticContext(losses=[0.4])
+    module.ranks.rank = rank
+    with caplog.at_level(logging.INFO, logger="rllight"):
+        ValuePretraining(max_steps=1).on_rollout(None, module, make_rollout([1.0, 1.0], lengths=[2, 3]))
+    lines = [r.getMessage() for r in caplog.records if "value pretraining finished" in r.getMessage()]
+    assert lines == ([] if rank else [
+        "value pretraining finished after 1 rollouts (max_steps); best held-out value loss 0.24500, explained "
+        "variance undefined (the returns never varied within a window); RL starts"])
 
 
 def _observe_all(cb, sequence):
