@@ -62,6 +62,12 @@ and extra draws (sampling rounds beyond each step's first, summed); the critic's
 ``train/value/calibration_corr``; VESPO's ``train/policy/vespo_ess`` (mean) and ``vespo_log_weight_absmax``
 (largest); the clip fractions ``train/policy/clipfrac_low`` / ``clipfrac_high`` (means).
 
+**Curves** (``--curve-every N``): the runs of ``--curve-methods`` (default grpo and sppo) are also evaluated every N
+rollouts on the same held-out problems; each keeps its ``curve``: RL steps, greedy accuracy and the response tokens
+generated until then (``curve``). The table gives, per method, the tokens generated until its greedy accuracy first
+reached GRPO's after training (the mean over GRPO's seeds), over the seeds that reached it, and how many did: SPPO's
+claim is that it reaches group sampling's accuracy at a lower cost. The resolution is N rollouts.
+
 Outputs in ``--out``: the runs, ``league.md`` (the page: tables, missing runs, the figure ``league.png`` of each
 method's gain with its standard error and seed range; matplotlib, else a line says why there is none) and
 ``league.json``. ``--record PATH`` (``rllight.app.records``, id ``league``) writes the record, one row per method
@@ -129,11 +135,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--precision", help="trainer.precision of every run (default: the quickstart's, auto resolved).")
     p.add_argument("--config", action="append", default=[],
                    help="Another overlay applied to every run after the league's (repeatable).")
+    p.add_argument("--curve-every", type=int, help="Also evaluate the runs of --curve-methods every N rollouts: "
+                                                   "the tokens each method generates to reach GRPO's accuracy.")
+    p.add_argument("--curve-methods", nargs="+", default=["grpo", "sppo"],
+                   help="The methods whose runs --curve-every evaluates (default: grpo sppo).")
     p.add_argument("--page-of", metavar="RECORD", help="Write the page of this record (--page) and run nothing.")
     p.add_argument("--page", help="Where the page goes (default: <out>/league.md); its figure beside it (.png).")
     add_record_options(p, id="league", section="Methods on the quickstart task")
     args = p.parse_args(argv)
-    for name in ("steps", "batch_size", "group_size", "max_new_tokens", "val_size", "jobs"):
+    for name in ("steps", "batch_size", "group_size", "max_new_tokens", "val_size", "jobs", "curve_every"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     check_record_options(p, args, argv, __file__)
@@ -182,13 +192,16 @@ def plan(args: argparse.Namespace) -> list[dict]:
             raise SystemExit(f"league: no recipe {recipe} for method {name!r}")
         methods[name] = (recipe, args.baseline_seeds if name in BASELINES else args.seeds)
     seeds = sorted({s for _, ss in methods.values() for s in ss})
-    return [{"method": m, "recipe": r, "seed": s, "dir": os.path.join(args.out, m, f"seed{s}")}
+    every = getattr(args, "curve_every", None)
+    return [{"method": m, "recipe": r, "seed": s, "dir": os.path.join(args.out, m, f"seed{s}"),
+             "curve_every": every if m in getattr(args, "curve_methods", ()) else None}
             for s in seeds for m, (r, ss) in methods.items() if s in ss]
 
 
 def settings(run: dict, spent: dict, configs: list[str]) -> dict:
     """What a run measures under: a complete run made under other settings is not this league's."""
-    return {"recipe": run["recipe"], "seed": run["seed"], **spent, "configs": configs}
+    return {"recipe": run["recipe"], "seed": run["seed"], **spent, "configs": configs,
+            **({"curve_every": run["curve_every"]} if run.get("curve_every") else {})}
 
 
 def overlay(run: dict, spent: dict, prompts: int | None = None, group: int | None = None, updates: int = 1) -> dict:
@@ -199,7 +212,8 @@ def overlay(run: dict, spent: dict, prompts: int | None = None, group: int | Non
         "evaluate_before_after": True,
         "trainer": {"max_steps": spent["rollouts"] * updates, "default_root_dir": run["dir"],
                     "enable_checkpointing": False, "check_val_every_n_epoch": None,
-                    "val_check_interval": 10**9,  # no mid-run validation: before and after only
+                    # no mid-run validation (before and after only) but for a method whose curve is measured
+                    "val_check_interval": run.get("curve_every") or 10**9,
                     "limit_val_batches": None, "precision": spent["precision"]},
         "model": {"rollout": {"init_args": {"max_new_tokens": spent["max_new_tokens"],
                                             "temperature": spent["temperature"]}},
@@ -258,7 +272,8 @@ def run_one(run: dict, spent: dict, configs: list[str]) -> dict:
     logs = sorted(glob.glob(os.path.join(folder, "lightning_logs", "version_*")),
                   key=lambda p: int(p.rsplit("_", 1)[-1]))
     if result["returncode"] == 0 and logs and os.path.isfile(os.path.join(logs[-1], "eval_summary.json")):
-        result.update(measured(logs[-1], spent, prompts, group), log_dir=os.path.relpath(logs[-1], folder),
+        result.update(measured(logs[-1], spent, prompts, group, bool(run.get("curve_every"))),
+                      log_dir=os.path.relpath(logs[-1], folder),
                       complete=True)
     return finish(folder, result)
 
@@ -269,9 +284,10 @@ def finish(folder: str, result: dict) -> dict:
     return result
 
 
-def measured(log_dir: str, spent: dict, prompts: int, group: int) -> dict:
+def measured(log_dir: str, spent: dict, prompts: int, group: int, with_curve: bool = False) -> dict:
     """What a finished run measured: each metric before and after, overall and per problem, the RL steps and
-    optimizer updates (of the evaluation after training), what it generated and its mechanism's signals."""
+    optimizer updates (of the evaluation after training), what it generated, its mechanism's signals and, with
+    ``with_curve``, its ``curve``."""
     steps = evaluations(log_dir)
     (before, before_pp), (after, after_pp) = read_step(log_dir, steps[0]), read_step(log_dir, steps[-1])
     saved, _ = load_evaluation(os.path.join(log_dir, "evaluation"), f"val_step{steps[-1]}")
@@ -283,7 +299,24 @@ def measured(log_dir: str, spent: dict, prompts: int, group: int) -> dict:
     responses, tokens = generated(scalars, prompts, group)
     return {"metrics": metrics, "per_problem": per_problem, "rl_steps": saved.get("rl_step"),
             "updates": saved.get("global_step"), "responses": responses, "tokens": tokens,
-            "train_s": sum(scalars.get("train/time/step", [])), "signals": signals(scalars)}
+            "train_s": sum(scalars.get("train/time/step", [])), "signals": signals(scalars),
+            "curve": curve(log_dir) if with_curve else None}
+
+
+def curve(log_dir: str) -> list[list[float]]:
+    """``[RL steps, greedy accuracy, response tokens generated up to then]`` at each evaluation a run saved (before
+    training, every ``--curve-every`` rollouts, after): the tokens are those of its training steps up to that RL step
+    (``train/sampling/generated_tokens`` where dynamic sampling logs what it discarded too, else
+    ``train/response/tokens``), as the TensorBoard log holds them by RL step."""
+    from plot import read_scalars as scalars_by_step
+
+    series = scalars_by_step(log_dir)
+    per_step = series.get("train/sampling/generated_tokens") or series.get("train/response/tokens") or []
+    points = []
+    for step in evaluations(log_dir):
+        greedy, _ = read_step(log_dir, step)
+        points.append([step, greedy.get("val/greedy/avg@1"), sum(v for s, v in per_step if s <= step)])
+    return points
 
 
 def _last_half(values: list[float] | None) -> float | None:

@@ -36,6 +36,11 @@ RUN_COLUMNS = [["method", "method"], ["recipe", "recipe"], ["sampling", "prompts
                ["updates", "optimizer updates", ".1f"], ["responses", "responses", ".0f"],
                ["tokens", "tokens", ".0f"], ["wall_s", "wall time (s)", ".0f"]]
 """The budget each method actually spent and its own settings, means over its seeds."""
+CURVE_COLUMNS = [["tokens_to_grpo", f"tokens to {REFERENCE}'s greedy accuracy", ".0f"],
+                 ["reached_grpo", "seeds that reached it"]]
+"""With ``--curve-every``: the response tokens a method generated until its greedy accuracy first reached the
+reference's (the mean over the reference's seeds of its accuracy after training), the mean over the seeds that reached
+it, and how many did."""
 
 
 def finite_mean(values: list[float]) -> float | None:
@@ -100,7 +105,7 @@ def columns(metrics: dict[str, tuple[str, str]]) -> list:
                      [f"{key}_seed_min", "seed min", "+.3f"], [f"{key}_seed_max", "seed max", "+.3f"]]
     accuracy += [["vs_grpo", f"gain − {REFERENCE}'s", "+.3f"], ["vs_grpo_se", "± se", ".3f"],
                  ["below_grpo", f"> {FLAG_SE:g} se below {REFERENCE}"]]
-    return accuracy + RUN_COLUMNS[1:] + SIGNALS
+    return accuracy + RUN_COLUMNS[1:] + CURVE_COLUMNS + SIGNALS
 
 
 def method_row(method: str, recipe: str, planned: list[int], runs: list[dict], reference: list[dict],
@@ -127,7 +132,20 @@ def method_row(method: str, recipe: str, planned: list[int], runs: list[dict], r
         row[key] = printed(_mean([r.get(key) for r in runs]), spec)
     for key, _, spec in SIGNALS:
         row[key] = printed(_mean([r["signals"].get(key) for r in runs]), spec)
+    row.update(tokens_to_reference(runs, reference))
     return row
+
+
+def tokens_to_reference(runs: list[dict], reference: list[dict]) -> dict:
+    """``tokens_to_grpo`` and ``reached_grpo`` of one method's ``runs`` (``CURVE_COLUMNS``); nothing where no run has
+    a curve or the reference has no accuracy after training."""
+    curves = [r["curve"] for r in runs if r.get("curve")]
+    level = _mean([((r.get("metrics") or {}).get("greedy") or {}).get("after") for r in reference])
+    if level is None or not curves:
+        return {}
+    tokens = [next((t for _, greedy, t in c if greedy is not None and greedy >= level - 1e-12), None) for c in curves]
+    reached = [t for t in tokens if t is not None]
+    return {"tokens_to_grpo": printed(_mean(reached), ".0f"), "reached_grpo": f"{len(reached)}/{len(curves)}"}
 
 
 def missing_runs(runs: list[dict], done: dict, failed: dict) -> list[str]:

@@ -360,6 +360,11 @@ class RolloutProducer:
             self._heard(rows, [t.correct for t in trajs], n)
         device = next(self.policy.parameters()).device if self.policy is not None else "cpu"
         turns = torch.tensor([len(t.all_turns) for t in trajs], dtype=torch.float32)
+        sources = [r.get("data_source") for r in rows for _ in range(n)]  # per episode, its row's
+        means = {"episode/turns_mean": turns.mean().item(), **self.engine.last_metrics,
+                 "episode/restarted_ratio": sum(bool(t.earlier) for t in trajs) / len(trajs),
+                 "episode/truncated_ratio": sum(t.truncated for t in trajs) / len(trajs),
+                 **source_metrics(sources, rewards, [t.correct for t in trajs])}  # each source's share and means
         return episodes_to_rollout(
             trajs,
             rewards=rewards,
@@ -369,21 +374,14 @@ class RolloutProducer:
             device=device,
             extras={
                 "time/rollout": t1 - t0,
-                "reward/failures": float(failures),
-                "episode/failures": float(failures),
+                "reward/failures": float(failures), "episode/failures": float(failures),
                 "episode/timeouts": float(guard.timeouts),
                 "data/dropped_long_prompts": float(dropped),
                 "kept_rows": tuple(keep),
-                DATA_SOURCE: [r.get("data_source") for r in rows for _ in range(n)],  # per episode, its row's
-                **(per_source := source_metrics([r.get("data_source") for r in rows for _ in range(n)], rewards,
-                                                [t.correct for t in trajs])),
-                "episode/turns_mean": turns.mean().item(),
-                "episode/restarted_ratio": sum(bool(t.earlier) for t in trajs) / len(trajs),
+                DATA_SOURCE: sources,
+                **means,
                 "episode/turns_max": turns.max().item(),
-                "episode/truncated_ratio": sum(t.truncated for t in trajs) / len(trajs),
-                **self.engine.last_metrics,
-                MEAN_EXTRAS: ("episode/turns_mean", "episode/restarted_ratio", "episode/truncated_ratio",
-                              *self.engine.last_metrics, *per_source),  # each source's share and means
+                MEAN_EXTRAS: tuple(means),
             },
         )
 
