@@ -69,7 +69,7 @@ QUESTIONS = {
     "vapo-critic": "Which of VAPO's critic options predicts the return best?",
     "critic-fit": "Which of VAPO's critic options predicts the return best?",
     "distill": "Does on-policy distillation beat GRPO on the quickstart task?",
-    "reward-model": _MODEL_REWARD, "judge": _MODEL_REWARD,
+    "reward-model": _MODEL_REWARD, "judge": _MODEL_REWARD, "model-reward": _MODEL_REWARD,
     "reasoning-gym": _RG, "curriculum": "Does a difficulty curriculum beat uniform sampling on reasoning-gym?",
     "env-feedback": _TURNS, "env-reasoning-gym-feedback": _TURNS,
     "env-textarena": "Can GRPO teach the model a text game?",
