@@ -85,7 +85,7 @@ def test_async_staleness_runs_a_masked_loss_one_step_stale_and_reports_it(tmp_pa
         assert config["model"]["batching"]["minibatch_size"] == 8  # one update per step
         assert config["trainer"]["precision"] == "32-true"
     table = (out / "async_staleness.md").read_text()
-    assert "| grpo-seq-mask | 1 |" in table and "| 0.50 / 1 |" in table
+    assert "| grpo-seq-mask | 1 | 0 |" in table and "| 0.50 / 1 |" in table
     assert table.strip() in run.stdout  # the report is printed too
     machine, last = run.stdout.strip().splitlines()[-2:]
     assert machine.startswith("machine: ") and last == "runs_finished=1/1"
@@ -99,16 +99,36 @@ def test_async_staleness_runs_a_masked_loss_one_step_stale_and_reports_it(tmp_pa
     assert written["summary"]["before"] == pytest.approx(row["accuracy_before"], abs=5e-4)
     assert written["summary"]["grpo_seq_mask_k1"] == pytest.approx(row["difference"], abs=5e-4)
     assert (row["algo"], row["staleness"], row["staleness_mean"], row["staleness_max"]) == ("grpo-seq-mask", 1, 0.5, 1)
-    (line,) = [line for line in table.splitlines() if line.startswith("| grpo-seq-mask | 1 |")]
+    assert row["seeds"] == "0" and row["difference_min"] == row["difference_max"] == row["difference"]  # one seed
+    (line,) = [line for line in table.splitlines() if line.startswith("| grpo-seq-mask | 1 | 0 |")]
     assert (f"| {row['accuracy_before']:.3f} → {row['accuracy_after']:.3f} ({row['difference']:+.3f} ± "
             f"{row['difference_se']:.3f}) |") in line
     cells = [cell.strip() for cell in line.strip("|").split("|")]
-    assert [parse_value(c) for c in cells[5:]] == [row["lag_max"], row["grad_norm_max"], "yes"]
+    assert [parse_value(c) for c in cells[6:]] == [row["lag_max"], row["grad_norm_max"], "yes"]
     # --skip-done resumes an interrupted table: runs that finished with the same settings are not run again
     # (in this process: nothing is started, only the finished runs' logs are read).
     assert _tool().main([*argv, "--skip-done"]) == 0
     assert capsys.readouterr().out.count("finished before with the same settings, reused") == 1
     assert (out / "async_staleness.md").read_text() == table
+
+
+def test_the_record_gives_each_loss_and_staleness_over_its_seeds():
+    tool = _tool()
+    runs = [{"algo": "grpo", "staleness": 1, "seed": s, "accuracy_before": 0.34, "accuracy_after": 0.34 + d,
+             "difference": d, "stderr_of_difference": se, "reward_first": 0.2, "reward_last": last,
+             "staleness_mean": 0.9, "staleness_max": 1, "lag_max": lag, "grad_norm_max": 1.0, "finite": finite}
+            for s, d, se, last, lag, finite in [(0, 0.1, 0.03, 0.5, 0.2, True), (1, -0.05, 0.05, 0.3, 0.4, True),
+                                                 (2, 0.04, 0.04, 0.4, 0.1, False)]]
+    runs.append({"algo": "grpo", "staleness": 1, "seed": 3, "accuracy_after": None, "returncode": 1})  # failed
+    (arm,) = tool.by_arm(runs)
+    row = tool.record_row(arm)
+    # Means over the three finished seeds: difference (0.1 - 0.05 + 0.04) / 3 = 0.03, se 0.04, last third 0.4;
+    # the seed min and max of the difference; the largest gap; finite only if every seed was.
+    assert row == {"algo": "grpo", "staleness": 1, "seeds": "0, 1, 2", "accuracy_before": 0.34,
+                   "accuracy_after": 0.37, "difference": 0.03, "difference_min": -0.05, "difference_max": 0.1,
+                   "difference_se": 0.04, "reward_first": 0.2, "reward_last": 0.4, "staleness_mean": 0.9,
+                   "staleness_max": 1, "lag_max": 0.4, "grad_norm_max": 1.0, "finite": "NO"}
+    assert tool.summary_of(runs) == pytest.approx({"before": 0.34, "grpo_k1": 0.03})
 
 
 def test_the_readme_row_names_each_loss_gain_at_the_smallest_staleness_above_zero():
