@@ -1,10 +1,11 @@
 """Measure a recipe whose reward a model serves (an LLM judge, a reward model) beside a verifier, over seeds: the
-held-out accuracy before and after each run, and how each run ended: it finished, or ``RewardHackingGuard`` stopped
-it, at which RL step and with which line.
+held-out accuracy before and after each run, and how each run ended: it finished, or a guard stopped it
+(``RewardHackingGuard``, or one of ``model.guards``: a reward that fails whole batches), at which RL step and with
+which line.
 
 Each seed is one ``rllight fit`` subprocess from the repository root with the recipe as written and only these
 changed: ``seed_everything``, ``trainer.default_root_dir`` and ``model.export_dir`` (under ``--out``), and the
-overlays given with ``--config``. A run the guard stops ends with exit code 2, saved as ``stopped-step=N.ckpt``, its
+overlays given with ``--config``. A run a guard stops ends with exit code 2, saved as ``stopped-step=N.ckpt``, its
 one line naming why; the tool then evaluates that checkpoint by training it further to the updates it already made
 (``--ckpt_path <it> --trainer.max_steps <its updates>``: no update is made, and the evaluation after training runs
 as after a finished fit, against the evaluation before training that the checkpoint keeps). So "after" is the
@@ -143,7 +144,7 @@ COLUMNS = [["seed", "seed"], ["ended", "ended"], ["greedy_before", "greedy accur
            ["avg4_after", "avg@4 after", ".3f"], ["pass4_before", "pass@4 before", ".3f"],
            ["pass4_after", "pass@4 after", ".3f"], ["truncated_before", "truncated before", ".3f"],
            ["truncated_after", "truncated after", ".3f"], ["wall_s", "wall time (s)", ".0f"],
-           ["guard_line", "the guard's line"]]
+           ["guard_line", "why it stopped"]]
 
 
 def done(args: argparse.Namespace, seed: int) -> dict | None:
