@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                  "is the held-out accuracy where the run ended; the guard's line is the run's last. Greedy accuracy "
                  "on the same held-out problems before and after, ± the paired standard error of the difference; "
                  "avg@4 and pass@4 from 4 samples at the recipe's temperature. Wall time is the fit's, with loading "
-                 "and both evaluations.",
+                 "and its evaluations; a stopped run's evaluation where it stopped is a second process, not counted.",
             columns=COLUMNS, rows=rows, summary=summary,
             headline="greedy accuracy {before:.3f} → {after:.3f} ({gain_mean:+.3f}, mean of {runs} runs, "
                      "{stopped} stopped by the guard)")
