@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
 import re
 import statistics
@@ -55,6 +56,17 @@ def read_step(folder: str, step: int) -> tuple[dict, dict]:
         greedy, greedy_per_prompt = read_evaluation(directory, f"val_step{step}_greedy")
         metrics, per_prompt = {**metrics, **greedy}, {**per_prompt, **greedy_per_prompt}
     return metrics, per_prompt
+
+
+def greedy_curve(folder: str) -> list[list[float]]:
+    """``[RL steps, greedy accuracy]`` of each evaluation a run saved (``evaluation/val_step<N>_greedy.json``, its
+    ``val/greedy/avg@1`` as logged), in order of RL steps: before training at 0, any during it, the one after."""
+    points = []
+    for path in glob.glob(os.path.join(folder, "evaluation", "val_step*_greedy.json")):
+        with open(path) as f:
+            saved = json.load(f)
+        points.append([int(saved["rl_step"]), float(saved["metrics"]["val/greedy/avg@1"])])
+    return sorted({p[0]: p for p in points}.values())
 
 
 def headline_of(summary: dict) -> str | None:

@@ -52,6 +52,8 @@ import yaml
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rllight.machine import machine_line  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools beside it
+from before_after import greedy_curve  # noqa: E402
 from rllight.app.records import add_record_options, check_record_options, printed, tool_record  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -131,21 +133,10 @@ def run(name: str, recipe: str, seed: int, args: argparse.Namespace) -> dict:
         return result
     with open(os.path.join(new[-1], "eval_summary.json")) as f:
         result.update(json.load(f))
-    result["curve"] = curve(new[-1])
+    result["curve"] = greedy_curve(new[-1])
     with open(kept, "w") as f:
         json.dump(result, f, indent=1)
     return result
-
-
-def curve(log_dir: str) -> list[list[float]]:
-    """``[rollouts, greedy accuracy]`` of each evaluation a run saved (``evaluation/val_step<N>_greedy.json``), in
-    order of rollouts: before training at 0, the evaluations during it, and the one after."""
-    points = []
-    for path in glob.glob(os.path.join(log_dir, "evaluation", "val_step*_greedy.json")):
-        with open(path) as f:
-            saved = json.load(f)
-        points.append([int(saved["rl_step"]), float(saved["metrics"]["val/greedy/avg@1"])])
-    return sorted({p[0]: p for p in points}.values())
 
 
 def rollouts_to(points: list[list[float]], target: float | None) -> int | None:

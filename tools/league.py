@@ -100,7 +100,7 @@ import yaml
 
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # the tools beside it
 
-from before_after import evaluations, read_step  # noqa: E402
+from before_after import evaluations, greedy_curve, read_step  # noqa: E402
 from compare import critic_summary, generated, read_scalars, resolved_config, updates_per_rollout  # noqa: E402
 from league_report import finite_mean, write_league, write_page  # noqa: E402
 
@@ -312,11 +312,7 @@ def curve(log_dir: str) -> list[list[float]]:
 
     series = scalars_by_step(log_dir)
     per_step = series.get("train/sampling/generated_tokens") or series.get("train/response/tokens") or []
-    points = []
-    for step in evaluations(log_dir):
-        greedy, _ = read_step(log_dir, step)
-        points.append([step, greedy.get("val/greedy/avg@1"), sum(v for s, v in per_step if s <= step)])
-    return points
+    return [[step, greedy, sum(v for s, v in per_step if s <= step)] for step, greedy in greedy_curve(log_dir)]
 
 
 def _last_half(values: list[float] | None) -> float | None:
