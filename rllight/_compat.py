@@ -214,6 +214,16 @@ def step_metrics(trainer: L.Trainer) -> dict[str, float]:
     return {k: float(v) for k, v in results.metrics(on_step=True)["callback"].items() if v.numel() == 1}
 
 
+def log_step_now(trainer: L.Trainer) -> None:
+    """Send the current training step's metrics to the loggers now, from ``on_train_batch_end``: Lightning's loop
+    sends them after that hook (``_logger_connector.on_batch_end`` and ``update_train_step_metrics``, Lightning 2.5
+    and 2.6), so a run that ends by raising there would lose the very step that ended it (a guard's own metrics)."""
+    connector = getattr(trainer, "_logger_connector", None)
+    if connector is not None:
+        connector.on_batch_end()
+        connector.update_train_step_metrics()
+
+
 _LIBC = None
 
 

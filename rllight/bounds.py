@@ -62,6 +62,7 @@ AboveOne = _declare("AboveOne", float, "a number > 1", lambda v: v > 1)
 ClosedUnitInterval = _declare("ClosedUnitInterval", float, "a number in [0, 1]", lambda v: 0 <= v <= 1)
 OpenUnitInterval = _declare("OpenUnitInterval", float, "a number in (0, 1)", lambda v: 0 < v < 1)
 UpToOne = _declare("UpToOne", float, "a number in (0, 1]", lambda v: 0 < v <= 1)
+Correlation = _declare("Correlation", float, "a number in [-1, 1)", lambda v: -1 <= v < 1)
 
 _BY_NAME = {kind.__name__: kind for kind in BOUNDS}
 
@@ -146,7 +147,6 @@ def bounded(init):
     return checked_init
 
 
-__all__ = ["BOUNDS", "AboveOne", "AtLeastTwo", "ClosedUnitInterval", "NonNegativeFiniteFloat", "NonNegativeFloat",
-           "NonNegativeInt",
-           "OpenUnitInterval", "PositiveFiniteFloat", "PositiveFloat", "PositiveInt", "UpToOne", "bound_of", "bounded",
+__all__ = ["BOUNDS", "AboveOne", "AtLeastTwo", "ClosedUnitInterval", "Correlation", "NonNegativeFiniteFloat",
+           "NonNegativeFloat", "NonNegativeInt", "OpenUnitInterval", "PositiveFiniteFloat", "PositiveFloat", "PositiveInt", "UpToOne", "bound_of", "bounded",
            "check_declared", "checked", "plain"]

@@ -18,7 +18,7 @@ import threading
 import lightning as L
 import torch
 
-from rllight._compat import rl_steps_done
+from rllight._compat import log_step_now, rl_steps_done
 from rllight.errors import RecipeError, RunStopped
 from rllight.paths import existing_ancestor
 from rllight.stopping import (Interrupted, clear_stop, ending, exit_code, request_stop, say, say_in_handler,
@@ -319,6 +319,8 @@ class Interrupts(L.Callback):
             self._sigint or trainer.received_sigterm or reason is not None, all=False)
         if not stop:
             return
+        if not trainer.received_sigterm:  # this hook raises, before the loop would log the step
+            log_step_now(trainer)
         what = "SIGTERM" if trainer.received_sigterm else "Ctrl-C"
         done = f"RL step {rl_steps_done(trainer)} ({trainer.global_step} optimizer updates)"
         path = None

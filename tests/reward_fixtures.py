@@ -4,6 +4,7 @@ trainer's sys.path, where pytest puts this folder)."""
 import os
 import signal
 import time
+import zlib
 
 from rllight.rewards import IntegerMatch, Reward, Sample, Verifier
 
@@ -106,6 +107,14 @@ class Drifting(Reward):
     @property
     def answers_decide(self) -> bool:
         return self.decides
+
+
+class Unrelated(Reward):
+    """A model reward that knows nothing of the task: a stable hash of the response (CRC-32) scaled to [0, 1), as
+    likely high for a right answer as for a wrong one."""
+
+    def score(self, samples):
+        return [zlib.crc32(s.response.encode()) / 2**32 for s in samples]
 
 
 def samples_of(responses, answers, sources=None):

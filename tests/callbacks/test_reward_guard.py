@@ -27,13 +27,15 @@ def no_stop_left():
     clear_stop()
 
 
-def _steps(guard, model, verifier):
-    """Feed ``guard`` one RL step per pair of means (as ``Weighted`` leaves them in ``rollout.extras``); each step's
-    rollout extras."""
+def _steps(guard, model, verifier, corrs=None):
+    """Feed ``guard`` one RL step per pair of means and rank correlation (None: the step has none), as ``Weighted``
+    leaves them in ``rollout.extras``; each step's rollout extras."""
     out = []
-    for m, v in zip(model, verifier):
-        rollout = guard.on_rollout(None, None, Rollout.empty({"reward/judge": m, "reward/exact": v}))
-        out.append(rollout.extras)
+    for m, v, c in zip(model, verifier, corrs or [None] * len(model)):
+        extras = {"reward/judge": m, "reward/exact": v}
+        if c is not None:
+            extras["reward/agreement/judge_vs_exact/rank_corr"] = c
+        out.append(guard.on_rollout(None, None, Rollout.empty(extras)).extras)
     return out
 
 
@@ -49,9 +51,10 @@ def test_a_rising_model_reward_and_a_falling_verifier_warn_once_a_window(caplog)
     # The window starts afresh after the warning: steps 4 and 5 are two steps of a new window, not a second warning.
     assert warned == ["reward hacking: over RL steps 1-3 the model reward 'judge' rose by 0.3 while the verifier "
                       "'exact' fell by 0.2 (least-squares fits of train/reward/judge and train/reward/exact): the "
-                      "policy is learning what 'judge' likes, not the task; see train/reward/agreement/judge_vs_exact; "
-                      "training goes on (trainer.callbacks: RewardHackingGuard's window, min_change and action set "
-                      "when this fires; action: stop ends the run)"]
+                      "policy is learning what 'judge' likes, not the task; see "
+                      "train/reward/agreement/judge_vs_exact/rank_corr; training goes on (trainer.callbacks: "
+                      "RewardHackingGuard's window, min_change, min_agreement and action set when this fires; action: "
+                      "stop ends the run)"]
     assert ending() is None
 
 
@@ -76,19 +79,56 @@ def test_stop_ends_the_run_after_the_step_naming_the_verifiers_best_step():
     assert ending() == ("reward hacking: over RL steps 2-4 the model reward 'judge' rose by 0.4 while the verifier "
                         "'exact' fell by 0.25 (least-squares fits of train/reward/judge and train/reward/exact): the "
                         "policy is learning what 'judge' likes, not the task; see "
-                        "train/reward/agreement/judge_vs_exact; 'exact' was highest at RL step 2 (0.35), which no "
-                        "checkpoint keeps (a ModelCheckpoint monitoring train/reward/exact, mode max, would) "
-                        "(trainer.callbacks: RewardHackingGuard's window, min_change and action set when this fires)")
+                        "train/reward/agreement/judge_vs_exact/rank_corr; 'exact' was highest at RL step 2 (0.35), "
+                        "which no checkpoint keeps (a ModelCheckpoint monitoring train/reward/exact, mode max, would) "
+                        "(trainer.callbacks: RewardHackingGuard's window, min_change, min_agreement and action set when "
+                        "this fires)")
 
 
 def test_a_step_without_the_rewards_is_not_counted_and_state_resumes():
     guard = RewardHackingGuard("judge", "exact", window=3)
-    _steps(guard, [0.5, 0.6], [0.3, 0.2])
+    _steps(guard, [0.5, 0.6], [0.3, 0.2], [0.1, None])
     guard.on_rollout(None, None, Rollout.empty({"data/dropped_long_prompts": 2.0}))  # nothing scored
     assert [m for _, m, _ in guard.recent] == [0.5, 0.6]
+    assert guard.agreements == [(1, 0.1)]  # step 2's rewards were constant: no correlation
     again = RewardHackingGuard("judge", "exact", window=3)
     again.load_state_dict(guard.state_dict())
-    assert (again.recent, again.best, again.steps) == (guard.recent, guard.best, guard.steps)
+    assert (again.recent, again.best, again.steps, again.agreements) == (guard.recent, guard.best, guard.steps,
+                                                                         guard.agreements)
+
+
+def test_a_model_reward_that_does_not_rank_as_the_verifier_does_stops_the_run():
+    """Correlations 0.2, -0.1, 0.05 (mean 0.05, standard deviation 0.15, standard error 0.0866: 0.05 - 0.173 <= 0) fire the agreement test
+    at step 3, though the means neither rose nor fell."""
+    guard = RewardHackingGuard("judge", "exact", window=3, action="stop")
+    extras = _steps(guard, [0.5] * 3, [0.3] * 3, [0.2, -0.1, 0.05])
+    assert extras[2]["guard/reward_hacking/agreement_lower"] == pytest.approx(0.05 - 2 * 0.15 / 3 ** 0.5)
+    assert ending() == ("reward hacking: over RL steps 1-3 the model reward 'judge' did not rank responses as the "
+                        "verifier 'exact' does (rank correlation 0.05 ± 0.087 a step, not clearly above min_agreement "
+                        "0; train/reward/agreement/judge_vs_exact/rank_corr): it is no proxy for the task, and "
+                        "training on it teaches what it likes; 'exact' was highest at RL step 1 (0.3), which no "
+                        "checkpoint keeps (a ModelCheckpoint monitoring train/reward/exact, mode max, would) "
+                        "(trainer.callbacks: RewardHackingGuard's window, min_change, min_agreement and action set when "
+                        "this fires)")
+
+
+@pytest.mark.parametrize("corrs,min_agreement", [
+    ([0.3, 0.35, 0.25], 0.0),  # mean 0.3, standard error 0.029: clearly above 0
+    ([0.05, -0.3, 0.0], None),  # no relation, but the test is off
+    ([0.9, 0.95, 0.85], 0.8),  # above a stricter bar: 0.9 - 0.058 > 0.8
+])
+def test_a_model_reward_that_ranks_as_the_verifier_does_passes_the_agreement_test(corrs, min_agreement):
+    guard = RewardHackingGuard("judge", "exact", window=3, min_agreement=min_agreement, action="stop")
+    _steps(guard, [0.5] * 3, [0.3] * 3, corrs)
+    assert ending() is None
+
+
+def test_the_agreement_test_fires_at_a_stricter_bar_and_counts_only_steps_with_a_correlation():
+    guard = RewardHackingGuard("judge", "exact", window=3, min_agreement=0.8, action="stop")
+    _steps(guard, [0.5] * 4, [0.3] * 4, [0.9, None, 0.6, 0.85])  # steps 1, 3, 4: mean 0.783
+    assert ending().startswith("reward hacking: over RL steps 1-4 the model reward 'judge' did not rank responses "
+                               "as the verifier 'exact' does (rank correlation 0.783 ± 0.093 a step, not clearly "
+                               "above min_agreement 0.8;")
 
 
 def test_settings_out_of_range_are_one_line():
@@ -96,6 +136,8 @@ def test_settings_out_of_range_are_one_line():
         RewardHackingGuard(window=1)
     with pytest.raises(RecipeError, match="RewardHackingGuard.min_change must be a finite number > 0, got 0"):
         RewardHackingGuard(min_change=0)
+    with pytest.raises(RecipeError, match=r"min_agreement must be a number in \[-1, 1\) or null, got 1.0"):
+        RewardHackingGuard(min_agreement=1.0)
     with pytest.raises(RecipeError, match="action is 'halt'; give warn or stop"):
         RewardHackingGuard(action="halt")
 
@@ -118,14 +160,16 @@ def test_the_watched_rewards_are_found_in_the_weighted_reward():
 
 
 # ------------------------------------------------------------------------------------------ runs of the tiny model
-def _run(tmp_path, tiny_model_dir, judge_per_step: float, *args: str, **guard):
+def _run(tmp_path, tiny_model_dir, judge_per_step: float, *args: str, judge: dict | None = None,
+         exact_per_step: float = -1.0, **guard):
     """grpo.yaml on the tiny model with a ``Weighted`` reward of a model reward ``judge`` (weight 1) whose mean moves by
-    ``judge_per_step`` a step and a verifier ``exact`` (weight 0) whose mean falls by 1 a step
-    (``reward_fixtures.Drifting``), the guard in trainer.callbacks; the CLI, its logger capturing."""
+    ``judge_per_step`` a step (or the reward ``judge`` gives) and a verifier ``exact`` (weight 0) whose mean moves by
+    ``exact_per_step`` (``reward_fixtures.Drifting``), the guard in trainer.callbacks; the CLI, its logger capturing."""
+    judge = judge or {"class_path": "reward_fixtures.Drifting", "init_args": {"per_step": judge_per_step}}
     reward = {"class_path": "rllight.rewards.Weighted", "init_args": {
-        "rewards": {"judge": {"class_path": "reward_fixtures.Drifting", "init_args": {"per_step": judge_per_step}},
+        "rewards": {"judge": judge,
                     "exact": {"class_path": "reward_fixtures.Drifting",
-                              "init_args": {"per_step": -1.0, "decides": True}}},
+                              "init_args": {"per_step": exact_per_step, "decides": True}}},
         "weights": {"judge": 1.0, "exact": 0.0}, "correct_from": "exact"}}
     callbacks = os.path.join(tmp_path, "callbacks.yaml")
     with open(callbacks, "w") as f:
@@ -166,6 +210,22 @@ def test_an_honest_reward_that_is_the_verifier_stays_silent(tmp_path, tiny_model
     assert all(c.get("train/reward/agreement/judge_vs_exact/rank_corr", 1.0) == pytest.approx(1.0) for c in steps)
     last = steps[-1]
     assert last["train/guard/reward_hacking/model_change"] == last["train/guard/reward_hacking/verifier_change"]
+
+
+def test_a_judge_unrelated_to_the_verifier_stops_the_run_on_agreement(tmp_path, tiny_model_dir):
+    """A judge whose score is a hash of the response (``reward_fixtures.Unrelated``) beside a verifier that neither
+    rises nor falls by itself: the agreement test stops the run once it holds 3 correlations, and the step that
+    stopped it is logged with the others (its metrics are sent before the stop is raised)."""
+    cli = _run(tmp_path, tiny_model_dir, 0.0, "--trainer.max_steps", "12", "--trainer.enable_checkpointing", "true",
+               judge={"class_path": "reward_fixtures.Unrelated"}, exact_per_step=0.0, action="stop")
+    with pytest.raises(RunStopped, match=r"^reward hacking: over RL steps \d+-(\d+) the model reward 'judge' did not "
+                                         r"rank responses as the verifier 'exact' does \(rank correlation -?[\d.]+ ± "
+                                         r"[\d.]+ a step, not clearly above min_agreement 0;.* RL step \1 .*is saved"):
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    steps = [c for c in cli.trainer.loggers[0].calls if "train/reward/judge" in c]
+    corrs = [c["train/reward/agreement/judge_vs_exact/rank_corr"] for c in steps
+             if "train/reward/agreement/judge_vs_exact/rank_corr" in c]
+    assert len(corrs) == 3 and steps[-1]["train/guard/reward_hacking/agreement_lower"] <= 0
 
 
 def test_stop_ends_the_run_saved_with_one_line(tmp_path, tiny_model_dir):
