@@ -78,6 +78,9 @@ Full league (SmolLM2-135M-Instruct, arithmetic, CPU; 24 runs; hours):
 
     .venv/bin/python tools/league.py --record docs/results/league.json
 
+A league stopped partway (Ctrl-C: the runs under way are lost, those finished are kept) gets its partial record
+with the same command and ``--no-run``, which starts nothing.
+
 Smoke run (seconds a run; proves the pipeline, not the methods):
 
     .venv/bin/python tools/league.py --methods grpo rloo --seeds 0 1 --baseline-seeds 0 --steps 1 --batch-size 1 \\
@@ -139,6 +142,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                    "the tokens each method generates to reach GRPO's accuracy.")
     p.add_argument("--curve-methods", nargs="+", default=["grpo", "sppo"],
                    help="The methods whose runs --curve-every evaluates (default: grpo sppo).")
+    p.add_argument("--no-run", action="store_true",
+                   help="Start no run: write the table, the page and the record (--record) of the runs finished so "
+                        "far, naming the rest missing. The record's command is the league's, without this flag.")
     p.add_argument("--page-of", metavar="RECORD", help="Write the page of this record (--page) and run nothing.")
     p.add_argument("--page", help="Where the page goes (default: <out>/league.md); its figure beside it (.png).")
     add_record_options(p, id="league", section="Methods on the quickstart task")
@@ -146,7 +152,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("steps", "batch_size", "group_size", "max_new_tokens", "val_size", "jobs", "curve_every"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
-    check_record_options(p, args, argv, __file__)
+    given = sys.argv[1:] if argv is None else argv
+    check_record_options(p, args, [a for a in given if a != "--no-run"], __file__)
     return args
 
 
@@ -385,8 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     if other:
         raise SystemExit(f"league: finished runs made with other settings: {', '.join(other)}; name another --out")
     failed: dict[tuple[str, int], dict] = {}
-    todo = [r for r in runs if (r["method"], r["seed"]) not in done]
-    print(f"league: {len(runs)} runs, {len(runs) - len(todo)} finished already, {len(todo)} to run", flush=True)
+    todo = [] if args.no_run else [r for r in runs if (r["method"], r["seed"]) not in done]
+    print(f"league: {len(runs)} runs, {len(done)} finished already, {len(todo)} to run", flush=True)
     metrics = metric_keys(spent["k"])
     write_league(args, spent, metrics, runs, done, failed)
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:

@@ -95,6 +95,14 @@ def test_a_smoke_league_records_every_run_and_a_rerun_launches_only_what_did_not
     page = (out / "league.md").read_text()
     assert "Missing: rloo seed 1: failed (exit 1)." in page and "| rloo | 0 | 1 |" in page
     assert json.loads((out / "league.json").read_text())["missing"] == ["rloo seed 1: failed (exit 1)"]
+    # --no-run starts nothing and records what finished, naming the rest; its record's command is the league's.
+    launched.clear()
+    assert league.main(argv + ["--no-run", "--record", str(tmp_path / "partial" / "league.json")]) == 1
+    assert launched == []
+    (partial,) = load_records(str(tmp_path / "partial"))
+    assert [(r["method"], r["seeds"], r["missing"]) for r in partial["rows"]] == [("grpo", "0, 1", None),
+                                                                                  ("rloo", "0", "1")]
+    assert "Missing: rloo seed 1: not run yet." in partial["note"] and "--no-run" not in partial["command"]
     # Once more: the failed run runs again and finishes; the finished ones are not touched.
     monkeypatch.setattr(league, "launch", counting)
     launched.clear()
