@@ -124,9 +124,9 @@ class RewardHackingGuard(RolloutCallback):
         self.recent = [*self.recent, (step, model, verifier)][-self.window:]
         if corr is not None:
             self.agreements = [*self.agreements, (step, corr[0])][-self.window:]
-        what = self._diverged(rollout) or self._disagreed(rollout)
-        if what:
-            self._fire(trainer, what)
+        diverged, disagreed = self._diverged(rollout), self._disagreed(rollout)  # both, to log both tests
+        if diverged or disagreed:
+            self._fire(trainer, diverged or disagreed)
             self.recent, self.agreements = [], []
         return rollout
 

@@ -112,6 +112,15 @@ def test_a_model_reward_that_does_not_rank_as_the_verifier_does_stops_the_run():
                         "this fires)")
 
 
+def test_the_step_one_test_fires_on_logs_both_tests():
+    """The divergence test fires at step 3; the agreement test, which passes (0.5, 0.6, 0.55), is logged beside it."""
+    guard = RewardHackingGuard("judge", "exact", window=3, action="stop")
+    extras = _steps(guard, [0.5, 0.6, 0.8], [0.3, 0.2, 0.1], [0.5, 0.6, 0.55])
+    assert ending().startswith("reward hacking: over RL steps 1-3 the model reward 'judge' rose by 0.3 ")
+    assert extras[2]["guard/reward_hacking/agreement_lower"] == pytest.approx(0.55 - 2 * 0.05 / 3 ** 0.5)
+    assert extras[2]["guard/reward_hacking/model_change"] == pytest.approx(0.3)
+
+
 @pytest.mark.parametrize("corrs,min_agreement", [
     ([0.3, 0.35, 0.25], 0.0),  # mean 0.3, standard error 0.029: clearly above 0
     ([0.05, -0.3, 0.0], None),  # no relation, but the test is off
