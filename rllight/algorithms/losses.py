@@ -151,7 +151,14 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
     """``1 - Var(R - V) / Var(R)`` over the masked entries: 1 is a perfect critic, 0 no better than a
     constant, negative worse. Shapes (B, T); returns a scalar, NaN when the returns do not vary (then
     it is undefined: any number would be an artefact of a tiny denominator). Compute it over a whole
-    rollout, not per micro-batch, where constant returns are common."""
+    rollout, not per micro-batch, where constant returns are common.
+
+    "Do not vary" allows for rounding: returns computed as advantages + values (``gae``) carry a
+    floating-point error on the scale of the values, so a rollout whose rewards are all equal gets returns
+    that differ slightly where they should be equal (in bfloat16 by up to a few parts in a thousand of the
+    values). The returns vary when their standard deviation exceeds 1e-2 of the larger root-mean-square of the
+    returns and the values (and 1e-4 absolutely): far below the spread of rewards that differ between
+    responses (0/1 rewards with one right answer in 32 have a standard deviation near 0.17)."""
     m = mask.to(values.dtype)
     n = m.sum().clamp(min=1)
 
@@ -159,6 +166,9 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
         mean = (x * m).sum() / n
         return (((x - mean) ** 2) * m).sum() / n
 
+    def mean_square(x: Tensor) -> Tensor:
+        return (torch.where(m.bool(), x, 0.0) ** 2).sum() / n
+
     var_r = var(returns)
-    defined = var_r > 1e-8
+    defined = var_r > torch.clamp(1e-4 * torch.maximum(mean_square(returns), mean_square(values)), min=1e-8)
     return torch.where(defined, 1.0 - var(returns - values) / torch.where(defined, var_r, 1.0), torch.nan)

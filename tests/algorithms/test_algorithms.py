@@ -499,6 +499,13 @@ def test_explained_variance():
     # Returns that do not vary on the valid tokens (all-wrong batch): undefined, not a huge negative.
     constant = torch.tensor([[0.0, 0.0, 0.0, 0.0, 5.0]])
     assert torch.isnan(explained_variance(values * 1e-3, constant, mask))
+    # A rollout whose rewards are all 0, its returns from gae (lambda 1, gamma 1): exactly 0 in exact arithmetic, a
+    # rounding error apart here (the error as gae leaves it: ~1e-4 of values ~0.3). Undefined, not about -1e6.
+    rounded = torch.tensor([[2e-4, -1.5e-4, 1e-4, -1.5e-4, 0.0]])  # variance 2.4e-8
+    critic = torch.tensor([[0.3, 0.25, 0.35, 0.2, 0.0]])
+    assert torch.isnan(explained_variance(critic, rounded, mask))
+    # Small returns that do vary (rewards of 0.01 to 0.04) against a critic of their size: defined, 0.8.
+    assert_close(explained_variance(values * 0.01, returns * 0.01, mask), torch.tensor(0.8))
 
 
 # --------------------------------------------------------------------------------------------------
