@@ -148,5 +148,5 @@ def bounded(init):
 
 
 __all__ = ["BOUNDS", "AboveOne", "AtLeastTwo", "ClosedUnitInterval", "Correlation", "NonNegativeFiniteFloat",
-           "NonNegativeFloat", "NonNegativeInt", "OpenUnitInterval", "PositiveFiniteFloat", "PositiveFloat", "PositiveInt", "UpToOne", "bound_of", "bounded",
-           "check_declared", "checked", "plain"]
+           "NonNegativeFloat", "NonNegativeInt", "OpenUnitInterval", "PositiveFiniteFloat", "PositiveFloat",
+           "PositiveInt", "UpToOne", "bound_of", "bounded", "check_declared", "checked", "plain"]

@@ -81,8 +81,8 @@ def test_stop_ends_the_run_after_the_step_naming_the_verifiers_best_step():
                         "policy is learning what 'judge' likes, not the task; see "
                         "train/reward/agreement/judge_vs_exact/rank_corr; 'exact' was highest at RL step 2 (0.35), "
                         "which no checkpoint keeps (a ModelCheckpoint monitoring train/reward/exact, mode max, would) "
-                        "(trainer.callbacks: RewardHackingGuard's window, min_change, min_agreement and action set when "
-                        "this fires)")
+                        "(trainer.callbacks: RewardHackingGuard's window, min_change, min_agreement and action set "
+                        "when this fires)")
 
 
 def test_a_step_without_the_rewards_is_not_counted_and_state_resumes():
@@ -98,8 +98,8 @@ def test_a_step_without_the_rewards_is_not_counted_and_state_resumes():
 
 
 def test_a_model_reward_that_does_not_rank_as_the_verifier_does_stops_the_run():
-    """Correlations 0.2, -0.1, 0.05 (mean 0.05, standard deviation 0.15, standard error 0.0866: 0.05 - 0.173 <= 0) fire the agreement test
-    at step 3, though the means neither rose nor fell."""
+    """Correlations 0.2, -0.1, 0.05 (mean 0.05, standard deviation 0.15, standard error 0.0866: 0.05 - 0.173 <= 0)
+    fire the agreement test at step 3, though the means neither rose nor fell."""
     guard = RewardHackingGuard("judge", "exact", window=3, action="stop")
     extras = _steps(guard, [0.5] * 3, [0.3] * 3, [0.2, -0.1, 0.05])
     assert extras[2]["guard/reward_hacking/agreement_lower"] == pytest.approx(0.05 - 2 * 0.15 / 3 ** 0.5)
@@ -108,8 +108,8 @@ def test_a_model_reward_that_does_not_rank_as_the_verifier_does_stops_the_run():
                         "0; train/reward/agreement/judge_vs_exact/rank_corr): it is no proxy for the task, and "
                         "training on it teaches what it likes; 'exact' was highest at RL step 1 (0.3), which no "
                         "checkpoint keeps (a ModelCheckpoint monitoring train/reward/exact, mode max, would) "
-                        "(trainer.callbacks: RewardHackingGuard's window, min_change, min_agreement and action set when "
-                        "this fires)")
+                        "(trainer.callbacks: RewardHackingGuard's window, min_change, min_agreement and action set "
+                        "when this fires)")
 
 
 def test_the_step_one_test_fires_on_logs_both_tests():
