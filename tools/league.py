@@ -47,12 +47,15 @@ what has finished and list every run still missing (not run yet, or failed and w
 
 **Statistics** (tools/league_report.py), per method over its finished seeds s = 1..S and the held-out problems
 p = 1..P they share, for each metric (greedy accuracy, avg@k, pass@k): d_sp = after_sp - before_sp, the per-problem
-gain of seed s. The gain is the mean over problems of d_p = mean_s d_sp; its standard error is paired over the
-problems: sd_p(d_p) / sqrt(P) (``rllight.evaluation.paired_se`` of the seed-averaged values before and after). It
-measures how much the problems' draw could move the gain; the seeds' spread is shown beside it, as the min..max of
-the seed-level gains mean_p d_sp (with one seed, both are that seed's gain). Against GRPO (greedy accuracy): e_p =
-d_p(method) - d_p(grpo) on the problems both share; the difference is mean_p e_p, its standard error sd_p(e_p) /
-sqrt(P), and a method is flagged where the difference is below -2 standard errors.
+gain of seed s. The gain is the mean over seeds and problems of d_sp. Its standard error has two parts, one for each
+draw that could move it: over the problems, paired, sd_p(d_p) / sqrt(P) with d_p = mean_s d_sp
+(``rllight.evaluation.paired_se`` of the seed-averaged values before and after), and over the seeds,
+sd_s(g_s) / sqrt(S) with g_s = mean_p d_sp the seed-level gain; the table's se is the root of the sum of their
+squares (conservative: the part of the problems' noise that the seed-level gains carry counts twice). With one seed
+the seeds' part is unknown and the se is the problems' only. The seeds' spread is shown beside it as the min..max of
+the g_s. Against GRPO (greedy accuracy): e_p = d_p(method) - d_p(grpo) on the problems both share; the difference is
+mean_p e_p, its standard error the root of sd_p(e_p)^2 / P plus both methods' seed parts (their seeds taken as
+independent), and a method is flagged where the difference is below -2 standard errors.
 
 **Mechanism signals**, read from each run's TensorBoard scalars and averaged over seeds: critic explained variance
 at the end of value pretraining (and its rollouts) and over the last half of RL (VAPO, PPO: tools/compare.py's

@@ -66,23 +66,42 @@ def per_problem_gain(runs: list[dict], metric: str) -> tuple[dict[str, float], d
     return before, after
 
 
+def seed_se(runs: list[dict], metric: str, problems: list[str]) -> float | None:
+    """The standard error over the seeds of ``runs`` of their seed-level gains (the mean over ``problems`` of each
+    seed's after - before): sd_s / sqrt(S), Bessel-corrected; None with fewer than two seeds."""
+    if len(runs) < 2:
+        return None
+    values = [r["per_problem"][metric] for r in runs]
+    gains = [statistics.fmean(v["after"][p] - v["before"][p] for p in problems) for v in values]
+    return statistics.stdev(gains) / math.sqrt(len(gains))
+
+
+def combined_se(*parts: float | None) -> float | None:
+    """sqrt of the sum of the squares of the known ``parts``; None where none is known."""
+    known = [p for p in parts if p is not None]
+    return math.sqrt(sum(p * p for p in known)) if known else None
+
+
 def gain(runs: list[dict], metric: str) -> dict:
-    """``metric`` of one method over its seeds ``runs``: before and after (means over problems and seeds), the gain
-    with its standard error paired over the problems, and the seed-level gains' min and max."""
+    """``metric`` of one method over its seeds ``runs``: before and after (means over problems and seeds), the gain,
+    its standard error over the problems (``se_problems``, paired), over the seeds (``se_seeds``) and both together
+    (``se``), and the seed-level gains' min and max."""
     averaged = per_problem_gain(runs, metric)
     if averaged is None or not averaged[0]:
         return {}
     before, after = averaged
     seeds = [statistics.fmean(r["per_problem"][metric]["after"][s] - r["per_problem"][metric]["before"][s]
                               for s in before) for r in runs]
+    problems, over_seeds = paired_se(before, after), seed_se(runs, metric, list(before))
     return {"before": statistics.fmean(before.values()), "after": statistics.fmean(after.values()),
-            "gain": statistics.fmean(after[s] - before[s] for s in before), "se": paired_se(before, after),
-            "seed_min": min(seeds), "seed_max": max(seeds)}
+            "gain": statistics.fmean(after[s] - before[s] for s in before), "se": combined_se(problems, over_seeds),
+            "se_problems": problems, "se_seeds": over_seeds, "seed_min": min(seeds), "seed_max": max(seeds)}
 
 
 def versus(runs: list[dict], reference: list[dict], metric: str) -> dict:
     """The gain of ``runs`` less that of ``reference``, problem by problem on the problems both have, with its
-    standard error over them, and whether it is more than ``FLAG_SE`` standard errors below zero."""
+    standard error (over those problems, and over each method's seeds, taken as independent), and whether it is
+    more than ``FLAG_SE`` standard errors below zero."""
     ours, theirs = per_problem_gain(runs, metric), per_problem_gain(reference, metric)
     if ours is None or theirs is None:
         return {}
@@ -92,7 +111,7 @@ def versus(runs: list[dict], reference: list[dict], metric: str) -> dict:
     d_ours = {s: ours[1][s] - ours[0][s] for s in common}
     d_theirs = {s: theirs[1][s] - theirs[0][s] for s in common}
     diff = statistics.fmean(d_ours[s] - d_theirs[s] for s in common)
-    se = paired_se(d_theirs, d_ours)
+    se = combined_se(paired_se(d_theirs, d_ours), seed_se(runs, metric, common), seed_se(reference, metric, common))
     return {"diff": diff, "se": se, "below": None if se is None else diff < -FLAG_SE * se}
 
 
@@ -185,9 +204,11 @@ def league_fields(spent: dict, metrics: dict, runs: list[dict], done: dict, fail
              f"{spent['max_new_tokens']} tokens, precision {spent['precision']}, each recipe's own learning rates "
              f"and temperature. Evaluated before and after on the same {spent['val_size']} held-out problems: one "
              f"greedy answer and {k} samples each. Gain: the per-problem after-minus-before difference averaged over "
-             f"seeds and problems, ± its standard error over the problems; seed min and max: the seed-level gains. "
-             f"Against {REFERENCE}: the greedy gain less {REFERENCE}'s, problem by problem, ± its standard error; "
-             f"flagged where below -{FLAG_SE:g} standard errors. Means over seeds: RL steps, optimizer updates, "
+             f"seeds and problems, ± its standard error over the problems and the seeds (the root of the sum of "
+             f"both squared; a method with one seed has the problems' only); seed min and max: the seed-level "
+             f"gains. Against {REFERENCE}: the greedy gain less {REFERENCE}'s, problem by problem, ± its standard "
+             f"error over the problems and both methods' seeds; flagged where below -{FLAG_SE:g} standard errors. "
+             "Means over seeds: RL steps, optimizer updates, "
              "responses and tokens generated, wall time and the mechanisms' signals. "
              + (f"Missing: {'; '.join(missing)}." if missing else "No run is missing."),
         headline=", ".join(f"{m} {{{m}_greedy_gain:+.3f}} ± {{{m}_greedy_se:.3f}}" for m in shown) or None)

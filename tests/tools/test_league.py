@@ -141,37 +141,59 @@ def test_the_tokens_to_grpos_accuracy_by_hand():
     assert report.tokens_to_reference([{"curve": None}], grpo) == {}
 
 
-def test_the_gain_its_paired_standard_error_and_the_flag_against_grpo_by_hand():
+def test_the_gain_its_standard_error_over_problems_and_seeds_and_the_flag_against_grpo_by_hand():
     report = load_tool("league_report")
     # GRPO: per-problem gains (a, b, c) are seed 0 (1, 1, 0) and seed 1 (1, 0, 0); averaged over seeds (1, 0.5, 0).
-    # Gain 0.5; sd over problems: deviations (0.5, 0, -0.5), variance (0.25 + 0 + 0.25) / 2 = 0.25, sd 0.5, so
-    # se = 0.5 / sqrt(3) = 0.288675. Seed-level gains 2/3 and 1/3. Before (0 + 0 + 1) / 3, after (1 + 0.5 + 1) / 3.
+    # Gain 0.5. Over the problems: deviations (0.5, 0, -0.5), variance (0.25 + 0 + 0.25) / 2 = 0.25, sd 0.5, se
+    # 0.5 / sqrt(3); squared 1/12. Over the seeds: seed-level gains 2/3 and 1/3, sd sqrt(2 x (1/6)^2 / 1) =
+    # sqrt(2) / 6, se 1/6; squared 1/36. Together sqrt(1/12 + 1/36) = sqrt(4/36) = 1/3.
     assert report.gain(GRPO, "greedy") == pytest.approx({"before": 1 / 3, "after": 2.5 / 3, "gain": 0.5,
-                                                         "se": 0.5 / math.sqrt(3), "seed_min": 1 / 3,
-                                                         "seed_max": 2 / 3})
+                                                         "se": 1 / 3, "se_problems": 0.5 / math.sqrt(3),
+                                                         "se_seeds": 1 / 6, "seed_min": 1 / 3, "seed_max": 2 / 3})
     # WORSE: seed gains (0, 0, -1) and (0, 0, 0), averaged (0, 0, -0.5): gain -1/6; deviations (1/6, 1/6, -1/3),
-    # squares sum 1/36 + 1/36 + 4/36 = 1/6, variance 1/12, sd 0.288675, se 0.288675 / sqrt(3) = 1/6.
+    # squares sum 1/36 + 1/36 + 4/36 = 1/6, variance 1/12, se over problems 1/6. Seed-level gains -1/3 and 0: se
+    # over seeds 1/6. Together sqrt(2) / 6.
     assert report.gain(WORSE, "greedy") == pytest.approx({"before": 1 / 3, "after": 1 / 6, "gain": -1 / 6,
-                                                          "se": 1 / 6, "seed_min": -1 / 3, "seed_max": 0.0})
+                                                          "se": math.sqrt(2) / 6, "se_problems": 1 / 6,
+                                                          "se_seeds": 1 / 6, "seed_min": -1 / 3, "seed_max": 0.0})
     # Against GRPO, problem by problem: (0 - 1, 0 - 0.5, -0.5 - 0) = (-1, -0.5, -0.5), mean -2/3; deviations
-    # (-1/3, 1/6, 1/6), squares sum 1/6, variance 1/12, se 1/6: -2/3 < -2 x 1/6, flagged.
-    assert report.versus(WORSE, GRPO, "greedy") == pytest.approx({"diff": -2 / 3, "se": 1 / 6, "below": True})
-    # CLOSE: (1, 0, 0) in both seeds; against GRPO (0, -0.5, 0), mean -1/6, se 1/6 as above: -1/6 > -1/3, not flagged.
-    assert report.versus(CLOSE, GRPO, "greedy") == pytest.approx({"diff": -1 / 6, "se": 1 / 6, "below": False})
-    # Near the threshold, one seed each: differences against GRPO of the form (m + 0.1, m + 0.1, m - 0.2) have mean m,
-    # deviations (0.1, 0.1, -0.2), squares sum 0.06, variance 0.03, sd sqrt(0.03), se sqrt(0.03) / sqrt(3) = 0.1.
-    # m = -0.25 (gains 1 - 0.15, 0.5 - 0.15, 0 - 0.45) is 2.5 se below: flagged; m = -0.15 is 1.5 se below: not.
+    # (-1/3, 1/6, 1/6), squares sum 1/6, variance 1/12, se over problems 1/6; with both seed parts (1/6 each),
+    # sqrt(3 / 36) = 0.288675: -2/3 < -2 x 0.288675, flagged.
+    assert report.versus(WORSE, GRPO, "greedy") == pytest.approx({"diff": -2 / 3, "se": math.sqrt(3) / 6,
+                                                                  "below": True})
+    # CLOSE: (1, 0, 0) in both seeds (seed part 0); against GRPO (0, -0.5, 0), mean -1/6, problems' se 1/6, GRPO's
+    # seed part 1/6: se sqrt(2) / 6; -1/6 > -2 se, not flagged.
+    assert report.versus(CLOSE, GRPO, "greedy") == pytest.approx({"diff": -1 / 6, "se": math.sqrt(2) / 6,
+                                                                  "below": False})
+    # Near the threshold, one seed each (no seed part): against GRPO's seed 0, gains (1, 1, 0), differences of the form
+    # (m + 0.1, m + 0.1, m - 0.2) have mean m, deviations (0.1, 0.1, -0.2), squares sum 0.06, variance 0.03, se
+    # sqrt(0.03) / sqrt(3) = 0.1. m = -0.25 is 2.5 se below: flagged; m = -0.15 is 1.5 se below: not.
     for m, flagged in ((-0.25, True), (-0.15, False)):
-        after = {"a": 1 + m + 0.1, "b": 0.5 + m + 0.1, "c": 1 + 0 + m - 0.2}  # before (0, 0, 1) + GRPO's gain + e
-        assert report.versus([_run(0, BEFORE, after)], GRPO, "greedy") == pytest.approx(
+        after = {"a": 1 + m + 0.1, "b": 1 + m + 0.1, "c": 1 + 0 + m - 0.2}  # before (0, 0, 1) + GRPO's gain + e
+        assert report.versus([_run(0, BEFORE, after)], GRPO[:1], "greedy") == pytest.approx(
             {"diff": m, "se": 0.1, "below": flagged})
     metrics = {"greedy": ("val/greedy/avg@1", "greedy accuracy")}
     rows = {name: report.method_row(name, f"recipes/{name}.yaml", [0, 1], runs, GRPO, metrics)
             for name, runs in (("grpo", GRPO), ("worse", WORSE), ("close", CLOSE))}
-    assert (rows["worse"]["vs_grpo"], rows["worse"]["vs_grpo_se"], rows["worse"]["below_grpo"]) == (-0.667, 0.167,
+    assert (rows["worse"]["vs_grpo"], rows["worse"]["vs_grpo_se"], rows["worse"]["below_grpo"]) == (-0.667, 0.289,
                                                                                                    "yes")
     assert rows["close"]["below_grpo"] == "no" and "below_grpo" not in rows["grpo"]
-    assert (rows["grpo"]["greedy_gain"], rows["grpo"]["greedy_se"]) == (0.5, 0.289)
+    assert (rows["grpo"]["greedy_gain"], rows["grpo"]["greedy_se"]) == (0.5, 0.333)
+
+
+def test_seeds_that_disagree_widen_the_standard_error_where_the_problems_agree():
+    report = load_tool("league_report")
+    # Seed 0 gains 0.3 on every problem, seed 1 loses 0.1 on every one: averaged over seeds every problem gains 0.1,
+    # so the problems' part is 0, and only the seeds' spread says how uncertain the gain of 0.1 is: seed-level gains
+    # 0.3 and -0.1, sd 0.4 / sqrt(2), se 0.2. Against a reference that gains 0.4 on every problem in its one seed,
+    # the difference -0.3 is 1.5 se below zero: not flagged (with the problems' part alone, 0, it would be).
+    before = {"a": 0.5, "b": 0.5, "c": 0.5}
+    runs = [_run(0, before, {p: 0.8 for p in before}), _run(1, before, {p: 0.4 for p in before})]
+    assert report.gain(runs, "greedy") == pytest.approx({"before": 0.5, "after": 0.6, "gain": 0.1, "se": 0.2,
+                                                         "se_problems": 0.0, "se_seeds": 0.2, "seed_min": -0.1,
+                                                         "seed_max": 0.3})
+    reference = [_run(0, before, {p: 0.9 for p in before})]
+    assert report.versus(runs, reference, "greedy") == pytest.approx({"diff": -0.3, "se": 0.2, "below": False})
 
 
 def test_the_table_names_the_missing_runs_and_the_page_shows_what_was_measured(tmp_path):
