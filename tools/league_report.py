@@ -13,7 +13,7 @@ import sys
 
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # the tools beside it
 
-from results_pages import provenance, table  # noqa: E402
+from results_pages import provenance, table, tables  # noqa: E402
 
 from rllight.app.records import make_record, printed, tool_record  # noqa: E402
 from rllight.evaluation import paired_se  # noqa: E402
@@ -115,6 +115,20 @@ def versus(runs: list[dict], reference: list[dict], metric: str) -> dict:
     return {"diff": diff, "se": se, "below": None if se is None else diff < -FLAG_SE * se}
 
 
+def table_groups(metrics: dict[str, tuple[str, str]]) -> list:
+    """The record's ``tables`` (``rllight.app.records.make_record``): greedy accuracy with the comparison against the
+    reference, the other metrics, the budget spent, and the mechanisms' signals; each with the method first."""
+    first, others = next(iter(metrics)), [k for k in metrics][1:]
+    parts = ("before", "after", "gain", "se", "seed_min", "seed_max")
+    return [[f"{metrics[first][1].capitalize()}, and against {REFERENCE}",
+             ["method", "seeds", "missing"] + [f"{first}_{p}" for p in parts] + ["vs_grpo", "vs_grpo_se", "below_grpo"]],
+            [" and ".join(metrics[k][1] for k in others).capitalize(),
+             ["method"] + [f"{k}_{p}" for k in others for p in parts]],
+            ["The budget each method spent and its own settings (means over its seeds)",
+             ["method"] + [c[0] for c in RUN_COLUMNS[1:] + CURVE_COLUMNS]],
+            ["The mechanisms' signals (means over the seeds)", ["method"] + [c[0] for c in SIGNALS]]]
+
+
 def columns(metrics: dict[str, tuple[str, str]]) -> list:
     """The record's columns: the accuracy table's (up to ``recipe``), then the run table's and the signals'."""
     accuracy = [["method", "method"], ["seeds", "seeds"], ["missing", "missing seeds"]]
@@ -196,6 +210,7 @@ def league_fields(spent: dict, metrics: dict, runs: list[dict], done: dict, fail
     shown = [r["method"] for r in rows if r.get("greedy_gain") is not None and r.get("greedy_se") is not None]
     return dict(
         id="league", section="Methods on the quickstart task", columns=columns(metrics), rows=rows, summary=summary,
+        tables=table_groups(metrics),
         title=f"{len(order)} methods on the quickstart task at one budget: {spent['rollouts']} rollouts of "
               f"{spent['prompts'] * spent['responses']} responses, {spent['precision']}, over seeds",
         note=f"Each method's recipe (tools/league.py) for {spent['rollouts']} rollouts with a policy update of "
@@ -217,40 +232,38 @@ def league_fields(spent: dict, metrics: dict, runs: list[dict], done: dict, fail
 def write_league(args, spent: dict, metrics: dict, runs: list[dict], done: dict, failed: dict,
                  final: bool = False) -> dict:
     """The league so far: ``<out>/league.json`` and the page (``--page``, default ``<out>/league.md``; its figure
-    only when ``final``); at the end, with ``--record``, the record. Returns the record it rendered."""
+    only when ``final``); at the end, with ``--record``, the record and its figure beside it (``<id>.png``). Returns
+    the record it rendered."""
     fields = league_fields(spent, metrics, runs, done, failed)
-    path = tool_record(args, **fields) if final and args.record else None
-    if path:
-        with open(path) as f:
+    headline = fields.pop("headline")
+    record = make_record(**fields, command=args.record_command)  # what the record holds, written or not
+    if final and args.record:
+        folder = args.record if os.path.isdir(args.record) or args.record.endswith(("/", os.sep)) else (
+            os.path.dirname(os.path.abspath(args.record)))
+        os.makedirs(folder, exist_ok=True)
+        figure = f"{args.record_id or fields['id']}.png"
+        drawn = plot_gains(record, os.path.join(folder, figure)) is None
+        with open(tool_record(args, **fields, headline=headline, figure=figure if drawn else None)) as f:
             record = json.load(f)
-    else:  # the same record, unwritten: the page shows what the record would hold
-        fields.pop("headline")
-        record = make_record(**fields, command=args.record_command)
     results = [{k: v for k, v in r.items() if k != "per_problem"} for r in done.values()]
     payload = {"budget": spent, "missing": missing_runs(runs, done, failed), "record": record, "runs": results}
     write_atomic(os.path.join(args.out, "league.json"), json.dumps(payload, indent=1) + "\n")
     write_page(record, args.page or os.path.join(args.out, "league.md"), plot=final)
     if final:
-        keys = [c[0] for c in record["columns"]]
-        print("\n".join(table(record["columns"][:keys.index("recipe")], record["rows"])))
+        print("\n".join(table(record["columns"][:[c[0] for c in record["columns"]].index("recipe")], record["rows"])))
     return record
 
 
 def write_page(record: dict, path: str, plot: bool = True) -> str:
-    """The results page of a league ``record`` at ``path`` (markdown): its title and note, the accuracy table, the
-    figure (``<path stem>.png``, with ``plot`` and matplotlib), the run table with the mechanisms' signals, and its
-    provenance. Returns the page's text."""
+    """The results page of a league ``record`` at ``path`` (markdown): its title and note, its tables (the record's
+    ``tables``), the figure (``<path stem>.png``, with ``plot`` and matplotlib) and its provenance. Returns the
+    page's text."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    split = [c[0] for c in record["columns"]].index("recipe")
-    accuracy = record["columns"][:split]
-    rest = [record["columns"][0]] + [c for c in record["columns"][split:]  # a signal no method logged is left out
-                                     if c[0] == "recipe" or any(r.get(c[0]) is not None for r in record["rows"])]
-    out = [f"# {record['title']}", "", record.get("note", ""), ""] + table(accuracy, record["rows"])
     figure = os.path.splitext(path)[0] + ".png"
     why = plot_gains(record, figure) if plot else "the figure is drawn when the league ends"
+    out = [f"# {record['title']}", "", record.get("note", ""), ""] + tables(record)
     out += ["", f"![each method's gain ± its standard error]({os.path.basename(figure)})" if why is None
             else f"No figure: {why}."]
-    out += ["", "Runs and the mechanisms' signals (means over the seeds):", ""] + table(rest, record["rows"])
     text = "\n".join(out + provenance(record)) + "\n"
     write_atomic(path, text)
     return text

@@ -99,7 +99,19 @@ def card(record: dict, title: str) -> list[str]:
     if record.get("note"):
         out += [record["note"], ""]
     figure = [""] + [f"![{record['title']}]({record['figure']})"] if record.get("figure") else []
-    return out + table(record["columns"], record["rows"]) + figure + provenance(record)
+    return out + tables(record) + figure + provenance(record)
+
+
+def tables(record: dict) -> list[str]:
+    """A record's table, or where it names ``tables``, each under its caption, without the columns no row has a
+    value in."""
+    if not record.get("tables"):
+        return table(record["columns"], record["rows"])
+    by_key, out = {c[0]: c for c in record["columns"]}, []
+    for caption, keys in record["tables"]:
+        shown = [by_key[k] for k in keys if any(row.get(k) is not None for row in record["rows"])]
+        out += ([""] if out else []) + [f"{caption}:", ""] + table(shown, record["rows"])
+    return out
 
 
 def render_page(records: list[dict]) -> str:

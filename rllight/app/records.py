@@ -140,10 +140,12 @@ def default_question(*ids: str, section: str) -> str | None:
 
 def make_record(*, id: str, title: str, section: str, columns: list, rows: list[dict], note: str = "",
                 summary: dict | None = None, headline: dict | None = None, shared: bool | None = None,
-                command: str | None = None, question: str | None = None, figure: str | None = None) -> dict:
+                command: str | None = None, question: str | None = None, figure: str | None = None,
+                tables: list | None = None) -> dict:
     """A record of a measurement made now, by this process: its command, commit, date and machine filled in, and
     where ``question`` is None, ``default_question``'s. ``figure``: the name of a PNG the tool drew from the same
-    numbers, beside the record in its folder, which the results page shows under the table."""
+    numbers, beside the record in its folder, which the results page shows under the table. ``tables``: for a record
+    of many columns, the tables the page shows in place of one, each ``[caption, [column key, ...]]``."""
     record = {
         "id": id, "title": title, "section": section, "question": question or default_question(id, section=section),
         "note": note,
@@ -158,6 +160,8 @@ def make_record(*, id: str, title: str, section: str, columns: list, rows: list[
         record["headline"] = headline
     if figure:
         record["figure"] = figure
+    if tables:
+        record["tables"] = [[caption, list(keys)] for caption, keys in tables]
     check_record(record, f"record {id}")
     return record
 
@@ -258,7 +262,7 @@ def check_record_options(parser, args, argv: list[str] | None = None, script: st
 
 def tool_record(args, *, id: str, title: str, section: str, columns: list, rows: list[dict], note: str = "",
                 summary: dict | None = None, headline: str | None = None, command: str | None = None,
-                figure: str | None = None) -> str | None:
+                figure: str | None = None, tables: list | None = None) -> str | None:
     """Write the record of what a tool measured where ``args.record`` asks for one (else nothing; None): the
     fields given, ``args``' options (``add_record_options``) in place of ``id``, ``title``, ``section``, ``question``
     and ``note`` where given, and with ``args.headline`` a README row whose template is ``headline``. Without
@@ -277,7 +281,7 @@ def tool_record(args, *, id: str, title: str, section: str, columns: list, rows:
         note=note if args.note is None else args.note, columns=columns, rows=rows, summary=summary,
         headline={"label": label, "template": headline} if label and headline else None,
         shared=None if args.shared is None else args.shared == "yes",
-        command=command or getattr(args, "record_command", None), figure=figure)
+        command=command or getattr(args, "record_command", None), figure=figure, tables=tables)
     if args.record.endswith(("/", os.sep)):  # a folder, made where it is not yet
         os.makedirs(args.record, exist_ok=True)
     return write_record(args.record, record)
@@ -365,6 +369,12 @@ def check_record(record: dict, where: str) -> None:
         if not isinstance(column, list) or len(column) not in (2, 3):
             raise ValueError(f"{where}: column {column!r} is not [key, label] or [key, label, format]")
         keys.append(column[0])
+    for table in record.get("tables", []):
+        if not (isinstance(table, list) and len(table) == 2 and isinstance(table[0], str) and table[1]):
+            raise ValueError(f"{where}: table {table!r} is not [caption, [column key, ...]]")
+        unknown = [k for k in table[1] if k not in keys]
+        if unknown:
+            raise ValueError(f"{where}: table '{table[0]}' names no column {', '.join(map(str, unknown))}")
     for i, row in enumerate(record["rows"]):
         unknown = set(row) - set(keys)
         if unknown:

@@ -3,6 +3,7 @@ each run's results, the table and the record; a rerun launches only what did not
 complete ``run.json`` starts again from nothing) and the table names what is missing; the gain's paired standard
 error and the flag against GRPO, on per-problem numbers worked out by hand."""
 
+import importlib.util
 import json
 import math
 
@@ -57,6 +58,10 @@ def test_a_smoke_league_records_every_run_and_a_rerun_launches_only_what_did_not
             assert len(metric["before"]) == len(metric["after"]) == 4  # every held-out problem, to pair
     (record,) = load_records(str(tmp_path / "records"))
     assert record["id"] == "league" and [r["method"] for r in record["rows"]] == ["grpo", "rloo"]
+    # The results page shows it as four tables, each led by the method, and the figure drawn beside the record.
+    assert [t[1][0] for t in record["tables"]] == ["method"] * 4 and "vs_grpo" in record["tables"][0][1]
+    if importlib.util.find_spec("matplotlib"):
+        assert record["figure"] == "league.png" and (tmp_path / "records" / "league.png").stat().st_size > 0
     assert all(r["seeds"] == "0, 1" and r["missing"] is None for r in record["rows"])
     grpo_runs = [json.loads(summaries["grpo", s].read_text()) for s in (0, 1)]
     before = sum(r["metrics"]["avg4"]["before"] for r in grpo_runs) / 2

@@ -10,7 +10,8 @@ import shutil
 import pytest
 
 from helpers import TESTS, load_tool
-from rllight.app.records import add_record_options, check_record_options, default_question, load_records, tool_record
+from rllight.app.records import (SECTIONS, add_record_options, check_record_options, default_question, load_records,
+                                  make_record, tool_record)
 
 RESULTS = os.path.join(os.path.dirname(TESTS), "docs", "results")
 
@@ -240,3 +241,17 @@ def test_a_records_figure_is_shown_under_its_table_and_must_lie_beside_it(tmp_pa
     (folder / name).write_text(json.dumps(data))
     with pytest.raises(ValueError, match=r"figure '../elsewhere.png' is not the name of a .png file beside"):
         load_records(str(folder))
+
+
+def test_a_record_of_many_columns_is_shown_as_its_tables_each_under_its_caption():
+    columns = [["method", "method"], ["gain", "gain", "+.3f"], ["ev", "critic EV", ".2f"], ["ess", "ESS", ".2f"]]
+    record = make_record(id="t", title="t", section=SECTIONS[0], columns=columns, command="x",
+                         rows=[{"method": "a", "gain": 0.1, "ev": 0.5}, {"method": "b", "gain": -0.2}],
+                         tables=[["Accuracy", ["method", "gain"]], ["Signals", ["method", "ev", "ess"]]])
+    lines = load_tool("results_pages").tables(record)
+    # Each table under its caption; the ESS column, which no row has, is left out; a missing value is blank.
+    assert lines == ["Accuracy:", "", "| method | gain |", "|---|---|", "| a | +0.100 |", "| b | −0.200 |", "",
+                     "Signals:", "", "| method | critic EV |", "|---|---|", "| a | 0.50 |", "| b |  |"]
+    with pytest.raises(ValueError, match="record t: table 'Signals' names no column evv"):
+        make_record(id="t", title="t", section=SECTIONS[0], columns=columns, rows=[], command="x",
+                    tables=[["Signals", ["method", "evv"]]])
