@@ -57,8 +57,10 @@ the g_s. Against GRPO (greedy accuracy): e_p = d_p(method) - d_p(grpo) on the pr
 mean_p e_p, its standard error the root of sd_p(e_p)^2 / P plus both methods' seed parts (their seeds taken as
 independent), and a method is flagged where the difference is below -2 standard errors.
 
-**Mechanism signals**, read from each run's TensorBoard scalars and averaged over seeds: critic explained variance
-at the end of value pretraining (and its rollouts) and over the last half of RL (VAPO, PPO: tools/compare.py's
+**Mechanism signals**, read from each run's TensorBoard scalars (again each time the table is written, where the
+run's log is there) and averaged over seeds: critic explained variance at the end of value pretraining, on the
+fresh rollouts of its last window pooled (what its stopping criterion reads) and on the last one alone, and its
+rollouts, and over the last half of RL (VAPO, PPO: tools/compare.py's
 ``critic_summary``); DAPO's kept-group share (sum of ``train/sampling/groups_kept`` over sum of ``groups_drawn``)
 and extra draws (sampling rounds beyond each step's first, summed); the critic's loss over the last half of RL
 (``train/value/loss``, else ``train/critic_only/loss``: SPPO's is the BCE of its P(success) critic) and SPPO's
@@ -348,7 +350,8 @@ def signals(scalars: dict[str, list[float]]) -> dict:
 
 
 def read_done(runs: list[dict]) -> dict[tuple[str, int], dict]:
-    """The complete ``run.json`` of each planned run that has one."""
+    """The complete ``run.json`` of each planned run that has one, its ``signals`` read again from its log where
+    the log is there (so that the table's signals are those this code defines, also for runs finished before)."""
     done = {}
     for run in runs:
         try:
@@ -357,6 +360,9 @@ def read_done(runs: list[dict]) -> dict[tuple[str, int], dict]:
         except (OSError, ValueError):
             continue
         if result.get("complete"):
+            log_dir = os.path.join(run["dir"], result.get("log_dir") or "-")
+            if os.path.isdir(log_dir):
+                result["signals"] = signals(read_scalars(log_dir))
             done[run["method"], run["seed"]] = result
     return done
 

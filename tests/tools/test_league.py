@@ -121,6 +121,13 @@ def test_a_smoke_league_records_every_run_and_a_rerun_launches_only_what_did_not
     with pytest.raises(SystemExit, match="other settings"):
         league.main(other)
     assert len(launched) == 1
+    # The signals are read again from each run's log: a value its run.json holds from older code does not show.
+    stale = json.loads(summaries["grpo", 0].read_text())
+    stale["signals"]["clipfrac_low"] = 99.0
+    summaries["grpo", 0].write_text(json.dumps(stale))
+    assert league.main(argv + ["--no-run", "--record", str(tmp_path / "again" / "league.json")]) == 0
+    (again,) = load_records(str(tmp_path / "again"))
+    assert 0 <= again["rows"][0]["clipfrac_low"] <= 1
 
 
 def _run(seed: int, before: dict, after: dict) -> dict:
@@ -133,6 +140,16 @@ BEFORE = {"a": 0.0, "b": 0.0, "c": 1.0}
 GRPO = [_run(0, BEFORE, {"a": 1.0, "b": 1.0, "c": 1.0}), _run(1, BEFORE, {"a": 1.0, "b": 0.0, "c": 1.0})]
 WORSE = [_run(0, BEFORE, {"a": 0.0, "b": 0.0, "c": 0.0}), _run(1, BEFORE, {"a": 0.0, "b": 0.0, "c": 1.0})]
 CLOSE = [_run(0, BEFORE, {"a": 1.0, "b": 0.0, "c": 1.0}), _run(1, BEFORE, {"a": 1.0, "b": 0.0, "c": 1.0})]
+
+
+def test_value_pretrainings_signals_are_its_last_window_pooled_and_its_last_rollout():
+    league = load_tool("league")
+    # The last rollout alone explains nothing (-0.08); the window pooled, which the stopping criterion reads, 0.35.
+    scalars = {"train/value_pretraining/explained_variance": [0.2, 0.4, -0.08],
+               "train/value_pretraining/window_explained_variance": [math.nan, 0.3, 0.35],
+               "train/value/explained_variance": [math.nan, 0.1, 0.2, math.nan, 0.4]}
+    assert league.signals(scalars) == pytest.approx({"pretraining_rollouts": 3, "ev_pretraining_end": -0.08,
+                                                     "ev_pretraining_window_end": 0.35, "ev_rl_last_half": 0.3})
 
 
 def test_the_tokens_to_grpos_accuracy_by_hand():
