@@ -5,6 +5,7 @@ defined in tools/league.py's docstring."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -242,10 +243,12 @@ def write_league(args, spent: dict, metrics: dict, runs: list[dict], done: dict,
         folder = args.record if os.path.isdir(args.record) or args.record.endswith(("/", os.sep)) else (
             os.path.dirname(os.path.abspath(args.record)))
         os.makedirs(folder, exist_ok=True)
-        figure = f"{args.record_id or fields['id']}.png"
-        drawn = plot_gains(record, os.path.join(folder, figure)) is None
-        with open(tool_record(args, **fields, headline=headline, figure=figure if drawn else None)) as f:
+        figure = f"{args.record_id or fields['id']}.png" if importlib.util.find_spec("matplotlib") else None
+        # the record first: its commit is the tree's before this writes anything tracked (the figure)
+        with open(tool_record(args, **fields, headline=headline, figure=figure)) as f:
             record = json.load(f)
+        if figure:
+            plot_gains(record, os.path.join(folder, figure))
     results = [{k: v for k, v in r.items() if k != "per_problem"} for r in done.values()]
     payload = {"budget": spent, "missing": missing_runs(runs, done, failed), "record": record, "runs": results}
     write_atomic(os.path.join(args.out, "league.json"), json.dumps(payload, indent=1) + "\n")
