@@ -122,8 +122,9 @@ def table_groups(metrics: dict[str, tuple[str, str]]) -> list:
     reference, the other metrics, the budget spent, and the mechanisms' signals; each with the method first."""
     first, others = next(iter(metrics)), [k for k in metrics][1:]
     parts = ("before", "after", "gain", "se", "seed_min", "seed_max")
+    against = ["vs_grpo", "vs_grpo_se", "below_grpo"]
     return [[f"{metrics[first][1].capitalize()}, and against {REFERENCE}",
-             ["method", "seeds", "missing"] + [f"{first}_{p}" for p in parts] + ["vs_grpo", "vs_grpo_se", "below_grpo"]],
+             ["method", "seeds", "missing"] + [f"{first}_{p}" for p in parts] + against],
             [" and ".join(metrics[k][1] for k in others).capitalize(),
              ["method"] + [f"{k}_{p}" for k in others for p in parts]],
             ["The budget each method spent and its own settings (means over its seeds)",
