@@ -68,14 +68,16 @@ def per_problem_gain(runs: list[dict], metric: str) -> tuple[dict[str, float], d
     return before, after
 
 
-def seed_se(runs: list[dict], metric: str, problems: list[str]) -> float | None:
-    """The standard error over the seeds of ``runs`` of their seed-level gains (the mean over ``problems`` of each
-    seed's after - before): sd_s / sqrt(S), Bessel-corrected; None with fewer than two seeds."""
-    if len(runs) < 2:
-        return None
+def seed_gains(runs: list[dict], metric: str, problems: list[str]) -> list[float]:
+    """Each of ``runs``' seed-level gain: the mean over ``problems`` of its after - before."""
     values = [r["per_problem"][metric] for r in runs]
-    gains = [statistics.fmean(v["after"][p] - v["before"][p] for p in problems) for v in values]
-    return statistics.stdev(gains) / math.sqrt(len(gains))
+    return [statistics.fmean(v["after"][p] - v["before"][p] for p in problems) for v in values]
+
+
+def seed_se(gains: list[float]) -> float | None:
+    """The standard error over the seeds of their seed-level ``gains``: sd_s / sqrt(S), Bessel-corrected; None with
+    fewer than two seeds."""
+    return statistics.stdev(gains) / math.sqrt(len(gains)) if len(gains) >= 2 else None
 
 
 def combined_se(*parts: float | None) -> float | None:
@@ -92,9 +94,8 @@ def gain(runs: list[dict], metric: str) -> dict:
     if averaged is None or not averaged[0]:
         return {}
     before, after = averaged
-    seeds = [statistics.fmean(r["per_problem"][metric]["after"][s] - r["per_problem"][metric]["before"][s]
-                              for s in before) for r in runs]
-    problems, over_seeds = paired_se(before, after), seed_se(runs, metric, list(before))
+    seeds = seed_gains(runs, metric, list(before))
+    problems, over_seeds = paired_se(before, after), seed_se(seeds)
     return {"before": statistics.fmean(before.values()), "after": statistics.fmean(after.values()),
             "gain": statistics.fmean(after[s] - before[s] for s in before), "se": combined_se(problems, over_seeds),
             "se_problems": problems, "se_seeds": over_seeds, "seed_min": min(seeds), "seed_max": max(seeds)}
@@ -113,7 +114,8 @@ def versus(runs: list[dict], reference: list[dict], metric: str) -> dict:
     d_ours = {s: ours[1][s] - ours[0][s] for s in common}
     d_theirs = {s: theirs[1][s] - theirs[0][s] for s in common}
     diff = statistics.fmean(d_ours[s] - d_theirs[s] for s in common)
-    se = combined_se(paired_se(d_theirs, d_ours), seed_se(runs, metric, common), seed_se(reference, metric, common))
+    se = combined_se(paired_se(d_theirs, d_ours), seed_se(seed_gains(runs, metric, common)),
+                     seed_se(seed_gains(reference, metric, common)))
     return {"diff": diff, "se": se, "below": None if se is None else diff < -FLAG_SE * se}
 
 
@@ -241,15 +243,13 @@ def write_league(args, spent: dict, metrics: dict, runs: list[dict], done: dict,
     headline = fields.pop("headline")
     record = make_record(**fields, command=args.record_command)  # what the record holds, written or not
     if final and args.record:
-        folder = args.record if os.path.isdir(args.record) or args.record.endswith(("/", os.sep)) else (
-            os.path.dirname(os.path.abspath(args.record)))
-        os.makedirs(folder, exist_ok=True)
         figure = f"{args.record_id or fields['id']}.png" if importlib.util.find_spec("matplotlib") else None
-        # the record first: its commit is the tree's before this writes anything tracked (the figure)
-        with open(tool_record(args, **fields, headline=headline, figure=figure)) as f:
+        # the record first: its commit is the tree's before this writes anything tracked (the figure beside it)
+        path = tool_record(args, **fields, headline=headline, figure=figure)
+        with open(path) as f:
             record = json.load(f)
         if figure:
-            plot_gains(record, os.path.join(folder, figure))
+            plot_gains(record, os.path.join(os.path.dirname(os.path.abspath(path)), figure))
     results = [{k: v for k, v in r.items() if k != "per_problem"} for r in done.values()]
     payload = {"budget": spent, "missing": missing_runs(runs, done, failed), "record": record, "runs": results}
     write_atomic(os.path.join(args.out, "league.json"), json.dumps(payload, indent=1) + "\n")
