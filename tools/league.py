@@ -42,8 +42,13 @@ values included, go at once into ``run.json`` there (written whole: a temporary 
 ``run.json``) is rerun from scratch: its folder is emptied first. It is not resumed from a checkpoint: checkpointing
 is off (a full model with its optimizer's states, each run), and a resumed run would mix two processes' timings. A
 complete run made with other settings (budget, precision, evaluation, overlays) is refused before anything starts:
-name another ``--out``. After every run, and at the end, ``<out>/league.md`` and ``league.json`` hold the table of
-what has finished and list every run still missing (not run yet, or failed and why).
+name another ``--out``. With ``--keep DIR`` each finished run's ``run.json`` is also written whole as
+``DIR/<method>-seed<seed>.json`` (results and per-problem values; no logs, no weights): commit that folder, and a
+league spread over sittings on fresh machines resumes from it, a run kept there counting as finished (its signals
+are those its ``run.json`` holds where its log is not there). SIGTERM (or SIGINT) stops a league: the runs under way
+are ended and count as not finished, no other starts, and the table is written. After every run, and at the end,
+``<out>/league.md`` and ``league.json`` hold the table of what has finished and list every run still missing (not
+run yet, or failed and why).
 
 **Statistics** (tools/league_report.py), per method over its finished seeds s = 1..S and the held-out problems
 p = 1..P they share, for each metric (greedy accuracy, avg@k, pass@k): d_sp = after_sp - before_sp, the per-problem
@@ -81,10 +86,10 @@ default ``<out>/league.md``) and runs nothing.
 
 Full league (SmolLM2-135M-Instruct, arithmetic, CPU; 24 runs; hours):
 
-    .venv/bin/python tools/league.py --record docs/results/league.json
+    .venv/bin/python tools/league.py --curve-every 10 --keep docs/results/league-runs --record docs/results/league.json
 
-A league stopped partway (Ctrl-C: the runs under way are lost, those finished are kept) gets its partial record
-with the same command and ``--no-run``, which starts nothing.
+A league stopped partway (Ctrl-C, or ``kill`` its process: the runs under way are lost, those finished are kept)
+gets its partial record with the same command and ``--no-run``, which starts nothing.
 
 Smoke run (seconds a run; proves the pipeline, not the methods):
 
@@ -99,8 +104,10 @@ import glob
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
@@ -123,6 +130,10 @@ BASELINES = ["rloo", "dr_grpo", "reinforce_pp", "remax", "gspo", "cispo"]
 """Methods run over ``--baseline-seeds``."""
 SUMMARY = "run.json"
 """A run's results, in its folder; complete once the run finished."""
+STOP = threading.Event()
+"""Set by SIGTERM or SIGINT: no run starts after it."""
+RUNNING: set[subprocess.Popen] = set()
+"""The runs under way (their processes), ended when the league is stopped."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -132,6 +143,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help=f"Seeds of {', '.join(MAIN)}.")
     p.add_argument("--baseline-seeds", nargs="+", type=int, default=[0], help=f"Seeds of {', '.join(BASELINES)}.")
     p.add_argument("--out", default="runs/league", help="Folder of the runs, league.md and league.json.")
+    p.add_argument("--keep", metavar="DIR", help="Also write each finished run's run.json as DIR/<method>-seed<seed>"
+                                                 ".json (commit it); a run kept there counts as finished.")
     p.add_argument("--jobs", type=int, default=2, help="Runs side by side (each with one thread).")
     p.add_argument("--quickstart", default="recipes/quickstart.yaml", help="The recipe the budget is read from.")
     p.add_argument("--steps", type=int, help="Rollouts with a policy update (default: the quickstart's).")
@@ -241,14 +254,34 @@ def overlay(run: dict, spent: dict, prompts: int | None = None, group: int | Non
 
 
 def launch(cmd: list[str], log_path: str) -> int:
-    """Run ``cmd`` from the repository root with one thread, its output in ``log_path``; its exit status."""
+    """Run ``cmd`` from the repository root with one thread, its output in ``log_path``; its exit status (ended,
+    and counted as failed, when the league is stopped)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     with open(log_path, "w") as log:
-        return subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
+        process = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        RUNNING.add(process)
+        try:
+            if STOP.is_set():  # stopped while this one was starting
+                process.terminate()
+            return process.wait()
+        finally:
+            RUNNING.discard(process)
 
 
-def run_one(run: dict, spent: dict, configs: list[str]) -> dict:
-    """One run from scratch in its folder; its ``run.json`` written whole when it ends (complete or not)."""
+def stop(signum: int, _frame) -> None:
+    """The league's SIGTERM and SIGINT handler: no run starts after it, and the runs under way are ended."""
+    STOP.set()
+    print(f"league: stopping ({signal.Signals(signum).name}): ending {len(RUNNING)} run(s) under way; "
+          "they count as not finished", file=sys.stderr, flush=True)
+    for process in list(RUNNING):
+        process.terminate()
+
+
+def run_one(run: dict, spent: dict, configs: list[str]) -> dict | None:
+    """One run from scratch in its folder; its ``run.json`` written whole when it ends (complete or not). None where
+    the league was stopped before it started."""
+    if STOP.is_set():
+        return None
     folder = run["dir"]
     shutil.rmtree(folder, ignore_errors=True)  # a run that did not finish starts again from nothing
     os.makedirs(folder)
@@ -292,7 +325,7 @@ def run_one(run: dict, spent: dict, configs: list[str]) -> dict:
 
 def finish(folder: str, result: dict) -> dict:
     """Write ``result`` as the run's ``run.json``, whole, and return it."""
-    write_atomic(os.path.join(folder, SUMMARY), json.dumps(result, indent=1) + "\n")
+    save(os.path.join(folder, SUMMARY), result)
     return result
 
 
@@ -349,29 +382,57 @@ def signals(scalars: dict[str, list[float]]) -> dict:
     return {**out, **{k: v for k, v in found.items() if v is not None}}
 
 
-def read_done(runs: list[dict]) -> dict[tuple[str, int], dict]:
-    """The complete ``run.json`` of each planned run that has one, its ``signals`` read again from its log where
-    the log is there (so that the table's signals are those this code defines, also for runs finished before)."""
+def kept_path(keep: str, method: str, seed: int) -> str:
+    """Where ``--keep`` holds a finished run's ``run.json``."""
+    return os.path.join(keep, f"{method}-seed{seed}.json")
+
+
+def _complete(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            result = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return result if result.get("complete") else None
+
+
+def read_done(runs: list[dict], keep: str | None = None) -> dict[tuple[str, int], dict]:
+    """The complete ``run.json`` of each planned run that has one, in its folder or else kept in ``keep``; its
+    ``signals`` read again from its log where the log is there (so that the table's signals are those this code
+    defines, also for runs finished before). A finished run not kept yet is written to ``keep``."""
     done = {}
     for run in runs:
-        try:
-            with open(os.path.join(run["dir"], SUMMARY)) as f:
-                result = json.load(f)
-        except (OSError, ValueError):
+        result = _complete(os.path.join(run["dir"], SUMMARY))
+        kept = kept_path(keep, run["method"], run["seed"]) if keep else None
+        if result is None and kept:
+            result = _complete(kept)
+        elif result is not None and kept and not os.path.isfile(kept):
+            save(kept, result)
+        if result is None:
             continue
-        if result.get("complete"):
-            log_dir = os.path.join(run["dir"], result.get("log_dir") or "-")
-            if os.path.isdir(log_dir):
-                result["signals"] = signals(read_scalars(log_dir))
-            done[run["method"], run["seed"]] = result
+        log_dir = os.path.join(run["dir"], result.get("log_dir") or "-")
+        if os.path.isdir(log_dir):
+            result["signals"] = signals(read_scalars(log_dir))
+        done[run["method"], run["seed"]] = result
     return done
 
 
-def collect(result: dict, done: dict, failed: dict, out: str) -> None:
-    """File a run's ``result`` under ``done`` or ``failed`` (and say where its log is)."""
+def save(path: str, result: dict) -> None:
+    """Write ``result`` at ``path`` whole (a temporary file, renamed)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    write_atomic(path, json.dumps(result, indent=1) + "\n")
+
+
+def collect(result: dict | None, done: dict, failed: dict, out: str, keep: str | None = None) -> None:
+    """File a run's ``result`` under ``done`` (and ``keep``) or ``failed`` (and say where its log is); a run that
+    never started (None) under neither."""
+    if result is None:
+        return
     key = (result["method"], result["seed"])
     if result["complete"]:
         done[key] = result
+        if keep:
+            save(kept_path(keep, *key), result)
         return
     failed[key] = result
     print(f"league: {key[0]} seed {key[1]} failed (exit {result.get('returncode')}"
@@ -395,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out = os.path.abspath(args.out)
     os.makedirs(args.out, exist_ok=True)
     spent, runs = budget(args), plan(args)
-    done = read_done(runs)
+    done = read_done(runs, args.keep)
     other = [f"{r['dir']}" for r in runs if (r["method"], r["seed"]) in done
              and done[r["method"], r["seed"]]["settings"] != settings(r, spent, args.config)]
     if other:
@@ -405,16 +466,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"league: {len(runs)} runs, {len(done)} finished already, {len(todo)} to run", flush=True)
     metrics = metric_keys(spent["k"])
     write_league(args, spent, metrics, runs, done, failed)
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        futures = [pool.submit(run_one, r, spent, args.config) for r in todo]
-        try:
-            for future in as_completed(futures):
-                collect(future.result(), done, failed, args.out)
+    STOP.clear()
+    handlers = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)} if todo else {}
+    try:
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            for future in as_completed([pool.submit(run_one, r, spent, args.config) for r in todo]):
+                collect(future.result(), done, failed, args.out, args.keep)
                 write_league(args, spent, metrics, runs, done, failed)
-        except KeyboardInterrupt:
-            for pending in futures:  # the runs not started stay so; the running ones got the signal too
-                pending.cancel()
-            raise
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+    if STOP.is_set():
+        print("league: stopped; the same command resumes it", file=sys.stderr)
     write_league(args, spent, metrics, runs, done, failed, final=True)
     print(machine_line())
     print(f"finished={len(done)} missing={len(runs) - len(done)}")

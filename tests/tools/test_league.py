@@ -6,6 +6,12 @@ error and the flag against GRPO, on per-problem numbers worked out by hand."""
 import importlib.util
 import json
 import math
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
 
 import pytest
 import yaml
@@ -128,6 +134,47 @@ def test_a_smoke_league_records_every_run_and_a_rerun_launches_only_what_did_not
     assert league.main(argv + ["--no-run", "--record", str(tmp_path / "again" / "league.json")]) == 0
     (again,) = load_records(str(tmp_path / "again"))
     assert 0 <= again["rows"][0]["clipfrac_low"] <= 1
+
+
+@pytest.mark.slow  # two `rllight fit` child processes
+def test_a_league_resumes_on_a_fresh_machine_from_the_runs_it_kept(tmp_path, tiny_overlay, monkeypatch):
+    league = load_tool("league")
+    out, keep = tmp_path / "league", tmp_path / "kept"
+    argv = ["--methods", "grpo", "--seeds", "0", "1", *SMOKE, "--config", tiny_overlay, "--out", str(out)]
+    assert league.main(argv + ["--keep", str(keep)]) == 0
+    for seed in (0, 1):
+        run = json.loads((out / "grpo" / f"seed{seed}" / "run.json").read_text())
+        assert json.loads((keep / f"grpo-seed{seed}.json").read_text()) == run and run["complete"]
+    # A run finished before --keep was named (or whose kept file is gone) is kept when the league next reads it.
+    (keep / "grpo-seed1.json").unlink()
+    kept = argv + ["--keep", str(keep), "--no-run", "--record"]
+    assert league.main(kept + [str(tmp_path / "first" / "league.json")]) == 0
+    assert json.loads((keep / "grpo-seed1.json").read_text()) == run
+    # A fresh machine: the runs' folders are gone, the kept files are there. Nothing runs; the record is the same.
+    shutil.rmtree(out)
+    monkeypatch.setattr(league, "launch", lambda cmd, log_path: pytest.fail(f"launched {cmd}"))
+    assert league.main(kept + [str(tmp_path / "fresh" / "league.json")]) == 0
+    (first,), (fresh,) = load_records(str(tmp_path / "first")), load_records(str(tmp_path / "fresh"))
+    assert fresh["rows"] == first["rows"] and [r["seeds"] for r in fresh["rows"]] == ["0, 1"]
+    # Without the kept files, the same league has nothing finished.
+    assert league.main(argv + ["--no-run"]) == 1
+
+
+def test_a_stopped_league_ends_its_runs_under_way_and_starts_no_other(monkeypatch):
+    league = load_tool("league")
+    league.STOP.clear()
+    codes = []
+    started = time.monotonic()
+    worker = threading.Thread(target=lambda: codes.append(
+        league.launch([sys.executable, "-c", "import time; time.sleep(120)"], os.devnull)))
+    worker.start()
+    while not league.RUNNING and time.monotonic() - started < 60:
+        time.sleep(0.05)
+    league.stop(signal.SIGTERM, None)
+    worker.join(timeout=60)
+    assert codes and codes[0] != 0 and not league.RUNNING  # ended, counted as not finished
+    assert league.run_one({"method": "grpo", "seed": 0, "dir": "never"}, {}, []) is None  # no run starts after
+    league.STOP.clear()
 
 
 def _run(seed: int, before: dict, after: dict) -> dict:
