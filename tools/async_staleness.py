@@ -30,8 +30,8 @@ Every run starts from the same weights with the same seed and prompt order, and 
 batch of samples at every k (the worker's stream starts as a copy of the trainer's; at k = 0 the worker draws from
 the trainer's own). After that the arms draw different samples (their policies and streams differ), so a
 comparison needs several seeds (``--seeds 0 1 2``: every loss and staleness once per seed, folders
-``<loss>-k<k>-s<seed>``; the record's row of a loss and staleness is over its seeds). Each run is evaluated before and after training on the same 200
-held-out problems (the quickstart's evaluation: a greedy answer and 4 samples each).
+``<loss>-k<k>-s<seed>``; the record's row of a loss and staleness is over its seeds). Each run is evaluated before
+and after training on the same 200 held-out problems (the quickstart's evaluation: a greedy answer and 4 samples each).
 The table: greedy accuracy before and after (± standard error of the difference), the mean training reward
 over the first and the last third of the steps, the measured staleness (mean over steps), and stability: the
 largest gap between the trainer's and the sampler's log-probs of the sampled tokens (a step's mean of
@@ -43,7 +43,10 @@ Usage (on 2 CPU cores each run takes about as long as the quickstart, plus the w
 
     .venv/bin/python tools/async_staleness.py [--steps 40] [--staleness 0,1,4]
         [--algos grpo,grpo-tis,vespo,vespo-engine] [--seeds 0 1 2] [--parallel 1] [--out runs/async-staleness]
-        [--config extra.yaml ...] [--skip-done] [--worker-timeout 3600]
+        [--config extra.yaml ...] [--skip-done] [--keep DIR] [--worker-timeout 3600]
+
+``--keep DIR`` (e.g. ``docs/results/async-staleness-runs``, committed) keeps each finished run's results beside the
+settings it ran under, so that a table of many seeds can be made over several sittings on fresh machines.
 
 ``--record PATH`` also writes the table as a record for docs/results/ (``rllight.app.records``; id ``async-staleness``):
 one row per run, its values as printed, the number of runs that finished in the summary; only when every run
@@ -72,6 +75,7 @@ import time
 import yaml
 
 from rllight.app.records import add_record_options, check_record_options, printed
+from rllight.evaluation.files import write_atomic
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -126,6 +130,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="runs/async-staleness")
     p.add_argument("--skip-done", action="store_true",
                    help="Reuse the runs in --out that finished with the same settings (resume an interrupted table).")
+    p.add_argument("--keep", metavar="DIR",
+                   help="Also write each finished run's results as DIR/<loss>-k<k>-s<seed>.json (commit it), and "
+                        "reuse a run kept there with the same settings: a table spread over sittings on fresh "
+                        "machines resumes from it.")
     add_record_options(p, id="async-staleness", section="Asynchronous and stale rollouts")
     args = p.parse_args(argv)
     check_record_options(p, args, argv, __file__)
@@ -147,7 +155,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--config '{path}': no such file")
     args.config = [os.path.abspath(c) for c in args.config]
     args.out = os.path.abspath(args.out)
+    args.keep = os.path.abspath(args.keep) if args.keep else None
     return args
+
+
+def settings_of(args: argparse.Namespace, algo: str, staleness: int, seed: int) -> dict:
+    """What a run measures under, free of this machine's paths: a kept run of other settings is not reused."""
+    return {"overlay": overlay(args, algo, staleness, "<run>", seed),
+            "configs": [os.path.relpath(c, ROOT) for c in args.config]}
+
+
+def kept_result(args: argparse.Namespace, name: str, settings: dict) -> dict | None:
+    """The results kept (``--keep``) of the run ``name`` made with ``settings``, else None."""
+    if not args.keep:
+        return None
+    try:
+        with open(os.path.join(args.keep, f"{name}.json")) as f:
+            kept = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return kept["result"] if kept.get("settings") == settings else None
 
 
 def overlay(args: argparse.Namespace, algo: str, staleness: int, run_dir: str, seed: int | None = None) -> dict:
@@ -192,20 +219,26 @@ def start_run(args: argparse.Namespace, algo: str, staleness: int, seed: int) ->
     text = yaml.safe_dump(overlay(args, algo, staleness, run_dir, seed), sort_keys=False)
     cmd = [sys.executable, "-m", "rllight", "fit", "--config", os.path.join(ROOT, "recipes", "quickstart.yaml"),
            "--config", path, *[a for c in args.config for a in ("--config", c)]]
+    settings = settings_of(args, algo, staleness, seed)
+    kept = kept_result(args, name, settings)
+    if kept is not None:
+        print(f"async_staleness: {name}: kept in {args.keep} with the same settings, reused", flush=True)
+        return {"name": name, "kept": kept}
     done = os.path.join(run_dir, "finished.json")
     if args.skip_done and os.path.isfile(done) and os.path.isfile(path):
         with open(path) as f, open(done) as g:
             if f.read() == text and json.load(g).get("cmd") == cmd:  # the same run finished before: reuse it
                 print(f"async_staleness: {name}: finished before with the same settings, reused", flush=True)
                 return {"name": name, "algo": algo, "staleness": staleness, "seed": seed, "run_dir": run_dir,
-                        "proc": None, "log": None, "start": time.perf_counter(), "cmd": cmd}
+                        "proc": None, "log": None, "start": time.perf_counter(), "cmd": cmd,
+                        "keep": args.keep, "settings": settings}
     with open(path, "w") as f:
         f.write(text)
     print(f"async_staleness: {name}: {' '.join(cmd)}", flush=True)
     log_file = open(os.path.join(run_dir, "stdout.log"), "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)
     return {"name": name, "algo": algo, "staleness": staleness, "seed": seed, "run_dir": run_dir, "proc": proc,
-            "log": log_file, "start": time.perf_counter(), "cmd": cmd}
+            "log": log_file, "start": time.perf_counter(), "cmd": cmd, "keep": args.keep, "settings": settings}
 
 
 def _finite(values: list[float]) -> bool:
@@ -217,6 +250,18 @@ def _mean(values: list[float]) -> float | None:
 
 
 def finish_run(run: dict) -> dict:
+    """A run's results once it ended (read from its logs), kept (``--keep``) where it finished."""
+    if "kept" in run:  # its logs may be on another machine: only the figures lack it
+        return {**run["kept"], "log_dir": run["kept"]["log_dir"] if os.path.isdir(run["kept"]["log_dir"]) else None}
+    result = read_run(run)
+    if run.get("keep") and result.get("accuracy_after") is not None:
+        os.makedirs(run["keep"], exist_ok=True)
+        write_atomic(os.path.join(run["keep"], f"{run['name']}.json"),
+                     json.dumps({"settings": run["settings"], "result": result}, indent=1) + "\n")
+    return result
+
+
+def read_run(run: dict) -> dict:
     reused = run["proc"] is None
     code = 0 if reused else run["proc"].wait()
     if not reused:
@@ -263,7 +308,8 @@ def table(results: list[dict]) -> str:
                          "| |")
             continue
         lines.append(
-            f"| {r['algo']} | {r['staleness']} | {r['seed']} | {r['accuracy_before']:.3f} → {r['accuracy_after']:.3f} "
+            f"| {r['algo']} | {r['staleness']} | {r['seed']} | "
+            f"{r['accuracy_before']:.3f} → {r['accuracy_after']:.3f} "
             f"({r['difference']:+.3f} ± {r['stderr_of_difference']:.3f}) | {fmt(r['reward_first'], '.3f')} → "
             f"{fmt(r['reward_last'], '.3f')} | {fmt(r['staleness_mean'], '.2f')} / {r['staleness_max']:.0f} | "
             f"{r['lag_max']:.3g} | {r['grad_norm_max']:.3g} | {'yes' if r['finite'] else 'NO'} |")
@@ -278,10 +324,19 @@ RECORD_COLUMNS = [["algo", "loss"], ["staleness", "max_staleness"], ["seeds", "s
                   ["staleness_mean", "staleness mean", ".2f"], ["staleness_max", "max", ".0f"],
                   ["lag_max", "max trainer-sampler log-prob gap", ".3g"], ["grad_norm_max", "max grad norm", ".3g"],
                   ["finite", "finite"]]
-"""One row per loss and staleness over its seeds: the accuracy after, the difference, the paired standard error,
-the train rewards and the measured staleness are means over the seeds; the seed min and max are the seed-level
-differences'; the log-prob gap, gradient norm and staleness maximum are the largest of any seed; finite, whether
-every seed stayed finite."""
+"""One row per loss and staleness over its seeds: the accuracy after, the difference, the train rewards and the
+measured staleness are means over the seeds; the standard error is ``difference_se``'s; the seed min and max are
+the seed-level differences'; the log-prob gap, gradient norm and staleness maximum are the largest of any seed;
+finite, whether every seed stayed finite."""
+
+
+def difference_se(runs: list[dict]) -> float:
+    """The standard error of the difference's mean over the seeds ``runs``: the root of the sum of the squares of
+    the problems' part (the mean of the seeds' paired standard errors) and the seeds' part (sd of the seed-level
+    differences / sqrt(S), Bessel-corrected; none with one seed), as tools/league_report.py combines them."""
+    problems = statistics.fmean(r["stderr_of_difference"] for r in runs)
+    seeds = statistics.stdev(r["difference"] for r in runs) / math.sqrt(len(runs)) if len(runs) >= 2 else 0.0
+    return math.sqrt(problems**2 + seeds**2)
 
 
 def record_row(runs: list[dict]) -> dict:
@@ -295,7 +350,7 @@ def record_row(runs: list[dict]) -> dict:
             "accuracy_before": printed(first["accuracy_before"], ".3f"),
             "accuracy_after": printed(mean("accuracy_after"), ".3f"), "difference": printed(mean("difference"), "+.3f"),
             "difference_min": printed(min(differences), "+.3f"), "difference_max": printed(max(differences), "+.3f"),
-            "difference_se": printed(mean("stderr_of_difference"), ".3f"),
+            "difference_se": printed(difference_se(runs), ".3f"),
             "reward_first": printed(mean("reward_first"), ".3f"), "reward_last": printed(mean("reward_last"), ".3f"),
             "staleness_mean": printed(mean("staleness_mean"), ".2f"),
             "staleness_max": printed(max(r["staleness_max"] for r in runs), ".0f"),
@@ -363,8 +418,10 @@ def main(argv: list[str] | None = None) -> int:
         note=f"Setup: {setup}. The quickstart with its rollouts from a worker process (max_staleness k, one update "
              "per step) and only the policy loss and k changed; at one seed every arm's first rollout is the same "
              "samples. Greedy accuracy on the same held-out problems before and after, the difference's mean over "
-             "the seeds with the seed-level min and max and the mean of the seeds' paired standard errors; the "
-             "train reward over the first and last third of the steps; the measured staleness; the largest mean "
+             "the seeds with the seed-level min and max, ± its standard error over the problems (the mean of the "
+             "seeds' paired standard errors) and the seeds (sd of the seed-level differences / sqrt(S)), the root of "
+             "the sum of both squared; the train reward over the first and last third of the steps; the measured "
+             "staleness; the largest mean "
              "|log pi_trainer - log pi_sampler| of a step and gradient norm; whether every logged number stayed "
              "finite.",
         columns=RECORD_COLUMNS, rows=[record_row(runs) for runs in by_arm(results)],

@@ -4,6 +4,7 @@ pipeline and the staleness it reports, not the methods)."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -69,8 +70,9 @@ def test_async_staleness_runs_a_masked_loss_one_step_stale_and_reports_it(tmp_pa
     argv = ["--steps", "2", "--staleness", "1", "--algos", "grpo-seq-mask", "--batch-size", "2", "--group-size",
             "4", "--val-size", "2", "--max-new-tokens", "4", "--lr", "0.01", "--parallel", "1",
             "--config", str(extra), "--out", str(out)]
+    keep = ["--keep", str(tmp_path / "kept")]
     record = tmp_path / "records" / "x.json"
-    run = subprocess.run([sys.executable, TOOL, *argv, "--record", str(record)], env=env, capture_output=True,
+    run = subprocess.run([sys.executable, TOOL, *argv, *keep, "--record", str(record)], env=env, capture_output=True,
                          text=True, timeout=900, check=False)
     assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
     results = {r["staleness"]: r for r in json.loads((out / "async_staleness.json").read_text())["results"]}
@@ -110,6 +112,14 @@ def test_async_staleness_runs_a_masked_loss_one_step_stale_and_reports_it(tmp_pa
     assert _tool().main([*argv, "--skip-done"]) == 0
     assert capsys.readouterr().out.count("finished before with the same settings, reused") == 1
     assert (out / "async_staleness.md").read_text() == table
+    # --keep resumes it on a fresh machine: the run folders are gone, the kept results are reused, the table is the
+    # same; with another learning rate the kept run is not this table's and runs again.
+    shutil.rmtree(out)
+    assert _tool().main([*argv, *keep]) == 0
+    assert capsys.readouterr().out.count("kept in") == 1
+    assert (out / "async_staleness.md").read_text() == table
+    other = _tool().parse_args([*argv[:argv.index("--lr") + 1], "0.02", *argv[argv.index("--lr") + 2:], *keep])
+    assert _tool().kept_result(other, "grpo-seq-mask-k1-s0", _tool().settings_of(other, "grpo-seq-mask", 1, 0)) is None
 
 
 def test_the_record_gives_each_loss_and_staleness_over_its_seeds():
@@ -122,11 +132,13 @@ def test_the_record_gives_each_loss_and_staleness_over_its_seeds():
     runs.append({"algo": "grpo", "staleness": 1, "seed": 3, "accuracy_after": None, "returncode": 1})  # failed
     (arm,) = tool.by_arm(runs)
     row = tool.record_row(arm)
-    # Means over the three finished seeds: difference (0.1 - 0.05 + 0.04) / 3 = 0.03, se 0.04, last third 0.4;
-    # the seed min and max of the difference; the largest gap; finite only if every seed was.
+    # Means over the three finished seeds: difference (0.1 - 0.05 + 0.04) / 3 = 0.03, last third 0.4; the se over
+    # the problems (mean 0.04) and the seeds (sd^2 = (0.07^2 + 0.08^2 + 0.01^2) / 2 = 0.0057, / 3 = 0.0019):
+    # sqrt(0.0016 + 0.0019) = 0.059; the seed min and max of the difference; the largest gap; finite only if every
+    # seed was.
     assert row == {"algo": "grpo", "staleness": 1, "seeds": "0, 1, 2", "accuracy_before": 0.34,
                    "accuracy_after": 0.37, "difference": 0.03, "difference_min": -0.05, "difference_max": 0.1,
-                   "difference_se": 0.04, "reward_first": 0.2, "reward_last": 0.4, "staleness_mean": 0.9,
+                   "difference_se": 0.059, "reward_first": 0.2, "reward_last": 0.4, "staleness_mean": 0.9,
                    "staleness_max": 1, "lag_max": 0.4, "grad_norm_max": 1.0, "finite": "NO"}
     assert tool.summary_of(runs) == pytest.approx({"before": 0.34, "grpo_k1": 0.03})
 
