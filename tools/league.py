@@ -4,6 +4,9 @@ Each method runs its recipe (``recipes/<method>.yaml``) as a subprocess, ``rllig
 <overlay> [--config <--config>...]``, once per seed; the runs go two at a time (``--jobs``), each with
 ``OMP_NUM_THREADS=1`` and ``MKL_NUM_THREADS=1``. Default seeds: 0, 1 and 2 for grpo, dapo, vapo, sppo, vespo and
 ppo; 0 for the baselines rloo, dr_grpo, reinforce_pp, remax, gspo and cispo (``--seeds``, ``--baseline-seeds``).
+A method may also be ``NAME=RECIPE``: a recipe, or an ablation overlay of recipes/ablations/, which runs on the base
+its first line names (``vespo_grpo_minibatch=recipes/ablations/vespo-grpo-minibatch.yaml``: VESPO at GRPO's updates
+per rollout), over ``--seeds``.
 
 The overlay gives every run the quickstart's budget, read from ``recipes/quickstart.yaml`` (``--quickstart``; a flat,
 complete recipe, read as written): its rollouts with a policy update (``trainer.max_steps`` over its updates per
@@ -13,10 +16,9 @@ precision. ``--steps``, ``--batch-size``, ``--group-size``, ``--max-new-tokens``
 and ``--precision`` replace them (smoke runs). What stays each recipe's own, and is stated in each row: the learning
 rates (the policy's, and a critic's where it has its own), the minibatching and every mechanism.
 
-The temperature is the quickstart's for every method, though several recipes sample at 1.0 as their papers do: it
-belongs to the model and the task more than to a method. At 1.0 SmolLM2-135M's answers to the arithmetic task are
-mostly noise, few of them right, and every method, a critic above all, would learn from a far sparser signal than at
-the quickstart's temperature; a method's own temperature would be a second difference between two rows.
+The temperature is the quickstart's for every method, though several recipes sample at 1.0 as their papers do: at
+1.0 SmolLM2-135M's answers to the arithmetic task are mostly noise, every method (a critic above all) would learn
+from a far sparser signal, and a method's own temperature would be a second difference between two rows.
 
 - **Budget.** Every run makes the same rollouts of the same number of responses: prompts x responses per prompt.
   A recipe that samples one response per prompt (sampler ``group_size: 1``: ppo, sppo, reinforce_pp, remax; its
@@ -139,7 +141,8 @@ RUNNING: set[subprocess.Popen] = set()
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--methods", nargs="+", default=MAIN + BASELINES,
-                   help="Methods: names of recipes/<name>.yaml, or NAME=RECIPE.yaml (run over --seeds).")
+                   help="Methods: names of recipes/<name>.yaml, or NAME=RECIPE.yaml (run over --seeds; an ablation "
+                        "overlay of recipes/ablations/ runs on the base its first line names).")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help=f"Seeds of {', '.join(MAIN)}.")
     p.add_argument("--baseline-seeds", nargs="+", type=int, default=[0], help=f"Seeds of {', '.join(BASELINES)}.")
     p.add_argument("--out", default="runs/league", help="Folder of the runs, league.md and league.json.")
@@ -223,6 +226,15 @@ def plan(args: argparse.Namespace) -> list[dict]:
             for s in seeds for m, (r, ss) in methods.items() if s in ss]
 
 
+def recipe_configs(recipe: str) -> list[str]:
+    """The configs a method's ``recipe`` stands for: an overlay under recipes/ablations/ names its base on its first
+    line (``# base: recipes/vespo.yaml``, a recipe and overlays, space-separated) and comes after it; any other
+    recipe stands alone."""
+    with open(os.path.join(ROOT, recipe)) as f:
+        first = f.readline()
+    return [*first[len("# base: "):].split(), recipe] if first.startswith("# base: ") else [recipe]
+
+
 def settings(run: dict, spent: dict, configs: list[str]) -> dict:
     """What a run measures under: a complete run made under other settings is not this league's."""
     return {"recipe": run["recipe"], "seed": run["seed"], **spent, "configs": configs,
@@ -287,7 +299,8 @@ def run_one(run: dict, spent: dict, configs: list[str]) -> dict | None:
     os.makedirs(folder)
     path = os.path.join(folder, "overlay.yaml")
     extra = [a for c in configs for a in ("--config", c)]
-    cmd = [sys.executable, "-m", "rllight", "fit", "--config", run["recipe"], "--config", path, *extra]
+    recipe = [a for c in recipe_configs(run["recipe"]) for a in ("--config", c)]
+    cmd = [sys.executable, "-m", "rllight", "fit", *recipe, "--config", path, *extra]
     result = {"method": run["method"], "seed": run["seed"], "recipe": run["recipe"], "complete": False,
               "settings": settings(run, spent, configs)}
     with open(path, "w") as f:
@@ -382,8 +395,7 @@ def signals(scalars: dict[str, list[float]]) -> dict:
     return {**out, **{k: v for k, v in found.items() if v is not None}}
 
 
-def kept_path(keep: str, method: str, seed: int) -> str:
-    """Where ``--keep`` holds a finished run's ``run.json``."""
+def kept_path(keep: str, method: str, seed: int) -> str:  # where --keep holds a finished run's run.json
     return os.path.join(keep, f"{method}-seed{seed}.json")
 
 

@@ -282,3 +282,18 @@ def test_the_table_names_the_missing_runs_and_the_page_shows_what_was_measured(t
     assert "| worse | 0 | 1 |" in text and "Missing: worse seed 1" in text
     drawn = (tmp_path / "league.png").is_file()
     assert drawn != ("No figure: matplotlib is not installed." in text)
+
+
+def test_an_ablation_method_runs_on_the_base_its_first_line_names():
+    league = load_tool("league")
+    ablation = "recipes/ablations/vespo-grpo-minibatch.yaml"
+    assert league.recipe_configs("recipes/vespo.yaml") == ["recipes/vespo.yaml"]
+    assert league.recipe_configs(ablation) == ["recipes/vespo.yaml", ablation]
+    (run,) = league.plan(league.parse_args(["--methods", f"vespo_mb16={ablation}", "--seeds", "1"]))
+    assert (run["method"], run["recipe"], run["seed"]) == ("vespo_mb16", ablation, 1)
+    # What it resolves to: VESPO's objective and loss, GRPO's minibatches.
+    config = league.resolved_config([sys.executable, "-m", "rllight", "fit",
+                                     *[a for c in league.recipe_configs(ablation) for a in ("--config", c)]])
+    assert config["model"]["policy_loss"]["class_path"] == "rllight.strategies.VESPO"
+    assert config["model"]["batching"]["minibatch_size"] == 16
+    assert config["model"]["aggregation"]["class_path"] == "rllight.strategies.TokenMean"
