@@ -472,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     other = [f"{r['dir']}" for r in runs if (r["method"], r["seed"]) in done
              and done[r["method"], r["seed"]]["settings"] != settings(r, spent, args.config)]
     if other:
-        raise SystemExit(f"league: finished runs made with other settings: {', '.join(other)}; name another --out")
+        raise SystemExit(f"league: finished runs of other settings: {', '.join(other)}; name another --out, --keep")
     failed: dict[tuple[str, int], dict] = {}
     todo = [] if args.no_run else [r for r in runs if (r["method"], r["seed"]) not in done]
     print(f"league: {len(runs)} runs, {len(done)} finished already, {len(todo)} to run", flush=True)
