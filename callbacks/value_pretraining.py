@@ -46,7 +46,10 @@ class ValuePretraining(RolloutCallback):
 
     - ``window``: the criterion reads the loss and the explained variance of the last ``window`` fresh rollouts
       pooled (each token's value as the critic gave it before training on its rollout), rather than of the
-      latest alone.
+      latest alone. It starts once the window is full, after ``window`` rollouts: a best set on fewer is the noise
+      the window is there to average away (a first rollout with few right answers has a low loss only because
+      its returns hardly vary, and no later window would beat it), so ``patience`` counts from there (or from
+      ``max_steps``, where it is the smaller).
     - ``replay``: each fit also takes the ``replay`` pretraining rollouts before this one (their values scored
       again by the critic as it is, the clip's reference). While it pretrains the policy does not move, so they
       are samples of the same distribution as the fresh one: more data, not staler data. They are kept in
@@ -105,14 +108,15 @@ class ValuePretraining(RolloutCallback):
     def observe(self, loss: float, explained_variance: float) -> str | None:
         """Count one pretraining rollout with its held-out value loss and explained variance (NaN when
         undefined); returns why pretraining ends now (``"max_steps"`` or ``"settled"``), else None."""
-        improved = False
-        if loss < self.best_loss - self.min_delta:
-            self.best_loss, improved = loss, True
-        # NaN compares False: a rollout without an explained variance cannot improve it.
-        if explained_variance > self.best_explained_variance + self.min_delta_explained_variance:
-            self.best_explained_variance, improved = explained_variance, True
-        self.bad_steps = 0 if improved else self.bad_steps + 1
         self.steps_done += 1
+        if self.steps_done >= min(self.window, self.max_steps):  # a full window only (the class's docstring)
+            improved = False
+            if loss < self.best_loss - self.min_delta:
+                self.best_loss, improved = loss, True
+            # NaN compares False: a rollout without an explained variance cannot improve it.
+            if explained_variance > self.best_explained_variance + self.min_delta_explained_variance:
+                self.best_explained_variance, improved = explained_variance, True
+            self.bad_steps = 0 if improved else self.bad_steps + 1
         reason = ("max_steps" if self.steps_done >= self.max_steps
                   else "settled" if self.patience is not None and self.bad_steps >= self.patience else None)
         self.finished = reason is not None

@@ -308,6 +308,18 @@ def test_value_pretraining_pools_its_window_for_the_stopping_criterion():
     assert cb.best_explained_variance == pytest.approx(0.5)  # the criterion read the window, not the latest
 
 
+def test_value_pretraining_starts_its_criterion_once_the_window_is_full():
+    # Window 3, patience 2. The first rollout's loss is low only because its returns hardly vary (no explained
+    # variance). Read from the first rollout it would stay the best loss, and the criterion would stop at the 4th
+    # rollout (the explained variance improved once, at the 2nd). From a full window (the 3rd rollout on), the
+    # bests are the window's, and two rollouts in a row without an improvement come at the 5th.
+    cb = ValuePretraining(max_steps=30, patience=2, window=3)
+    sequence = [(0.01, math.nan), (0.05, 0.1), (0.05, 0.1), (0.05, 0.1), (0.05, 0.1), (0.05, 0.1)]
+    assert _observe_all(cb, sequence[:5]) == [None, None, None, None, "settled"]
+    assert cb.best_loss == pytest.approx(0.05) and cb.best_explained_variance == pytest.approx(0.1)
+    assert cb.steps_done == 5
+
+
 def test_value_pretraining_replays_its_latest_rollouts_with_values_scored_again():
     # replay 1: the 2nd fit takes the 2nd rollout (rewards 1, 0) and the 1st (rewards 0, 1), the 1st's values
     # scored again (0.7, 0.8: the critic as it is, not the 0.1, 0.2 it gave before its fit); the 3rd fit replays
