@@ -121,7 +121,7 @@ from before_after import evaluations, greedy_curve, read_step  # noqa: E402
 from compare import critic_summary, generated, read_scalars, resolved_config, updates_per_rollout  # noqa: E402
 from league_report import finite_mean, write_league, write_page  # noqa: E402
 
-from rllight.app.records import add_record_options, check_record_options  # noqa: E402
+from rllight.app.records import add_record_options, check_record_options, git_commit  # noqa: E402
 from rllight.evaluation.files import load_evaluation, write_atomic  # noqa: E402
 from rllight.machine import machine_line  # noqa: E402
 
@@ -301,8 +301,8 @@ def run_one(run: dict, spent: dict, configs: list[str]) -> dict | None:
     extra = [a for c in configs for a in ("--config", c)]
     recipe = [a for c in recipe_configs(run["recipe"]) for a in ("--config", c)]
     cmd = [sys.executable, "-m", "rllight", "fit", *recipe, "--config", path, *extra]
-    result = {"method": run["method"], "seed": run["seed"], "recipe": run["recipe"], "complete": False,
-              "settings": settings(run, spent, configs)}
+    result = {"method": run["method"], "seed": run["seed"], "recipe": run["recipe"], "complete": False, "settings":
+              settings(run, spent, configs), "commit": git_commit(), "machine": machine_line()[9:].split(", load")[0]}
     with open(path, "w") as f:
         yaml.safe_dump(overlay(run, spent), f, sort_keys=False)
     try:

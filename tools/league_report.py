@@ -5,6 +5,7 @@ defined in tools/league.py's docstring."""
 
 from __future__ import annotations
 
+import collections
 import importlib.util
 import json
 import math
@@ -199,6 +200,17 @@ def missing_runs(runs: list[dict], done: dict, failed: dict) -> list[str]:
     return out
 
 
+def where_run(done: dict) -> str:
+    """Where and on which code the finished runs ran (a league spans sittings, and machines): each machine line
+    and commit with its number of runs."""
+    def counted(key: str) -> str:
+        counts = collections.Counter(r.get(key) or "not recorded" for r in done.values())
+        return "; ".join(f"{value} ({n} run{'s' if n > 1 else ''})" for value, n in sorted(counts.items()))
+
+    return f"Runs made on: {counted('machine')}. Code (commit at each run's start): {counted('commit')}." if done \
+        else ""
+
+
 def league_fields(spent: dict, metrics: dict, runs: list[dict], done: dict, failed: dict) -> dict:
     """The record's fields (``tool_record``'s keywords) of the league so far."""
     order = {}
@@ -230,7 +242,7 @@ def league_fields(spent: dict, metrics: dict, runs: list[dict], done: dict, fail
              f"error over the problems and both methods' seeds; flagged where below -{FLAG_SE:g} standard errors. "
              "Means over seeds: RL steps, optimizer updates, "
              "responses and tokens generated, wall time and the mechanisms' signals. "
-             + (f"Missing: {'; '.join(missing)}." if missing else "No run is missing."),
+             + (f"Missing: {'; '.join(missing)}. " if missing else "No run is missing. ") + where_run(done),
         headline=", ".join(f"{m} {{{m}_greedy_gain:+.3f}} ± {{{m}_greedy_se:.3f}}" for m in shown) or None)
 
 

@@ -6,6 +6,7 @@ error and the flag against GRPO, on per-problem numbers worked out by hand."""
 import importlib.util
 import json
 import math
+import re
 import os
 import shutil
 import signal
@@ -60,10 +61,12 @@ def test_a_smoke_league_records_every_run_and_a_rerun_launches_only_what_did_not
         assert run["temperature"] == 0.7  # the quickstart's for every method (recipes/grpo.yaml samples at 1.0)
         assert run["settings"]["rollouts"] == 1 and run["settings"]["precision"] == "32-true"
         assert set(run["metrics"]) == set(run["per_problem"]) == {"greedy", "avg4", "pass4"}
+        assert re.fullmatch(r"[0-9a-f]{7,}(\+dirty)?|unknown", run["commit"]) and " cores, " in run["machine"]
         for metric in run["per_problem"].values():
             assert len(metric["before"]) == len(metric["after"]) == 4  # every held-out problem, to pair
     (record,) = load_records(str(tmp_path / "records"))
     assert record["id"] == "league" and [r["method"] for r in record["rows"]] == ["grpo", "rloo"]
+    assert f"Runs made on: {run['machine']} (4 runs)." in record["note"]
     # The results page shows it as four tables, each led by the method, and the figure drawn beside the record.
     assert [t[1][0] for t in record["tables"]] == ["method"] * 4 and "vs_grpo" in record["tables"][0][1]
     if importlib.util.find_spec("matplotlib"):
@@ -273,7 +276,7 @@ def test_the_table_names_the_missing_runs_and_the_page_shows_what_was_measured(t
     done = {("grpo", 0): GRPO[0], ("grpo", 1): GRPO[1], ("worse", 0): WORSE[0]}
     fields = report.league_fields(spent, {"greedy": ("val/greedy/avg@1", "greedy accuracy")}, runs, done,
                                   {("worse", 1): {"returncode": 1}})
-    assert fields["note"].endswith("Missing: worse seed 1: failed (exit 1).")
+    assert "Missing: worse seed 1: failed (exit 1). Runs made on: " in fields["note"]
     worse = fields["rows"][1]
     assert (worse["seeds"], worse["missing"]) == ("0", "1")
     assert worse["greedy_gain"] == -0.333 and worse["greedy_seed_min"] == worse["greedy_seed_max"] == -0.333
@@ -297,3 +300,14 @@ def test_an_ablation_method_runs_on_the_base_its_first_line_names():
     assert config["model"]["policy_loss"]["class_path"] == "rllight.strategies.VESPO"
     assert config["model"]["batching"]["minibatch_size"] == 16
     assert config["model"]["aggregation"]["class_path"] == "rllight.strategies.TokenMean"
+
+
+def test_the_record_says_on_which_machines_and_code_its_runs_were_made():
+    report = load_tool("league_report")
+    done = {("grpo", 0): {"machine": "Xeon, 2 cores", "commit": "abc1234"},
+            ("grpo", 1): {"machine": "EPYC, 2 cores", "commit": "def5678"},
+            ("dapo", 0): {"machine": "EPYC, 2 cores", "commit": "def5678"}, ("dapo", 1): {}}  # kept before they were
+    assert report.where_run(done) == ("Runs made on: EPYC, 2 cores (2 runs); Xeon, 2 cores (1 run); not recorded "
+                                      "(1 run). Code (commit at each run's start): abc1234 (1 run); def5678 (2 runs); "
+                                      "not recorded (1 run).")
+    assert report.where_run({}) == ""
