@@ -200,12 +200,15 @@ class SmolLM2Package(HFModel):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         log.info("converting %s to a Hugging Face folder in %s", self.GGUF, target)
-        quantised = AutoModelForCausalLM.from_pretrained(folder, gguf_file=self.GGUF, dtype=torch.float32)
-        # The loaded model's config less its GGUF loading note: reading the config from the file again would parse
-        # the GGUF metadata once more (seconds).
-        config = copy.deepcopy(quantised.config)
-        del config.quantization_config
-        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        # Building the models draws random initial weights: out of the run's random stream, so that a run that
+        # converts (the first on a machine) samples what the same run samples from the converted folder.
+        with torch.random.fork_rng(devices=[]):
+            quantised = AutoModelForCausalLM.from_pretrained(folder, gguf_file=self.GGUF, dtype=torch.float32)
+            # The loaded model's config less its GGUF loading note: reading the config from the file again would
+            # parse the GGUF metadata once more (seconds).
+            config = copy.deepcopy(quantised.config)
+            del config.quantization_config
+            plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         plain.load_state_dict(quantised.state_dict())
         plain.generation_config = quantised.generation_config
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=self.GGUF)

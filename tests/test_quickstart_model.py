@@ -3,6 +3,7 @@ samples with log-probs that the trainer reproduces, trains a step through the qu
 exports a folder that transformers reloads. Slow (about two minutes on 2 CPU cores)."""
 
 import os
+import random
 
 import pytest
 import torch
@@ -34,6 +35,16 @@ def test_conversion_is_a_plain_model_that_matches_the_gguf_weights(smollm2_dir):
     ids = torch.tensor([[1, 504, 3458, 314, 216, 33, 1232]])
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, gguf(ids).logits)
+
+
+def test_converting_leaves_the_random_stream_as_it_was(tmp_path):
+    # A run that converts the model (the first on a machine) must sample what the same run samples from the
+    # converted folder: the conversion's random initial weights are not drawn from the run's stream.
+    torch.manual_seed(2)
+    random.seed(2)
+    torch_state, python_state = torch.get_rng_state(), random.getstate()
+    SmolLM2Package(cache_dir=str(tmp_path / "SmolLM2")).resolve()
+    assert torch.equal(torch.get_rng_state(), torch_state) and random.getstate() == python_state
 
 
 def test_engine_and_trainer_logprobs_agree_on_the_real_model(smollm2_dir):
