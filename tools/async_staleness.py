@@ -75,7 +75,7 @@ import time
 import yaml
 
 from rllight.app.records import add_record_options, check_record_options, printed
-from rllight.evaluation.files import write_atomic
+from rllight.evaluation.files import write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -89,6 +89,7 @@ def _tool(name: str):
 
 compare = _tool("compare")  # its TensorBoard reader, report, and the record's accuracy columns
 plot = _tool("plot")  # where a run's logs are
+league_report = _tool("league_report")  # the standard error over problems and seeds
 
 CLIP = {"class_path": "rllight.strategies.ClippedSurrogate", "init_args": {"clip_low": 0.2, "clip_high": 0.2}}
 # recipes/vespo.yaml's kernel, its weight against the trainer's old log-probs (VESPO's default)
@@ -255,9 +256,7 @@ def finish_run(run: dict) -> dict:
         return {**run["kept"], "log_dir": run["kept"]["log_dir"] if os.path.isdir(run["kept"]["log_dir"]) else None}
     result = read_run(run)
     if run.get("keep") and result.get("accuracy_after") is not None:
-        os.makedirs(run["keep"], exist_ok=True)
-        write_atomic(os.path.join(run["keep"], f"{run['name']}.json"),
-                     json.dumps({"settings": run["settings"], "result": result}, indent=1) + "\n")
+        write_json(os.path.join(run["keep"], f"{run['name']}.json"), {"settings": run["settings"], "result": result})
     return result
 
 
@@ -335,8 +334,7 @@ def difference_se(runs: list[dict]) -> float:
     the problems' part (the mean of the seeds' paired standard errors) and the seeds' part (sd of the seed-level
     differences / sqrt(S), Bessel-corrected; none with one seed), as tools/league_report.py combines them."""
     problems = statistics.fmean(r["stderr_of_difference"] for r in runs)
-    seeds = statistics.stdev(r["difference"] for r in runs) / math.sqrt(len(runs)) if len(runs) >= 2 else 0.0
-    return math.sqrt(problems**2 + seeds**2)
+    return league_report.combined_se(problems, league_report.seed_se([r["difference"] for r in runs]))
 
 
 def record_row(runs: list[dict]) -> dict:

@@ -122,7 +122,7 @@ from compare import critic_summary, generated, read_scalars, resolved_config, up
 from league_report import finite_mean, write_league, write_page  # noqa: E402
 
 from rllight.app.records import add_record_options, check_record_options, git_commit  # noqa: E402
-from rllight.evaluation.files import load_evaluation, write_atomic  # noqa: E402
+from rllight.evaluation.files import load_evaluation, write_json  # noqa: E402
 from rllight.machine import machine_line  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -338,7 +338,7 @@ def run_one(run: dict, spent: dict, configs: list[str]) -> dict | None:
 
 def finish(folder: str, result: dict) -> dict:
     """Write ``result`` as the run's ``run.json``, whole, and return it."""
-    save(os.path.join(folder, SUMMARY), result)
+    write_json(os.path.join(folder, SUMMARY), result)
     return result
 
 
@@ -419,7 +419,7 @@ def read_done(runs: list[dict], keep: str | None = None) -> dict[tuple[str, int]
         if result is None and kept:
             result = _complete(kept)
         elif result is not None and kept and not os.path.isfile(kept):
-            save(kept, result)
+            write_json(kept, result)
         if result is None:
             continue
         log_dir = os.path.join(run["dir"], result.get("log_dir") or "-")
@@ -427,12 +427,6 @@ def read_done(runs: list[dict], keep: str | None = None) -> dict[tuple[str, int]
             result["signals"] = signals(read_scalars(log_dir))
         done[run["method"], run["seed"]] = result
     return done
-
-
-def save(path: str, result: dict) -> None:
-    """Write ``result`` at ``path`` whole (a temporary file, renamed)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    write_atomic(path, json.dumps(result, indent=1) + "\n")
 
 
 def collect(result: dict | None, done: dict, failed: dict, out: str, keep: str | None = None) -> None:
@@ -444,7 +438,7 @@ def collect(result: dict | None, done: dict, failed: dict, out: str, keep: str |
     if result["complete"]:
         done[key] = result
         if keep:
-            save(kept_path(keep, *key), result)
+            write_json(kept_path(keep, *key), result)
         return
     failed[key] = result
     print(f"league: {key[0]} seed {key[1]} failed (exit {result.get('returncode')}"

@@ -19,7 +19,7 @@ from results_pages import provenance, table, tables  # noqa: E402
 
 from rllight.app.records import make_record, printed, tool_record  # noqa: E402
 from rllight.evaluation import paired_se  # noqa: E402
-from rllight.evaluation.files import write_atomic  # noqa: E402
+from rllight.evaluation.files import write_atomic, write_json  # noqa: E402
 
 REFERENCE = "grpo"
 """The method every other is compared with (the flag column)."""
@@ -264,7 +264,7 @@ def write_league(args, spent: dict, metrics: dict, runs: list[dict], done: dict,
             plot_gains(record, os.path.join(os.path.dirname(os.path.abspath(path)), figure))
     results = [{k: v for k, v in r.items() if k != "per_problem"} for r in done.values()]
     payload = {"budget": spent, "missing": missing_runs(runs, done, failed), "record": record, "runs": results}
-    write_atomic(os.path.join(args.out, "league.json"), json.dumps(payload, indent=1) + "\n")
+    write_json(os.path.join(args.out, "league.json"), payload)
     write_page(record, args.page or os.path.join(args.out, "league.md"), plot=final)
     if final:
         print("\n".join(table(record["columns"][:[c[0] for c in record["columns"]].index("recipe")], record["rows"])))

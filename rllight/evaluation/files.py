@@ -23,6 +23,12 @@ def write_atomic(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+def write_json(path: str, value) -> None:
+    """Write ``value`` as indented JSON at ``path`` whole (``write_atomic``), creating its folder if missing."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    write_atomic(path, json.dumps(value, indent=1) + "\n")
+
+
 def save_evaluation(directory: str, name: str, metrics: dict[str, float], records: list[dict],
                     fields: dict | None = None) -> tuple[str, str]:
     """Write ``<name>.json`` (``{"metrics": metrics, **fields}``, NaN as null) and ``<name>_rows.jsonl`` (one line
