@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from rllight.algorithms import explained_variance, gae, masked_mean, value_loss
-from rllight.bounds import NonNegativeFloat, NonNegativeInt, PositiveInt, bounded
+from rllight.bounds import NonNegativeFloat, NonNegativeInt, OpenUnitInterval, PositiveInt, bounded
 from rllight.callbacks.base import RolloutCallback, RolloutContext
 from rllight.distributed import share
 from rllight.errors import RecipeError
@@ -55,6 +55,10 @@ class ValuePretraining(RolloutCallback):
       are samples of the same distribution as the fresh one: more data, not staler data. They are kept in
       memory only; a resumed run starts with none.
 
+    ``min_explained_variance`` departs from the paper's criterion, which stops on a plateau whatever the plateau's
+    height: where set, pretraining is not "settled" while the window's explained variance is below it, so a
+    critic that stalls near 0 keeps fitting until it explains that much of the returns or ``max_steps`` ends it.
+
     Put it first in ``trainer.callbacks`` (before callbacks that train, such as ``SelfImitation``).
 
     Metrics: ``train/value_pretraining/{loss,explained_variance}`` (held-out, on the fresh rollout),
@@ -79,6 +83,8 @@ class ValuePretraining(RolloutCallback):
         window: Fresh rollouts whose held-out loss and explained variance the stopping criterion pools (1 = the
             latest alone).
         replay: Earlier pretraining rollouts fitted again beside each fresh one (0 = none).
+        min_explained_variance: The window's explained variance below which pretraining does not count as settled
+            (None = the paper's criterion, a plateau of any height).
     """
 
     rollout_order = 30  # before SelfImitation: no replay while it consumes the rollouts
@@ -87,7 +93,8 @@ class ValuePretraining(RolloutCallback):
     def __init__(self, max_steps: NonNegativeInt = 50, patience: PositiveInt | None = 5,
                  min_delta: NonNegativeFloat = 1e-4, min_delta_explained_variance: NonNegativeFloat = 1e-2,
                  epochs: PositiveInt = 1, minibatch_size: PositiveInt | None = None, train_backbone: bool = False,
-                 window: PositiveInt = 1, replay: NonNegativeInt = 0):
+                 window: PositiveInt = 1, replay: NonNegativeInt = 0,
+                 min_explained_variance: OpenUnitInterval | None = None):
         self.max_steps = max_steps
         self.patience = patience
         self.min_delta = min_delta
@@ -97,6 +104,7 @@ class ValuePretraining(RolloutCallback):
         self.train_backbone = train_backbone
         self.window = window
         self.replay = replay
+        self.min_explained_variance = min_explained_variance
         self.held_out: list[tuple[Tensor, Tensor]] = []  # (values, returns) of the window's rollouts, response tokens
         self._replayed: list[Rollout] = []  # the latest pretraining rollouts, on the CPU
         self.steps_done = 0
@@ -117,8 +125,10 @@ class ValuePretraining(RolloutCallback):
             if explained_variance > self.best_explained_variance + self.min_delta_explained_variance:
                 self.best_explained_variance, improved = explained_variance, True
             self.bad_steps = 0 if improved else self.bad_steps + 1
+        high_enough = self.min_explained_variance is None or explained_variance >= self.min_explained_variance
         reason = ("max_steps" if self.steps_done >= self.max_steps
-                  else "settled" if self.patience is not None and self.bad_steps >= self.patience else None)
+                  else "settled" if self.patience is not None and self.bad_steps >= self.patience and high_enough
+                  else None)
         self.finished = reason is not None
         return reason
 
