@@ -25,17 +25,33 @@ loss likewise. Beside them, per window, the share of the returns' variance that 
 each prompt's mean return over the variance of the returns, in sample): what a critic that knew each prompt's success
 rate but nothing of the response could explain.
 
+``--probe M`` also samples M more rollouts that no option fits: after each rollout's fit the critic scores all of them,
+so the probe's explained variance follows one critic after another on the same responses. A change in it is a change
+in the critic, not in which responses came. Beside it the tool replays the recipe's ``ValuePretraining`` criterion
+(its settings as the recipe resolves them) on the option's held-out numbers: the rollout it would stop after, the
+criterion's pooled window there, and the probe's explained variance there; ``--min-ev`` adds the same with
+``min_explained_variance`` set. ``--seeds 0 1 2``: each seed samples rollouts of its own (``<out>/seed-<s>``) and
+every option fits each seed's; a row per option and seed.
+
 Run (SmolLM2-135M-Instruct, VAPO's recipe at the quickstart's 4 prompts x 8 responses; about an hour on 2 cores):
 
     .venv/bin/python tools/critic_fit.py --recipe recipes/vapo.yaml --set data.batch_size=4 --rollouts 30 \\
         --option recipe lr=1e-4 clip=0.2 epochs=4 --option slow-backbone lr=1e-5 head_lr=1e-4 clip=0 epochs=4 \\
         --option slow-backbone-replay lr=1e-5 head_lr=1e-4 clip=0 epochs=1 replay=4
+
+The recipe's critic over three seeds at the league's temperature, with a probe of 8 rollouts and the criterion replayed
+with a minimum explained variance of 0.1 and 0.2:
+
+    .venv/bin/python tools/critic_fit.py --recipe recipes/vapo.yaml --set data.batch_size=4 \\
+        --set model.rollout.init_args.temperature=0.7 --rollouts 30 --probe 8 --min-ev 0.1 0.2 --seeds 0 1 2 \\
+        --option recipe lr=1e-5 head_lr=1e-4 clip=0 epochs=1 replay=4 --out runs/critic-probe
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import subprocess
@@ -80,17 +96,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="One more recipe setting for the rollouts, e.g. data.batch_size=4 (repeatable).")
     p.add_argument("--rollouts", type=int, default=30, help="Rollouts to fit on.")
+    p.add_argument("--probe", type=int, default=0,
+                   help="Rollouts more that no option fits, scored by the critic after each fit (0 = none).")
+    p.add_argument("--min-ev", type=float, nargs="*", default=[],
+                   help="Also replay the recipe's stopping criterion with min_explained_variance at each value.")
     p.add_argument("--option", action="append", nargs="+", default=[], metavar="NAME [KEY=VALUE ...]",
                    help=f"A critic option: a name and settings among {', '.join(KEYS)} (repeatable).")
     p.add_argument("--window", type=int, default=10, help="Rollouts per window of the pooled numbers.")
     p.add_argument("--jobs", type=int, default=2, help="Options fitted at once, one thread each.")
-    p.add_argument("--seed", type=int, default=0, help="The recipe's seed for the rollouts; the fits' seed.")
+    p.add_argument("--seeds", "--seed", type=int, nargs="+", default=[0],
+                   help="Seeds: each samples rollouts of its own (the recipe's seed) and seeds the fits on them.")
     p.add_argument("--out", default="runs/critic-fit", help="Folder for the rollouts and each option's results.")
-    p.add_argument("--fit-one", help=argparse.SUPPRESS)  # a child's option name
+    p.add_argument("--fit-one", nargs=2, help=argparse.SUPPRESS)  # a child's option name and seed
     add_record_options(p, id="critic-fit", section="Methods on the quickstart task")
     args = p.parse_args(argv)
     if not args.option:
         p.error("name at least one --option")
+    if args.probe < 0 or args.rollouts < 1:
+        p.error("--rollouts must be at least 1 and --probe at least 0")
     args.options = {}
     for name, *pairs in args.option:
         settings = dict(DEFAULTS)
@@ -105,43 +128,51 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ------------------------------------------------------------------------------------------------- rollouts
-def rollout_path(out: str, k: int) -> str:
-    return os.path.join(out, "rollouts", f"r{k:03d}.pt")
+def seed_dir(out: str, seed: int) -> str:
+    """The folder of one seed's rollouts and fits."""
+    return os.path.join(out, f"seed-{seed}")
 
 
-def make_rollouts(args: argparse.Namespace) -> None:
-    """Sample the rollouts not yet saved, each run of ``rllight fit`` from the first missing one on."""
-    os.makedirs(os.path.join(args.out, "rollouts"), exist_ok=True)
-    missing = [k for k in range(args.rollouts) if not os.path.exists(rollout_path(args.out, k))]
+def rollout_path(folder: str, k: int) -> str:
+    return os.path.join(folder, "rollouts", f"r{k:03d}.pt")
+
+
+def make_rollouts(args: argparse.Namespace, seed: int) -> None:
+    """Sample the rollouts of ``seed`` not yet saved (the fitted ones, then the probe), each run of ``rllight fit``
+    from the first missing one on."""
+    folder, total = seed_dir(args.out, seed), args.rollouts + args.probe
+    os.makedirs(os.path.join(folder, "rollouts"), exist_ok=True)
+    missing = [k for k in range(total) if not os.path.exists(rollout_path(folder, k))]
     if not missing:
         return
     start = missing[0]
-    overlay = os.path.join(args.out, "save-rollouts.yaml")
+    overlay = os.path.join(folder, "save-rollouts.yaml")
     with open(overlay, "w") as f:
-        json.dump({"seed_everything": args.seed + start, "evaluate_before_after": False,
+        json.dump({"seed_everything": seed + start, "evaluate_before_after": False,
                    "trainer": {"callbacks": [{"class_path": "critic_fit.SaveRollouts", "init_args": {
-                       "folder": os.path.join(os.path.abspath(args.out), "rollouts"), "start": start,
-                       "count": args.rollouts - start}}],
-                       "default_root_dir": os.path.join(args.out, "sampling"), "enable_checkpointing": False,
+                       "folder": os.path.join(os.path.abspath(folder), "rollouts"), "start": start,
+                       "count": total - start}}],
+                       "default_root_dir": os.path.join(folder, "sampling"), "enable_checkpointing": False,
                        "val_check_interval": 10**9, "check_val_every_n_epoch": None, "max_steps": 10**6,
                        "limit_val_batches": 0},
-                   "model": {"guards": {"max_steps_without_update": None}}}, f)
+                   "model": {"guards": {"max_steps_without_update": None}}, "data": {"seed": seed}}, f)
     cmd = [sys.executable, "-m", "rllight", "fit", "--config", args.recipe, *sum((["--config", c] for c in
                                                                                   args.config), []),
            "--config", overlay, *sum((["--" + s.split("=", 1)[0], s.split("=", 1)[1]] for s in args.set), [])]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.abspath(__file__)),
                                                         os.environ.get("PYTHONPATH", "")])}
-    print(f"critic_fit: sampling rollouts {start}..{args.rollouts - 1}", flush=True)
-    with open(os.path.join(args.out, "sampling.log"), "w") as log:
+    print(f"critic_fit: seed {seed}: sampling rollouts {start}..{total - 1}", flush=True)
+    with open(os.path.join(folder, "sampling.log"), "w") as log:
         code = subprocess.call(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    made = sum(os.path.exists(rollout_path(args.out, k)) for k in range(args.rollouts))
-    if made < args.rollouts:
-        raise SystemExit(f"critic_fit: sampling ended (exit {code}) with {made} of {args.rollouts} rollouts; see "
-                         f"{os.path.join(args.out, 'sampling.log')}")
+    made = sum(os.path.exists(rollout_path(folder, k)) for k in range(total))
+    if made < total:
+        raise SystemExit(f"critic_fit: sampling ended (exit {code}) with {made} of {total} rollouts; see "
+                         f"{os.path.join(folder, 'sampling.log')}")
 
 
 def resolved_setup(args: argparse.Namespace) -> dict:
-    """The recipe's policy source (``model.model``) and precision, as the rollouts' run resolved them."""
+    """The recipe's policy source (``model.model``), precision and ``ValuePretraining`` settings (None without it),
+    as the rollouts' run resolved them."""
     import yaml
 
     from rllight.precision import resolve_precision
@@ -156,7 +187,10 @@ def resolved_setup(args: argparse.Namespace) -> dict:
     precision = str(config["trainer"].get("precision") or "32-true")
     if precision == "auto":
         precision = resolve_precision(config["trainer"].get("accelerator"))[0]
-    return {"model": config["model"]["model"], "precision": precision}
+    pretraining = [c.get("init_args") or {} for c in config["trainer"].get("callbacks") or []
+                   if isinstance(c, dict) and str(c.get("class_path", "")).endswith("ValuePretraining")]
+    return {"model": config["model"]["model"], "precision": precision,
+            "value_pretraining": pretraining[0] if pretraining else None}
 
 
 # ----------------------------------------------------------------------------------------------------- fits
@@ -193,15 +227,32 @@ def between_prompts(rollout) -> tuple[torch.Tensor, torch.Tensor]:
     return (means[:, None].expand_as(returns))[mask].float(), returns[mask].float()
 
 
-def fit_one(args: argparse.Namespace, name: str) -> dict:
-    """Fit option ``name`` on the saved rollouts; its held-out values and returns per rollout."""
-    from rllight.algorithms import gae, masked_mean
+def with_returns(rollout):
+    """``rollout`` with its Monte-Carlo returns: lambda 1, gamma 1, whatever the values (zeros here, so no rounding
+    of R - V + V)."""
+    from rllight.algorithms import gae
+
+    rollout.returns = gae(rollout.outcome_token_rewards(), torch.zeros(rollout.response_mask.shape),
+                          rollout.response_mask, 1.0, 1.0)[1]
+    return rollout
+
+
+def tokens(rollout) -> tuple[torch.Tensor, torch.Tensor]:
+    """The values and returns of ``rollout``'s response tokens."""
+    mask = rollout.response_mask.bool()
+    return rollout.values[mask], rollout.returns[mask]
+
+
+def fit_one(args: argparse.Namespace, name: str, seed: int) -> dict:
+    """Fit option ``name`` on the rollouts of ``seed``; its held-out values and returns per rollout, and with a
+    probe the probe's explained variance and loss after each fit."""
     from rllight.critics import SeparateCritic
 
+    folder = seed_dir(args.out, seed)
     setup = json.load(open(os.path.join(args.out, "setup.json")))
     settings = args.options[name]
-    torch.manual_seed(args.seed)
-    order = random.Random(args.seed)
+    torch.manual_seed(seed)
+    order = random.Random(seed)
     source = build(setup["model"])
     critic = SeparateCritic(loss_coef=settings["loss_coef"], clip=settings["clip"] or None, lr=settings["lr"],
                             head_lr=settings["head_lr"])
@@ -209,92 +260,166 @@ def fit_one(args: argparse.Namespace, name: str) -> dict:
     critic.setup(policy, tokenizer, source)
     del policy
     optimizer = torch.optim.AdamW(critic.param_groups(), lr=settings["lr"], weight_decay=0.0)
-    params = [p for p in critic.parameters() if p.requires_grad]
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=setup["precision"].startswith("bf16"))
 
     def score(rollout) -> None:
         with torch.no_grad(), autocast:
             rollout.values = critic.values(rollout, None).float() * rollout.response_mask
 
-    held_out, earlier, start = [], [], time.time()
+    probe = [with_returns(torch.load(rollout_path(folder, args.rollouts + j), weights_only=False))
+             for j in range(args.probe)]
+    held_out, probed, earlier, start = [], [], [], time.time()
     for k in range(args.rollouts):
-        rollout = torch.load(rollout_path(args.out, k), weights_only=False)
+        rollout = with_returns(torch.load(rollout_path(folder, k), weights_only=False))
         score(rollout)
-        # lambda 1, gamma 1: the Monte-Carlo returns, whatever the values (zeros here, so no rounding of R - V + V)
-        rollout.returns = gae(rollout.outcome_token_rewards(), torch.zeros(rollout.response_mask.shape),
-                              rollout.response_mask, 1.0, 1.0)[1]
-        mask = rollout.response_mask.bool()
-        held_out.append((rollout.values[mask].tolist(), rollout.returns[mask].tolist()))
+        held_out.append([x.tolist() for x in tokens(rollout)])
         for part in earlier:
             score(part)
         batches = [rollout, *earlier]
         earlier = ([rollout, *earlier])[: settings["replay"]]
-        for _ in range(settings["epochs"]):
-            for part in batches:
-                rows = list(range(len(part)))
-                order.shuffle(rows)
-                for first in range(0, len(rows), settings["minibatch"]):
-                    batch = part.select(rows[first : first + settings["minibatch"]])
-                    with autocast:
-                        per_token, _ = critic.loss(critic.values(batch, None).float(), batch)
-                    loss = settings["loss_coef"] * masked_mean(per_token.float(), batch.response_mask.float())
-                    optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
-                    torch.nn.utils.clip_grad_norm_(params, 1.0)
-                    optimizer.step()
-        print(f"critic_fit: {name}: rollout {k + 1}/{args.rollouts} "
-              f"explained variance {pooled([tuple(map(torch.tensor, held_out[-1]))])[0]:.3f}", flush=True)
-    result = {"option": name, "settings": settings, "held_out": held_out, "seconds": round(time.time() - start)}
-    path = os.path.join(args.out, f"{name}.json")
+        fit(critic, optimizer, batches, settings, order, autocast)
+        for part in probe:
+            score(part)
+        if probe:
+            probed.append(list(pooled([tokens(part) for part in probe])))
+        print(f"critic_fit: {name}, seed {seed}: rollout {k + 1}/{args.rollouts} explained variance "
+              f"{pooled([tuple(map(torch.tensor, held_out[-1]))])[0]:.3f}"
+              + (f", probe {probed[-1][0]:.3f}" if probe else ""), flush=True)
+    result = {"option": name, "seed": seed, "settings": settings, "held_out": held_out, "probe": probed,
+              "seconds": round(time.time() - start)}
+    path = os.path.join(folder, f"{name}.json")
     with open(path + ".part", "w") as f:
         json.dump(result, f)
     os.replace(path + ".part", path)
     return result
 
 
+def fit(critic, optimizer, batches: list, settings: dict, order: random.Random, autocast) -> None:
+    """``epochs`` passes of AdamW updates over minibatches of each of ``batches``, with the value loss and the
+    trainer's gradient-norm clip of 1.0."""
+    from rllight.algorithms import masked_mean
+
+    params = [p for p in critic.parameters() if p.requires_grad]
+    for _ in range(settings["epochs"]):
+        for part in batches:
+            rows = list(range(len(part)))
+            order.shuffle(rows)
+            for first in range(0, len(rows), settings["minibatch"]):
+                batch = part.select(rows[first : first + settings["minibatch"]])
+                with autocast:
+                    per_token, _ = critic.loss(critic.values(batch, None).float(), batch)
+                loss = settings["loss_coef"] * masked_mean(per_token.float(), batch.response_mask.float())
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                optimizer.step()
+
+
 def fit_options(args: argparse.Namespace, argv: list[str]) -> None:
-    """Fit every option without results yet, ``--jobs`` at a time, each in a child with one thread."""
-    todo = [name for name in args.options if not os.path.exists(os.path.join(args.out, f"{name}.json"))]
+    """Fit every option and seed without results yet, ``--jobs`` at a time, each in a child with one thread."""
+    todo = [(name, seed) for seed in args.seeds for name in args.options
+            if not os.path.exists(os.path.join(seed_dir(args.out, seed), f"{name}.json"))]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     running: list[tuple[str, subprocess.Popen]] = []
     failed = []
     while todo or running:
         while todo and len(running) < max(args.jobs, 1):
-            name = todo.pop(0)
-            log = open(os.path.join(args.out, f"{name}.log"), "w")
-            running.append((name, subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv, "--fit-one",
-                                                    name], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)))
+            name, seed = todo.pop(0)
+            log_path = os.path.join(seed_dir(args.out, seed), f"{name}.log")
+            log = open(log_path, "w")
+            running.append((log_path, subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv,
+                                                        "--fit-one", name, str(seed)],
+                                                       cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)))
         time.sleep(1)
-        for name, proc in list(running):
+        for log_path, proc in list(running):
             if proc.poll() is not None:
-                running.remove((name, proc))
+                running.remove((log_path, proc))
                 if proc.returncode != 0:
-                    failed.append(f"{name} (exit {proc.returncode}; see {os.path.join(args.out, name + '.log')})")
+                    failed.append(f"exit {proc.returncode}; see {log_path}")
     if failed:
         raise SystemExit(f"critic_fit: failed: {', '.join(failed)}")
 
 
-def summary(args: argparse.Namespace) -> tuple[list[dict], list[list]]:
-    """One row per option (pooled explained variance and loss, overall and per window) and the columns."""
+def stop_of(held_out: list, criterion: dict, min_ev: float | None = None) -> int | None:
+    """The rollout (from 1) after which ``ValuePretraining`` with the recipe's ``criterion`` settings (and
+    ``min_explained_variance`` ``min_ev``) ends on these held-out numbers; None when it goes on past them."""
+    from callbacks.value_pretraining import ValuePretraining, held_out_numbers
+
+    keys = ("max_steps", "patience", "min_delta", "min_delta_explained_variance", "window")
+    callback = ValuePretraining(**{k: criterion[k] for k in keys if k in criterion}, min_explained_variance=min_ev)
+    parts = [(torch.tensor(v), torch.tensor(r)) for v, r in held_out]
+    for k in range(len(parts)):
+        if callback.observe(*held_out_numbers(parts[max(k + 1 - callback.window, 0) : k + 1])):
+            return k + 1
+    return None
+
+
+def criterion_columns(args: argparse.Namespace, criterion: dict | None) -> list[tuple[str, str, float | None]]:
+    """(key, label, min_explained_variance) of each replayed stopping criterion."""
+    if not args.probe or criterion is None:
+        return []
+    return [("stop", "recipe's criterion", None)] + [(f"stop_m{m:g}", f"with min EV {m:g}", m) for m in args.min_ev]
+
+
+def probe_row(args: argparse.Namespace, result: dict, criterion: dict | None) -> dict:
+    """The probe's columns of one fit: its explained variance at each window's end, at its best and last, and at
+    each replayed stop with the criterion's own window there."""
+    probe = [ev for ev, _ in result["probe"]]
+    if not probe:
+        return {}
+    row = {f"probe_{hi}": printed(probe[hi - 1], ".3f") for hi in window_ends(args)}
+    best = max(range(len(probe)), key=lambda k: probe[k] if probe[k] == probe[k] else -math.inf)
+    row.update(probe_best=printed(probe[best], ".3f"), probe_best_at=best + 1, probe_last=printed(probe[-1], ".3f"))
+    window = (criterion or {}).get("window", 1)
+    parts = [(torch.tensor(v), torch.tensor(r)) for v, r in result["held_out"]]
+    for key, _, min_ev in criterion_columns(args, criterion):
+        stop = stop_of(result["held_out"], criterion, min_ev)
+        row[key] = stop
+        if stop is not None:
+            row[key + "_window"] = printed(pooled(parts[max(stop - window, 0) : stop])[0], ".3f")
+            row[key + "_probe"] = printed(probe[stop - 1], ".3f")
+    return row
+
+
+def window_ends(args: argparse.Namespace) -> list[int]:
+    return [min(lo + args.window, args.rollouts) for lo in range(0, args.rollouts, args.window)]
+
+
+def summary(args: argparse.Namespace, criterion: dict | None = None) -> tuple[list[dict], list[list]]:
+    """One row per option and seed (pooled explained variance and loss, overall and per window, and the probe's)
+    and one per seed of the between-prompts share; the columns."""
     windows = [(lo, min(lo + args.window, args.rollouts)) for lo in range(0, args.rollouts, args.window)]
-    bound = [pooled([between_prompts(torch.load(rollout_path(args.out, k), weights_only=False))
-                     for k in range(lo, hi)])[0] for lo, hi in windows]
-    columns = [["option", "option"], ["settings", "settings"], ["ev", "EV, rollouts 2+", ".3f"],
+    columns = [["option", "option"], ["seed", "seed"], ["settings", "settings"], ["ev", "EV, rollouts 2+", ".3f"],
                ["loss", "loss, rollouts 2+", ".4f"]]
     columns += [[f"ev_{lo + 1}_{hi}", f"EV {lo + 1}-{hi}", ".3f"] for lo, hi in windows]
+    if args.probe:
+        columns += [[f"probe_{hi}", f"probe EV after {hi}", ".3f"] for hi in window_ends(args)]
+        columns += [["probe_best", "probe EV, best", ".3f"], ["probe_best_at", "best after"],
+                    ["probe_last", "probe EV, last", ".3f"]]
+        for key, label, _ in criterion_columns(args, criterion):
+            columns += [[key, f"stop, {label}"], [key + "_window", "its window EV", ".3f"],
+                        [key + "_probe", "probe EV there", ".3f"]]
     rows = []
-    for name in args.options:
-        result = json.load(open(os.path.join(args.out, f"{name}.json")))
-        parts = [(torch.tensor(v), torch.tensor(r)) for v, r in result["held_out"]]
-        ev, loss = pooled(parts[1:])
-        row = {"option": name, "settings": " ".join(f"{k}={v}" for k, v in result["settings"].items()),
-               "ev": printed(ev, ".3f"), "loss": printed(loss, ".4f")}
-        for lo, hi in windows:
-            row[f"ev_{lo + 1}_{hi}"] = printed(pooled(parts[max(lo, 1):hi])[0], ".3f")
+    for seed in args.seeds:
+        folder = seed_dir(args.out, seed)
+        for name in args.options:
+            result = json.load(open(os.path.join(folder, f"{name}.json")))
+            parts = [(torch.tensor(v), torch.tensor(r)) for v, r in result["held_out"]]
+            ev, loss = pooled(parts[1:])
+            settings = " ".join(f"{k}={v}" for k, v in result["settings"].items())
+            row = {"option": name, "seed": seed, "settings": settings,
+                   "ev": printed(ev, ".3f"), "loss": printed(loss, ".4f"), **probe_row(args, result, criterion)}
+            for lo, hi in windows:
+                row[f"ev_{lo + 1}_{hi}"] = printed(pooled(parts[max(lo, 1):hi])[0], ".3f")
+            rows.append(row)
+        load = lambda k: torch.load(rollout_path(folder, k), weights_only=False)  # noqa: E731
+        bound = [pooled([between_prompts(load(k)) for k in range(lo, hi)])[0] for lo, hi in windows]
+        row = {"option": "(between prompts, in sample)", "seed": seed, "settings": "each prompt's mean return",
+               **{f"ev_{lo + 1}_{hi}": printed(b, ".3f") for (lo, hi), b in zip(windows, bound)}}
+        if args.probe:  # the same share on the probe's rollouts
+            row["probe_last"] = printed(pooled([between_prompts(load(args.rollouts + j))
+                                                for j in range(args.probe)])[0], ".3f")
         rows.append(row)
-    rows.append({"option": "(between prompts, in sample)", "settings": "each prompt's mean return",
-                 "ev": None, "loss": None,
-                 **{f"ev_{lo + 1}_{hi}": printed(b, ".3f") for (lo, hi), b in zip(windows, bound)}})
     return rows, columns
 
 
@@ -312,29 +437,36 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     if args.fit_one:
-        fit_one(args, args.fit_one)
+        fit_one(args, args.fit_one[0], int(args.fit_one[1]))
         return 0
     os.makedirs(args.out, exist_ok=True)
     setup_path = os.path.join(args.out, "setup.json")
     if not os.path.exists(setup_path):
         with open(setup_path, "w") as f:
             json.dump(resolved_setup(args), f)
-    make_rollouts(args)
+    for seed in args.seeds:
+        make_rollouts(args, seed)
     fit_options(args, argv)
-    rows, columns = summary(args)
+    setup = json.load(open(setup_path))
+    rows, columns = summary(args, setup.get("value_pretraining"))
     text = table(rows, columns)
     print(text)
     with open(os.path.join(args.out, "critic-fit.md"), "w") as f:
         f.write(text + "\n")
-    setup = json.load(open(setup_path))
+    probe = (f" The probe: {args.probe} more rollouts of the same policy that no option fits, scored by the critic "
+             f"after each rollout's fit (their pooled explained variance after rollout k, and at its best). Each stop: "
+             f"the rollout after which the recipe's ValuePretraining criterion ends on the option's held-out numbers "
+             f"({json.dumps(setup.get('value_pretraining'))}), with its pooled window's explained variance there and "
+             f"the probe's." if args.probe else "")
     tool_record(args, id="critic-fit", title="Critic options fitted on the same frozen-policy rollouts",
                 section="Methods on the quickstart task", columns=columns, rows=rows,
                 note=(f"{args.rollouts} rollouts of {args.recipe} ({' '.join(args.set) or 'as written'}) with the "
-                      f"policy frozen, saved once; each option a SeparateCritic (a copy of the policy, zero head) "
-                      f"fitted on them in the same order, {setup['precision']}. EV: the explained variance of the "
+                      f"policy frozen, saved once per seed ({', '.join(map(str, args.seeds))}); each option a "
+                      f"SeparateCritic (a copy of the policy, zero head) fitted on them in the same order, "
+                      f"{setup['precision']}. EV: the explained variance of the "
                       f"critic's values on each rollout before it trains on it, pooled over the response tokens of "
-                      f"the rollouts named (rollout 1 is scored by the untrained critic and left out). The last row: "
-                      f"the share of the returns' variance between prompts, in sample."))
+                      f"the rollouts named (rollout 1 is scored by the untrained critic and left out). The last row of "
+                      f"each seed: the share of the returns' variance between prompts, in sample." + probe))
     return 0
 
 

@@ -1,5 +1,6 @@
 """tools/critic_fit.py: rollouts sampled once with the policy frozen, critic options fitted on the same ones and
-their held-out explained variance pooled; a rerun samples and fits nothing again."""
+their held-out explained variance pooled; a probe of rollouts no option fits, scored after each fit, and the recipe's
+stopping criterion replayed on the held-out numbers; a rerun samples and fits nothing again."""
 
 import json
 import os
@@ -22,6 +23,40 @@ def test_pooled_numbers_by_hand():
     assert ev != ev and loss == pytest.approx(0.5 * 0.8 ** 2)  # returns that do not vary: no explained variance
 
 
+def _pair(a: float) -> list[list[float]]:
+    """One rollout's held-out (values, returns): returns (1, 0), values (a, 1 - a). R - V = (1 - a, a - 1), so the
+    explained variance is 1 - (1 - a)^2 / 0.25 and the loss 0.5 (1 - a)^2."""
+    return [[a, 1 - a], [1.0, 0.0]]
+
+
+CRITERION = {"max_steps": 10, "patience": 2, "min_delta": 1e-3, "min_delta_explained_variance": 0.01, "window": 1}
+
+
+def test_the_recipes_stopping_criterion_replayed_by_hand():
+    tool = load_tool("critic_fit")
+    # EV 0, then 0.75 (and the loss 0.125, then 0.03125): rollouts 1 and 2 improve, 3 and 4 do not: patience 2 ends
+    # it after rollout 4.
+    held_out = [_pair(0.5), _pair(0.75), _pair(0.75), _pair(0.75)]
+    assert tool.stop_of(held_out, CRITERION) == 4
+    assert tool.stop_of(held_out, CRITERION, min_ev=0.7) == 4
+    assert tool.stop_of(held_out, CRITERION, min_ev=0.8) is None  # below the minimum: it goes on past them
+    assert tool.stop_of(held_out, {**CRITERION, "max_steps": 3}) == 3  # the cap
+    # Pooled over a window of 2, rollouts 3 and 4 improve on the window (0.5, 0.75) of rollout 2: it goes on.
+    assert tool.stop_of(held_out, {**CRITERION, "window": 2}) is None
+
+
+def test_the_probe_row_reads_the_probe_at_each_stop():
+    tool = load_tool("critic_fit")
+    args = tool.parse_args(["--option", "x", "--rollouts", "4", "--window", "2", "--probe", "3", "--min-ev", "0.8"])
+    result = {"held_out": [_pair(0.5), _pair(0.75), _pair(0.75), _pair(0.75)],
+              "probe": [[0.1, 0.2], [0.3, 0.1], [0.2, 0.1], [0.25, 0.1]]}
+    row = tool.probe_row(args, result, CRITERION)
+    assert row["probe_2"] == 0.3 and row["probe_4"] == 0.25  # after each window's last rollout
+    assert (row["probe_best"], row["probe_best_at"], row["probe_last"]) == (0.3, 2, 0.25)
+    assert (row["stop"], row["stop_window"], row["stop_probe"]) == (4, 0.75, 0.25)
+    assert row["stop_m0.8"] is None and "stop_m0.8_probe" not in row
+
+
 @pytest.mark.slow  # a `rllight fit` child samples the rollouts, two children fit
 def test_options_fit_the_same_rollouts_and_a_rerun_does_nothing_again(tmp_path, tiny_model_dir, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", TESTS)  # the tiny overlay's reward lives beside the tests
@@ -29,20 +64,25 @@ def test_options_fit_the_same_rollouts_and_a_rerun_does_nothing_again(tmp_path, 
     out, record = tmp_path / "fit", tmp_path / "records" / "critic-fit.json"
     os.makedirs(record.parent)
     argv = ["--recipe", "recipes/vapo.yaml", "--config", overlay, "--set", "data.batch_size=2", "--rollouts", "3",
-            "--window", "2", "--option", "still", "epochs=0", "--option", "fits", "lr=1e-2", "head_lr=1e-1",
+            "--window", "2", "--probe", "2", "--option", "still", "epochs=0", "--option", "fits", "lr=1e-2", "head_lr=1e-1",
             "clip=0", "epochs=2", "minibatch=4", "replay=1", "--out", str(out), "--record", str(record)]
     tool = load_tool("critic_fit")
     assert tool.main(argv) == 0
-    saved = [out / "rollouts" / f"r00{k}.pt" for k in range(3)]
+    saved = [out / "seed-0" / "rollouts" / f"r00{k}.pt" for k in range(5)]  # 3 to fit, 2 of the probe
     rollouts = [torch.load(p, weights_only=False) for p in saved]
-    still, fits = (json.loads((out / f"{name}.json").read_text()) for name in ("still", "fits"))
+    still, fits = (json.loads((out / "seed-0" / f"{name}.json").read_text()) for name in ("still", "fits"))
     # Both options saw the same responses: the same returns, token by token, on every rollout.
     assert [r for _, r in still["held_out"]] == [r for _, r in fits["held_out"]]
-    assert [len(r) for _, r in still["held_out"]] == [int(x.response_mask.sum()) for x in rollouts]
+    assert [len(r) for _, r in still["held_out"]] == [int(x.response_mask.sum()) for x in rollouts[:3]]
     assert all(v == 0.0 for values, _ in still["held_out"] for v in values)  # never trained: the zero head
     assert any(v != 0.0 for values, _ in fits["held_out"][1:] for v in values)  # trained: it moved
+    # The probe, scored after each of the 3 fits: by the zero head, no explained variance; by a critic that
+    # trains, a number that moves from fit to fit.
+    assert [ev for ev, _ in still["probe"]] == [0.0, 0.0, 0.0]
+    assert len(fits["probe"]) == 3 and len({ev for ev, _ in fits["probe"]}) > 1
     (written,) = load_records(str(record.parent))
     rows = {row["option"]: row for row in written["rows"]}
+    assert rows["still"]["probe_last"] == 0.0 and rows["still"]["seed"] == 0
     assert rows["still"]["ev"] == 0.0  # a constant critic explains none of the variance
     # The between-prompts share, worked out here from the rewards: each prompt's mean reward on its tokens.
     values, returns = [], []
@@ -56,7 +96,7 @@ def test_options_fit_the_same_rollouts_and_a_rerun_does_nothing_again(tmp_path, 
     share = 1 - float((returns - values).var(unbiased=False) / returns.var(unbiased=False))
     assert rows["(between prompts, in sample)"]["ev_1_2"] == pytest.approx(round(share, 3), abs=1e-3)
 
-    stamps = {p: os.path.getmtime(p) for p in [*saved, out / "still.json", out / "fits.json"]}
+    stamps = {p: os.path.getmtime(p) for p in [*saved, out / "seed-0" / "still.json", out / "seed-0" / "fits.json"]}
     monkeypatch.setattr(tool.subprocess, "call", lambda *a, **k: pytest.fail("sampled again"))
     real_popen = tool.subprocess.Popen
 
