@@ -55,6 +55,14 @@ class ValuePretraining(RolloutCallback):
       are samples of the same distribution as the fresh one: more data, not staler data. They are kept in
       memory only; a resumed run starts with none.
 
+    ``probe``: the first ``probe`` pretraining rollouts are set aside and never fitted. After each fit the critic scores
+    them again, and the stopping criterion reads their pooled loss and explained variance in place of the window's:
+    the same responses judged by one critic after another, so that a change in the number is a change in the critic,
+    not in which responses came (on a few prompts a window of fresh rollouts can rise or fall by luck alone, and the
+    critic can get worse on rollouts it does not fit while it fits the latest). The probe's rollouts are held in
+    memory and not in a checkpoint: a run resumed before pretraining ended sets aside a new probe from its next
+    rollouts, and its criterion, whose best values were the old probe's, starts again.
+
     ``min_explained_variance`` departs from the paper's criterion, which stops on a plateau whatever the plateau's
     height: where set, pretraining is not "settled" while the window's explained variance is below it, so a
     critic that stalls near 0 keeps fitting until it explains that much of the returns or ``max_steps`` ends it.
@@ -63,8 +71,9 @@ class ValuePretraining(RolloutCallback):
 
     Metrics: ``train/value_pretraining/{loss,explained_variance}`` (held-out, on the fresh rollout),
     ``train/value_pretraining/{window_loss,window_explained_variance}`` (held-out, pooled over the window: the
-    stopping criterion), ``train/value_pretraining/fit_loss`` (mean loss of the updates on it) and
-    ``train/value_pretraining/{steps_done,finished,replayed}``.
+    stopping criterion without a probe), ``train/value_pretraining/{probe_loss,probe_explained_variance}`` (with a
+    probe, after each fit: the stopping criterion), ``train/value_pretraining/fit_loss`` (mean loss of the updates on
+    it) and ``train/value_pretraining/{steps_done,finished,replayed,probe_rollouts}``.
 
     Args:
         max_steps: Rollouts to pretrain on at most (0 = no pretraining).
@@ -83,8 +92,10 @@ class ValuePretraining(RolloutCallback):
         window: Fresh rollouts whose held-out loss and explained variance the stopping criterion pools (1 = the
             latest alone).
         replay: Earlier pretraining rollouts fitted again beside each fresh one (0 = none).
-        min_explained_variance: The window's explained variance below which pretraining does not count as settled
-            (None = the paper's criterion, a plateau of any height).
+        min_explained_variance: The criterion's explained variance (the window's, or the probe's) below which
+            pretraining does not count as settled (None = the paper's criterion, a plateau of any height).
+        probe: Pretraining rollouts set aside, never fitted, that the critic scores after each fit for the stopping
+            criterion (0 = none: the criterion reads the window). They come before the ``max_steps`` fitted ones.
     """
 
     rollout_order = 30  # before SelfImitation: no replay while it consumes the rollouts
@@ -94,7 +105,7 @@ class ValuePretraining(RolloutCallback):
                  min_delta: NonNegativeFloat = 1e-4, min_delta_explained_variance: NonNegativeFloat = 1e-2,
                  epochs: PositiveInt = 1, minibatch_size: PositiveInt | None = None, train_backbone: bool = False,
                  window: PositiveInt = 1, replay: NonNegativeInt = 0,
-                 min_explained_variance: OpenUnitInterval | None = None):
+                 min_explained_variance: OpenUnitInterval | None = None, probe: NonNegativeInt = 0):
         self.max_steps = max_steps
         self.patience = patience
         self.min_delta = min_delta
@@ -105,6 +116,8 @@ class ValuePretraining(RolloutCallback):
         self.window = window
         self.replay = replay
         self.min_explained_variance = min_explained_variance
+        self.probe = probe
+        self._probe: list[Rollout] = []  # the rollouts set aside, on the CPU, with their returns
         self.held_out: list[tuple[Tensor, Tensor]] = []  # (values, returns) of the window's rollouts, response tokens
         self._replayed: list[Rollout] = []  # the latest pretraining rollouts, on the CPU
         self.steps_done = 0
@@ -117,7 +130,8 @@ class ValuePretraining(RolloutCallback):
         """Count one pretraining rollout with its held-out value loss and explained variance (NaN when
         undefined); returns why pretraining ends now (``"max_steps"`` or ``"settled"``), else None."""
         self.steps_done += 1
-        if self.steps_done >= min(self.window, self.max_steps):  # a full window only (the class's docstring)
+        # a full window only (the class's docstring); a probe is whole from the first fit
+        if self.steps_done >= (1 if self.probe else min(self.window, self.max_steps)):
             improved = False
             if loss < self.best_loss - self.min_delta:
                 self.best_loss, improved = loss, True
@@ -133,8 +147,9 @@ class ValuePretraining(RolloutCallback):
         return reason
 
     def rollouts_to_take(self) -> int:
-        """The pretraining rollouts left at most (``max_steps`` less those done; none once finished)."""
-        return 0 if self.finished else max(self.max_steps - self.steps_done, 0)
+        """The pretraining rollouts left at most (``max_steps`` less those done, and the probe's still to set aside;
+        none once finished)."""
+        return 0 if self.finished else max(self.max_steps - self.steps_done, 0) + max(self.probe - len(self._probe), 0)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self.minibatch_size is not None:  # a total that must divide among the processes: refused at the start
@@ -152,7 +167,16 @@ class ValuePretraining(RolloutCallback):
         empty = len(rollout) == 0 or rollout.response_mask.sum() == 0
         if not context.ranks.any(not empty):
             return None  # nothing to fit anywhere; the step is still not a policy step
-        local = torch.zeros(5)  # loss, explained variance, window loss, window explained variance, weight
+        if len(self._probe) < self.probe:  # set aside, never fitted: every rank alike (its own share, maybe none)
+            part = rollout.select([]) if empty else rollout
+            if not empty:
+                self._monte_carlo_targets(context, part)
+            self._probe.append(part.to("cpu"))
+            context.log({"train/value_pretraining/probe_rollouts": float(len(self._probe))})
+            return None
+        # loss, explained variance, window loss, window explained variance, weight; the probe's loss, explained
+        # variance and weight
+        local = torch.zeros(8)
         if empty:
             rollout = rollout.select([])
         else:
@@ -168,21 +192,28 @@ class ValuePretraining(RolloutCallback):
         fit = self._with_replay(context, rollout, empty)
         stats = context.updater.critic_update(fit, epochs=self.epochs, minibatch_size=self.minibatch_size,
                                               train_backbone=self.train_backbone)
+        local[5:8] = self._probe_numbers(context)
         total = context.ranks.sum(local)
         loss, ev, window_loss, window_ev = (float(x) for x in total[:4] / total[4])
-        reason = self.observe(window_loss, window_ev)
+        probe_loss, probe_ev = (float(x) for x in total[5:7] / total[7]) if self.probe else (math.nan, math.nan)
+        reason = self.observe(*((probe_loss, probe_ev) if self.probe else (window_loss, window_ev)))
         if reason and context.ranks.rank == 0:  # every rank decides alike; one line says so
             ev_text = (f"explained variance {self.best_explained_variance:.3f}"
                        if math.isfinite(self.best_explained_variance)
-                       else "explained variance undefined (the returns never varied within a window)")
-            log.info("value pretraining finished after %d rollouts (%s); best held-out value loss %.5f, %s; RL "
-                     "starts", self.steps_done, reason, self.best_loss, ev_text)
+                       else "explained variance undefined (the returns never varied "
+                       + ("on the probe)" if self.probe else "within a window)"))
+            log.info("value pretraining finished after %d rollouts (%s); best held-out value loss %.5f, %s%s; RL "
+                     "starts", self.steps_done, reason, self.best_loss, ev_text,
+                     f" (on the probe of {self.probe} rollouts)" if self.probe else "")
         metrics = {"train/value_pretraining/loss": loss, "train/value_pretraining/explained_variance": ev,
                    "train/value_pretraining/window_loss": window_loss,
                    "train/value_pretraining/window_explained_variance": window_ev,
                    "train/value_pretraining/replayed": float(len(fit) - len(rollout)),
                    "train/value_pretraining/steps_done": float(self.steps_done),
                    "train/value_pretraining/finished": float(self.finished)}
+        if self.probe:
+            metrics.update({"train/value_pretraining/probe_loss": probe_loss,
+                            "train/value_pretraining/probe_explained_variance": probe_ev})
         if "critic_only/loss" in stats:
             metrics["train/value_pretraining/fit_loss"] = float(stats["critic_only/loss"])
         context.log(metrics)
@@ -200,6 +231,20 @@ class ValuePretraining(RolloutCallback):
             self._replayed = [*self._replayed, rollout.to("cpu")][-self.replay:]
         parts = ([] if empty else [rollout]) + earlier
         return Rollout.cat(parts, context.tokenizer.pad_token_id) if parts else rollout
+
+    def _probe_numbers(self, context: RolloutContext) -> Tensor:
+        """The probe's value loss, explained variance (pooled over this rank's share) and weight (1, or 0 for a rank
+        with no share), its values scored by the critic as it is now; zeros without a probe. Every rank scores as
+        many parts (under FSDP an empty one runs padding passes)."""
+        parts = []
+        for part in self._probe:
+            part = part.to(context.device)
+            context.scoring.score(part, need_old=False, need_values=True, need_ref=False)
+            if len(part):
+                mask = part.response_mask.bool()
+                parts.append((part.values[mask].detach().float().cpu(), part.returns[mask].detach().float().cpu()))
+        parts = [p for p in parts if len(p[0])]
+        return torch.tensor([*held_out_numbers(parts), 1.0]) if parts else torch.zeros(3)
 
     def _monte_carlo_targets(self, context: RolloutContext, rollout: Rollout) -> None:
         """Fill ``values`` (the critic's, without gradients), ``token_rewards`` and ``returns`` (B, T)."""
@@ -226,6 +271,12 @@ class ValuePretraining(RolloutCallback):
         self.bad_steps = int(state_dict["bad_steps"])
         held_out = state_dict.get("held_out", [])  # none in checkpoints made before the window
         self.held_out = [(torch.tensor(v), torch.tensor(r)) for v, r in held_out][-self.window:]
+        if self.probe and not self.finished and self.steps_done:
+            # The probe's rollouts are not in the checkpoint: a new probe is set aside from the next rollouts, and
+            # the criterion, whose best values were measured on the old one, starts again.
+            self.best_loss, self.best_explained_variance, self.bad_steps = math.inf, -math.inf, 0
+            log.info("value pretraining resumed after %d rollouts: its probe is not in the checkpoint, so it sets "
+                     "aside %d new rollouts and its stopping criterion starts again", self.steps_done, self.probe)
 
 
 def held_out_numbers(parts: list[tuple[Tensor, Tensor]]) -> tuple[float, float]:

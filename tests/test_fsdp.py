@@ -42,10 +42,11 @@ def _run(tmp_path, name, recipe, *args, sharded, **model):
     return dumps[0]
 
 
-# VAPO: value pretraining consumes the first rollout, then RL steps with self-imitation replay after each; the replay
-# batch holds every stored success (a smaller one is a random draw from each rank's buffer: the same distribution,
-# not the same rows).
-VAPO_CALLBACKS = ("[{class_path: rllight.callbacks.ValuePretraining, init_args: {max_steps: 1, patience: null}},"
+# VAPO: value pretraining sets the first rollout aside as its probe and fits the second (the probe scored after the
+# fit, on every rank), then RL steps with self-imitation replay after each; the replay batch holds every stored success
+# (a smaller one is a random draw from each rank's buffer: the same distribution, not the same rows).
+VAPO_CALLBACKS = ("[{class_path: rllight.callbacks.ValuePretraining, init_args: {max_steps: 1, patience: null,"
+                  " probe: 1}},"
                   " {class_path: rllight.callbacks.SelfImitation, init_args: {every_n_steps: 1, batch_size: 128,"
                   " min_reward: 0.0}}, {class_path: user_strategies.DumpState}]")
 

@@ -169,6 +169,7 @@ def test_positive_example_nll_hand_computed():
     (lambda: ValuePretraining(patience=0), "patience"),
     (lambda: ValuePretraining(min_delta_explained_variance=-0.1), "min_delta_explained_variance"),
     (lambda: ValuePretraining(min_explained_variance=1.0), "min_explained_variance"),
+    (lambda: ValuePretraining(probe=-1), "probe"),
     (lambda: ValuePretraining(epochs=0), "epochs"),
     (lambda: SelfImitation(capacity=0), "capacity"),
     (lambda: SelfImitation(every_n_steps=0), "every_n_steps"),
@@ -336,6 +337,46 @@ def test_value_pretraining_replays_its_latest_rollouts_with_values_scored_again(
     assert_close(fitted.returns[:, 0], torch.tensor([1.0, 0.0, 0.0, 1.0]))
     cb.on_rollout(None, module, make_rollout([1.0, 1.0], [1, 1]))
     assert module.updates[2]["rollout"].rewards.tolist() == [1.0, 1.0, 1.0, 0.0]
+
+
+def test_value_pretraining_sets_a_probe_aside_and_its_criterion_reads_the_probe():
+    # probe 1: the 1st rollout (rewards 1, 0) is set aside, not fitted (its values 0.5, 0.5 score it for its returns).
+    # The 2nd (rewards 0, 1) is fitted: held out it gets 0.3, 0.3 (a constant: explained variance 0); after the fit
+    # the critic gives the probe 1.0, 0.0 = its returns: explained variance 1, loss 0. The 3rd (rewards 1, 1): held
+    # out 0.2, 0.2; the probe after the fit 0.5, 0.5: explained variance 0, loss 0.5 * mean(0.5^2, 0.5^2) = 0.125.
+    module = ScriptedValues([0.5, 0.5, 0.3, 0.3, 1.0, 0.0, 0.2, 0.2, 0.5, 0.5])
+    cb = ValuePretraining(max_steps=5, patience=None, probe=1)
+    assert cb.rollouts_to_take() == 6  # the 5 fitted and the probe's
+    assert cb.on_rollout(None, module, make_rollout([1.0, 0.0], [1, 1])) is None
+    assert module.updates == [] and cb.steps_done == 0 and cb.rollouts_to_take() == 5
+    assert module.logged[-1] == {"train/value_pretraining/probe_rollouts": 1.0}
+    cb.on_rollout(None, module, make_rollout([0.0, 1.0], [1, 1]))
+    assert [u["rollout"].rewards.tolist() for u in module.updates] == [[0.0, 1.0]]  # the probe is never fitted
+    logged = module.logged[-1]
+    assert logged["train/value_pretraining/window_explained_variance"] == pytest.approx(0.0, abs=1e-6)
+    assert logged["train/value_pretraining/probe_explained_variance"] == pytest.approx(1.0)
+    assert logged["train/value_pretraining/probe_loss"] == pytest.approx(0.0)
+    assert cb.best_explained_variance == pytest.approx(1.0)  # the criterion read the probe, not the window
+    cb.on_rollout(None, module, make_rollout([1.0, 1.0], [1, 1]))
+    logged = module.logged[-1]
+    assert logged["train/value_pretraining/probe_explained_variance"] == pytest.approx(0.0, abs=1e-6)
+    assert logged["train/value_pretraining/probe_loss"] == pytest.approx(0.125)
+    assert cb.bad_steps == 1 and cb.rollouts_to_take() == 3
+
+
+def test_value_pretraining_resumed_with_a_probe_sets_aside_a_new_one_and_starts_its_criterion_again():
+    module = ScriptedValues([0.5, 0.5, 0.3, 0.3, 1.0, 0.0])
+    cb = ValuePretraining(max_steps=5, patience=2, probe=1)
+    for rewards in ([1.0, 0.0], [0.0, 1.0]):
+        cb.on_rollout(None, module, make_rollout(rewards, [1, 1]))
+    assert cb.best_explained_variance == pytest.approx(1.0)
+    restored = ValuePretraining(max_steps=5, patience=2, probe=1)
+    restored.load_state_dict(cb.state_dict())
+    assert restored.steps_done == 1 and restored.rollouts_to_take() == 5  # 4 to fit and a new probe
+    assert (restored.best_loss, restored.best_explained_variance, restored.bad_steps) == (math.inf, -math.inf, 0)
+    plain = ValuePretraining(max_steps=5, patience=2)  # without a probe the bests carry over
+    plain.load_state_dict(cb.state_dict())
+    assert plain.best_explained_variance == pytest.approx(1.0)
 
 
 def test_value_pretraining_stops_when_loss_and_explained_variance_have_both_settled():
