@@ -381,10 +381,11 @@ def summary_of(results: list[dict]) -> dict:
 
 def headline_of(results: list[dict]) -> str:
     """The README row's template: the accuracy before, then each loss's gain at the smallest staleness above 0
-    (the first one there is, else 0)."""
+    (the first one there is, else 0), its mean over the seeds: once per loss."""
     ks = sorted({r["staleness"] for r in results})
     k = next((k for k in ks if k > 0), ks[0])
-    parts = [f"{r['algo']} {{{_key(r)}:+.3f}}" for r in results if r["staleness"] == k]
+    arms = {_key(r): r["algo"] for r in results if r["staleness"] == k}  # one per loss, whatever its seeds
+    parts = [f"{algo} {{{key}:+.3f}}" for key, algo in arms.items()]
     return f"held-out greedy accuracy from {{before:.3f}} at staleness {k}: " + ", ".join(parts)
 
 

@@ -155,3 +155,8 @@ def test_the_readme_row_names_each_loss_gain_at_the_smallest_staleness_above_zer
     template = tool.headline_of([r for r in runs if r.get("accuracy_after") is not None])
     assert template.format(**summary) == ("held-out greedy accuracy from 0.340 at staleness 1: grpo -0.240, "
                                           "vespo-engine +0.040")
+    # Over two seeds each loss is named once, with its mean: (0.1 + 0.2) / 2 - 0.34 = -0.19.
+    seeds = [{**r, "seed": s, "difference": r["difference"] + 0.1 * s} for r in runs[:2] for s in (0, 1)]
+    template = tool.headline_of(seeds)
+    assert template.format(**tool.summary_of(seeds)) == ("held-out greedy accuracy from 0.340 at staleness 1: "
+                                                         "grpo -0.190")
