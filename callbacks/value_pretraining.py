@@ -64,8 +64,10 @@ class ValuePretraining(RolloutCallback):
     rollouts, and its criterion, whose best values were the old probe's, starts again.
 
     ``min_explained_variance`` departs from the paper's criterion, which stops on a plateau whatever the plateau's
-    height: where set, pretraining is not "settled" while the window's explained variance is below it, so a
-    critic that stalls near 0 keeps fitting until it explains that much of the returns or ``max_steps`` ends it.
+    height: where set, pretraining is not "settled" while the criterion's explained variance (the window's, or the
+    probe's) is below it, so a critic that stalls near 0 keeps fitting until it explains that much of the returns or
+    ``max_steps`` ends it. On a window it waits for a window that happens to be high rather than a better critic
+    (docs/algorithms/vapo.md), which is why no recipe sets it.
 
     Put it first in ``trainer.callbacks`` (before callbacks that train, such as ``SelfImitation``).
 
