@@ -68,6 +68,8 @@ QUESTIONS = {
     "compare": _METHODS, "vapo-lambda-one": _METHODS,
     "vapo-critic": "Which of VAPO's critic options predicts the return best?",
     "critic-fit": "Which of VAPO's critic options predicts the return best?",
+    "critic-probe": ("Does VAPO's critic get better as value pretraining goes on, and does its stopping criterion "
+                     "see it?"),
     "distill": "Does on-policy distillation beat GRPO on the quickstart task?",
     "reward-model": _MODEL_REWARD, "judge": _MODEL_REWARD, "model-reward": _MODEL_REWARD,
     "reasoning-gym": _RG, "curriculum": "Does a difficulty curriculum beat uniform sampling on reasoning-gym?",
