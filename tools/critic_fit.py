@@ -367,7 +367,7 @@ def probe_row(args: argparse.Namespace, result: dict, criterion: dict | None) ->
     probe = [ev for ev, _ in result["probe"]]
     if not probe:
         return {}
-    row = {f"probe_{hi}": printed(probe[hi - 1], ".3f") for hi in window_ends(args)}
+    row = {f"probe_{hi}": printed(probe[hi - 1], ".3f") for _, hi in windows_of(args)}
     best = max(range(len(probe)), key=lambda k: probe[k] if probe[k] == probe[k] else -math.inf)
     row.update(probe_best=printed(probe[best], ".3f"), probe_best_at=best + 1, probe_last=printed(probe[-1], ".3f"))
     window = (criterion or {}).get("window", 1)
@@ -381,19 +381,20 @@ def probe_row(args: argparse.Namespace, result: dict, criterion: dict | None) ->
     return row
 
 
-def window_ends(args: argparse.Namespace) -> list[int]:
-    return [min(lo + args.window, args.rollouts) for lo in range(0, args.rollouts, args.window)]
+def windows_of(args: argparse.Namespace) -> list[tuple[int, int]]:
+    """The windows of ``--window`` rollouts the table pools, as (first, end) indices."""
+    return [(lo, min(lo + args.window, args.rollouts)) for lo in range(0, args.rollouts, args.window)]
 
 
 def summary(args: argparse.Namespace, criterion: dict | None = None) -> tuple[list[dict], list[list]]:
     """One row per option and seed (pooled explained variance and loss, overall and per window, and the probe's)
     and one per seed of the between-prompts share; the columns."""
-    windows = [(lo, min(lo + args.window, args.rollouts)) for lo in range(0, args.rollouts, args.window)]
+    windows = windows_of(args)
     columns = [["option", "option"], ["seed", "seed"], ["settings", "settings"], ["ev", "EV, rollouts 2+", ".3f"],
                ["loss", "loss, rollouts 2+", ".4f"]]
     columns += [[f"ev_{lo + 1}_{hi}", f"EV {lo + 1}-{hi}", ".3f"] for lo, hi in windows]
     if args.probe:
-        columns += [[f"probe_{hi}", f"probe EV after {hi}", ".3f"] for hi in window_ends(args)]
+        columns += [[f"probe_{hi}", f"probe EV after {hi}", ".3f"] for _, hi in windows]
         columns += [["probe_best", "probe EV, best", ".3f"], ["probe_best_at", "best after"],
                     ["probe_last", "probe EV, last", ".3f"]]
         for key, label, _ in criterion_columns(args, criterion):
