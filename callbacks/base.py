@@ -87,3 +87,17 @@ def in_rollout_order(callbacks: list) -> list[RolloutCallback]:
     keep the recipe's order."""
     rollout_callbacks = [cb for cb in callbacks if hasattr(cb, "on_rollout")]
     return sorted(rollout_callbacks, key=lambda cb: getattr(cb, "rollout_order", 100))
+
+
+def state_of_every_rank(ranks: Ranks | None, state: dict) -> dict:
+    """A callback's ``state_dict`` under several processes: every rank's ``state``, in rank order (a collective;
+    Lightning builds a checkpoint's callback states on every rank and writes rank 0's, so a rank-local state would
+    otherwise be rank 0's on every rank after a resume). On one process (or with no ``ranks``) ``state`` itself."""
+    if ranks is None or ranks.world_size <= 1:
+        return state
+    return {"ranks": ranks.gather_objects(state)}
+
+
+def saved_ranks(state: dict) -> list[dict]:
+    """The states of each rank that ``state_of_every_rank`` saved, in rank order (one for a one-process state)."""
+    return list(state["ranks"]) if "ranks" in state else [state]

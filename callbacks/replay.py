@@ -3,14 +3,15 @@ arXiv:1806.05635), as a rollout callback."""
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import lightning as L
 import torch
 
 from rllight.bounds import NonNegativeFloat, PositiveInt, bounded
-from rllight.callbacks.base import RolloutCallback, RolloutContext
-from rllight.distributed import share
+from rllight.callbacks.base import RolloutCallback, RolloutContext, saved_ranks, state_of_every_rank
+from rllight.distributed import Ranks, share
 from rllight.errors import RecipeError
 from rllight.rollout.base import pad_left
 from rllight.strategies import Aggregation
@@ -72,6 +73,12 @@ class SelfImitation(RolloutCallback):
 
     The buffer, the counters and the sampling generator are in ``state_dict``, so resume restores them.
 
+    Under several processes each rank keeps a buffer of its own responses and replays its share of the batch. With
+    ``unique`` no response is held twice over all of them: each step the ranks tell each other what they offer and
+    what left their buffers, and a response offered by several ranks at once goes to the first in rank order (one
+    process would have stored it once). A checkpoint holds every rank's buffer and each rank resumes its own; resumed
+    on another number of processes, the stored entries are dealt out among them, oldest first.
+
     Metrics: ``train/sil/{buffer_size,added}`` each step; ``train/sil/{nll,replayed}`` on replay steps.
 
     Args:
@@ -82,7 +89,7 @@ class SelfImitation(RolloutCallback):
         coef: Weight of the NLL loss.
         policy: Replacement policy: fifo, highest_reward or reservoir.
         min_reward: Success threshold on the reward (None = use ``rollout.correct``).
-        unique: Skip a response already in the buffer for the same prompt.
+        unique: Skip a response already in the buffer (any rank's) for the same prompt.
         seed: Seed of the buffer's own generator (reservoir slots, replay samples).
         aggregation: How the replayed tokens' NLL becomes one number (None = like the policy loss,
             ``model.aggregation``). Note 000's eq. 11 sums over each response's tokens and averages over responses:
@@ -111,22 +118,31 @@ class SelfImitation(RolloutCallback):
         self.offered = 0  # successes offered to the buffer (duplicates excluded): reservoir's n
         self.insertions = 0  # a clock for "oldest"
         self.steps_seen = 0
-        self._keys: set[tuple] = set()
+        self._keys: set[bytes] = set()  # the stored responses' keys; under several processes, every rank's
+        self._gone: set[bytes] = set()  # keys that left this rank's buffer since the ranks last told each other
+        self._ranks: Ranks | None = None
         self._generator = torch.Generator().manual_seed(seed)
         self._pending: RolloutContext | None = None  # the context of a step that reached on_rollout, until replay
 
     # ------------------------------------------------------------------------------- buffer
     @staticmethod
-    def _key(entry: dict) -> tuple:
-        return tuple(entry["prompt_ids"].tolist()), tuple(entry["response_ids"].tolist())
+    def _key(entry: dict) -> bytes:
+        """What ``unique`` compares: a digest of the prompt's and the response's token ids."""
+        digest = hashlib.blake2b(digest_size=16)
+        for ids in (entry["prompt_ids"], entry["response_ids"]):
+            digest.update(len(ids).to_bytes(8, "little") + ids.to(torch.int64).numpy().tobytes())
+        return digest.digest()
 
     def _evict(self, index: int) -> None:
-        self._keys.discard(self._key(self.entries[index]))
+        key = self._key(self.entries[index])
+        self._keys.discard(key)
+        self._gone.add(key)
 
-    def add(self, entry: dict) -> bool:
-        """Offer one entry; returns whether it entered the buffer."""
+    def add(self, entry: dict, cleared: bool = False) -> bool:
+        """Offer one entry; returns whether it entered the buffer. ``cleared``: the ranks found it new together
+        (``_new_on_every_rank``), so this rank does not check it again."""
         key = self._key(entry)
-        if self.unique and key in self._keys:
+        if self.unique and key in self._keys and not cleared:
             return False
         self.offered += 1
         entry = dict(entry, order=self.insertions)
@@ -135,12 +151,30 @@ class SelfImitation(RolloutCallback):
         else:
             slot = self._slot_for(entry)
             if slot is None:
+                self._gone.add(key)  # the ranks counted it as held: tell them it is not
                 return False
             self._evict(slot)
             self.entries[slot] = entry
         self._keys.add(key)
         self.insertions += 1
         return True
+
+    def _new_on_every_rank(self, offers: list[dict], ranks: Ranks) -> list[dict]:
+        """This rank's ``offers`` that no rank holds and no rank before it offers this step (a collective: every
+        rank hears what each offers and what left each buffer since the last step, so every rank's ``_keys`` stay
+        the same: the keys held anywhere, counting this step's new ones as held until a rank reports otherwise)."""
+        heard = ranks.gather_objects(([self._key(entry) for entry in offers], sorted(self._gone)))
+        self._gone = set()
+        for _, gone in heard:
+            self._keys.difference_update(gone)
+        new = []
+        for rank, (keys, _) in enumerate(heard):
+            for i, key in enumerate(keys):
+                if key not in self._keys:
+                    self._keys.add(key)
+                    if rank == ranks.rank:
+                        new.append(offers[i])
+        return new
 
     def _slot_for(self, entry: dict) -> int | None:
         """The slot a new entry replaces in a full buffer, or None when the policy rejects it."""
@@ -160,6 +194,7 @@ class SelfImitation(RolloutCallback):
 
     # -------------------------------------------------------------------------------- hooks
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._ranks = Ranks(trainer)  # before a checkpoint's state is loaded: each rank takes its own
         share(self.batch_size, trainer.world_size, "trainer.callbacks: SelfImitation.batch_size")  # refused at the start
 
     def on_rollout(self, trainer: L.Trainer | None, context: RolloutContext, rollout: Rollout) -> Rollout:
@@ -174,7 +209,7 @@ class SelfImitation(RolloutCallback):
         lengths = rollout.response_lengths
         prompt_mask = rollout.prompt_mask.bool()
         valid = rollout.valid_mask.bool()  # a multi-turn episode keeps its observations, as context
-        added = 0
+        offers = []
         for i in torch.nonzero(success & (lengths > 0)).flatten().tolist():
             entry = {
                 "prompt_ids": rollout.prompt_ids[i][prompt_mask[i]].detach().cpu().clone(),
@@ -185,7 +220,13 @@ class SelfImitation(RolloutCallback):
             }
             if rollout.context_mask is not None:
                 entry["action_mask"] = rollout.response_mask[i][valid[i]].detach().cpu().clone()
-            added += self.add(entry)
+            offers.append(entry)
+        ranks = getattr(context, "ranks", None)
+        if self.unique and ranks is not None and ranks.world_size > 1:
+            added = sum(self.add(entry, cleared=True) for entry in self._new_on_every_rank(offers, ranks))
+        else:
+            added = sum(self.add(entry) for entry in offers)
+            self._gone.clear()  # one process: its keys are all there is
         rollout.extras["sil/buffer_size"] = float(len(self.entries))
         rollout.extras["sil/added"] = float(added)
         return rollout
@@ -212,14 +253,26 @@ class SelfImitation(RolloutCallback):
 
     # -------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        return {"entries": [dict(e) for e in self.entries], "offered": self.offered, "insertions": self.insertions,
-                "steps_seen": self.steps_seen, "generator": self._generator.get_state()}
+        own = {"entries": [dict(e) for e in self.entries], "offered": self.offered, "insertions": self.insertions,
+               "steps_seen": self.steps_seen, "generator": self._generator.get_state()}
+        return state_of_every_rank(self._ranks, own)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.entries = [dict(e) for e in state_dict["entries"]]
-        self.offered = int(state_dict["offered"])
-        self.insertions = int(state_dict["insertions"])
-        self.steps_seen = int(state_dict["steps_seen"])
-        self._generator.set_state(state_dict["generator"])
-        self._keys = {self._key(e) for e in self.entries}
+        saved = saved_ranks(state_dict)
+        world, rank = (self._ranks.world_size, self._ranks.rank) if self._ranks is not None else (1, 0)
+        own = saved[rank] if len(saved) == world else saved[0]
+        self.offered = int(own["offered"])
+        self.insertions = int(own["insertions"])
+        self.steps_seen = int(own["steps_seen"])
+        self._generator.set_state(own["generator"])
+        if len(saved) == world:
+            buffers = [[dict(e) for e in part["entries"]] for part in saved]
+        else:  # another number of processes: the entries dealt out, oldest first, each rank keeping its newest
+            pooled = sorted((dict(e) for part in saved for e in part["entries"]), key=lambda e: e["order"])
+            buffers = [pooled[r::world][-self.capacity :] for r in range(world)]
+            self.insertions = max((e["order"] + 1 for e in pooled), default=self.insertions)
+        self.entries = buffers[rank]
+        held = buffers if self.unique and world > 1 else [self.entries]  # the keys every rank holds
+        self._keys = {self._key(e) for part in held for e in part}
+        self._gone = set()
         self._pending = None

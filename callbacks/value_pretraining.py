@@ -13,8 +13,8 @@ from torch import Tensor
 
 from rllight.algorithms import explained_variance, gae, masked_mean, value_loss
 from rllight.bounds import NonNegativeFloat, NonNegativeInt, OpenUnitInterval, PositiveInt, bounded
-from rllight.callbacks.base import RolloutCallback, RolloutContext
-from rllight.distributed import share
+from rllight.callbacks.base import RolloutCallback, RolloutContext, saved_ranks, state_of_every_rank
+from rllight.distributed import Ranks, share
 from rllight.errors import RecipeError
 from rllight.types import Rollout
 
@@ -122,6 +122,7 @@ class ValuePretraining(RolloutCallback):
         self._probe: list[Rollout] = []  # the rollouts set aside, on the CPU, with their returns
         self.held_out: list[tuple[Tensor, Tensor]] = []  # (values, returns) of the window's rollouts, response tokens
         self._replayed: list[Rollout] = []  # the latest pretraining rollouts, on the CPU
+        self._ranks: Ranks | None = None
         self.steps_done = 0
         self.finished = max_steps == 0
         self.best_loss = math.inf
@@ -154,6 +155,7 @@ class ValuePretraining(RolloutCallback):
         return 0 if self.finished else max(self.max_steps - self.steps_done, 0) + max(self.probe - len(self._probe), 0)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._ranks = Ranks(trainer)  # before a checkpoint's state is loaded: each rank takes its own window
         if self.minibatch_size is not None:  # a total that must divide among the processes: refused at the start
             share(self.minibatch_size, trainer.world_size, "trainer.callbacks: ValuePretraining.minibatch_size")
 
@@ -260,11 +262,22 @@ class ValuePretraining(RolloutCallback):
         _, rollout.returns = gae(rollout.token_rewards, rollout.values, rollout.response_mask, gamma, 1.0)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"steps_done": self.steps_done, "finished": self.finished, "best_loss": self.best_loss,
-                "best_explained_variance": self.best_explained_variance, "bad_steps": self.bad_steps,
-                "held_out": [(v.tolist(), r.tolist()) for v, r in self.held_out]}
+        """The criterion's state; the window is each rank's own share of the rollouts (every rank's is saved)."""
+        own = {"steps_done": self.steps_done, "finished": self.finished, "best_loss": self.best_loss,
+               "best_explained_variance": self.best_explained_variance, "bad_steps": self.bad_steps,
+               "held_out": [(v.tolist(), r.tolist()) for v, r in self.held_out]}
+        return state_of_every_rank(self._ranks, own)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = saved_ranks(state_dict)
+        world, rank = (self._ranks.world_size, self._ranks.rank) if self._ranks is not None else (1, 0)
+        if len(saved) == world:
+            state_dict = saved[rank]
+        else:  # another number of processes: the first rank holds the whole window, each rollout's shares pooled
+            windows = [part.get("held_out", []) for part in saved]
+            pooled = [([x for w in windows for x in w[k][0]], [x for w in windows for x in w[k][1]])
+                      for k in range(min(map(len, windows)))]
+            state_dict = {**saved[0], "held_out": pooled if rank == 0 else []}
         self.steps_done = int(state_dict["steps_done"])
         self.finished = bool(state_dict["finished"])
         self.best_loss = float(state_dict["best_loss"])

@@ -225,6 +225,16 @@ class SmolLM2Package(HFModel):
         return target
 
 
+def sharded(module: torch.nn.Module) -> bool:
+    """Whether ``module`` holds FSDP-sharded parts (``fully_shard``) in a run of several processes: a pass through
+    it is then a collective."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in module.modules())
+
+
 def response_hidden_states(decoder: torch.nn.Module, batch, share_prompts: bool = True) -> torch.Tensor:
     """Last hidden state at the positions that predict each response token of ``batch`` (a Rollout).
 
@@ -235,7 +245,8 @@ def response_hidden_states(decoder: torch.nn.Module, batch, share_prompts: bool 
     to every row (so the gradient through it sums over the rows, as it would over separate passes), and the
     responses run on top. Same function, less work: a prompt of P tokens with G responses costs P instead of
     G x P positions, forward and backward. Without repeated prompts, or with gradient checkpointing (which
-    turns the cache off), it is the plain single pass.
+    turns the cache off), it is the plain single pass. A decoder sharded by FSDP shares prompts only where every
+    rank can (a collective: each pass gathers the layers' weights, so every rank must make as many).
 
     Returns:
         Shape (B, T, H).
@@ -245,7 +256,15 @@ def response_hidden_states(decoder: torch.nn.Module, batch, share_prompts: bool 
     share_prompts = share_prompts and not getattr(decoder, "gradient_checkpointing", False)
     if share_prompts:
         prompt_ids, prompt_mask, row_prompt = distinct_prompts(batch.prompt_ids, batch.prompt_mask)
-    if not share_prompts or len(prompt_ids) == len(batch.prompt_ids):
+        share_prompts = len(prompt_ids) < len(batch.prompt_ids)
+        if sharded(decoder):
+            # Each pass through a sharded decoder gathers its layers' weights with the other ranks (and its backward
+            # reduces their gradients): every rank must make as many passes, so all share or none does.
+            share_prompts = share_prompts and t > 1
+            agreed = torch.tensor(float(share_prompts), device=batch.prompt_ids.device)
+            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+            share_prompts = bool(agreed.item())
+    if not share_prompts:
         attention_mask = batch.attention_mask
         out = decoder(input_ids=batch.input_ids, attention_mask=attention_mask,
                       position_ids=position_ids(attention_mask), use_cache=False)

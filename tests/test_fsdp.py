@@ -44,11 +44,17 @@ def _run(tmp_path, name, recipe, *args, sharded, **model):
 
 # VAPO: value pretraining sets the first rollout aside as its probe and fits the second (the probe scored after the
 # fit, on every rank), then RL steps with self-imitation replay after each; the replay batch holds every stored success
-# (a smaller one is a random draw from each rank's buffer: the same distribution, not the same rows).
+# (a smaller one is a random draw from each rank's buffer: the same distribution, not the same rows). The tiny task's
+# 16 prompts make a second pass over them: the same responses come back, on the other rank, and the buffers must still
+# hold each once over both ranks, as one process does. The ranks' replay batches differ in size (a padding pass on one,
+# repeated prompts on the other: both must make as many passes through the sharded decoder, or they hang).
 VAPO_CALLBACKS = ("[{class_path: rllight.callbacks.ValuePretraining, init_args: {max_steps: 1, patience: null,"
                   " probe: 1}},"
                   " {class_path: rllight.callbacks.SelfImitation, init_args: {every_n_steps: 1, batch_size: 128,"
                   " min_reward: 0.0}}, {class_path: user_strategies.DumpState}]")
+# VAPO's run makes more Adam steps than the others (critic, policy and replay updates, six rollouts), and its rounding
+# reaches about 4e-5 in a weight (as much without self-imitation); a response held twice moved weights by 1e-3 to 5e-3.
+VAPO_TOLERANCE = {"rtol": 1e-4, "atol": 1e-4}
 
 METHODS = {
     "grpo": ("grpo.yaml", [], {}),
@@ -56,11 +62,7 @@ METHODS = {
                              "advantage": {"class_path": "rllight.strategies.GAE"}}),
     "dapo": ("dapo.yaml", ["--model.sampler.init_args.group_size", "4", "--model.sampler.init_args.max_rounds", "2"],
              {}),
-    # 64 training prompts: the 5 rollouts (one set aside as the probe, one fitted, three of RL) stay in the first pass
-    # over them. From a second pass on (the tiny task's 16 prompts; 19 fails, 20 passes) one process and two part:
-    # seen here, not yet traced.
-    "vapo": ("vapo.yaml", ["--trainer.max_steps", "6", "--trainer.callbacks", VAPO_CALLBACKS,
-                           "--data.task.init_args.num_train", "64"], {}),
+    "vapo": ("vapo.yaml", ["--trainer.max_steps", "6", "--trainer.callbacks", VAPO_CALLBACKS], {}),
     "sppo": ("sppo.yaml", [], {"critic": {"class_path": "rllight.critics.PromptCritic", "init_args": {
         "model": {"class_path": "rllight.models.HFModel", "init_args": {"path": "TINY"}}, "lr": 5.0e-5}}}),
     "vespo": ("vespo.yaml", [], {}),
@@ -82,7 +84,8 @@ def test_fsdp_matches_one_process_on_the_same_rollouts(tmp_path, tiny_model_dir,
     for key, value in one["losses"].items():
         assert two["losses"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
     for name, p in one["params"].items():
-        torch.testing.assert_close(two["params"][name], p, **TOLERANCE, msg=name)
+        torch.testing.assert_close(two["params"][name], p, **(VAPO_TOLERANCE if method == "vapo" else TOLERANCE),
+                                   msg=name)
 
 
 def _fsdp_fit(tmp_path, overlay, name, steps, *extra, keep_all=False):
