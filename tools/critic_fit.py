@@ -15,9 +15,9 @@ minibatch order, are seeded alike).
    AdamW updates over minibatches of ``minibatch`` responses with the value loss (``loss_coef`` times its token
    mean, clipped around the values at the rollout's start where ``clip`` is set) and the trainer's gradient-norm
    clip of 1.0, on the rollout and the ``replay`` rollouts before it (their values scored again). Keys: ``lr``,
-   ``head_lr``, ``clip`` (0 = none), ``epochs``, ``minibatch``, ``replay``, ``loss_coef``. Options run two at a time
-   (``--jobs``), each in a child with one thread, under the recipe's precision. A finished option (its
-   ``<out>/<NAME>.json``) is skipped.
+   ``head_lr``, ``clip`` (0 = none), ``epochs``, ``minibatch``, ``replay``, ``loss_coef``. Options run ``--jobs`` at a
+   time (two by default), each in a child with the cores shared out, under the recipe's precision. A finished
+   option (its ``<out>/<NAME>.json``) is skipped.
 
 Reported per option: the explained variance of the held-out values, pooled over the response tokens of rollouts 2 to
 N (the first is scored by the untrained critic) and over each window of ``--window`` rollouts, and the held-out value
@@ -103,7 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--option", action="append", nargs="+", default=[], metavar="NAME [KEY=VALUE ...]",
                    help=f"A critic option: a name and settings among {', '.join(KEYS)} (repeatable).")
     p.add_argument("--window", type=int, default=10, help="Rollouts per window of the pooled numbers.")
-    p.add_argument("--jobs", type=int, default=2, help="Options fitted at once, one thread each.")
+    p.add_argument("--jobs", type=int, default=2, help="Options fitted at once, the cores shared out between them.")
     p.add_argument("--seeds", "--seed", type=int, nargs="+", default=[0],
                    help="Seeds: each samples rollouts of its own (the recipe's seed) and seeds the fits on them.")
     p.add_argument("--out", default="runs/critic-fit", help="Folder for the rollouts and each option's results.")
@@ -316,10 +316,12 @@ def fit(critic, optimizer, batches: list, settings: dict, order: random.Random, 
 
 
 def fit_options(args: argparse.Namespace, argv: list[str]) -> None:
-    """Fit every option and seed without results yet, ``--jobs`` at a time, each in a child with one thread."""
-    todo = [(name, seed) for seed in args.seeds for name in args.options
+    """Fit every option and seed without results yet, ``--jobs`` at a time, each in a child with its share of the
+    cores (``os.cpu_count() // jobs`` threads, at least one)."""
+    todo = [(name, seed) for name in args.options for seed in args.seeds
             if not os.path.exists(os.path.join(seed_dir(args.out, seed), f"{name}.json"))]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    threads = str(max(1, (os.cpu_count() or 1) // max(args.jobs, 1)))
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
     running: list[tuple[str, subprocess.Popen]] = []
     failed = []
     while todo or running:
