@@ -31,7 +31,8 @@ in the critic, not in which responses came. Beside it the tool replays the recip
 (its settings as the recipe resolves them) on the option's held-out numbers: the rollout it would stop after, the
 criterion's pooled window there, and the probe's explained variance there; ``--min-ev`` adds the same with
 ``min_explained_variance`` set. ``--seeds 0 1 2``: each seed samples rollouts of its own (``<out>/seed-<s>``) and
-every option fits each seed's; a row per option and seed.
+every option fits each seed's; a row per option and seed, then (with a probe) each option's probe columns averaged
+over the seeds and each later option's paired difference from the first, averaged, with its smallest and largest.
 
 Run (SmolLM2-135M-Instruct, VAPO's recipe at the quickstart's 4 prompts x 8 responses; about an hour on 2 cores):
 
@@ -423,7 +424,36 @@ def summary(args: argparse.Namespace, criterion: dict | None = None) -> tuple[li
             row["probe_last"] = printed(pooled([between_prompts(load(args.rollouts + j))
                                                 for j in range(args.probe)])[0], ".3f")
         rows.append(row)
-    return rows, columns
+    return rows + seed_means(args, rows, columns), columns
+
+
+def seed_means(args: argparse.Namespace, rows: list[dict], columns: list[list]) -> list[dict]:
+    """With several seeds and a probe: per option, the mean over seeds of each probe column (the probe after each
+    window, at its best and last, and at each replayed stop); for each option after the first, the mean over seeds of
+    its difference from the first option on the same seed's rollouts (paired), the smallest and largest in settings."""
+    if len(args.seeds) < 2 or not args.probe:
+        return []
+    keys = [c[0] for c in columns if c[0].startswith("probe_") and c[0] != "probe_best_at" or c[0].endswith("_probe")]
+    names = list(args.options)
+    per_seed = {(r["option"], r["seed"]): r for r in rows if r["option"] in names}
+
+    def mean(values: list) -> float | None:
+        values = [v for v in values if v is not None]
+        return printed(sum(values) / len(values), ".3f") if len(values) == len(args.seeds) else None
+
+    out = [{"option": name, "seed": "mean", "settings": f"mean over seeds {', '.join(map(str, args.seeds))}",
+            **{k: mean([per_seed[name, s].get(k) for s in args.seeds]) for k in keys}} for name in names]
+    for name in names[1:]:
+        row, spans = {"option": f"{name} - {names[0]}", "seed": "mean"}, []
+        for k in keys:
+            pairs = [(per_seed[name, s].get(k), per_seed[names[0], s].get(k)) for s in args.seeds]
+            diffs = [a - b for a, b in pairs if a is not None and b is not None]
+            row[k] = mean(diffs)
+            if row[k] is not None:
+                spans.append(f"{k} {min(diffs):+.3f}..{max(diffs):+.3f}")
+        row["settings"] = "paired, each seed's difference: mean; smallest..largest: " + ", ".join(spans)
+        out.append(row)
+    return out
 
 
 def table(rows: list[dict], columns: list[list]) -> str:
@@ -461,6 +491,10 @@ def main(argv: list[str] | None = None) -> int:
              f"the rollout after which the recipe's ValuePretraining criterion ends on the option's held-out numbers "
              f"({json.dumps(setup.get('value_pretraining'))}), with its pooled window's explained variance there and "
              f"the probe's." if args.probe else "")
+    if seed_means(args, rows, columns):
+        probe += (" The rows of seed 'mean': each option's probe columns averaged over the seeds, and each later "
+                  "option's difference from the first on the same seed's rollouts, averaged (its smallest and largest "
+                  "over the seeds in the settings column).")
     tool_record(args, id="critic-fit", title="Critic options fitted on the same frozen-policy rollouts",
                 section="Methods on the quickstart task", columns=columns, rows=rows,
                 note=(f"{args.rollouts} rollouts of {args.recipe} ({' '.join(args.set) or 'as written'}) with the "

@@ -58,6 +58,27 @@ def test_the_probe_row_reads_the_probe_at_each_stop():
 
 
 @pytest.mark.slow  # a `rllight fit` child samples the rollouts, two children fit
+def test_seed_means_and_paired_differences_by_hand():
+    tool = load_tool("critic_fit")
+    args = tool.parse_args(["--rollouts", "2", "--window", "2", "--probe", "1", "--seeds", "0", "1",
+                            "--option", "a", "lr=1e-5", "--option", "b", "lr=2e-5"])
+    columns = [["option", "option"], ["seed", "seed"], ["probe_2", "probe EV after 2", ".3f"],
+               ["probe_best_at", "best after"], ["stop_probe", "probe EV there", ".3f"]]
+    rows = [{"option": "a", "seed": 0, "probe_2": 0.1, "probe_best_at": 1, "stop_probe": 0.2},
+            {"option": "b", "seed": 0, "probe_2": 0.4, "probe_best_at": 2, "stop_probe": None},
+            {"option": "(between prompts, in sample)", "seed": 0, "probe_2": 0.9},
+            {"option": "a", "seed": 1, "probe_2": 0.3, "probe_best_at": 2, "stop_probe": 0.0},
+            {"option": "b", "seed": 1, "probe_2": 0.2, "probe_best_at": 1, "stop_probe": 0.1}]
+    means = tool.seed_means(args, rows, columns)
+    # a: (0.1 + 0.3) / 2 = 0.2; b: (0.4 + 0.2) / 2 = 0.3; b - a per seed: +0.3 and -0.1, mean 0.1. A stop missing on
+    # one seed leaves no mean; "best after" is a rollout, not averaged.
+    assert [(m["option"], m["probe_2"], m["stop_probe"]) for m in means] == [
+        ("a", 0.2, 0.1), ("b", 0.3, None), ("b - a", 0.1, None)]
+    assert "probe_best_at" not in means[0] and "probe_2 -0.100..+0.300" in means[2]["settings"]
+    one_seed = tool.parse_args(["--probe", "1", "--option", "a", "lr=1e-5"])
+    assert tool.seed_means(one_seed, rows, columns) == []
+
+
 def test_options_fit_the_same_rollouts_and_a_rerun_does_nothing_again(tmp_path, tiny_model_dir, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", TESTS)  # the tiny overlay's reward lives beside the tests
     overlay = tiny_overrides(tmp_path, tiny_model_dir)
