@@ -1,6 +1,7 @@
-"""tools/critic_fit.py: rollouts sampled once with the policy frozen, critic options fitted on the same ones and
-their held-out explained variance pooled; a probe of rollouts no option fits, scored after each fit, and the recipe's
-stopping criterion replayed on the held-out numbers; a rerun samples and fits nothing again."""
+"""tools/critic_fit.py and its table (tools/critic_fit_table.py): rollouts sampled once with the policy frozen, critic
+options fitted on the same ones and their held-out explained variance pooled; a probe of rollouts no option fits,
+scored after each fit, and the recipe's stopping criterion replayed on the held-out numbers; the means over seeds; a
+rerun samples and fits nothing again."""
 
 import json
 import os
@@ -13,13 +14,13 @@ from rllight.app.records import load_records
 
 
 def test_pooled_numbers_by_hand():
-    tool = load_tool("critic_fit")
+    table = load_tool("critic_fit_table")
     # V = (0.5, 0.5, 1, 0), R = (1, 0, 1, 0): R - V = (0.5, -0.5, 0, 0), Var(R - V) = 0.125, Var(R) = 0.25;
     # explained variance 1 - 0.125 / 0.25 = 0.5, loss 0.5 * mean((R - V)^2) = 0.5 * 0.125 = 0.0625.
-    ev, loss = tool.pooled([(torch.tensor([0.5, 0.5]), torch.tensor([1.0, 0.0])),
+    ev, loss = table.pooled([(torch.tensor([0.5, 0.5]), torch.tensor([1.0, 0.0])),
                             (torch.tensor([1.0, 0.0]), torch.tensor([1.0, 0.0]))])
     assert ev == pytest.approx(0.5) and loss == pytest.approx(0.0625)
-    ev, loss = tool.pooled([(torch.tensor([0.2]), torch.tensor([1.0]))])
+    ev, loss = table.pooled([(torch.tensor([0.2]), torch.tensor([1.0]))])
     assert ev != ev and loss == pytest.approx(0.5 * 0.8 ** 2)  # returns that do not vary: no explained variance
 
 
@@ -33,24 +34,24 @@ CRITERION = {"max_steps": 10, "patience": 2, "min_delta": 1e-3, "min_delta_expla
 
 
 def test_the_recipes_stopping_criterion_replayed_by_hand():
-    tool = load_tool("critic_fit")
+    table = load_tool("critic_fit_table")
     # EV 0, then 0.75 (and the loss 0.125, then 0.03125): rollouts 1 and 2 improve, 3 and 4 do not: patience 2 ends
     # it after rollout 4.
     held_out = [_pair(0.5), _pair(0.75), _pair(0.75), _pair(0.75)]
-    assert tool.stop_of(held_out, CRITERION) == 4
-    assert tool.stop_of(held_out, CRITERION, min_ev=0.7) == 4
-    assert tool.stop_of(held_out, CRITERION, min_ev=0.8) is None  # below the minimum: it goes on past them
-    assert tool.stop_of(held_out, {**CRITERION, "max_steps": 3}) == 3  # the cap
+    assert table.stop_of(held_out, CRITERION) == 4
+    assert table.stop_of(held_out, CRITERION, min_ev=0.7) == 4
+    assert table.stop_of(held_out, CRITERION, min_ev=0.8) is None  # below the minimum: it goes on past them
+    assert table.stop_of(held_out, {**CRITERION, "max_steps": 3}) == 3  # the cap
     # Pooled over a window of 2, rollouts 3 and 4 improve on the window (0.5, 0.75) of rollout 2: it goes on.
-    assert tool.stop_of(held_out, {**CRITERION, "window": 2}) is None
+    assert table.stop_of(held_out, {**CRITERION, "window": 2}) is None
 
 
 def test_the_probe_row_reads_the_probe_at_each_stop():
-    tool = load_tool("critic_fit")
+    tool, table = load_tool("critic_fit"), load_tool("critic_fit_table")
     args = tool.parse_args(["--option", "x", "--rollouts", "4", "--window", "2", "--probe", "3", "--min-ev", "0.8"])
     result = {"held_out": [_pair(0.5), _pair(0.75), _pair(0.75), _pair(0.75)],
               "probe": [[0.1, 0.2], [0.3, 0.1], [0.2, 0.1], [0.25, 0.1]]}
-    row = tool.probe_row(args, result, CRITERION)
+    row = table.probe_row(args, result, CRITERION)
     assert row["probe_2"] == 0.3 and row["probe_4"] == 0.25  # after each window's last rollout
     assert (row["probe_best"], row["probe_best_at"], row["probe_last"]) == (0.3, 2, 0.25)
     assert (row["stop"], row["stop_window"], row["stop_probe"]) == (4, 0.75, 0.25)
@@ -59,7 +60,7 @@ def test_the_probe_row_reads_the_probe_at_each_stop():
 
 @pytest.mark.slow  # a `rllight fit` child samples the rollouts, two children fit
 def test_seed_means_and_paired_differences_by_hand():
-    tool = load_tool("critic_fit")
+    tool, table = load_tool("critic_fit"), load_tool("critic_fit_table")
     args = tool.parse_args(["--rollouts", "2", "--window", "2", "--probe", "1", "--seeds", "0", "1",
                             "--option", "a", "lr=1e-5", "--option", "b", "lr=2e-5"])
     columns = [["option", "option"], ["seed", "seed"], ["probe_2", "probe EV after 2", ".3f"],
@@ -69,14 +70,14 @@ def test_seed_means_and_paired_differences_by_hand():
             {"option": "(between prompts, in sample)", "seed": 0, "probe_2": 0.9},
             {"option": "a", "seed": 1, "probe_2": 0.3, "probe_best_at": 2, "stop_probe": 0.0},
             {"option": "b", "seed": 1, "probe_2": 0.2, "probe_best_at": 1, "stop_probe": 0.1}]
-    means = tool.seed_means(args, rows, columns)
+    means = table.seed_means(args, rows, columns)
     # a: (0.1 + 0.3) / 2 = 0.2; b: (0.4 + 0.2) / 2 = 0.3; b - a per seed: +0.3 and -0.1, mean 0.1. A stop missing on
     # one seed leaves no mean; "best after" is a rollout, not averaged.
     assert [(m["option"], m["probe_2"], m["stop_probe"]) for m in means] == [
         ("a", 0.2, 0.1), ("b", 0.3, None), ("b - a", 0.1, None)]
     assert "probe_best_at" not in means[0] and "probe_2 -0.100..+0.300" in means[2]["settings"]
     one_seed = tool.parse_args(["--probe", "1", "--option", "a", "lr=1e-5"])
-    assert tool.seed_means(one_seed, rows, columns) == []
+    assert table.seed_means(one_seed, rows, columns) == []
 
 
 def test_options_fit_the_same_rollouts_and_a_rerun_does_nothing_again(tmp_path, tiny_model_dir, monkeypatch):
