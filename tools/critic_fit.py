@@ -59,7 +59,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # the tools beside it
 
-from critic_fit_table import pooled, rollout_path, seed_dir, seed_means, summary, table  # noqa: E402
+from critic_fit_table import pooled, rollout_path, seed_dir, summary, table  # noqa: E402
 
 from rllight.app.records import add_record_options, check_record_options, tool_record  # noqa: E402
 from rllight.callbacks.base import RolloutCallback  # noqa: E402
@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
              f"the rollout after which the recipe's ValuePretraining criterion ends on the option's held-out numbers "
              f"({json.dumps(setup.get('value_pretraining'))}), with its pooled window's explained variance there and "
              f"the probe's." if args.probe else "")
-    if seed_means(args, rows, columns):
+    if any(row["seed"] == "mean" for row in rows):  # summary added seed_means' rows
         probe += (" The rows of seed 'mean': each option's probe columns averaged over the seeds, and each later "
                   "option's difference from the first on the same seed's rollouts, averaged (its smallest and largest "
                   "over the seeds in the settings column).")
