@@ -15,7 +15,7 @@ minibatch order, are seeded alike).
    AdamW updates over minibatches of ``minibatch`` responses with the value loss (``loss_coef`` times its token
    mean, clipped around the values at the rollout's start where ``clip`` is set) and the trainer's gradient-norm
    clip of 1.0, on the rollout and the ``replay`` rollouts before it (their values scored again). Keys: ``lr``,
-   ``head_lr``, ``clip`` (0 = none), ``epochs``, ``minibatch``, ``replay``, ``loss_coef``. Options run ``--jobs`` at a
+   ``head_lr``, ``clip`` (0 = none), ``epochs``, ``minibatch``, ``replay``, ``loss_coef``, ``sampling``. Options run ``--jobs`` at a
    time (two by default), each in a child with the cores shared out, under the recipe's precision. A finished
    option (its ``<out>/<NAME>.json``) is skipped.
 
@@ -24,6 +24,10 @@ N (the first is scored by the untrained critic) and over each window of ``--wind
 loss likewise. Beside them, per window, the share of the returns' variance that lies between prompts (the variance of
 each prompt's mean return over the variance of the returns, in sample): what a critic that knew each prompt's success
 rate but nothing of the response could explain.
+
+``--sampling NAME KEY=VALUE ...`` names rollouts sampled with more recipe settings on top of ``--set`` (e.g. more
+prompts per rollout and fewer responses each); an option with ``sampling=NAME`` fits those (``<out>/seed-<s>/NAME``,
+as many as ``--rollouts``) instead, and is scored on the same probe as every other option.
 
 ``--probe M`` also samples M more rollouts that no option fits: after each rollout's fit the critic scores all of them,
 so the probe's explained variance follows one critic after another on the same responses. A change in it is a change
@@ -59,14 +63,14 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # the tools beside it
 
-from critic_fit_table import pooled, rollout_path, seed_dir, summary, table  # noqa: E402
+from critic_fit_table import pooled, rollout_path, sampling_dir, seed_dir, summary, table  # noqa: E402
 
 from rllight.app.records import add_record_options, check_record_options, tool_record  # noqa: E402
 from rllight.callbacks.base import RolloutCallback  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEYS = {"lr": float, "head_lr": float, "clip": float, "epochs": int, "minibatch": int, "replay": int,
-        "loss_coef": float}
+        "loss_coef": float, "sampling": str}
 DEFAULTS = {"lr": 1e-4, "head_lr": None, "clip": 0.2, "epochs": 4, "minibatch": 16, "replay": 0, "loss_coef": 0.5}
 
 
@@ -101,6 +105,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Also replay the recipe's stopping criterion with min_explained_variance at each value.")
     p.add_argument("--option", action="append", nargs="+", default=[], metavar="NAME [KEY=VALUE ...]",
                    help=f"A critic option: a name and settings among {', '.join(KEYS)} (repeatable).")
+    p.add_argument("--sampling", action="append", nargs="+", default=[], metavar="NAME KEY=VALUE",
+                   help="Rollouts sampled with more recipe settings, for options with sampling=NAME (repeatable).")
     p.add_argument("--window", type=int, default=10, help="Rollouts per window of the pooled numbers.")
     p.add_argument("--jobs", type=int, default=2, help="Options fitted at once, the cores shared out between them.")
     p.add_argument("--seeds", "--seed", type=int, nargs="+", default=[0],
@@ -122,6 +128,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 p.error(f"--option {name}: {pair!r} is not KEY=VALUE with KEY one of {', '.join(KEYS)}")
             settings[key] = KEYS[key](value)
         args.options[name] = settings
+    args.samplings = {}
+    for name, *pairs in args.sampling:
+        if (not pairs or not all("=" in pair for pair in pairs) or not name.replace("-", "").isalnum()
+                or name in ("rollouts", "sampling")):
+            p.error(f"--sampling {name}: give a name of letters, digits and dashes (not 'rollouts' or 'sampling'), "
+                    f"then recipe settings KEY=VALUE")
+        args.samplings[name] = pairs
+    used = {settings.get("sampling") for settings in args.options.values()} - {None}
+    if used - set(args.samplings) or set(args.samplings) - used:
+        p.error(f"each --option's sampling= must be a --sampling name and each --sampling used by an option: options "
+                f"use {sorted(used) or 'none'}, --sampling names {sorted(args.samplings) or 'none'}")
     check_record_options(p, args, argv, __file__)
     return args
 
@@ -129,17 +146,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ------------------------------------------------------------------------------------------------- rollouts
 
 
-def recipe_args(args: argparse.Namespace, *overlays: str) -> list[str]:
-    """``rllight fit``'s arguments for the recipe: its ``--config`` files, ``overlays``, then each ``--set``."""
-    configs = [args.recipe, *args.config, *overlays]
+def recipe_args(args: argparse.Namespace, *overlays: str, sampling: str | None = None) -> list[str]:
+    """``rllight fit``'s arguments for the recipe: its ``--config`` files, ``overlays``, then each ``--set`` and
+    ``sampling``'s settings."""
+    configs, sets = [args.recipe, *args.config, *overlays], [*args.set, *args.samplings.get(sampling, [])]
     return [*sum((["--config", c] for c in configs), []), *sum((["--" + k, v] for k, _, v in
-                                                                (s.partition("=") for s in args.set)), [])]
+                                                                (s.partition("=") for s in sets)), [])]
 
 
-def make_rollouts(args: argparse.Namespace, seed: int) -> None:
-    """Sample the rollouts of ``seed`` not yet saved (the fitted ones, then the probe), each run of ``rllight fit``
-    from the first missing one on."""
-    folder, total = seed_dir(args.out, seed), args.rollouts + args.probe
+def make_rollouts(args: argparse.Namespace, seed: int, sampling: str | None = None) -> None:
+    """Sample the rollouts of ``seed`` not yet saved (the fitted ones, then the probe; ``sampling``'s only the fitted
+    ones), each run of ``rllight fit`` from the first missing one on."""
+    folder = sampling_dir(args.out, seed, sampling)
+    total = args.rollouts + (args.probe if sampling is None else 0)
     os.makedirs(os.path.join(folder, "rollouts"), exist_ok=True)
     missing = [k for k in range(total) if not os.path.exists(rollout_path(folder, k))]
     if not missing:
@@ -155,10 +174,11 @@ def make_rollouts(args: argparse.Namespace, seed: int) -> None:
                        "val_check_interval": 10**9, "check_val_every_n_epoch": None, "max_steps": 10**6,
                        "limit_val_batches": 0},
                    "model": {"guards": {"max_steps_without_update": None}}, "data": {"seed": seed}}, f)
-    cmd = [sys.executable, "-m", "rllight", "fit", *recipe_args(args, overlay)]
+    cmd = [sys.executable, "-m", "rllight", "fit", *recipe_args(args, overlay, sampling=sampling)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.abspath(__file__)),
                                                         os.environ.get("PYTHONPATH", "")])}
-    print(f"critic_fit: seed {seed}: sampling rollouts {start}..{total - 1}", flush=True)
+    print(f"critic_fit: seed {seed}: sampling rollouts {start}..{total - 1}"
+          + (f" of {sampling}" if sampling else ""), flush=True)
     with open(os.path.join(folder, "sampling.log"), "w") as log:
         code = subprocess.call(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     made = sum(os.path.exists(rollout_path(folder, k)) for k in range(total))
@@ -239,8 +259,9 @@ def fit_one(args: argparse.Namespace, name: str, seed: int) -> dict:
     probe = [with_returns(torch.load(rollout_path(folder, args.rollouts + j), weights_only=False))
              for j in range(args.probe)]
     held_out, probed, earlier, start = [], [], [], time.time()
+    fitted = sampling_dir(args.out, seed, settings.get("sampling"))
     for k in range(args.rollouts):
-        rollout = with_returns(torch.load(rollout_path(folder, k), weights_only=False))
+        rollout = with_returns(torch.load(rollout_path(fitted, k), weights_only=False))
         score(rollout)
         held_out.append([x.tolist() for x in tokens(rollout)])
         for part in earlier:
@@ -324,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(setup_path, "w") as f:
             json.dump(resolved_setup(args), f)
     for seed in args.seeds:
-        make_rollouts(args, seed)
+        for sampling in [None, *args.samplings]:
+            make_rollouts(args, seed, sampling)
     fit_options(args, argv)
     setup = json.load(open(setup_path))
     rows, columns = summary(args, setup.get("value_pretraining"))
@@ -337,6 +359,10 @@ def main(argv: list[str] | None = None) -> int:
              f"the rollout after which the recipe's ValuePretraining criterion ends on the option's held-out numbers "
              f"({json.dumps(setup.get('value_pretraining'))}), with its pooled window's explained variance there and "
              f"the probe's." if args.probe else "")
+    if args.samplings:
+        probe += (" Options with sampling=NAME fit rollouts sampled with NAME's settings on top of the others ("
+                  + "; ".join(f"{name}: {' '.join(sets)}" for name, sets in args.samplings.items())
+                  + "), as many, and are scored on the same probe; their between-prompts row is named after them.")
     if any(row["seed"] == "mean" for row in rows):  # summary added seed_means' rows
         probe += (" The rows of seed 'mean': each option's probe columns averaged over the seeds, and each later "
                   "option's difference from the first on the same seed's rollouts, averaged (its smallest and largest "

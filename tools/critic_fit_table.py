@@ -19,6 +19,11 @@ def seed_dir(out: str, seed: int) -> str:
     return os.path.join(out, f"seed-{seed}")
 
 
+def sampling_dir(out: str, seed: int, sampling: str | None = None) -> str:
+    """The folder of one seed's rollouts of ``sampling`` (None: the run's own, with the probe)."""
+    return seed_dir(out, seed) if sampling is None else os.path.join(seed_dir(out, seed), sampling)
+
+
 def rollout_path(folder: str, k: int) -> str:
     return os.path.join(folder, "rollouts", f"r{k:03d}.pt")
 
@@ -116,20 +121,33 @@ def summary(args: argparse.Namespace, criterion: dict | None = None) -> tuple[li
             parts = [(torch.tensor(v), torch.tensor(r)) for v, r in result["held_out"]]
             ev, loss = pooled(parts[1:])
             settings = " ".join(f"{k}={v}" for k, v in result["settings"].items())
+            if result["settings"].get("sampling"):
+                settings += f" ({' '.join(args.samplings[result['settings']['sampling']])})"
             row = {"option": name, "seed": seed, "settings": settings,
                    "ev": printed(ev, ".3f"), "loss": printed(loss, ".4f"), **probe_row(args, result, criterion)}
             for lo, hi in windows:
                 row[f"ev_{lo + 1}_{hi}"] = printed(pooled(parts[max(lo, 1):hi])[0], ".3f")
             rows.append(row)
+        rows += between_rows(args, seed)
+    return rows + seed_means(args, rows, columns), columns
+
+
+def between_rows(args: argparse.Namespace, seed: int) -> list[dict]:
+    """The share of the returns' variance between prompts, in sample, per window of ``seed``'s fitted rollouts, a row
+    per sampling (the run's own with the probe's share too, then each ``--sampling``'s)."""
+    windows, rows = windows_of(args), []
+    for sampling in [None, *getattr(args, "samplings", {})]:
+        folder = sampling_dir(args.out, seed, sampling)
         load = lambda k: torch.load(rollout_path(folder, k), weights_only=False)  # noqa: E731
         bound = [pooled([between_prompts(load(k)) for k in range(lo, hi)])[0] for lo, hi in windows]
-        row = {"option": "(between prompts, in sample)", "seed": seed, "settings": "each prompt's mean return",
+        row = {"option": "(between prompts, in sample" + (f", {sampling})" if sampling else ")"), "seed": seed,
+               "settings": "each prompt's mean return",
                **{f"ev_{lo + 1}_{hi}": printed(b, ".3f") for (lo, hi), b in zip(windows, bound)}}
-        if args.probe:  # the same share on the probe's rollouts
+        if args.probe and sampling is None:  # the same share on the probe's rollouts
             row["probe_last"] = printed(pooled([between_prompts(load(args.rollouts + j))
                                                 for j in range(args.probe)])[0], ".3f")
         rows.append(row)
-    return rows + seed_means(args, rows, columns), columns
+    return rows
 
 
 def seed_means(args: argparse.Namespace, rows: list[dict], columns: list[list]) -> list[dict]:

@@ -87,7 +87,9 @@ def test_options_fit_the_same_rollouts_and_a_rerun_does_nothing_again(tmp_path, 
     os.makedirs(record.parent)
     argv = ["--recipe", "recipes/vapo.yaml", "--config", overlay, "--set", "data.batch_size=2", "--rollouts", "3",
             "--window", "2", "--probe", "2", "--option", "still", "epochs=0", "--option", "fits", "lr=1e-2", "head_lr=1e-1",
-            "clip=0", "epochs=2", "minibatch=4", "replay=1", "--out", str(out), "--record", str(record)]
+            "clip=0", "epochs=2", "minibatch=4", "replay=1", "--option", "wide", "epochs=0", "sampling=wide",
+            "--sampling", "wide", "data.batch_size=4", "model.sampler.init_args.group_size=2",
+            "--out", str(out), "--record", str(record)]
     tool = load_tool("critic_fit")
     assert tool.main(argv) == 0
     saved = [out / "seed-0" / "rollouts" / f"r00{k}.pt" for k in range(5)]  # 3 to fit, 2 of the probe
@@ -102,23 +104,27 @@ def test_options_fit_the_same_rollouts_and_a_rerun_does_nothing_again(tmp_path, 
     # trains, a number that moves from fit to fit.
     assert [ev for ev, _ in still["probe"]] == [0.0, 0.0, 0.0]
     assert len(fits["probe"]) == 3 and len({ev for ev, _ in fits["probe"]}) > 1
+    # The option with its own sampling fitted those rollouts (4 prompts x 2 responses each, none of the probe's),
+    # and was scored on the same probe after each of its 3 fits.
+    wide_saved = sorted(os.listdir(out / "seed-0" / "wide" / "rollouts"))
+    assert wide_saved == ["r000.pt", "r001.pt", "r002.pt"]
+    wide_rollouts = [torch.load(out / "seed-0" / "wide" / "rollouts" / name, weights_only=False) for name in wide_saved]
+    assert all(sorted(r.group_ids.unique(return_counts=True)[1].tolist()) == [2, 2, 2, 2] for r in wide_rollouts)
+    wide = json.loads((out / "seed-0" / "wide.json").read_text())
+    assert [len(r) for _, r in wide["held_out"]] == [int(x.response_mask.sum()) for x in wide_rollouts]
+    assert [ev for ev, _ in wide["probe"]] == [0.0, 0.0, 0.0]
     (written,) = load_records(str(record.parent))
     rows = {row["option"]: row for row in written["rows"]}
     assert rows["still"]["probe_last"] == 0.0 and rows["still"]["seed"] == 0
     assert rows["still"]["ev"] == 0.0  # a constant critic explains none of the variance
     # The between-prompts share, worked out here from the rewards: each prompt's mean reward on its tokens.
-    values, returns = [], []
-    for rollout in rollouts[:2]:
-        for i in range(len(rollout)):
-            same = rollout.group_ids == rollout.group_ids[i]
-            n = int(rollout.response_mask[i].sum())
-            values += [float(rollout.rewards[same].mean())] * n
-            returns += [float(rollout.rewards[i])] * n
-    values, returns = torch.tensor(values, dtype=torch.float64), torch.tensor(returns, dtype=torch.float64)
-    share = 1 - float((returns - values).var(unbiased=False) / returns.var(unbiased=False))
-    assert rows["(between prompts, in sample)"]["ev_1_2"] == pytest.approx(round(share, 3), abs=1e-3)
+    assert rows["(between prompts, in sample)"]["ev_1_2"] == pytest.approx(round(share_of(rollouts[:2]), 3), abs=1e-3)
+    assert rows["(between prompts, in sample, wide)"]["ev_1_2"] == pytest.approx(round(share_of(wide_rollouts[:2]), 3),
+                                                                                  abs=1e-3)
+    assert "sampling=wide (data.batch_size=4 model.sampler.init_args.group_size=2)" in rows["wide"]["settings"]
 
-    stamps = {p: os.path.getmtime(p) for p in [*saved, out / "seed-0" / "still.json", out / "seed-0" / "fits.json"]}
+    stamps = {p: os.path.getmtime(p) for p in [*saved, *(out / "seed-0" / "wide" / "rollouts").iterdir(),
+                                                *(out / "seed-0" / f"{name}.json" for name in ("still", "fits", "wide"))]}
     monkeypatch.setattr(tool.subprocess, "call", lambda *a, **k: pytest.fail("sampled again"))
     real_popen = tool.subprocess.Popen
 
@@ -129,3 +135,30 @@ def test_options_fit_the_same_rollouts_and_a_rerun_does_nothing_again(tmp_path, 
     monkeypatch.setattr(tool.subprocess, "Popen", popen)
     assert tool.main(argv) == 0
     assert {p: os.path.getmtime(p) for p in stamps} == stamps
+
+
+def share_of(rollouts) -> float:
+    """The share of the returns' variance between prompts, worked out from the rewards: each prompt's mean reward
+    on its tokens."""
+    values, returns = [], []
+    for rollout in rollouts:
+        for i in range(len(rollout)):
+            same = rollout.group_ids == rollout.group_ids[i]
+            n = int(rollout.response_mask[i].sum())
+            values += [float(rollout.rewards[same].mean())] * n
+            returns += [float(rollout.rewards[i])] * n
+    values, returns = torch.tensor(values, dtype=torch.float64), torch.tensor(returns, dtype=torch.float64)
+    return 1 - float((returns - values).var(unbiased=False) / returns.var(unbiased=False))
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--option", "a", "sampling=wide"], "options use ['wide'], --sampling names none"),  # no such sampling
+    (["--option", "a", "--sampling", "wide", "data.batch_size=4"], "options use none, --sampling names ['wide']"),
+    (["--option", "a", "sampling=rollouts", "--sampling", "rollouts", "data.batch_size=4"],  # the run's own folder
+     "--sampling rollouts: give a name"),
+    (["--option", "a", "sampling=wide", "--sampling", "wide", "data.batch_size"], "then recipe settings KEY=VALUE"),
+])
+def test_a_sampling_must_be_named_used_and_set(argv, says, capsys):
+    with pytest.raises(SystemExit):
+        load_tool("critic_fit").parse_args(argv)
+    assert says in capsys.readouterr().err
