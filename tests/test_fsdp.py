@@ -106,27 +106,32 @@ def _fsdp_fit(tmp_path, overlay, name, steps, *extra, keep_all=False):
 @pytest.mark.slow
 def test_fsdp_sampling_checkpoint_resume_and_export(tmp_path, tiny_model_dir):
     """With the in-process engine sampling from its full copy: the sharded checkpoint after 2 of 4 steps, resumed,
-    gives the metrics and weights of the 4 steps without a stop (each rank's random streams are its own); a full
-    checkpoint holds the whole policy; the export is the full policy, written by rank 0."""
+    gives the metrics and weights of the 4 steps without a stop (each rank's random streams and self-imitation buffer
+    are its own); a full checkpoint holds the whole policy; the export is the full policy, written by rank 0."""
     from transformers import AutoModelForCausalLM
 
     from test_resume import _metrics
 
     overlay = tiny_overrides(tmp_path, tiny_model_dir, batching={"micro_batch_size": 4})
+    # Self-imitation after every step, its replay batch a draw from each rank's own buffer: the resumed ranks must
+    # each get their own buffer back (not rank 0's) for the replay updates of steps 3 and 4 to be the same.
+    replay = ["--trainer.callbacks+", "rllight.callbacks.SelfImitation", "--trainer.callbacks.every_n_steps", "1",
+              "--trainer.callbacks.batch_size", "2", "--trainer.callbacks.min_reward", "0.0"]
     # The uninterrupted run keeps a sharded checkpoint folder per step; the resumed one writes full checkpoints
     # (one file from rank 0).
-    full = _fsdp_fit(tmp_path, overlay, "full", 4, "--model.export_dir", str(tmp_path / "export"),
+    full = _fsdp_fit(tmp_path, overlay, "full", 4, "--model.export_dir", str(tmp_path / "export"), *replay,
                      keep_all=True)
     assert full.returncode == 0, full.stderr[-4000:]
     (second,) = (tmp_path / "full_ckpt").glob("*step=2.ckpt")
     assert second.is_dir() and len(list(second.glob("*.distcp"))) == 2  # one shard file per rank
     resumed = _fsdp_fit(tmp_path, overlay, "resumed", 4, "--ckpt_path", str(second),
-                        "--trainer.strategy.init_args.save_distributed_checkpoint", "false")
+                        "--trainer.strategy.init_args.save_distributed_checkpoint", "false", *replay)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
 
     a = _metrics(tmp_path / "full" / "version_0" / "metrics.csv")
     c = _metrics(tmp_path / "resumed" / "version_0" / "metrics.csv")
     assert sorted(c) == [3, 4]  # RL steps 3 and 4: the logger counts them from 1
+    assert all(c[step].get("train/sil/nll") for step in c)  # the replay updated in both
     for step in sorted(c):
         assert c[step] == a[step], (step, {k: (a[step].get(k), v) for k, v in c[step].items() if a[step].get(k) != v})
     whole, parted = (torch.load(tmp_path / f"{name}0.pt", weights_only=True)["params"] for name in ("full", "resumed"))
