@@ -71,6 +71,12 @@ class RolloutCallback(L.Callback):
         then a bound: ``ValuePretraining``'s ``max_steps`` left, which it may end sooner. 0 by default."""
         return 0
 
+    def step_sampler(self, sampler):
+        """The sampler that makes the coming step's rollout: ``sampler`` (the recipe's ``model.sampler``, or what a
+        callback before this one made of it) by default. ``ValuePretraining`` with ``group_size`` spreads its rollouts
+        over more prompts while it pretrains."""
+        return sampler
+
     def on_rollout(self, trainer: L.Trainer, context: RolloutContext, rollout: Rollout) -> Rollout | None:
         """Return the rollout to train on (the same object, changed, or a new one), or None when the
         callback has used it itself and this step makes no policy update (e.g. value pretraining).
@@ -87,6 +93,14 @@ def in_rollout_order(callbacks: list) -> list[RolloutCallback]:
     keep the recipe's order."""
     rollout_callbacks = [cb for cb in callbacks if hasattr(cb, "on_rollout")]
     return sorted(rollout_callbacks, key=lambda cb: getattr(cb, "rollout_order", 100))
+
+
+def sampler_of_step(trainer: L.Trainer | None, sampler):
+    """The sampler of the coming step's rollout: ``sampler`` (``model.sampler``) as the trainer's rollout callbacks
+    hand it on, in ``rollout_order`` (``RolloutCallback.step_sampler``)."""
+    for cb in in_rollout_order(trainer.callbacks if trainer is not None else []):
+        sampler = cb.step_sampler(sampler) if hasattr(cb, "step_sampler") else sampler
+    return sampler
 
 
 def state_of_every_rank(ranks: Ranks | None, state: dict) -> dict:

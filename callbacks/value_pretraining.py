@@ -69,6 +69,13 @@ class ValuePretraining(RolloutCallback):
     ``max_steps`` ends it. On a window it waits for a window that happens to be high rather than a better critic
     (docs/algorithms/vapo.md), which is why no recipe sets it.
 
+    ``group_size`` changes what the pretraining rollouts hold: as many responses as the recipe's (the sampler's group
+    size G per prompt of the step's batch) but ``group_size`` per prompt, over G / ``group_size`` times as many
+    prompts, the step's batch and more drawn from the training prompts (``RolloutProducer.more_prompts``, as dynamic
+    sampling draws). A rollout of a few prompts teaches the critic a few success rates, which it then fits better than
+    new prompts (docs/algorithms/vapo.md); the paper's pretraining sees 512 prompts a step. RL's rollouts are the
+    recipe's again once pretraining ends. It needs ``model.sampler`` a ``GroupSampler`` whose G it divides.
+
     Put it first in ``trainer.callbacks`` (before callbacks that train, such as ``SelfImitation``).
 
     Metrics: ``train/value_pretraining/{loss,explained_variance}`` (held-out, on the fresh rollout),
@@ -98,6 +105,8 @@ class ValuePretraining(RolloutCallback):
             pretraining does not count as settled (None = the paper's criterion, a plateau of any height).
         probe: Pretraining rollouts set aside, never fitted, that the critic scores after each fit for the stopping
             criterion (0 = none: the criterion reads the window). They come before the ``max_steps`` fitted ones.
+        group_size: Responses per prompt in the pretraining rollouts, their number of responses kept, spread over more
+            prompts (None = the sampler's own group size).
     """
 
     rollout_order = 30  # before SelfImitation: no replay while it consumes the rollouts
@@ -107,7 +116,8 @@ class ValuePretraining(RolloutCallback):
                  min_delta: NonNegativeFloat = 1e-4, min_delta_explained_variance: NonNegativeFloat = 1e-2,
                  epochs: PositiveInt = 1, minibatch_size: PositiveInt | None = None, train_backbone: bool = False,
                  window: PositiveInt = 1, replay: NonNegativeInt = 0,
-                 min_explained_variance: OpenUnitInterval | None = None, probe: NonNegativeInt = 0):
+                 min_explained_variance: OpenUnitInterval | None = None, probe: NonNegativeInt = 0,
+                 group_size: PositiveInt | None = None):
         self.max_steps = max_steps
         self.patience = patience
         self.min_delta = min_delta
@@ -119,6 +129,7 @@ class ValuePretraining(RolloutCallback):
         self.replay = replay
         self.min_explained_variance = min_explained_variance
         self.probe = probe
+        self.group_size = group_size
         self._probe: list[Rollout] = []  # the rollouts set aside, on the CPU, with their returns
         self.held_out: list[tuple[Tensor, Tensor]] = []  # (values, returns) of the window's rollouts, response tokens
         self._replayed: list[Rollout] = []  # the latest pretraining rollouts, on the CPU
@@ -153,6 +164,28 @@ class ValuePretraining(RolloutCallback):
         """The pretraining rollouts left at most (``max_steps`` less those done, and the probe's still to set aside;
         none once finished)."""
         return 0 if self.finished else max(self.max_steps - self.steps_done, 0) + max(self.probe - len(self._probe), 0)
+
+    def check_before_fit(self, module: L.LightningModule) -> None:
+        if self.group_size is not None:
+            self._spread_of(getattr(module, "sampler", None))
+
+    def _spread_of(self, sampler) -> int:
+        """How many prompts the pretraining rollouts take per row of the step's batch (G / ``group_size``)."""
+        from rllight.strategies import GroupSampler
+
+        if not isinstance(sampler, GroupSampler):
+            raise RecipeError(f"trainer.callbacks: ValuePretraining.group_size needs model.sampler a GroupSampler, not "
+                              f"{type(sampler).__name__}; remove group_size")
+        if sampler.group_size % self.group_size:
+            raise RecipeError(f"trainer.callbacks: ValuePretraining.group_size {self.group_size} does not divide "
+                              f"model.sampler's group_size {sampler.group_size}; choose a divisor of it")
+        return sampler.group_size // self.group_size
+
+    def step_sampler(self, sampler):
+        """While it pretrains with ``group_size``: ``SpreadGroups``, the same number of responses over more prompts."""
+        if self.group_size is None or self.finished:
+            return sampler
+        return SpreadGroups(self.group_size, self._spread_of(sampler))
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._ranks = Ranks(trainer)  # before a checkpoint's state is loaded: each rank takes its own window
@@ -292,6 +325,20 @@ class ValuePretraining(RolloutCallback):
             self.best_loss, self.best_explained_variance, self.bad_steps = math.inf, -math.inf, 0
             log.info("value pretraining resumed after %d rollouts: its probe is not in the checkpoint, so it sets "
                      "aside %d new rollouts and its stopping criterion starts again", self.steps_done, self.probe)
+
+
+class SpreadGroups:
+    """A rollout of ``spread`` prompts per row of the step's batch, ``group_size`` responses each: the batch's rows
+    and ``len(rows) x (spread - 1)`` more training rows (``RolloutProducer.more_prompts``), in that order."""
+
+    fixed_size = True
+
+    def __init__(self, group_size: int, spread: int):
+        self.group_size, self.spread = group_size, spread
+
+    def __call__(self, producer, rows: list[dict]) -> Rollout:
+        more = len(rows) * (self.spread - 1)
+        return producer.sample(list(rows) + (producer.more_prompts(more) if more else []), self.group_size)
 
 
 def held_out_numbers(parts: list[tuple[Tensor, Tensor]]) -> tuple[float, float]:

@@ -12,7 +12,7 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from rllight._compat import forget_step_metrics, lazy_default, no_gradient_sync, plain_instance, rl_steps_done
-from rllight.callbacks.base import RolloutContext, in_rollout_order
+from rllight.callbacks.base import RolloutContext, in_rollout_order, sampler_of_step
 from rllight.checkpoint import load_run_state, save_run_state, with_reference, without_reference
 from rllight.critics import Critic
 from rllight.data.prompt_stream import prompt_source
@@ -291,7 +291,7 @@ class RLModule(L.LightningModule):
         start, data = time.perf_counter(), self.trainer.datamodule
         self.producer.begin_step()  # why a step may have nothing to train on is counted afresh
         with record_function("rllight.rollout"):  # 1. draw a rollout (the markers name a profile's phases)
-            rollout = self.prompt_stream.run(self.sampler, self.producer, rows)  # the data side's step
+            rollout = self.prompt_stream.run(sampler_of_step(self._trainer, self.sampler), self.producer, rows)
         metrics = rollout_metrics(rollout)
         rollout = self._after_rollout_callbacks(rollout, metrics, start)  # 2. shape, filter, store, or consume it
         if rollout is None:
