@@ -195,7 +195,8 @@ class SelfImitation(RolloutCallback):
     # -------------------------------------------------------------------------------- hooks
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._ranks = Ranks(trainer)  # before a checkpoint's state is loaded: each rank takes its own
-        share(self.batch_size, trainer.world_size, "trainer.callbacks: SelfImitation.batch_size")  # refused at the start
+        # refused at the start
+        share(self.batch_size, trainer.world_size, "trainer.callbacks: SelfImitation.batch_size")
 
     def on_rollout(self, trainer: L.Trainer | None, context: RolloutContext, rollout: Rollout) -> Rollout:
         self.steps_seen += 1

@@ -15,9 +15,9 @@ minibatch order, are seeded alike).
    AdamW updates over minibatches of ``minibatch`` responses with the value loss (``loss_coef`` times its token
    mean, clipped around the values at the rollout's start where ``clip`` is set) and the trainer's gradient-norm
    clip of 1.0, on the rollout and the ``replay`` rollouts before it (their values scored again). Keys: ``lr``,
-   ``head_lr``, ``clip`` (0 = none), ``epochs``, ``minibatch``, ``replay``, ``loss_coef``, ``sampling``. Options run ``--jobs`` at a
-   time (two by default), each in a child with the cores shared out, under the recipe's precision. A finished
-   option (its ``<out>/<NAME>.json``) is skipped.
+   ``head_lr``, ``clip`` (0 = none), ``epochs``, ``minibatch``, ``replay``, ``loss_coef``, ``sampling`` (below).
+   Options run ``--jobs`` at a time (two by default), each in a child with the cores shared out, under the recipe's
+   precision. A finished option (its ``<out>/<NAME>.json``) is skipped.
 
 Reported per option: the explained variance of the held-out values, pooled over the response tokens of rollouts 2 to
 N (the first is scored by the untrained critic) and over each window of ``--window`` rollouts, and the held-out value
@@ -365,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
                   + "), as many, and are scored on the same probe; their between-prompts row is named after them.")
     if any(row["seed"] == "mean" for row in rows):  # summary added seed_means' rows
         probe += (" The rows of seed 'mean': each option's probe columns averaged over the seeds, and each later "
-                  "option's difference from the first on the same seed's rollouts, averaged (its smallest and largest "
+                  "option's difference from the first on the same seed's probe (and fitted rollouts, unless it has a "
+                  "sampling of its own), averaged (its smallest and largest "
                   "over the seeds in the settings column).")
     tool_record(args, id="critic-fit", title="Critic options fitted on the same frozen-policy rollouts",
                 section="Methods on the quickstart task", columns=columns, rows=rows,

@@ -153,7 +153,7 @@ def between_rows(args: argparse.Namespace, seed: int) -> list[dict]:
 def seed_means(args: argparse.Namespace, rows: list[dict], columns: list[list]) -> list[dict]:
     """With several seeds and a probe: per option, the mean over seeds of each probe column (the probe after each
     window, at its best and last, and at each replayed stop); for each option after the first, the mean over seeds of
-    its difference from the first option on the same seed's rollouts (paired), the smallest and largest in settings."""
+    its difference from the first option on the same seed's probe (paired), the smallest and largest in settings."""
     if len(args.seeds) < 2 or not args.probe:
         return []
     keys = [c[0] for c in columns if c[0].startswith("probe_") and c[0] != "probe_best_at" or c[0].endswith("_probe")]

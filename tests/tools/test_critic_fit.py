@@ -86,9 +86,9 @@ def test_options_fit_the_same_rollouts_and_a_rerun_does_nothing_again(tmp_path, 
     out, record = tmp_path / "fit", tmp_path / "records" / "critic-fit.json"
     os.makedirs(record.parent)
     argv = ["--recipe", "recipes/vapo.yaml", "--config", overlay, "--set", "data.batch_size=2", "--rollouts", "3",
-            "--window", "2", "--probe", "2", "--option", "still", "epochs=0", "--option", "fits", "lr=1e-2", "head_lr=1e-1",
-            "clip=0", "epochs=2", "minibatch=4", "replay=1", "--option", "wide", "epochs=0", "sampling=wide",
-            "--sampling", "wide", "data.batch_size=4", "model.sampler.init_args.group_size=2",
+            "--window", "2", "--probe", "2", "--option", "still", "epochs=0", "--option", "fits", "lr=1e-2",
+            "head_lr=1e-1", "clip=0", "epochs=2", "minibatch=4", "replay=1", "--option", "wide", "epochs=0",
+            "sampling=wide", "--sampling", "wide", "data.batch_size=4", "model.sampler.init_args.group_size=2",
             "--out", str(out), "--record", str(record)]
     tool = load_tool("critic_fit")
     assert tool.main(argv) == 0
@@ -123,8 +123,8 @@ def test_options_fit_the_same_rollouts_and_a_rerun_does_nothing_again(tmp_path, 
                                                                                   abs=1e-3)
     assert "sampling=wide (data.batch_size=4 model.sampler.init_args.group_size=2)" in rows["wide"]["settings"]
 
-    stamps = {p: os.path.getmtime(p) for p in [*saved, *(out / "seed-0" / "wide" / "rollouts").iterdir(),
-                                                *(out / "seed-0" / f"{name}.json" for name in ("still", "fits", "wide"))]}
+    results = [out / "seed-0" / f"{name}.json" for name in ("still", "fits", "wide")]
+    stamps = {p: os.path.getmtime(p) for p in [*saved, *(out / "seed-0" / "wide" / "rollouts").iterdir(), *results]}
     monkeypatch.setattr(tool.subprocess, "call", lambda *a, **k: pytest.fail("sampled again"))
     real_popen = tool.subprocess.Popen
 
