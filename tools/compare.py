@@ -207,8 +207,8 @@ def _finite_mean(values: list[float]) -> float | None:
 
 def critic_summary(scalars: dict[str, list[float]]) -> dict:
     """How well the critic explains the returns: after value pretraining (the held-out explained variance
-    on the last pretraining rollout, pooled over the last window of them where value pretraining logs one, and how
-    many rollouts it took) and over the last half of the RL steps
+    on the last pretraining rollout, pooled over the last window of them where value pretraining logs one, on its probe
+    where it sets one aside, and how many rollouts it fitted) and over the last half of the RL steps
     (mean of the finite ``train/value/explained_variance``: NaN marks a rollout whose returns did not vary).
     Empty for methods without a critic."""
     out = {}
@@ -217,8 +217,11 @@ def critic_summary(scalars: dict[str, list[float]]) -> dict:
         out["pretraining_rollouts"] = len(pre)
         out["ev_pretraining_end"] = pre[-1] if math.isfinite(pre[-1]) else None
     window = scalars.get("train/value_pretraining/window_explained_variance")
-    if window:  # pooled over the criterion's window of fresh rollouts: what value pretraining stopped on
+    if window:  # pooled over the last window of fresh rollouts: what the criterion reads without a probe
         out["ev_pretraining_window_end"] = window[-1] if math.isfinite(window[-1]) else None
+    probe = scalars.get("train/value_pretraining/probe_explained_variance")
+    if probe:  # the probe's, after the last fit: what the criterion reads with one (so it chose the stop on it)
+        out["ev_pretraining_probe_end"] = probe[-1] if math.isfinite(probe[-1]) else None
     rl = scalars.get("train/value/explained_variance")
     if rl:
         out["ev_rl_last_half"] = _finite_mean(rl[len(rl) // 2:])

@@ -66,7 +66,8 @@ independent), and a method is flagged where the difference is below -2 standard 
 
 **Mechanism signals**, read from each run's TensorBoard scalars (again each time the table is written, where the
 run's log is there) and averaged over seeds: critic explained variance at the end of value pretraining, on the
-fresh rollouts of its last window pooled (what its stopping criterion reads) and on the last one alone, and its
+fresh rollouts of its last window pooled (what its stopping criterion reads without a probe) and on the last one
+alone, on its probe where it sets one aside (the criterion's reading then, so the stop was chosen on it), and its
 rollouts, and over the last half of RL (VAPO, PPO: tools/compare.py's
 ``critic_summary``); DAPO's kept-group share (sum of ``train/sampling/groups_kept`` over sum of ``groups_drawn``)
 and extra draws (sampling rounds beyond each step's first, summed); the critic's loss over the last half of RL

@@ -27,6 +27,7 @@ FLAG_SE = 2.0
 """A method is flagged where its gain is more than this many standard errors below the reference's."""
 SIGNALS = [["ev_pretraining_window_end", "critic EV, pretraining's last window", ".3f"],
            ["ev_pretraining_end", "critic EV, last pretraining rollout", ".3f"],
+           ["ev_pretraining_probe_end", "critic EV, pretraining's probe at its end", ".3f"],
            ["pretraining_rollouts", "value-pretraining rollouts", ".1f"],
            ["ev_rl_last_half", "critic EV, RL last half", ".3f"],
            ["kept_share", "kept-group share", ".3f"], ["extra_draws", "extra sampling rounds", ".1f"],

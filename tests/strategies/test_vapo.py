@@ -1079,3 +1079,8 @@ def test_compare_summarises_the_critic():
     })
     assert summary == {"pretraining_rollouts": 3, "ev_pretraining_end": 0.35, "ev_rl_last_half": pytest.approx(0.4)}
     assert compare.critic_summary({"train/reward/mean": [0.5]}) == {}  # no critic
+    # With a probe: the probe's explained variance after the last fit, beside the window's.
+    probed = compare.critic_summary({"train/value_pretraining/explained_variance": [0.1, 0.2],
+                                     "train/value_pretraining/window_explained_variance": [0.1, 0.15],
+                                     "train/value_pretraining/probe_explained_variance": [0.05, 0.25]})
+    assert (probed["ev_pretraining_window_end"], probed["ev_pretraining_probe_end"]) == (0.15, 0.25)
