@@ -130,6 +130,7 @@ class ValuePretraining(RolloutCallback):
         self.min_explained_variance = min_explained_variance
         self.probe = probe
         self.group_size = group_size
+        self._told_spread = False  # the log line that says how pretraining samples: once
         self._probe: list[Rollout] = []  # the rollouts set aside, on the CPU, with their returns
         self.held_out: list[tuple[Tensor, Tensor]] = []  # (values, returns) of the window's rollouts, response tokens
         self._replayed: list[Rollout] = []  # the latest pretraining rollouts, on the CPU
@@ -185,7 +186,12 @@ class ValuePretraining(RolloutCallback):
         """While it pretrains with ``group_size``: ``SpreadGroups``, the same number of responses over more prompts."""
         if self.group_size is None or self.finished:
             return sampler
-        return SpreadGroups(self.group_size, self._spread_of(sampler))
+        spread = self._spread_of(sampler)
+        if not self._told_spread and (self._ranks is None or self._ranks.rank == 0):
+            log.info("value pretraining samples %d responses per prompt over %d times the step's prompts, until it "
+                     "ends; RL then samples %d per prompt", self.group_size, spread, sampler.group_size)
+        self._told_spread = True
+        return SpreadGroups(self.group_size, spread)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._ranks = Ranks(trainer)  # before a checkpoint's state is loaded: each rank takes its own window

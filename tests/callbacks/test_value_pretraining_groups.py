@@ -1,6 +1,7 @@
 """``ValuePretraining.group_size``: the pretraining rollouts keep their number of responses and spread them over more
 prompts (the step's batch and more drawn from the training prompts); RL's rollouts are the recipe's again."""
 
+import logging
 import os
 from types import SimpleNamespace
 
@@ -28,7 +29,7 @@ class RecordGroups(RolloutCallback):
 
 
 def test_pretraining_rollouts_spread_the_responses_over_more_prompts_and_rl_takes_the_recipes(tmp_path,
-                                                                                           tiny_model_dir):
+                                                                                           tiny_model_dir, caplog):
     callbacks = os.path.join(tmp_path, "callbacks.yaml")
     with open(callbacks, "w") as f:
         yaml.safe_dump({"trainer": {"callbacks": [{"class_path": "rllight.callbacks.ValuePretraining", "init_args": {
@@ -38,7 +39,11 @@ def test_pretraining_rollouts_spread_the_responses_over_more_prompts_and_rl_take
                 "--trainer.max_steps", "1", "--model.critic_first.steps", "1")
     record = RecordGroups()
     cli.trainer.callbacks.append(record)
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    with caplog.at_level(logging.INFO, logger="rllight.callbacks.value_pretraining"):
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    told = [r.getMessage() for r in caplog.records if "responses per prompt over" in r.getMessage()]
+    assert told == ["value pretraining samples 2 responses per prompt over 4 times the step's prompts, until it ends; "
+                    "RL then samples 8 per prompt"]  # once, not at every pretraining step
     # Two pretraining rollouts of 8 prompts x 2 responses, then RL's of 2 prompts x 8.
     assert record.groups == [[2] * 8, [2] * 8, [8, 8]]
     # The 6 more prompts of each pretraining rollout came from the training prompts' stream.
