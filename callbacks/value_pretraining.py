@@ -335,7 +335,9 @@ class ValuePretraining(RolloutCallback):
 
 class SpreadGroups:
     """A rollout of ``spread`` prompts per row of the step's batch, ``group_size`` responses each: the batch's rows
-    and ``len(rows) x (spread - 1)`` more training rows (``RolloutProducer.more_prompts``), in that order."""
+    and ``len(rows) x (spread - 1)`` more training rows (``RolloutProducer.more_prompts``), in that order. The extra
+    rows come from the prompt stream, whose order is not the loader's, so one may repeat a row of the batch (each is
+    a group of its own: a Monte-Carlo return needs none)."""
 
     fixed_size = True
 

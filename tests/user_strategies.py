@@ -277,6 +277,18 @@ class RankOwnDraws(RolloutCallback):
         return rollout
 
 
+class DumpEveryRollout(DumpState):
+    """``DumpState`` before value pretraining consumes the rollout: every rollout is recorded, pretraining's too, with
+    its groups' sizes (``group_sizes``)."""
+
+    rollout_order = 10
+
+    def on_rollout(self, trainer, context, rollout):
+        sizes = rollout.group_ids.unique(return_counts=True)[1]
+        self.record.setdefault("group_sizes", []).append(sorted(sizes.tolist()))
+        return super().on_rollout(trainer, context, rollout)
+
+
 class FailAt(RolloutCallback):
     """Raises in the RL step that follows global step ``step`` (after its rollout, before its updates)."""
 
