@@ -16,6 +16,7 @@ from rllight.bounds import NonNegativeFloat, NonNegativeInt, OpenUnitInterval, P
 from rllight.callbacks.base import RolloutCallback, RolloutContext, saved_ranks, state_of_every_rank
 from rllight.distributed import Ranks, share
 from rllight.errors import RecipeError
+from rllight.strategies import GroupSampler, Sampler
 from rllight.types import Rollout
 
 log = logging.getLogger(__name__)
@@ -172,8 +173,6 @@ class ValuePretraining(RolloutCallback):
 
     def _spread_of(self, sampler) -> int:
         """How many prompts the pretraining rollouts take per row of the step's batch (G / ``group_size``)."""
-        from rllight.strategies import GroupSampler
-
         if not isinstance(sampler, GroupSampler):
             raise RecipeError(f"trainer.callbacks: ValuePretraining.group_size needs model.sampler a GroupSampler, not "
                               f"{type(sampler).__name__}; remove group_size")
@@ -333,7 +332,7 @@ class ValuePretraining(RolloutCallback):
                      "aside %d new rollouts and its stopping criterion starts again", self.steps_done, self.probe)
 
 
-class SpreadGroups:
+class SpreadGroups(Sampler):
     """A rollout of ``spread`` prompts per row of the step's batch, ``group_size`` responses each: the batch's rows
     and ``len(rows) x (spread - 1)`` more training rows (``RolloutProducer.more_prompts``), in that order. The extra
     rows come from the prompt stream, whose order is not the loader's, so one may repeat a row of the batch (each is
@@ -347,6 +346,10 @@ class SpreadGroups:
     def __call__(self, producer, rows: list[dict]) -> Rollout:
         more = len(rows) * (self.spread - 1)
         return producer.sample(list(rows) + (producer.more_prompts(more) if more else []), self.group_size)
+
+    def prefetch(self, producer, rows: list[dict]) -> None:
+        """Nothing is asked ahead: the extra rows are drawn only when the step samples, so a request for the batch's
+        rows alone would never be collected."""
 
 
 def held_out_numbers(parts: list[tuple[Tensor, Tensor]]) -> tuple[float, float]:

@@ -63,7 +63,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # the tools beside it
 
-from critic_fit_table import pooled, rollout_path, sampling_dir, seed_dir, summary, table  # noqa: E402
+from critic_fit_table import (  # noqa: E402
+    monte_carlo_returns, pooled, rollout_path, sampling_dir, seed_dir, summary, table)
 
 from rllight.app.records import add_record_options, check_record_options, tool_record  # noqa: E402
 from rllight.callbacks.base import RolloutCallback  # noqa: E402
@@ -218,12 +219,8 @@ def build(spec: dict):
 
 
 def with_returns(rollout):
-    """``rollout`` with its Monte-Carlo returns: lambda 1, gamma 1, whatever the values (zeros here, so no rounding
-    of R - V + V)."""
-    from rllight.algorithms import gae
-
-    rollout.returns = gae(rollout.outcome_token_rewards(), torch.zeros(rollout.response_mask.shape),
-                          rollout.response_mask, 1.0, 1.0)[1]
+    """``rollout`` with its Monte-Carlo returns (``critic_fit_table.monte_carlo_returns``)."""
+    rollout.returns = monte_carlo_returns(rollout)
     return rollout
 
 

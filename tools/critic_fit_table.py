@@ -39,12 +39,18 @@ def pooled(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float
     return ev, loss
 
 
-def between_prompts(rollout) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each response token's return and its prompt's mean return, in sample (what the prompt alone predicts)."""
+def monte_carlo_returns(rollout) -> torch.Tensor:
+    """The Monte-Carlo returns of ``rollout``'s tokens (GAE with lambda 1, gamma 1), computed on zero values, so no
+    rounding of R - V + V enters them."""
     from rllight.algorithms import gae
 
-    returns = gae(rollout.outcome_token_rewards(), torch.zeros(rollout.response_mask.shape),
-                  rollout.response_mask, 1.0, 1.0)[1]
+    return gae(rollout.outcome_token_rewards(), torch.zeros(rollout.response_mask.shape), rollout.response_mask,
+               1.0, 1.0)[1]
+
+
+def between_prompts(rollout) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each response token's return and its prompt's mean return, in sample (what the prompt alone predicts)."""
+    returns = monte_carlo_returns(rollout)
     means = torch.zeros_like(rollout.rewards)
     for group in rollout.group_ids.unique():
         rows = rollout.group_ids == group

@@ -12,7 +12,7 @@ from conftest import RECIPES
 from helpers import build, tiny_overrides
 from rllight.callbacks import RolloutCallback, ValuePretraining
 from rllight.errors import RecipeError
-from rllight.strategies import DynamicSampling, GroupSampler
+from rllight.strategies import DynamicSampling, GroupSampler, Sampler
 
 
 class RecordGroups(RolloutCallback):
@@ -66,3 +66,16 @@ def test_once_finished_or_without_group_size_the_recipes_sampler_makes_the_rollo
     assert done.step_sampler(sampler) is sampler
     spread = ValuePretraining(group_size=2).step_sampler(sampler)
     assert (spread.group_size, spread.spread) == (2, 4)
+
+
+def test_a_spread_rollout_is_a_sampler_that_asks_nothing_ahead():
+    """An asynchronous engine's prefetch of the batch's rows alone would never be collected: the step samples them
+    together with rows drawn only then."""
+    asked = []
+    producer = SimpleNamespace(prefetch=lambda rows, n: asked.append((rows, n)))
+    spread = ValuePretraining(group_size=2).step_sampler(GroupSampler(8))
+    assert isinstance(spread, Sampler)
+    spread.prefetch(producer, [{"prompt": "1+1"}])
+    assert asked == []
+    GroupSampler(8).prefetch(producer, [{"prompt": "1+1"}])  # the recipe's sampler asks (the fake can tell)
+    assert asked == [([{"prompt": "1+1"}], 8)]
