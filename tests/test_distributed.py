@@ -270,20 +270,22 @@ def test_ddp_two_cpu_processes_evaluate_before_and_after(tmp_path, tiny_model_di
 
 
 @pytest.mark.slow
-def test_ddp_value_pretraining_spreads_each_ranks_rollout_over_prompts_of_its_own(tmp_path, tiny_model_dir):
-    """ValuePretraining.group_size under DDP: each rank's pretraining rollout takes its one batch row and 3 more drawn
-    from its own share of the prompt stream, 2 responses each; RL's rollouts then take the recipe's 8; both ranks make
-    the same updates (no hang) and end on the same weights."""
+@pytest.mark.parametrize("strategy", ["ddp", "{class_path: rllight.fsdp.FSDP}"], ids=["ddp", "fsdp"])
+def test_value_pretraining_spreads_each_ranks_rollout_over_prompts_of_its_own(tmp_path, tiny_model_dir, strategy):
+    """ValuePretraining.group_size under DDP and FSDP: each rank's pretraining rollout takes its one batch row and 3
+    more drawn from its own share of the prompt stream, 2 responses each; RL's rollouts then take the recipe's 8; both
+    ranks make the same updates (no hang) and end on the same weights."""
     (tmp_path / "spread").mkdir()
     overlay = _ddp_overlay(tmp_path, tiny_model_dir, "spread")
     callbacks = ("[{class_path: rllight.callbacks.ValuePretraining, init_args: {max_steps: 2, patience: null,"
                  " group_size: 2}}, {class_path: user_strategies.DumpEveryRollout}]")
-    run = fit_in_child("vapo.yaml", "--config", overlay, "--trainer.strategy", "ddp", "--trainer.devices", "2",
+    run = fit_in_child("vapo.yaml", "--config", overlay, "--trainer.strategy", strategy, "--trainer.devices", "2",
                        "--trainer.accelerator", "cpu", "--trainer.callbacks", callbacks, "--trainer.max_steps", "1",
                        "--model.critic_first.steps", "1", timeout=900,
                        RLLIGHT_TEST_DUMP=str(tmp_path / "rank{rank}.pt"))
     assert run.returncode == 0, run.stderr[-4000:]
     r0, r1 = _same_weights_on_both_ranks(tmp_path)
+    assert r0["sharded"] == (strategy != "ddp")  # FSDP's weights are DTensor shards, DDP's whole
     for record in (r0, r1):  # responses per group of each rollout: two pretraining ones, then RL's
         assert record["group_sizes"] == [[2, 2, 2, 2], [2, 2, 2, 2], [8]], record["group_sizes"]
     for step in range(2):  # the extra prompts of a pretraining rollout: each rank's own, none shared
