@@ -44,7 +44,8 @@ values included, go at once into ``run.json`` there (written whole: a temporary 
 ``run.json``) is rerun from scratch: its folder is emptied first. It is not resumed from a checkpoint: checkpointing
 is off (a full model with its optimizer's states, each run), and a resumed run would mix two processes' timings. A
 complete run made with other settings (budget, precision, evaluation, overlays) is refused before anything starts:
-name another ``--out``. With ``--keep DIR`` each finished run's ``run.json`` is also written whole as
+name another ``--out``; so is one whose recipe's settings (its YAML, comments aside) changed since the commit it ran
+at, as git tells. With ``--keep DIR`` each finished run's ``run.json`` is also written whole as
 ``DIR/<method>-seed<seed>.json`` (results and per-problem values; no logs, no weights): commit that folder, and a
 league spread over sittings on fresh machines resumes from it, a run kept there counting as finished (its signals
 are those its ``run.json`` holds where its log is not there). SIGTERM (or SIGINT) stops a league: the runs under way
@@ -120,6 +121,7 @@ sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # the tools beside 
 
 from before_after import evaluations, greedy_curve, read_step  # noqa: E402
 from compare import critic_summary, generated, read_scalars, resolved_config, updates_per_rollout  # noqa: E402
+from league_recipes import changed_since, recipe_configs  # noqa: E402
 from league_report import finite_mean, write_league, write_page  # noqa: E402
 
 from rllight.app.records import add_record_options, check_record_options, git_commit  # noqa: E402
@@ -225,15 +227,6 @@ def plan(args: argparse.Namespace) -> list[dict]:
     return [{"method": m, "recipe": r, "seed": s, "dir": os.path.join(args.out, m, f"seed{s}"),
              "curve_every": every if m in getattr(args, "curve_methods", ()) else None}
             for s in seeds for m, (r, ss) in methods.items() if s in ss]
-
-
-def recipe_configs(recipe: str) -> list[str]:
-    """The configs a method's ``recipe`` stands for: an overlay under recipes/ablations/ names its base on its first
-    line (``# base: recipes/vespo.yaml``, a recipe and overlays, space-separated) and comes after it; any other
-    recipe stands alone."""
-    with open(os.path.join(ROOT, recipe)) as f:
-        first = f.readline()
-    return [*first[len("# base: "):].split(), recipe] if first.startswith("# base: ") else [recipe]
 
 
 def settings(run: dict, spent: dict, configs: list[str]) -> dict:
@@ -468,6 +461,11 @@ def main(argv: list[str] | None = None) -> int:
              and done[r["method"], r["seed"]]["settings"] != settings(r, spent, args.config)]
     if other:
         raise SystemExit(f"league: finished runs of other settings: {', '.join(other)}; name another --out, --keep")
+    stale = [f"{m} seed {s} ({', '.join(paths)} since {done[m, s]['commit']})" for (m, s) in sorted(done)
+             if (paths := changed_since(done[m, s]))]
+    if stale:
+        raise SystemExit(f"league: finished runs whose recipe changed since they ran: {'; '.join(stale)}; rerun them "
+                         "(move their run.json and kept file aside) or name another --out, --keep")
     failed: dict[tuple[str, int], dict] = {}
     todo = [] if args.no_run else [r for r in runs if (r["method"], r["seed"]) not in done]
     print(f"league: {len(runs)} runs, {len(done)} finished already, {len(todo)} to run", flush=True)

@@ -10,6 +10,7 @@ import re
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -19,6 +20,8 @@ import yaml
 from helpers import load_tool
 
 from rllight.app.records import load_records, make_record
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SMOKE = ["--steps", "1", "--batch-size", "1", "--group-size", "2", "--val-size", "4", "--max-new-tokens", "8",
          "--precision", "32-true", "--jobs", "2"]
@@ -137,6 +140,15 @@ def test_a_smoke_league_records_every_run_and_a_rerun_launches_only_what_did_not
     assert league.main(argv + ["--no-run", "--record", str(tmp_path / "again" / "league.json")]) == 0
     (again,) = load_records(str(tmp_path / "again"))
     assert 0 <= again["rows"][0]["clipfrac_low"] <= 1
+    # A finished run whose recipe's settings changed since the commit it ran at is refused, named, before anything
+    # runs (here as if recipes/rloo.yaml had held another learning rate then).
+    recipes = sys.modules["league_recipes"]
+    now = yaml.safe_load(open(os.path.join(ROOT, "recipes", "rloo.yaml")))
+    then = {**now, "model": {**now["model"], "lr": 1.0}}
+    monkeypatch.setattr(recipes, "recipe_at", lambda commit, path: then if path == "recipes/rloo.yaml" else None)
+    with pytest.raises(SystemExit, match=r"recipe changed since they ran: rloo seed 0 \(recipes/rloo.yaml since "):
+        league.main(argv + ["--no-run"])
+    assert len(launched) == 1
 
 
 @pytest.mark.slow  # two `rllight fit` child processes
@@ -311,3 +323,27 @@ def test_the_record_says_on_which_machines_and_code_its_runs_were_made():
                                       "(1 run). Code (commit at each run's start): abc1234 (1 run); def5678 (2 runs); "
                                       "not recorded (1 run).")
     assert report.where_run({}) == ""
+
+
+def test_a_recipe_is_read_at_the_commit_a_run_names_and_a_change_of_its_settings_is_found(monkeypatch):
+    recipes = load_tool("league_recipes")
+    head = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    if head.returncode != 0:
+        pytest.skip("not a git checkout")
+    head = head.stdout.strip()
+    assert recipes.recipe_at(head, "recipes/vespo.yaml")["model"]["policy_loss"]["class_path"] == (
+        "rllight.strategies.VESPO")
+    # What cannot be told: no commit, a tree with uncommitted changes, a file or commit this clone lacks.
+    for commit, path in [(None, "recipes/vespo.yaml"), ("unknown", "recipes/vespo.yaml"),
+                         (head + "+dirty", "recipes/vespo.yaml"), (head, "recipes/no-such.yaml"),
+                         ("0000000", "recipes/vespo.yaml")]:
+        assert recipes.recipe_at(commit, path) is None, (commit, path)
+    ablation = "recipes/ablations/vespo-grpo-minibatch.yaml"
+    then = {path: yaml.safe_load(open(os.path.join(ROOT, path))) for path in ("recipes/vespo.yaml", ablation)}
+    monkeypatch.setattr(recipes, "recipe_at", lambda commit, path: then[path])
+    run = {"recipe": ablation, "commit": "abc1234"}
+    assert recipes.changed_since(run) == []  # the same settings (comments are not read)
+    then["recipes/vespo.yaml"] = {**then["recipes/vespo.yaml"], "seed_everything": 1234}
+    assert recipes.changed_since(run) == ["recipes/vespo.yaml"]  # the overlay's base changed
+    monkeypatch.setattr(recipes, "recipe_at", lambda commit, path: None)
+    assert recipes.changed_since(run) == []  # nothing to compare with
