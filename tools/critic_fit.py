@@ -34,9 +34,12 @@ so the probe's explained variance follows one critic after another on the same r
 in the critic, not in which responses came. Beside it the tool replays the recipe's ``ValuePretraining`` criterion
 (its settings as the recipe resolves them) on the option's held-out numbers: the rollout it would stop after, the
 criterion's pooled window there, and the probe's explained variance there; ``--min-ev`` adds the same with
-``min_explained_variance`` set. ``--seeds 0 1 2``: each seed samples rollouts of its own (``<out>/seed-<s>``) and
-every option fits each seed's; a row per option and seed, then (with a probe) each option's probe columns averaged
-over the seeds and each later option's paired difference from the first, averaged, with its smallest and largest.
+``min_explained_variance`` set. With two or more probe rollouts the probe is also split in two: the criterion reads
+the first half after each fit (as ``ValuePretraining(probe=...)`` reads its probe), and the second half, which that
+stop never saw, judges the critic where it stops and where the criterion on the window stops. ``--seeds 0 1 2``: each
+seed samples rollouts of its own (``<out>/seed-<s>``) and every option fits each seed's; a row per option and seed,
+then (with a probe) each option's probe columns averaged over the seeds and each later option's paired difference
+from the first, averaged, with its smallest and largest.
 
 Run (SmolLM2-135M-Instruct, VAPO's recipe at the league's 4 prompts x 8 responses and temperature; the recipe's critic
 and two variants over three seeds, a probe of 8 rollouts, the criterion also replayed with a minimum of 0.1 and 0.2):
@@ -255,7 +258,7 @@ def fit_one(args: argparse.Namespace, name: str, seed: int) -> dict:
 
     probe = [with_returns(torch.load(rollout_path(folder, args.rollouts + j), weights_only=False))
              for j in range(args.probe)]
-    held_out, probed, earlier, start = [], [], [], time.time()
+    held_out, probed, halves, earlier, start = [], [], [], [], time.time()
     fitted = sampling_dir(args.out, seed, settings.get("sampling"))
     for k in range(args.rollouts):
         rollout = with_returns(torch.load(rollout_path(fitted, k), weights_only=False))
@@ -270,16 +273,24 @@ def fit_one(args: argparse.Namespace, name: str, seed: int) -> dict:
             score(part)
         if probe:
             probed.append(list(pooled([tokens(part) for part in probe])))
+            halves.append([list(pooled([tokens(part) for part in half])) for half in probe_halves(probe)])
         print(f"critic_fit: {name}, seed {seed}: rollout {k + 1}/{args.rollouts} explained variance "
               f"{pooled([tuple(map(torch.tensor, held_out[-1]))])[0]:.3f}"
               + (f", probe {probed[-1][0]:.3f}" if probe else ""), flush=True)
     result = {"option": name, "seed": seed, "settings": settings, "held_out": held_out, "probe": probed,
-              "seconds": round(time.time() - start)}
+              "probe_halves": halves, "seconds": round(time.time() - start)}
     path = os.path.join(folder, f"{name}.json")
     with open(path + ".part", "w") as f:
         json.dump(result, f)
     os.replace(path + ".part", path)
     return result
+
+
+def probe_halves(probe: list) -> list[list]:
+    """The probe's first and second half (the first has the odd rollout): two probes of the same critic, so a stop
+    chosen on one can be judged on the other."""
+    middle = (len(probe) + 1) // 2
+    return [half for half in (probe[:middle], probe[middle:]) if half]
 
 
 def fit(critic, optimizer, batches: list, settings: dict, order: random.Random, autocast) -> None:
@@ -356,6 +367,11 @@ def main(argv: list[str] | None = None) -> int:
              f"the rollout after which the recipe's ValuePretraining criterion ends on the option's held-out numbers "
              f"({json.dumps(setup.get('value_pretraining'))}), with its pooled window's explained variance there and "
              f"the probe's." if args.probe else "")
+    if args.probe >= 2:
+        probe += (" The split: the probe's first half (its first ceil(M/2) rollouts) read by the same criterion after "
+                  "each fit, as ValuePretraining with a probe reads its probe, and the second half judging the critic "
+                  "where that stops and where the criterion on the window stops (options fitted before the tool "
+                  "recorded the halves have none).")
     if args.samplings:
         probe += (" Options with sampling=NAME fit rollouts sampled with NAME's settings on top of the others ("
                   + "; ".join(f"{name}: {' '.join(sets)}" for name, sets in args.samplings.items())

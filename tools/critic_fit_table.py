@@ -97,6 +97,29 @@ def probe_row(args: argparse.Namespace, result: dict, criterion: dict | None) ->
         if stop is not None:
             row[key + "_window"] = printed(pooled(parts[max(stop - window, 0) : stop])[0], ".3f")
             row[key + "_probe"] = printed(probe[stop - 1], ".3f")
+    halves = result.get("probe_halves") or []
+    if criterion is not None and halves and len(halves[0]) == 2:
+        row.update(split_row(halves, criterion, row.get("stop")))
+    return row
+
+
+def split_row(halves: list, criterion: dict, window_stop: int | None) -> dict:
+    """The probe split in two: the recipe's criterion reads the first half after each fit, as ``ValuePretraining``
+    with a probe does, and the second half judges the critic where that stops and where the criterion on the window of
+    fresh rollouts (``window_stop``) stops; their difference."""
+    from callbacks.value_pretraining import ValuePretraining
+
+    keys = ("max_steps", "patience", "min_delta", "min_delta_explained_variance")
+    callback = ValuePretraining(**{k: criterion[k] for k in keys if k in criterion}, probe=1)
+    stop = next((k + 1 for k, (first, _) in enumerate(halves) if callback.observe(first[1], first[0])), None)
+    second = [judge[0] for _, judge in halves]
+    row = {"split_stop": stop}
+    if stop is not None:
+        row["probe_b_split"] = printed(second[stop - 1], ".3f")
+    if window_stop is not None:
+        row["probe_b_window"] = printed(second[window_stop - 1], ".3f")
+    if stop is not None and window_stop is not None:
+        row["probe_b_diff"] = printed(second[stop - 1] - second[window_stop - 1], ".3f")
     return row
 
 
@@ -119,6 +142,11 @@ def summary(args: argparse.Namespace, criterion: dict | None = None) -> tuple[li
         for key, label, _ in criterion_columns(args, criterion):
             columns += [[key, f"stop, {label}"], [key + "_window", "its window EV", ".3f"],
                         [key + "_probe", "probe EV there", ".3f"]]
+        if criterion is not None and args.probe >= 2:
+            columns += [["split_stop", "stop, criterion on the probe's 1st half"],
+                        ["probe_b_split", "2nd half's EV there", ".3f"],
+                        ["probe_b_window", "2nd half's EV at the recipe's criterion's stop", ".3f"],
+                        ["probe_b_diff", "2nd half: 1st half's stop - recipe's", ".3f"]]
     rows = []
     for seed in args.seeds:
         folder = seed_dir(args.out, seed)

@@ -56,6 +56,27 @@ def test_the_probe_row_reads_the_probe_at_each_stop():
     assert (row["probe_best"], row["probe_best_at"], row["probe_last"]) == (0.3, 2, 0.25)
     assert (row["stop"], row["stop_window"], row["stop_probe"]) == (4, 0.75, 0.25)
     assert row["stop_m0.8"] is None and "stop_m0.8_probe" not in row
+    assert "split_stop" not in row  # no halves recorded: no split
+
+
+def test_the_probe_split_in_two_judges_each_criterions_stop_on_the_second_half():
+    tool, table = load_tool("critic_fit"), load_tool("critic_fit_table")
+    args = tool.parse_args(["--option", "x", "--rollouts", "4", "--window", "2", "--probe", "2"])
+    # The first half's (EV, loss) after each fit: the first improves, the next two do not, so patience 2 ends it after
+    # fit 3; the window's criterion ends after rollout 4 (the test above). The second half's EV is 0.4 after fit 3 and
+    # 0.15 after fit 4: 0.25 more where the first half stopped.
+    first = [[0.3, 0.1], [0.3, 0.1], [0.3, 0.1], [0.3, 0.1]]
+    second = [[0.1, 0.2], [0.2, 0.2], [0.4, 0.1], [0.15, 0.2]]
+    result = {"held_out": [_pair(0.5), _pair(0.75), _pair(0.75), _pair(0.75)], "probe": [[0.2, 0.1]] * 4,
+              "probe_halves": [[a, b] for a, b in zip(first, second)]}
+    row = table.probe_row(args, result, CRITERION)
+    assert (row["split_stop"], row["stop"]) == (3, 4)
+    assert (row["probe_b_split"], row["probe_b_window"], row["probe_b_diff"]) == (0.4, 0.15, 0.25)
+    # A criterion that never stops on them: no difference.
+    row = table.probe_row(args, result, {**CRITERION, "patience": None, "max_steps": 10})
+    assert row["split_stop"] is None and "probe_b_split" not in row and "probe_b_diff" not in row
+    # One probe rollout: a single half, no split.
+    assert "split_stop" not in table.probe_row(args, {**result, "probe_halves": [[a] for a in first]}, CRITERION)
 
 
 @pytest.mark.slow  # a `rllight fit` child samples the rollouts, two children fit
@@ -103,6 +124,10 @@ def test_options_fit_the_same_rollouts_and_a_rerun_does_nothing_again(tmp_path, 
     # The probe, scored after each of the 3 fits: by the zero head, no explained variance; by a critic that
     # trains, a number that moves from fit to fit.
     assert [ev for ev, _ in still["probe"]] == [0.0, 0.0, 0.0]
+    # The probe in halves, one rollout each here: the zero head's loss on each is 0.5 R^2 averaged over its tokens.
+    halves = [[float(0.5 * (r.rewards.float() ** 2 * r.response_mask.sum(1)).sum() / r.response_mask.sum())]
+              for r in rollouts[3:]]
+    assert [[loss for _, loss in fit] for fit in still["probe_halves"]] == [pytest.approx([h[0] for h in halves])] * 3
     assert len(fits["probe"]) == 3 and len({ev for ev, _ in fits["probe"]}) > 1
     # The option with its own sampling fitted those rollouts (4 prompts x 2 responses each, none of the probe's),
     # and was scored on the same probe after each of its 3 fits.
