@@ -162,7 +162,7 @@ class DumpState(RolloutCallback):
 
         import torch
 
-        from rllight.fsdp import decoder_layers, full_tensor
+        from rllight.fsdp import decoder_layers, full_tensor, is_dtensor
 
         params = {f"policy.{n}": full_tensor(p).detach().clone() for n, p in module.policy.named_parameters()}
         if module.critic is not None:
@@ -170,7 +170,7 @@ class DumpState(RolloutCallback):
         losses = {k: float(v) for k, v in trainer.callback_metrics.items() if k.endswith(("policy/loss", "total_loss"))}
         path = os.environ["RLLIGHT_TEST_DUMP"].format(rank=trainer.global_rank)
         stored = str(next(decoder_layers(module.policy)[0].parameters()).dtype)  # the first layer's weights (shards)
-        sharded = any(type(p).__name__ == "DTensor" for p in module.policy.parameters())  # FSDP's shards
+        sharded = any(is_dtensor(p) for p in module.policy.parameters())  # FSDP's shards
         source = getattr(module, "prompt_stream", None)  # where the prompts came from: its state at the end
         self.record["prompt_source"] = source.state_dict() if source is not None else {}
         torch.save({**self.record, "params": params, "losses": losses, "final_step": int(trainer.global_step),

@@ -272,8 +272,9 @@ def fit_one(args: argparse.Namespace, name: str, seed: int) -> dict:
         for part in probe:
             score(part)
         if probe:
-            probed.append(list(pooled([tokens(part) for part in probe])))
-            halves.append([list(pooled([tokens(part) for part in half])) for half in probe_halves(probe)])
+            scored = [tokens(part) for part in probe]
+            probed.append(list(pooled(scored)))
+            halves.append([list(pooled(half)) for half in probe_halves(scored)])
         print(f"critic_fit: {name}, seed {seed}: rollout {k + 1}/{args.rollouts} explained variance "
               f"{pooled([tuple(map(torch.tensor, held_out[-1]))])[0]:.3f}"
               + (f", probe {probed[-1][0]:.3f}" if probe else ""), flush=True)
@@ -287,8 +288,8 @@ def fit_one(args: argparse.Namespace, name: str, seed: int) -> dict:
 
 
 def probe_halves(probe: list) -> list[list]:
-    """The probe's first and second half (the first has the odd rollout): two probes of the same critic, so a stop
-    chosen on one can be judged on the other."""
+    """The first and second half of the probe's rollouts (here their scored tokens; the first half has the odd one):
+    two probes of the same critic, so a stop chosen on one can be judged on the other."""
     middle = (len(probe) + 1) // 2
     return [half for half in (probe[:middle], probe[middle:]) if half]
 

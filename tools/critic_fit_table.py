@@ -62,15 +62,22 @@ def between_prompts(rollout) -> tuple[torch.Tensor, torch.Tensor]:
 def stop_of(held_out: list, criterion: dict, min_ev: float | None = None) -> int | None:
     """The rollout (from 1) after which ``ValuePretraining`` with the recipe's ``criterion`` settings (and
     ``min_explained_variance`` ``min_ev``) ends on these held-out numbers; None when it goes on past them."""
-    from callbacks.value_pretraining import ValuePretraining, held_out_numbers
+    from callbacks.value_pretraining import held_out_numbers
+
+    window = criterion.get("window", 1)
+    parts = [(torch.tensor(v), torch.tensor(r)) for v, r in held_out]
+    numbers = (held_out_numbers(parts[max(k + 1 - window, 0) : k + 1]) for k in range(len(parts)))
+    return replayed_stop(criterion, numbers, min_explained_variance=min_ev)
+
+
+def replayed_stop(criterion: dict, numbers, **extra) -> int | None:
+    """The rollout (from 1) after which ``ValuePretraining`` with the recipe's ``criterion`` settings (and ``extra``)
+    ends, observing ``numbers``, one (loss, explained variance) per fit; None when it goes on past them."""
+    from callbacks.value_pretraining import ValuePretraining
 
     keys = ("max_steps", "patience", "min_delta", "min_delta_explained_variance", "window")
-    callback = ValuePretraining(**{k: criterion[k] for k in keys if k in criterion}, min_explained_variance=min_ev)
-    parts = [(torch.tensor(v), torch.tensor(r)) for v, r in held_out]
-    for k in range(len(parts)):
-        if callback.observe(*held_out_numbers(parts[max(k + 1 - callback.window, 0) : k + 1])):
-            return k + 1
-    return None
+    callback = ValuePretraining(**{k: criterion[k] for k in keys if k in criterion}, **extra)
+    return next((k + 1 for k, (loss, ev) in enumerate(numbers) if callback.observe(loss, ev)), None)
 
 
 def criterion_columns(args: argparse.Namespace, criterion: dict | None) -> list[tuple[str, str, float | None]]:
@@ -107,11 +114,8 @@ def split_row(halves: list, criterion: dict, window_stop: int | None) -> dict:
     """The probe split in two: the recipe's criterion reads the first half after each fit, as ``ValuePretraining``
     with a probe does, and the second half judges the critic where that stops and where the criterion on the window of
     fresh rollouts (``window_stop``) stops; their difference."""
-    from callbacks.value_pretraining import ValuePretraining
-
-    keys = ("max_steps", "patience", "min_delta", "min_delta_explained_variance")
-    callback = ValuePretraining(**{k: criterion[k] for k in keys if k in criterion}, probe=1)
-    stop = next((k + 1 for k, (first, _) in enumerate(halves) if callback.observe(first[1], first[0])), None)
+    # probe=1: the criterion counts from the first fit, as with a probe (the number is not read here)
+    stop = replayed_stop(criterion, ((loss, ev) for (ev, loss), _ in halves), probe=1)
     second = [judge[0] for _, judge in halves]
     row = {"split_stop": stop}
     if stop is not None:

@@ -17,11 +17,12 @@ import time
 
 import pytest
 import yaml
+from conftest import RECIPES
 from helpers import load_tool
 
 from rllight.app.records import load_records, make_record
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(RECIPES)
 
 SMOKE = ["--steps", "1", "--batch-size", "1", "--group-size", "2", "--val-size", "4", "--max-new-tokens", "8",
          "--precision", "32-true", "--jobs", "2"]
